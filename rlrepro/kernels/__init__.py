@@ -1,0 +1,93 @@
+"""rlrepro.kernels: the ops the model is built from, each in two modes.
+
+``deterministic`` (default): batch-invariant. A row's result is bitwise independent of how many rows share the
+call, of its position among them, and (attention) of how its sequence's KV was chunked or cached.
+``fast``: stock torch kernels, for comparison.
+
+On CPU tensors the deterministic ops are torch compositions (:mod:`rlrepro.kernels.cpu`); on CUDA tensors they
+are Triton kernels (:mod:`rlrepro.kernels.triton_ops`). Select the mode with ``with kernels.mode("fast"):``.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import cpu as _cpu
+from . import fast as _fast
+from ._mode import MODES, current_mode, mode
+from .metadata import AttentionMetadata
+
+__all__ = [
+    "MODES", "mode", "current_mode", "AttentionMetadata", "linear", "rms_norm", "log_softmax", "token_logprob",
+    "silu_and_mul", "apply_rope", "embedding", "attention",
+]
+
+_triton_impl: types.ModuleType | None = None
+
+
+def _triton() -> types.ModuleType:
+    global _triton_impl
+    if _triton_impl is None:
+        try:
+            from . import triton_ops
+        except ImportError as e:  # pragma: no cover - depends on the machine
+            raise RuntimeError(
+                "deterministic kernels on CUDA need Triton (pip install triton); "
+                "or run with kernels.mode('fast') to use stock kernels") from e
+        _triton_impl = triton_ops
+    return _triton_impl
+
+
+def _impl(x: torch.Tensor) -> types.ModuleType:
+    if current_mode() == "fast":
+        return _fast
+    if x.is_cuda:
+        return _triton()
+    return _cpu
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Like ``F.linear``: x [..., K], weight [N, K] -> [..., N]."""
+    return _impl(x).linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, statistics in float32 (as transformers' Qwen3)."""
+    return _impl(x).rms_norm(x, weight, eps)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the last dim; float32 result whatever the input dtype."""
+    return _impl(x).log_softmax(x)
+
+
+def token_logprob(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The chosen-token logprob, the one definition shared by engine and trainer.
+
+    ``log_softmax(logits.float() / t)[i, token_ids[i]]`` with ``t = temperature`` if it is > 0, else 1
+    (greedy decoding reports the untempered distribution). Float32, shape ``token_ids.shape``.
+    """
+    t = float(temperature) if temperature > 0 else 1.0
+    lp = log_softmax(logits.float() / t)
+    return lp.gather(-1, token_ids.unsqueeze(-1).long()).squeeze(-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(x[..., :d]) * x[..., d:]`` for x [..., 2d]."""
+    return _impl(x).silu_and_mul(x)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary embedding on x [N, H, D] with per-token cos/sin [N, D/2] (float32)."""
+    return _impl(x).apply_rope(x, cos, sin)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _impl(weight).embedding(ids, weight)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
+              kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Causal attention over packed sequences (no cache) or against a paged KV cache; see ``cpu.attention``."""
+    return _impl(q).attention(q, k, v, meta, scale, kv_cache)

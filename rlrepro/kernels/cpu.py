@@ -1,0 +1,131 @@
+"""Batch-invariant kernels composed from torch ops, for the CPU.
+
+Each op computes a row the same way whatever else is in the call:
+
+* ``linear``: one ``bmm`` of ``[M, 1, K] x [K, N]`` with the weight broadcast, so every row is its own
+  ``1 x K x N`` product. Stock ``F.linear`` folds the rows into one GEMM whose blocking follows ``M``.
+* ``silu_and_mul``: ``x / (1 + exp(-x))`` from separate ops. Stock ``F.silu`` rounds differently in its
+  vectorised body and its scalar tail, and where the tail falls depends on the tensor's size.
+* reductions (RMSNorm, log-softmax) run over the last, contiguous dimension, which torch reduces per row.
+* attention: see :func:`attention`.
+
+Rows longer than 32,768 elements are not covered for the reductions: torch may split such a row across threads.
+"""
+from __future__ import annotations
+
+import torch
+
+from .metadata import AttentionMetadata
+
+KV_TILE = 32  # KV positions reduced per step of the online softmax; fixed, so the reduction order is too
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    k = x.shape[-1]
+    n = weight.shape[0]
+    rows = x.reshape(-1, 1, k)
+    m = rows.shape[0]
+    out = torch.bmm(rows, weight.t().unsqueeze(0).expand(m, k, n)).reshape(*x.shape[:-1], n)
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(x.float(), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d], x[..., d:]
+    return gate / (1.0 + torch.exp(-gate)) * up
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary embedding. x: [N, H, D]; cos, sin: [N, D/2] float32 for each token's position."""
+    d = x.shape[-1] // 2
+    c = cos.to(x.dtype).unsqueeze(1)
+    s = sin.to(x.dtype).unsqueeze(1)
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight[ids]
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   meta: AttentionMetadata) -> None:
+    k_cache, v_cache = kv_cache
+    nb, bs, hkv, d = k_cache.shape
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, meta.slot_mapping, k.detach().to(k_cache.dtype))
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, meta.slot_mapping, v.detach().to(v_cache.dtype))
+
+
+def kv_rows(meta: AttentionMetadata, kv_pos: torch.Tensor) -> torch.Tensor:
+    """Row of the flat KV tensor holding position ``kv_pos[i, t]`` of query i's sequence (any value if invalid)."""
+    pos = kv_pos.clamp(min=0, max=max(meta.max_seq_len - 1, 0))
+    if meta.block_table is None:
+        return meta.cu_seqlens_q[meta.seq_idx].unsqueeze(1) + pos
+    blocks = meta.block_table[meta.seq_idx.unsqueeze(1), pos // meta.block_size]
+    return blocks * meta.block_size + pos % meta.block_size
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
+              kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Causal attention, q: [N, H, D], k and v: [N, Hkv, D] for the same N new tokens.
+
+    With ``kv_cache`` ([num_blocks, block_size, Hkv, D] each) the new k/v are first written at
+    ``meta.slot_mapping`` and the keys come from the cache; without it the batch holds whole sequences.
+    Every query at position p reduces over KV positions 0..p in tiles of ``KV_TILE``, tile 0 first, with an
+    online softmax in float32. Tiles past p leave the state untouched, so the output depends only on the
+    sequence's tokens up to p, never on the batch, the chunking or where the KV came from.
+    """
+    n, h, d = q.shape
+    out_dtype = q.dtype
+    if kv_cache is not None:
+        write_kv_cache(k, v, kv_cache, meta)
+        hkv = kv_cache[0].shape[2]
+        k_flat = kv_cache[0].view(-1, hkv, d)
+        v_flat = kv_cache[1].view(-1, hkv, d)
+    else:
+        hkv = k.shape[1]
+        k_flat, v_flat = k, v
+    group = h // hkv
+    qf = q.float().reshape(n * h, 1, d)
+    m = torch.full((n * h, 1), float("-inf"), device=q.device)
+    l_sum = torch.zeros(n * h, 1, device=q.device)
+    acc = torch.zeros(n * h, 1, d, device=q.device)
+    tile = torch.arange(KV_TILE, device=q.device)
+    pos = meta.positions.unsqueeze(1)  # [N, 1]
+    for start in range(0, meta.max_seq_len, KV_TILE):
+        kv_pos = start + tile.unsqueeze(0)  # [1, T]
+        valid = kv_pos <= pos  # [N, T]
+        if not bool(valid.any()):
+            break
+        rows = kv_rows(meta, kv_pos.expand(n, -1))
+        vmask = valid.unsqueeze(-1).unsqueeze(-1)
+        kt = torch.where(vmask, k_flat[rows].float(), 0.0)  # [N, T, Hkv, D]
+        vt = torch.where(vmask, v_flat[rows].float(), 0.0)
+        if group > 1:
+            kt = kt.repeat_interleave(group, dim=2)
+            vt = vt.repeat_interleave(group, dim=2)
+        kt = kt.permute(0, 2, 3, 1).reshape(n * h, d, KV_TILE)
+        vt = vt.permute(0, 2, 1, 3).reshape(n * h, KV_TILE, d)
+        s = torch.bmm(qf, kt).reshape(n * h, KV_TILE) * scale
+        hvalid = valid.repeat_interleave(h, dim=0)  # [N*H, T]
+        s = torch.where(hvalid, s, float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        p = torch.where(hvalid, torch.exp(s - m_new), 0.0)
+        alpha = torch.exp(m - m_new)
+        active = hvalid.any(dim=-1, keepdim=True)  # a row with no valid key in this tile keeps its state exactly
+        l_sum = torch.where(active, l_sum * alpha + p.sum(dim=-1, keepdim=True), l_sum)
+        acc = torch.where(active.unsqueeze(-1), acc * alpha.unsqueeze(-1) + torch.bmm(p.unsqueeze(1), vt), acc)
+        m = torch.where(active, m_new, m)
+    return (acc.reshape(n, h, d) / l_sum.reshape(n, h, 1)).to(out_dtype)

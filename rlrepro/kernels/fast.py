@@ -1,0 +1,56 @@
+"""Stock torch kernels (cuBLAS/MKL GEMMs, SDPA): the ``fast`` mode, kept for comparison. Not batch-invariant."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .cpu import apply_rope, embedding, write_kv_cache  # elementwise / gather ops: one implementation serves both
+from .metadata import AttentionMetadata
+
+__all__ = ["linear", "rms_norm", "log_softmax", "silu_and_mul", "apply_rope", "embedding", "attention"]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(x.float(), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
+              kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Per sequence ``F.scaled_dot_product_attention`` over its KV (gathered from the cache when paged)."""
+    if kv_cache is not None:
+        write_kv_cache(k, v, kv_cache, meta)
+    h, hkv = q.shape[1], (kv_cache[0].shape[2] if kv_cache is not None else k.shape[1])
+    cu = meta.cu_seqlens_q.tolist()
+    lens = meta.seq_lens.tolist()
+    outs = []
+    for s in range(len(lens)):
+        qs = q[cu[s]:cu[s + 1]]
+        n_q, n_kv = qs.shape[0], lens[s]
+        if kv_cache is not None:
+            nblk = (n_kv + meta.block_size - 1) // meta.block_size
+            blocks = meta.block_table[s, :nblk]
+            ks = kv_cache[0][blocks].flatten(0, 1)[:n_kv]
+            vs = kv_cache[1][blocks].flatten(0, 1)[:n_kv]
+        else:
+            ks, vs = k[cu[s]:cu[s + 1]], v[cu[s]:cu[s + 1]]
+        qpos = torch.arange(n_kv - n_q, n_kv, device=q.device).unsqueeze(1)
+        mask = torch.arange(n_kv, device=q.device).unsqueeze(0) <= qpos
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1), ks.to(qs.dtype).transpose(0, 1), vs.to(qs.dtype).transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=h != hkv)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)
