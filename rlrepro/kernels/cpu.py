@@ -23,7 +23,7 @@ KV_TILE = 32  # KV positions reduced per step of the online softmax; fixed, so t
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     k = x.shape[-1]
     n = weight.shape[0]
-    rows = x.reshape(-1, 1, k)
+    rows = x.reshape(-1, 1, k).contiguous()  # one operand layout for every M (bmm picks its GEMM by strides)
     m = rows.shape[0]
     out = torch.bmm(rows, weight.t().unsqueeze(0).expand(m, k, n)).reshape(*x.shape[:-1], n)
     if bias is not None:
@@ -70,7 +70,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tenso
 
 def kv_rows(meta: AttentionMetadata, kv_pos: torch.Tensor) -> torch.Tensor:
     """Row of the flat KV tensor holding position ``kv_pos[i, t]`` of query i's sequence (any value if invalid)."""
-    pos = kv_pos.clamp(min=0, max=max(meta.max_seq_len - 1, 0))
+    last = (meta.seq_lens[meta.seq_idx] - 1).unsqueeze(1)
+    pos = torch.minimum(kv_pos.clamp(min=0), last)  # invalid positions read the sequence's last row, then masked
     if meta.block_table is None:
         return meta.cu_seqlens_q[meta.seq_idx].unsqueeze(1) + pos
     blocks = meta.block_table[meta.seq_idx.unsqueeze(1), pos // meta.block_size]
@@ -98,7 +99,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
         hkv = k.shape[1]
         k_flat, v_flat = k, v
     group = h // hkv
-    qf = q.float().reshape(n * h, 1, d)
+    qf = q.float().reshape(n * h, 1, d).contiguous()
     m = torch.full((n * h, 1), float("-inf"), device=q.device)
     l_sum = torch.zeros(n * h, 1, device=q.device)
     acc = torch.zeros(n * h, 1, d, device=q.device)
@@ -116,8 +117,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
         if group > 1:
             kt = kt.repeat_interleave(group, dim=2)
             vt = vt.repeat_interleave(group, dim=2)
-        kt = kt.permute(0, 2, 3, 1).reshape(n * h, d, KV_TILE)
-        vt = vt.permute(0, 2, 1, 3).reshape(n * h, KV_TILE, d)
+        # bmm picks its GEMM by operand strides, and reshape returns a strided view for n == 1: force one layout
+        kt = kt.permute(0, 2, 3, 1).reshape(n * h, d, KV_TILE).contiguous()
+        vt = vt.permute(0, 2, 1, 3).reshape(n * h, KV_TILE, d).contiguous()
         s = torch.bmm(qf, kt).reshape(n * h, KV_TILE) * scale
         hvalid = valid.repeat_interleave(h, dim=0)  # [N*H, T]
         s = torch.where(hvalid, s, float("-inf"))

@@ -1,0 +1,120 @@
+"""HF-format checkpoints: config.json + safetensors (single file or sharded with model.safetensors.index.json)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import Qwen3Config
+from .qwen3 import Qwen3ForCausalLM
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "vocab.json", "merges.txt")
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are missing: {missing}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> Qwen3ForCausalLM:
+    """Load an HF Qwen3 checkpoint directory. ``dtype=None`` keeps the checkpoint's own dtype (config torch_dtype)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path {path} is not a directory (expected an HF model dir with config.json)")
+    config = Qwen3Config.from_file(path)
+    dtype = dtype or config.dtype
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for f in _weight_files(path):
+        try:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise ValueError(f"cannot read weights file {f} (truncated or corrupt?): {e}") from e
+        with handle:
+            for name in handle.keys():
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                if name not in params:
+                    raise ValueError(f"{f} holds tensor {name!r}, which a Qwen3ForCausalLM does not have")
+                try:
+                    tensor = handle.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"cannot read tensor {name!r} from {f} (truncated or corrupt?): {e}") from e
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise ValueError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"config.json implies {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(tensor.to(dtype))
+                seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    model.source_path = str(path)
+    return model
+
+
+def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None,
+                    tokenizer_from: str | os.PathLike | None = None) -> Path:
+    """Write config.json + safetensors (sharded with an index when ``max_shard_bytes`` is exceeded).
+
+    Tokenizer files are copied from ``tokenizer_from`` or, if unset, from the directory the model was loaded from.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config["torch_dtype"] = str(model.dtype).replace("torch.", "")
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / fname), metadata=meta)
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    source = tokenizer_from or getattr(model, "source_path", None)
+    if source is not None and Path(source).resolve() != path.resolve():
+        for fname in TOKENIZER_FILES:
+            if (Path(source) / fname).is_file():
+                shutil.copy2(Path(source) / fname, path / fname)
+    return path

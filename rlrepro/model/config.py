@@ -1,0 +1,90 @@
+"""Qwen3 configuration read from an HF ``config.json``."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    initializer_range: float = 0.02
+    extra: dict = field(default_factory=dict)  # keys of config.json we carry through unchanged
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.torch_dtype not in _DTYPES:
+            raise ValueError(f"config torch_dtype {self.torch_dtype!r} is not one of {sorted(_DTYPES)}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.torch_dtype]
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Qwen3Config":
+        raw = dict(raw)
+        model_type = raw.get("model_type")
+        if model_type != "qwen3":
+            raise ValueError(f"rlrepro builds dense Qwen3 models (model_type 'qwen3'); config.json has {model_type!r}")
+        if raw.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported; set it to false in config.json")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+        names = {f for f in cls.__dataclass_fields__ if f not in ("extra", "rope_theta", "torch_dtype")}
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks required keys {missing}")
+        kwargs = {k: raw.pop(k) for k in list(raw) if k in names}
+        kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        return cls(**kwargs, rope_theta=float(theta), torch_dtype=str(dtype).replace("torch.", ""), extra=raw)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Qwen3Config":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}; a model directory needs config.json and *.safetensors")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "extra"}
+        out = {**self.extra, **out}
+        for k in ("rope_parameters", "rope_scaling", "dtype"):
+            out.pop(k, None)
+        out.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False,
+                   use_sliding_window=False, hidden_act="silu", rope_scaling=None, attention_dropout=0.0)
+        return out

@@ -1,0 +1,182 @@
+"""Dense Qwen3 built on rlrepro.kernels.
+
+Module and parameter names follow transformers' ``Qwen3ForCausalLM`` so that state dicts load both ways.
+Every op goes through :mod:`rlrepro.kernels`, so the trainer's full-sequence forward and the engine's chunked,
+cached forward compute each token identically in deterministic mode.
+
+Entry points:
+
+* ``model(input_ids)``: [B, T] -> logits [B, T, vocab]; each row is one whole sequence (no padding, no cache).
+* ``model.forward_tokens(ids, meta, kv_caches=None)``: a flat batch of N tokens described by an
+  :class:`~rlrepro.kernels.AttentionMetadata` -> final hidden states [N, hidden] (after the last norm).
+* ``model.compute_logits(hidden)``: hidden -> logits with the (possibly tied) LM head.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlrepro import kernels
+from rlrepro.kernels import AttentionMetadata
+
+from .config import Qwen3Config
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape))
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int) -> None:
+        super().__init__()
+        self.weight = _param(num, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return kernels.embedding(ids, self.weight)
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, meta, kv_cache):
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q = kernels.apply_rope(q, cos, sin)
+        k = kernels.apply_rope(k, cos, sin)
+        o = kernels.attention(q, k, v, meta, self.scale, kv_cache)
+        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x):
+        return self.down_proj(kernels.silu_and_mul(torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def rope_tables(head_dim: int, theta: float, num_positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [num_positions, head_dim/2] in float32, computed as transformers does (then only gathered)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    freqs = torch.arange(num_positions, device=device).float().unsqueeze(1) * inv_freq.unsqueeze(0)
+    return freqs.cos(), freqs.sin()
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for ``positions``; the table grows (in whole powers of two) and is only gathered from."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].device != positions.device:
+            size = max(4096, 1 << (need - 1).bit_length())
+            self._rope = rope_tables(self.config.head_dim, self.config.rope_theta, size, positions.device)
+        return self._rope[0][positions], self._rope[1][positions]
+
+    def forward_tokens(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        vocab = self.config.vocab_size
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"token ids must lie in [0, {vocab}); got min {int(input_ids.min())}, "
+                             f"max {int(input_ids.max())}")
+        cos, sin = self.rope(meta.positions)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, meta, None if kv_caches is None else kv_caches[i])
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(hidden, self.head_weight())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"model(input_ids) takes [batch, seq_len] token ids; got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        meta = AttentionMetadata.packed([t] * b, device=input_ids.device)
+        hidden = self.forward_tokens(input_ids.reshape(-1), meta)
+        return self.compute_logits(hidden).view(b, t, -1)
+
+
+@torch.no_grad()
+def init_random_weights(model: Qwen3ForCausalLM, seed: int) -> Qwen3ForCausalLM:
+    """Seeded random weights (normal(0, initializer_range), norms = 1), generated on the CPU in float32 in a fixed
+    parameter order and then cast, so the same seed gives the same weights on any device and in any dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    std = model.config.initializer_range
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if name.endswith("norm.weight"):
+            values = torch.ones(p.shape)
+        else:
+            values = torch.randn(p.shape, generator=gen) * std
+        p.copy_(values.to(p.dtype))
+    return model

@@ -1,0 +1,346 @@
+"""Run-directory records: append-only JSONL step logs and per-step rollout files.
+
+Nothing here imports torch: ``rlrepro diff`` reads run directories with this module alone.
+
+Layout (see docs/RUN_DIRECTORY.md)::
+
+    RUN/config.yaml
+    RUN/metrics.jsonl                      one JSON object per step, key "step"
+    RUN/fingerprints.jsonl                 one JSON object per step, key "step"
+    RUN/rollouts/step_NNNNNN.jsonl.gz      one JSON object per sample
+    RUN/checkpoints/step_NNNNNN/
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+FINGERPRINTS_FILE = "fingerprints.jsonl"
+ROLLOUTS_DIR = "rollouts"
+CHECKPOINTS_DIR = "checkpoints"
+
+ROLLOUT_SAMPLE_KEYS = ("prompt_uid", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "reward", "advantage")
+
+
+class ReproError(Exception):
+    """A run directory is missing, unreadable or malformed (``rlrepro diff`` exits 2)."""
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{int(step):06d}"
+
+
+def rollouts_path(run_dir: str | os.PathLike, step: int) -> Path:
+    return Path(run_dir) / ROLLOUTS_DIR / f"{step_dirname(step)}.jsonl.gz"
+
+
+# ----------------------------------------------------------------------------------------------- JSON helpers
+
+
+def _json_default(obj: Any) -> Any:
+    """Turn numpy / torch scalars and arrays into plain Python values (exact: float32 -> float64 is exact)."""
+    item = getattr(obj, "item", None)
+    tolist = getattr(obj, "tolist", None)
+    shape = getattr(obj, "shape", None)
+    if shape is not None and tolist is not None:
+        if len(tuple(shape)) == 0 and item is not None:
+            return item()
+        if type(obj).__module__.startswith("torch"):
+            obj = obj.detach().cpu()
+            if obj.dtype.is_floating_point and obj.element_size() < 4:
+                obj = obj.float()  # bf16/fp16 -> fp32 is exact, numpy/tolist cannot take bf16
+            return obj.tolist()
+        return tolist()
+    if item is not None:
+        return item()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    raise TypeError(f"object of type {type(obj).__name__} is not JSON serializable")
+
+
+def dumps_line(record: dict) -> str:
+    """One compact JSON line. Floats are written with ``repr`` (shortest round-trip), so reading back is exact;
+    NaN/Infinity are written as the JSON extensions Python reads back."""
+    return json.dumps(record, separators=(",", ":"), allow_nan=True, default=_json_default)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the complete new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+# ------------------------------------------------------------------------------------------- JSONL step logs
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """Yield ``(line_number, object)`` for every non-blank line; raise ReproError naming file and line otherwise."""
+    path = Path(path)
+    try:
+        f = open(path, "r", encoding="utf-8")
+    except FileNotFoundError:
+        raise ReproError(f"{path}: file not found") from None
+    except OSError as e:
+        raise ReproError(f"{path}: cannot read: {e}") from None
+    with f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ReproError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise ReproError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def read_step_records(path: str | os.PathLike, required: Iterable[str] = ()) -> dict[int, dict]:
+    """Read a step log into ``{step: record}``. Each record needs an integer ``step`` and the ``required`` keys;
+    a step may appear once. Errors name the file and the line."""
+    path = Path(path)
+    required = tuple(required)
+    out: dict[int, dict] = {}
+    lines: dict[int, int] = {}
+    for lineno, obj in iter_jsonl(path):
+        step = obj.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ReproError(f"{path}:{lineno}: missing or non-integer 'step' field")
+        missing = [k for k in required if k not in obj]
+        if missing:
+            raise ReproError(f"{path}:{lineno}: step {step}: missing field(s) {', '.join(missing)}")
+        if step in out:
+            raise ReproError(f"{path}:{lineno}: step {step} already recorded at line {lines[step]}")
+        out[step] = obj
+        lines[step] = lineno
+    return dict(sorted(out.items()))
+
+
+class JsonlStepWriter:
+    """Append-only log of one JSON object per step (``metrics.jsonl``, ``fingerprints.jsonl``).
+
+    Every ``write`` appends one line, flushes and fsyncs. Steps must increase; a resumed run that re-executes
+    steps ``>= k`` calls ``truncate_from(k)`` first, which atomically rewrites the file without those lines (and
+    without a torn last line left by a crash).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._last_step: int | None = None
+        self._torn = False
+        if self.path.exists():
+            kept, torn = self._scan()
+            self._torn = torn
+            if kept:
+                self._last_step = max(s for s, _ in kept)
+
+    @property
+    def last_step(self) -> int | None:
+        return self._last_step
+
+    def _scan(self) -> tuple[list[tuple[int, str]], bool]:
+        """Return ([(step, raw_line)], torn_tail). A malformed line that is not the last one is an error."""
+        data = self.path.read_text(encoding="utf-8")
+        raw = data.split("\n")
+        ends_with_newline = data.endswith("\n") or data == ""
+        if ends_with_newline:
+            raw = raw[:-1] if raw and raw[-1] == "" else raw
+        kept: list[tuple[int, str]] = []
+        torn = False
+        for i, line in enumerate(raw):
+            if not line.strip():
+                continue
+            is_last = i == len(raw) - 1
+            try:
+                obj = json.loads(line)
+                step = obj["step"]
+                if isinstance(step, bool) or not isinstance(step, int):
+                    raise TypeError
+            except (json.JSONDecodeError, KeyError, TypeError):
+                if is_last:
+                    torn = True
+                    continue
+                raise ReproError(f"{self.path}:{i + 1}: malformed line in the middle of the file") from None
+            if is_last and not ends_with_newline:
+                torn = True  # parsed, but its newline never made it to disk: rewrite it cleanly
+            kept.append((step, line))
+        return kept, torn
+
+    def write(self, record: dict) -> None:
+        step = record.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError("record needs an integer 'step'")
+        if self._torn:
+            raise ReproError(f"{self.path}: the last line is torn (crash while writing); call truncate_from(step) "
+                             "before appending")
+        if self._last_step is not None and step <= self._last_step:
+            raise ReproError(f"{self.path}: step {step} <= last recorded step {self._last_step}; "
+                             f"call truncate_from({step}) before rewriting steps")
+        line = dumps_line(record) + "\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        self._last_step = step
+
+    append = write
+
+    def truncate_from(self, step: int) -> int:
+        """Drop every line whose step is ``>= step`` (and a torn last line). Returns the number of lines dropped."""
+        if not self.path.exists():
+            self._last_step, self._torn = None, False
+            return 0
+        kept, torn = self._scan()
+        keep = [(s, line) for s, line in kept if s < step]
+        dropped = len(kept) - len(keep) + (1 if torn else 0)
+        if dropped:
+            atomic_write_bytes(self.path, "".join(line + "\n" for _, line in keep).encode("utf-8"))
+        self._torn = False
+        self._last_step = max((s for s, _ in keep), default=None)
+        return dropped
+
+
+class MetricsWriter(JsonlStepWriter):
+    """``RUN/metrics.jsonl``."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        super().__init__(Path(run_dir) / METRICS_FILE)
+
+
+class FingerprintWriter(JsonlStepWriter):
+    """``RUN/fingerprints.jsonl``; write the dicts made by ``fingerprint_step``."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        super().__init__(Path(run_dir) / FINGERPRINTS_FILE)
+
+
+# ------------------------------------------------------------------------------------------------- rollouts
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return _json_default(value)
+
+
+class RolloutWriter:
+    """``RUN/rollouts/step_NNNNNN.jsonl.gz``: one JSON line per sample, in fingerprint order
+    (prompt uid, sample index). Written atomically (temp file + ``os.replace``); the gzip header carries no
+    file name or time, so two identical runs write byte-identical files."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, compresslevel: int = 6):
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / ROLLOUTS_DIR
+        self.compresslevel = compresslevel
+
+    def path(self, step: int) -> Path:
+        return rollouts_path(self.run_dir, step)
+
+    def write(self, step: int, samples: Iterable[dict]) -> Path:
+        text = io.StringIO()
+        for i, s in enumerate(samples):
+            missing = [k for k in ROLLOUT_SAMPLE_KEYS if k not in s]
+            if missing:
+                raise ValueError(f"sample {i}: missing key(s) {', '.join(missing)}")
+            text.write(dumps_line(_plain(dict(s))))
+            text.write("\n")
+        buf = io.BytesIO()
+        with gzip.GzipFile(filename="", mode="wb", fileobj=buf, compresslevel=self.compresslevel, mtime=0) as gz:
+            gz.write(text.getvalue().encode("utf-8"))
+        path = self.path(step)
+        atomic_write_bytes(path, buf.getvalue())
+        return path
+
+    def truncate_from(self, step: int) -> list[Path]:
+        """Delete the rollout files of steps ``>= step`` (a resumed run rewrites them)."""
+        removed = []
+        if self.dir.is_dir():
+            for p in sorted(self.dir.glob("step_*.jsonl.gz")):
+                try:
+                    s = int(p.name[len("step_"):-len(".jsonl.gz")])
+                except ValueError:
+                    continue
+                if s >= step:
+                    p.unlink()
+                    removed.append(p)
+        return removed
+
+
+def read_rollouts(run_dir: str | os.PathLike, step: int) -> list[dict] | None:
+    """The samples of one step, or None when the run has no rollout file for it. ReproError if it is corrupt."""
+    path = rollouts_path(run_dir, step)
+    if not path.exists():
+        return None
+    out = []
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ReproError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                if not isinstance(obj, dict):
+                    raise ReproError(f"{path}:{lineno}: expected a JSON object")
+                out.append(obj)
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise ReproError(f"{path}: unreadable ({e})") from None
+    return out
+
+
+def float_bits_equal(a: Any, b: Any) -> bool:
+    """Exact equality of JSON-decoded values: same type, floats by their bits (NaN == NaN, 0.0 != -0.0)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        if math.isnan(a) or math.isnan(b):
+            return math.isnan(a) and math.isnan(b)
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(float_bits_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(float_bits_equal(a[k], b[k]) for k in a)
+    return a == b
