@@ -1,12 +1,162 @@
-"""The ``rlrepro`` command line (filled in as the subcommands land)."""
+"""The ``rlrepro`` command line.
+
+    rlrepro train recipe=NAME key=value ...      hydra overrides after the subcommand
+    rlrepro diff RUN_A RUN_B [--json]            exit 0 identical, 1 diverged, 2 error
+    rlrepro verify RUN [--from-step K] [--steps N]
+    rlrepro plot RUN [RUN ...] [--out DIR]
+    rlrepro generate [--model DIR] [--prompt TEXT] ...   a generation smoke run on a tiny model
+    rlrepro recipes                              list the shipped recipes
+"""
 from __future__ import annotations
 
+import difflib
 import sys
+from pathlib import Path
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def compose_config(overrides: list[str]):
+    """Compose ``recipe=NAME`` plus overrides against the schema; any problem raises ConfigError before work."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rlrepro.orchestration.config import ConfigError, RunSchema, validate
+
+    recipe = None
+    rest = []
+    for item in overrides:
+        if item.startswith("recipe="):
+            recipe = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    available = list_recipes()
+    if recipe is None:
+        raise ConfigError(f"name a recipe: rlrepro train recipe=NAME ...; available: {', '.join(available)}")
+    if recipe not in available:
+        close = difflib.get_close_matches(recipe, available, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"unknown recipe {recipe!r}{hint}; available: {', '.join(available)}")
+    ConfigStore.instance().store(name="rlrepro_schema", node=RunSchema)
+    try:
+        with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
+            cfg = compose(config_name=recipe, overrides=rest + [f"recipe={recipe}"])
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        msg = str(e).strip()
+        bad = [o.split("=", 1)[0].lstrip("+~") for o in rest]
+        known = _all_keys(OmegaConf.structured(RunSchema))
+        hints = []
+        for key in bad:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=3)
+                hints.append(f"{key!r} is not a config key" + (f" (close: {', '.join(close)})" if close else ""))
+        hint = ("; " + "; ".join(hints)) if hints else ""
+        raise ConfigError(f"bad override for recipe {recipe}: {msg}{hint}. "
+                          f"`rlrepro train recipe={recipe} --cfg` prints every key") from None
+    validate(cfg)
+    return cfg
+
+
+def _all_keys(cfg, prefix: str = "") -> list[str]:
+    from omegaconf import DictConfig
+
+    keys = []
+    for k in cfg:
+        v = cfg[k] if not isinstance(cfg, DictConfig) or not cfg._get_node(k)._is_missing() else None
+        path = f"{prefix}{k}"
+        keys.append(path)
+        if isinstance(v, DictConfig):
+            keys.extend(_all_keys(v, path + "."))
+    return keys
+
+
+def cmd_train(args: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    from rlrepro.orchestration.config import ConfigError
+
+    show = "--cfg" in args
+    args = [a for a in args if a != "--cfg"]
+    try:
+        cfg = compose_config(args)
+    except ConfigError as e:
+        print(f"rlrepro train: {e}", file=sys.stderr)
+        return 2
+    if show:
+        print(OmegaConf.to_yaml(cfg))
+        return 0
+    from rlrepro.orchestration import run_training
+
+    try:
+        run_training(cfg)
+    except ConfigError as e:
+        print(f"rlrepro train: {e}", file=sys.stderr)
+        return 2
+    print(f"run written to {cfg.run.dir}", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args: list[str]) -> int:
+    import argparse
+    import tempfile
+
+    from rlrepro.model import load_tokenizer, write_tiny_checkpoint
+    from rlrepro.rollout import Engine, SamplingParams
+
+    ap = argparse.ArgumentParser(prog="rlrepro generate", description="generation smoke run (tiny model by default)")
+    ap.add_argument("--model", help="HF model dir; default: a tiny random Qwen3 written to a temp dir")
+    ap.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ns = ap.parse_args(args)
+    model_dir = ns.model or write_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="rlrepro-tiny-")), seed=0)
+    tok = load_tokenizer(model_dir)
+    prompts = ns.prompt or ["copy: abc=", "12+7=", "reverse: xyz="]
+    engine = Engine(str(model_dir), device=ns.device, seed=ns.seed)
+    outs = engine.generate([tok.encode(p) for p in prompts],
+                           SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=ns.seed))
+    for p, o in zip(prompts, outs):
+        print(f"{p!r} -> {tok.decode(o.token_ids)!r} ({len(o.token_ids)} tokens, {o.finish_reason}, "
+              f"sum logprob {sum(o.logprobs):.4f})")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    print("usage: rlrepro {train,diff,verify,plot,generate} ...", file=sys.stderr)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return cmd_train(rest)
+    if cmd == "diff":
+        from rlrepro.repro.diff import main_diff
+
+        return main_diff(rest)
+    if cmd == "verify":
+        from rlrepro.orchestration.verify import main_verify
+
+        return main_verify(rest)
+    if cmd == "plot":
+        from rlrepro.repro.plot import main_plot
+
+        return main_plot(rest)
+    if cmd == "generate":
+        return cmd_generate(rest)
+    if cmd == "recipes":
+        print("\n".join(list_recipes()))
+        return 0
+    print(f"rlrepro: unknown command {cmd!r}; commands: train, diff, verify, plot, generate, recipes", file=sys.stderr)
     return 2
 
 

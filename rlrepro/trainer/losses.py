@@ -100,7 +100,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token-m
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of ``KL(pi || pi_ref)``: ``k1``, ``k2`` or ``k3`` (Schulman 2020); see the module docstring."""
+    """Per-token estimate of ``KL(pi || pi_ref)``, ``k1``, ``k2`` or ``k3`` (Schulman 2020); see the module doc."""
     log_r = ref_logp - logp
     if estimator == "k1":
         return -log_r

@@ -1,0 +1,247 @@
+"""Engine throughput: N concurrent requests of ~P prompt and O output tokens.
+
+Measures, on the same random weights:
+  * rlrepro's Engine in deterministic mode (batch-invariant kernels) and in fast mode (stock kernels);
+  * transformers' ``generate`` on the same weights (written with save_pretrained, read with from_pretrained);
+  * the decode roofline: (weight bytes + KV bytes read) per decode step over the memory bandwidth measured by a
+    device-to-device copy in this run.
+
+Output tokens/s counts every generated token over the whole ``generate`` call (prefill included); decode
+tokens/s subtracts a prefill-only run (max_tokens=1) of the same requests. Every request generates exactly O
+tokens (ignore_eos). A benchmark reports, it asserts nothing.
+
+    python benchmarks/bench_engine.py --tiny --device cpu --num-requests 4 --prompt-len 32 --output-len 16
+    python benchmarks/bench_engine.py --qwen3-8b-shape --device cuda --num-requests 64      # on the H200
+    python benchmarks/bench_engine.py --qwen3-8b-shape --layers 4 --device cuda            # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlrepro.model import (Qwen3Config, Qwen3ForCausalLM, init_random_weights, load_pretrained,  # noqa: E402
+                           save_pretrained, tiny_model)
+from rlrepro.rollout import Engine, SamplingParams  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def qwen3_8b_config(layers: int) -> Qwen3Config:
+    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                       rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+                       torch_dtype="bfloat16", eos_token_id=151645)
+
+
+def build_model(args) -> Qwen3ForCausalLM:
+    device = torch.device(args.device)
+    if args.model:
+        return load_pretrained(args.model, device=device, dtype=DTYPES[args.dtype] if args.dtype else None)
+    if args.tiny:
+        overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+        dtype = DTYPES[args.dtype or "float32"]
+        return tiny_model(seed=args.seed, dtype=dtype, max_position_embeddings=4096, **overrides).to(device)
+    cfg = qwen3_8b_config(args.layers or 36)
+    dtype = DTYPES[args.dtype or "bfloat16"]
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    t0 = time.perf_counter()
+    init_random_weights(model, args.seed)
+    print(f"# random Qwen3-8B-shaped weights ({cfg.num_hidden_layers} layers) in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    return model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    nbytes = 2**30 if device.type == "cuda" else 2**28
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    iters = 20 if device.type == "cuda" else 5
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * iters / (time.perf_counter() - t0)
+
+
+def decode_roofline(model, n: int, prompt_len: int, output_len: int, bandwidth: float) -> float:
+    """Output tokens/s if each decode step only streamed the weights and the KV it reads at memory bandwidth."""
+    cfg = model.config
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    total = sum(p.numel() for p in model.parameters()) * elem
+    embed = model.model.embed_tokens.weight.numel() * elem
+    weights = total if cfg.tie_word_embeddings else total - embed  # decode gathers n embedding rows only
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+    steps = output_len - 1  # the first output token comes from the prefill
+    if steps < 1:
+        return float("nan")
+    seconds = sum(weights + n * kv_per_token * (prompt_len + t) for t in range(1, steps + 1)) / bandwidth
+    return n * steps / seconds
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def sampling(args, max_tokens: int, i: int) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=i, ignore_eos=True)
+
+
+def bench_engine(model, prompts, args, deterministic: bool) -> dict:
+    device = model.device
+    n, p_len, o_len = len(prompts), len(prompts[0]), args.output_len
+    bs = args.block_size
+    blocks = n * math.ceil((p_len + o_len) / bs) + n
+    engine = Engine(model, device=str(device), deterministic=deterministic, max_num_seqs=max(n, 1),
+                    max_num_batched_tokens=args.max_num_batched_tokens, block_size=bs, num_kv_blocks=blocks,
+                    max_model_len=p_len + o_len, enable_cuda_graphs=not args.no_cuda_graphs)
+    engine.generate(prompts[: min(n, 4)], [sampling(args, 4, i) for i in range(min(n, 4))])  # warm-up
+    engine.reset_prefix_cache()
+    sync(device)
+    t0 = time.perf_counter()
+    engine.generate(prompts, [sampling(args, 1, i) for i in range(n)])
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    engine.reset_prefix_cache()  # the timed run must compute its prompts, not find them cached
+    steps_before = engine.stats["num_steps"]
+    sync(device)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, [sampling(args, o_len, i) for i in range(n)])
+    sync(device)
+    total_s = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    stats = engine.stats
+    result = dict(system="rlrepro", mode="deterministic" if deterministic else "fast", total_s=total_s,
+                  prefill_s=prefill_s, output_tokens=tokens, tokens_per_s=tokens / total_s,
+                  decode_tokens_per_s=n * (o_len - 1) / max(total_s - prefill_s, 1e-9),
+                  steps=stats["num_steps"] - steps_before, graph_steps=stats["num_graph_steps"],
+                  cuda_graphs=bool(engine.runner.graphs))
+    del engine, outs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def bench_transformers(model, prompts, args) -> dict:
+    import transformers
+
+    device = model.device
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp)
+        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+        dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, **{dtype_kw: model.dtype}).to(device).eval()
+    n, o_len = len(prompts), args.output_len
+    ids = torch.tensor(prompts, device=device)  # equal lengths: no padding
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=args.temperature > 0, pad_token_id=0,
+                  eos_token_id=None, top_k=None, top_p=None)
+    if args.temperature > 0:
+        kwargs["temperature"] = args.temperature
+    with torch.inference_mode():
+        hf.generate(ids[:, :8], max_new_tokens=4, min_new_tokens=4, **{**kwargs, "attention_mask": None})
+        sync(device)
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        sync(device)
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=o_len, min_new_tokens=o_len, **kwargs)
+        sync(device)
+        total_s = time.perf_counter() - t0
+    tokens = (out.shape[1] - ids.shape[1]) * n
+    del hf
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(system=f"transformers {transformers.__version__}", mode="generate", total_s=total_s,
+                prefill_s=prefill_s, output_tokens=tokens, tokens_per_s=tokens / total_s,
+                decode_tokens_per_s=n * (o_len - 1) / max(total_s - prefill_s, 1e-9))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--tiny", action="store_true", help="the tiny random test model (CPU smoke test)")
+    what.add_argument("--qwen3-8b-shape", action="store_true", help="random bf16 Qwen3-8B-shaped model (default)")
+    what.add_argument("--model", help="an HF Qwen3 model directory instead of random weights")
+    ap.add_argument("--layers", type=int, default=None, help="shorten the model to this many layers")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--modes", default="deterministic,fast", help="comma-separated engine modes to run")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    if not args.tiny and not args.model:
+        args.qwen3_8b_shape = True
+
+    model = build_model(args)
+    device = model.device
+    prompts = random_prompts(args.num_requests, args.prompt_len, model.config.vocab_size, args.seed)
+    bandwidth = measure_bandwidth(device)
+    roofline = decode_roofline(model, args.num_requests, args.prompt_len, args.output_len, bandwidth)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# {name}, torch {torch.__version__}, {model.config.num_hidden_layers} layers, {model.dtype}, "
+          f"N={args.num_requests} P={args.prompt_len} O={args.output_len} T={args.temperature}", flush=True)
+    print(f"# copy bandwidth {bandwidth / 1e12:.2f} TB/s; decode roofline {roofline:,.0f} tokens/s", flush=True)
+
+    results = []
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        if mode not in ("deterministic", "fast"):
+            raise SystemExit(f"--modes: unknown mode {mode!r}; use deterministic and/or fast")
+        results.append(bench_engine(model, prompts, args, deterministic=mode == "deterministic"))
+        print(json.dumps(results[-1]), flush=True)
+    if not args.no_hf:
+        try:
+            results.append(bench_transformers(model, prompts, args))
+            print(json.dumps(results[-1]), flush=True)
+        except ImportError as e:
+            print(f"# transformers unavailable: {e}")
+
+    print()
+    print("| system | mode | output tok/s | decode tok/s | decode / roofline | prefill s | total s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['system']} | {r['mode']} | {r['tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | "
+              f"{r['decode_tokens_per_s'] / roofline:.1%} | {r['prefill_s']:.2f} | {r['total_s']:.2f} |")
+    print(f"| roofline | weights + KV at {bandwidth / 1e12:.2f} TB/s | | {roofline:,.0f} | 100% | | |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            device=name, torch=torch.__version__, layers=model.config.num_hidden_layers, dtype=str(model.dtype),
+            num_requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
+            temperature=args.temperature, bandwidth_bytes_per_s=bandwidth, roofline_tokens_per_s=roofline,
+            results=results), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Benchmark of the deterministic (batch-invariant) Triton kernels against stock torch / cuBLAS, on one GPU.
+
+    python benchmarks/bench_kernels.py [--out FILE] [--sweep] [--only matmul,rowwise,attention] [--quick]
+
+Times are medians of ``triton.testing.do_bench`` (which clears the L2 cache before every repetition), taken in
+the same run for both sides, bf16 unless noted. The matmul table reports ``speed = t_cuBLAS / t_ours`` (1.0 =
+as fast as cuBLAS). ``--sweep`` also times every candidate tile config per shape and checks that all of them
+give bitwise the same output (the evidence behind picking tiles by M). Writes markdown to stdout and to
+``--out`` (default ``$OUT/bench_kernels.md`` when ``$OUT`` is set).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from rlrepro.kernels import fast as _fast  # noqa: E402
+from rlrepro.kernels import triton_attention as _attn  # noqa: E402
+from rlrepro.kernels import triton_matmul as _mm  # noqa: E402
+from rlrepro.kernels import triton_ops as T  # noqa: E402
+from rlrepro.kernels.metadata import AttentionMetadata  # noqa: E402
+
+MATMUL_SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)]  # (K, N); weight [N, K]
+MATMUL_MS = [1, 16, 64, 256, 1024, 4096, 8192]
+
+LINES: list[str] = []
+
+
+def emit(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def bench(fn, rep: int = 100) -> float:
+    """Median milliseconds."""
+    return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def rnd(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ matmul
+def sweep_candidates(m: int) -> list[str]:
+    names = list(_mm.CONFIGS_16BIT)
+    if m <= 64:
+        return [n for n in names if n.startswith("64x") and not n.startswith("64x256")]
+    if m <= 512:
+        return [n for n in names if not n.startswith(("64x16", "64x32", "64x64"))]
+    return [n for n in names if n.startswith(("128x", "64x256"))]
+
+
+def bench_matmul(ms, shapes, sweep: bool) -> None:
+    emit("### Matmul: deterministic Triton vs cuBLAS (`torch.mm`), bf16, weight [N, K]")
+    emit()
+    emit("| K x N | M | cuBLAS ms | ours ms | speed vs cuBLAS | time ratio | ours TFLOP/s | ours GB/s | config |")
+    emit("|---|---|---|---|---|---|---|---|---|")
+    summary = []
+    sweep_rows = []
+    for k, n in shapes:
+        w = rnd(n, k, scale=0.02)
+        wt = w.t()
+        for m in ms:
+            x = rnd(m, k)
+            cfg = _mm.pick_config(m, n, k, torch.bfloat16, _mm.num_sms(torch.cuda.current_device()))
+            t_cub = bench(lambda: torch.mm(x, wt))
+            t_ours = bench(lambda: _mm.matmul(x, w))
+            flops = 2.0 * m * n * k
+            nbytes = 2.0 * (n * k + m * k + m * n)
+            speed = t_cub / t_ours
+            summary.append((m, speed))
+            emit(f"| {k}x{n} | {m} | {t_cub:.4f} | {t_ours:.4f} | {speed:.2f} | {t_ours / t_cub:.2f} | "
+                 f"{flops / t_ours / 1e9:.0f} | {nbytes / t_ours / 1e6:.0f} | {cfg.name} |")
+            if sweep:
+                auto = _mm.matmul(x, w)
+                row = {"shape": f"{k}x{n}", "m": m, "cublas": t_cub}
+                for name in sweep_candidates(m):
+                    c = _mm.CONFIGS_16BIT[name]
+                    try:
+                        same = torch.equal(_mm.matmul(x, w, config=c), auto)
+                        t = bench(lambda: _mm.matmul(x, w, config=c), rep=50)
+                        row[name] = (t, same)
+                    except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
+                        row[name] = (float("nan"), repr(e)[:60])
+                sweep_rows.append(row)
+            del x
+        del w, wt
+        torch.cuda.empty_cache()
+    emit()
+    for lo, hi, label in ((1, 64, "M <= 64"), (256, 256, "M = 256"), (1024, 1 << 30, "M >= 1024")):
+        sel = [s for m, s in summary if lo <= m <= hi]
+        if sel:
+            emit(f"- {label}: speed vs cuBLAS min {min(sel):.2f}, median {sorted(sel)[len(sel) // 2]:.2f}, "
+                 f"max {max(sel):.2f} (time ratio max {1 / min(sel):.2f})")
+    emit()
+    if sweep:
+        names = list(_mm.CONFIGS_16BIT)
+        emit("### Matmul config sweep: speed vs cuBLAS per config (`*` = output differs from the auto config)")
+        emit()
+        emit("| K x N | M | " + " | ".join(names) + " |")
+        emit("|---|---|" + "---|" * len(names))
+        mismatches = 0
+        for row in sweep_rows:
+            cells = []
+            for name in names:
+                if name not in row:
+                    cells.append("")
+                    continue
+                t, same = row[name]
+                if same is not True:
+                    mismatches += 1
+                cells.append(f"{row['cublas'] / t:.2f}" + ("" if same is True else f"*{'' if same is False else same}"))
+            emit(f"| {row['shape']} | {row['m']} | " + " | ".join(cells) + " |")
+        emit()
+        emit(f"- configs giving different bits from the auto config: {mismatches}")
+        emit()
+
+
+# ------------------------------------------------------------------------------------------------ row-wise
+def bench_rowwise(quick: bool) -> None:
+    emit("### RMSNorm and log-softmax: deterministic Triton vs torch")
+    emit()
+    emit("| op | shape | dtype | torch ms | ours ms | speed vs torch | ours GB/s |")
+    emit("|---|---|---|---|---|---|---|")
+    for m in ((1, 64, 4096) if quick else (1, 64, 4096, 16384)):
+        x = rnd(m, 4096)
+        w = rnd(4096, scale=1.0)
+        t_torch = bench(lambda: _fast.rms_norm(x, w, 1e-6))
+        t_ours = bench(lambda: T.rms_norm(x, w, 1e-6))
+        nbytes = 2 * 2 * m * 4096
+        emit(f"| rms_norm (torch composite) | {m}x4096 | bf16 | {t_torch:.4f} | {t_ours:.4f} | "
+             f"{t_torch / t_ours:.2f} | {nbytes / t_ours / 1e6:.0f} |")
+        if hasattr(F, "rms_norm"):
+            t_f = bench(lambda: F.rms_norm(x, (4096,), w, 1e-6))
+            emit(f"| rms_norm (F.rms_norm) | {m}x4096 | bf16 | {t_f:.4f} | {t_ours:.4f} | {t_f / t_ours:.2f} | "
+                 f"{nbytes / t_ours / 1e6:.0f} |")
+    for dtype in (torch.float32, torch.bfloat16):
+        for m in ((64, 4096) if not quick else (4096,)):
+            x = rnd(m, 151936, dtype=dtype, scale=4.0)
+            t_torch = bench(lambda: torch.log_softmax(x.float(), dim=-1))
+            t_ours = bench(lambda: T.log_softmax(x))
+            nbytes = m * 151936 * (2 * x.element_size() + 4)
+            emit(f"| log_softmax | {m}x151936 | {str(dtype).split('.')[-1]} | {t_torch:.4f} | {t_ours:.4f} | "
+                 f"{t_torch / t_ours:.2f} | {nbytes / t_ours / 1e6:.0f} |")
+            del x
+    emit()
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def bench_attention() -> None:
+    emit("### Attention: deterministic Triton vs torch SDPA (H=32, Hkv=8, D=128, bf16)")
+    emit()
+    emit("| case | SDPA ms | ours ms | speed vs SDPA | ours TFLOP/s or GB/s |")
+    emit("|---|---|---|---|---|")
+    h, hkv, d = 32, 8, 128
+    scale = d ** -0.5
+    # prefill: 4 sequences x 2048 tokens, packed
+    s_count, length = 4, 2048
+    n = s_count * length
+    q, k, v = rnd(n, h, d), rnd(n, hkv, d), rnd(n, hkv, d)
+    meta = AttentionMetadata.packed([length] * s_count, device="cuda")
+    q4 = q.view(s_count, length, h, d).transpose(1, 2).contiguous()
+    k4 = k.view(s_count, length, hkv, d).transpose(1, 2).repeat_interleave(h // hkv, dim=1).contiguous()
+    v4 = v.view(s_count, length, hkv, d).transpose(1, 2).repeat_interleave(h // hkv, dim=1).contiguous()
+    t_sdpa = bench(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale))
+    t_ours = bench(lambda: _attn.attention_fwd(q, k, v, meta, scale))
+    flops = 4.0 * s_count * length * length * d * h / 2  # causal: half of QK^T and PV
+    emit(f"| prefill 4 x 2048, packed (SDPA: dense causal, KV heads expanded) | {t_sdpa:.4f} | {t_ours:.4f} | "
+         f"{t_sdpa / t_ours:.2f} | {flops / t_ours / 1e9:.0f} TFLOP/s |")
+    del q, k, v, q4, k4, v4
+    # decode: 64 sequences x 2048 context against the paged cache
+    for block_size in (16, 256):
+        s_count, ctx = 64, 2048
+        nblk = ctx // block_size
+        perm = torch.randperm(s_count * nblk).view(s_count, nblk)
+        k_cache = rnd(s_count * nblk, block_size, hkv, d)
+        v_cache = rnd(s_count * nblk, block_size, hkv, d)
+        meta = AttentionMetadata.paged([1] * s_count, [ctx] * s_count, perm.tolist(), block_size, device="cuda")
+        q, k, v = rnd(s_count, h, d), rnd(s_count, hkv, d), rnd(s_count, hkv, d)
+        t_ours = bench(lambda: T.attention(q, k, v, meta, scale, kv_cache=(k_cache, v_cache)))
+        kd = k_cache[perm.cuda()].flatten(1, 2).transpose(1, 2).repeat_interleave(h // hkv, dim=1).contiguous()
+        vd = v_cache[perm.cuda()].flatten(1, 2).transpose(1, 2).repeat_interleave(h // hkv, dim=1).contiguous()
+        qd = q.unsqueeze(2)  # [S, H, 1, D]
+        t_sdpa = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale))
+        kv_bytes = 2.0 * s_count * ctx * hkv * d * 2
+        emit(f"| decode 64 x 2048 ctx, paged block {block_size} (SDPA: dense gathered KV, heads expanded) | "
+             f"{t_sdpa:.4f} | {t_ours:.4f} | {t_sdpa / t_ours:.2f} | {kv_bytes / t_ours / 1e6:.0f} GB/s KV |")
+        del k_cache, v_cache, kd, vd
+        torch.cuda.empty_cache()
+    emit()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time every candidate matmul config too")
+    ap.add_argument("--only", default="matmul,rowwise,attention")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kernels: needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    emit(f"## Kernel benchmark — {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
+         f"triton {triton.__version__}; {datetime.date.today().isoformat()}")
+    emit()
+    emit(f"Command: `python {' '.join(sys.argv)}`")
+    emit()
+    failed = []
+    only = set(args.only.split(","))
+    sections = [("matmul", lambda: bench_matmul(MATMUL_MS if not args.quick else [1, 64, 1024, 4096],
+                                                MATMUL_SHAPES, args.sweep)),
+                ("rowwise", lambda: bench_rowwise(args.quick)),
+                ("attention", bench_attention)]
+    for name, fn in sections:
+        if name not in only:
+            continue
+        try:
+            fn()
+        except Exception:  # keep the other sections' numbers
+            failed.append(name)
+            emit(f"**{name} failed:**\n```\n{traceback.format_exc()}```")
+        torch.cuda.empty_cache()
+    out = args.out or (os.path.join(os.environ["OUT"], "bench_kernels.md") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).write_text("\n".join(LINES) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

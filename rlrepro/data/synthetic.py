@@ -1,0 +1,86 @@
+"""Synthetic tasks with verifiable answers, for the CPU recipe ``grpo_tiny``.
+
+Every prompt and answer uses only ``SYNTHETIC_CHARSET``, the alphabet of the tiny model's character-level
+tokenizer. Records are a pure function of (kind, num, seed, options), and the first ``k`` records do not
+depend on ``num``. Write them with ``write_jsonl`` and load them with ``load_records(path, id_field="id")`` so
+that the recipe reads them through the same ``datasets`` path as real data.
+
+=============  =====================  ========  ==============================================
+kind           prompt                 answer    options (defaults)
+=============  =====================  ========  ==============================================
+first_letter   ``first: qbz=``        ``q``     min_len=1, max_len=5, alphabet=a-z  (easiest)
+copy           ``copy: qbz=``         ``qbz``   min_len=1, max_len=5, alphabet=a-z
+reverse        ``reverse: qbz=``      ``zbq``   min_len=1, max_len=5, alphabet=a-z
+add            ``12+7=``              ``19``    max_value=20 (operands uniform in 0..max_value)
+=============  =====================  ========  ==============================================
+"""
+from __future__ import annotations
+
+import string
+from typing import Any
+
+import numpy as np
+
+from .records import PromptRecord, write_jsonl
+
+__all__ = ["make_synthetic_records", "write_jsonl", "SYNTHETIC_KINDS", "SYNTHETIC_CHARSET"]
+
+# The grpo_tiny character vocabulary: digits, lowercase letters, space, punctuation, newline.
+SYNTHETIC_CHARSET = string.digits + string.ascii_lowercase + " " + "+-*=?.,:;()[]<>!#'" + "\n"
+
+# kind -> stream id mixed into the seed, so kinds with one seed draw independent streams. Never renumber.
+SYNTHETIC_KINDS = {"copy": 0, "reverse": 1, "add": 2, "first_letter": 3}
+
+_STRING_PREFIX = {"copy": "copy: ", "reverse": "reverse: ", "first_letter": "first: "}
+_STRING_OPTIONS = {"min_len": 1, "max_len": 5, "alphabet": string.ascii_lowercase}
+_ADD_OPTIONS = {"max_value": 20}
+
+
+def make_synthetic_records(kind: str, num: int, seed: int, **kw: Any) -> list[PromptRecord]:
+    """``num`` records of task ``kind`` (see the module table); uids are ``f"{kind}-s{seed}:{i}"``."""
+    if kind not in SYNTHETIC_KINDS:
+        raise ValueError(f"unknown synthetic kind {kind!r}; known: {sorted(SYNTHETIC_KINDS)}")
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        raise ValueError(f"num must be a positive integer, got {num!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    defaults = _ADD_OPTIONS if kind == "add" else _STRING_OPTIONS
+    unknown = sorted(set(kw) - set(defaults))
+    if unknown:
+        raise ValueError(f"synthetic kind {kind!r} takes the options {sorted(defaults)}, not {unknown}")
+    opts = {**defaults, **kw}
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, SYNTHETIC_KINDS[kind]])))
+    meta = {"kind": kind}
+
+    records = []
+    if kind == "add":
+        max_value = opts["max_value"]
+        if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 0:
+            raise ValueError(f"max_value must be a non-negative integer, got {max_value!r}")
+        for i in range(num):
+            a, b = (int(x) for x in rng.integers(0, max_value, size=2, endpoint=True))
+            records.append(PromptRecord(uid=f"{kind}-s{seed}:{i}", prompt=f"{a}+{b}=", answer=str(a + b),
+                                        meta=dict(meta)))
+        return records
+
+    min_len, max_len, alphabet = opts["min_len"], opts["max_len"], opts["alphabet"]
+    for name, value in (("min_len", min_len), ("max_len", max_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if min_len > max_len:
+        raise ValueError(f"min_len ({min_len}) must not exceed max_len ({max_len})")
+    if not isinstance(alphabet, str) or not alphabet:
+        raise ValueError(f"alphabet must be a non-empty string, got {alphabet!r}")
+    not_allowed = sorted((set(alphabet) - set(SYNTHETIC_CHARSET)) | (set(alphabet) & set("= \n")))
+    if not_allowed:
+        raise ValueError(f"alphabet {alphabet!r} has the characters {not_allowed}: outside the tiny tokenizer's "
+                         f"vocabulary, or '=' (ends the prompt), space or newline (stripped from answers). "
+                         f"Use characters of {SYNTHETIC_CHARSET.strip()!r} other than '=' and space.")
+    chars = np.array(list(alphabet))
+    for i in range(num):
+        length = int(rng.integers(min_len, max_len, endpoint=True))
+        s = "".join(chars[rng.integers(0, len(chars), size=length)].tolist())
+        answer = {"copy": s, "reverse": s[::-1], "first_letter": s[0]}[kind]
+        records.append(PromptRecord(uid=f"{kind}-s{seed}:{i}", prompt=f"{_STRING_PREFIX[kind]}{s}=", answer=answer,
+                                    meta=dict(meta)))
+    return records

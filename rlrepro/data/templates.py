@@ -1,0 +1,118 @@
+"""Turn a record into the prompt text and token ids the engine receives.
+
+The tokenizer is duck-typed: ``encode(text) -> list[int]`` always, and
+``apply_chat_template(messages, add_generation_prompt=True) -> str`` when ``use_chat_template`` is set
+(a Hugging Face tokenizer works too: ``tokenize=False`` is passed when its signature takes it).
+"""
+from __future__ import annotations
+
+import inspect
+import numbers
+import string
+from typing import Any
+
+from .records import PromptRecord
+
+__all__ = ["render_prompt", "tokenize_prompt", "check_template"]
+
+
+def check_template(template: str) -> None:
+    """Raise ValueError unless ``template`` is a format string whose only field is ``{prompt}`` (at least once)."""
+    if not isinstance(template, str):
+        raise ValueError(f"template must be a string or None, got {type(template).__name__}")
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"template {template!r} is not a valid format string ({e}). "
+                         f"Fix: write literal braces doubled, e.g. \\boxed{{{{}}}}.") from None
+    others = sorted({f for f in fields if f != "prompt"})
+    if others:
+        raise ValueError(f"template {template!r} uses the fields {others}; only {{prompt}} is filled in. "
+                         f"Fix: write literal braces doubled ({{{{ and }}}}), e.g. \\boxed{{{{}}}}.")
+    if "prompt" not in fields:
+        raise ValueError(f"template {template!r} has no {{prompt}} field, so the record's text would be dropped. "
+                         f"Fix: put {{prompt}} where the question goes.")
+
+
+def _fill(template: str | None, text: str) -> str:
+    if template is None:
+        return text
+    check_template(template)
+    return template.format(prompt=text)
+
+
+def render_prompt(record: PromptRecord, tokenizer: Any = None, *, template: str | None = None,
+                  system_prompt: str | None = None, use_chat_template: bool = False) -> str:
+    """The prompt text for ``record``.
+
+    Plain (``use_chat_template=False``): ``template.format(prompt=record.prompt)``, or the prompt itself when
+    ``template`` is None. ``system_prompt`` and chat records (``record.messages``) need the chat template and
+    raise here; put any fixed plain-text preamble in ``template`` instead.
+
+    Chat (``use_chat_template=True``): messages ``[system?, user]`` (the template fills the user turn) or, for a
+    chat record, its turns with the template applied to the last user turn and the system prompt put first
+    (a record that has its own system turn plus a ``system_prompt`` raises); then
+    ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``.
+    """
+    if not isinstance(record, PromptRecord):
+        raise TypeError(f"record must be a PromptRecord, got {type(record).__name__}")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"system_prompt must be a string or None, got {type(system_prompt).__name__}")
+    if not use_chat_template:
+        if system_prompt is not None:
+            raise ValueError("system_prompt needs use_chat_template=True. Fix: enable the chat template, or put the "
+                             "text in the template string (e.g. 'You are ...\\n{prompt}').")
+        if record.messages is not None:
+            raise ValueError(f"record {record.uid!r} holds chat messages, which need use_chat_template=True "
+                             f"(or load the data set with a plain prompt_field).")
+        return _fill(template, record.prompt)  # type: ignore[arg-type]
+
+    if record.messages is None:
+        messages = [{"role": "user", "content": _fill(template, record.prompt)}]  # type: ignore[arg-type]
+    else:
+        messages = [dict(m) for m in record.messages]
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if template is not None:
+            if not users:
+                raise ValueError(f"record {record.uid!r}: the template fills the last user turn, but the "
+                                 f"messages have none")
+            messages[users[-1]]["content"] = _fill(template, messages[users[-1]]["content"])
+        if system_prompt is not None and any(m["role"] == "system" for m in messages):
+            raise ValueError(f"record {record.uid!r} already has a system turn and a system_prompt was given. "
+                             f"Fix: drop system_prompt, or the system turns from the data set.")
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return _apply_chat_template(tokenizer, messages)
+
+
+def _apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    fn = getattr(tokenizer, "apply_chat_template", None)
+    if fn is None:
+        raise ValueError(f"use_chat_template=True but the tokenizer ({type(tokenizer).__name__}) has no "
+                         f"apply_chat_template. Fix: set use_chat_template=False and use a template string.")
+    kwargs: dict[str, Any] = {"add_generation_prompt": True}
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "tokenize" in params:
+        kwargs["tokenize"] = False  # Hugging Face tokenizers return token ids unless told otherwise
+    text = fn(messages, **kwargs)
+    if not isinstance(text, str):
+        raise ValueError(f"tokenizer.apply_chat_template returned {type(text).__name__}, expected str")
+    return text
+
+
+def tokenize_prompt(record: PromptRecord, tokenizer: Any, *, template: str | None = None,
+                    system_prompt: str | None = None, use_chat_template: bool = False) -> list[int]:
+    """``tokenizer.encode(render_prompt(...))`` as a list of Python ints (never empty)."""
+    text = render_prompt(record, tokenizer, template=template, system_prompt=system_prompt,
+                         use_chat_template=use_chat_template)
+    ids = tokenizer.encode(text)
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if not ids:
+        raise ValueError(f"record {record.uid!r}: the prompt encodes to no tokens (text {text[:80]!r})")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0]
+    if bad:
+        raise ValueError(f"record {record.uid!r}: tokenizer.encode returned non-token values {bad[:5]!r}")
+    return [int(t) for t in ids]

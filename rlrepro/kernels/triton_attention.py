@@ -1,0 +1,211 @@
+"""Batch-invariant causal attention in Triton, for packed sequences and the paged KV cache alike.
+
+One program owns ``BLOCK_Q`` consecutive queries of one sequence and the ``GROUP`` query heads that share one KV
+head (GQA), so its tile has ``BLOCK_M = BLOCK_Q * GROUP_P`` rows. It walks KV positions 0, 64, 128, ... in tiles
+of ``BLOCK_KV``, in that order, with an online softmax in float32, up to the block's last query position. A row
+whose position lies before a tile gets exactly zero weight there (``alpha == 1``, ``p == 0``), so it leaves the
+row's state bitwise unchanged: a query's result depends only on its sequence's K/V at positions ``0..p``.
+
+Packed (no cache) and paged inputs differ only in where KV position ``j`` of sequence ``s`` is read:
+``cu_seqlens_q[s] + j`` or ``block_table[s, j // bs] * bs + j % bs``. Both run the same compiled kernel (the
+choice is a run-time flag), with one fixed tile config, so prefill, chunked prefill, decode and the trainer's
+full-sequence forward give identical bits.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .metadata import AttentionMetadata
+
+BLOCK_KV = 64  # KV positions per step of the online softmax: the fixed reduction order
+ROWS = 64  # rows (query tokens x heads of a group) per program: one wgmma M tile
+NUM_WARPS = 4
+NUM_STAGES = 2
+LOG2E = 1.4426950408889634
+
+
+def tile_shape(group: int) -> tuple[int, int]:
+    """(BLOCK_Q, GROUP_P): query tokens per program and the group size padded to a power of two."""
+    group_p = triton.next_power_of_2(group)
+    if group_p > ROWS:
+        raise ValueError(f"attention: {group} query heads per KV head is more than the {ROWS}-row tile supports")
+    return ROWS // group_p, group_p
+
+
+@triton.jit
+def _schedule_kernel(cu_ptr, S, G, prog_seq_ptr, prog_q0_ptr, BLOCK_Q: tl.constexpr, S_P: tl.constexpr,
+                     G_CHUNK: tl.constexpr):
+    """Program slot -> (sequence, first query index). Slots past the last block get sequence -1.
+
+    Slot g (counted from the end, so the longest-running blocks of causal attention start first) is block
+    b = G-1-g of the list of all sequences' query blocks, in sequence order.
+    """
+    s = tl.arange(0, S_P)
+    s_ok = s < S
+    c0 = tl.load(cu_ptr + s, mask=s_ok, other=0)
+    c1 = tl.load(cu_ptr + s + 1, mask=s_ok, other=0)
+    nblk = (c1 - c0 + BLOCK_Q - 1) // BLOCK_Q
+    cum = tl.cumsum(nblk, axis=0)  # blocks up to and including sequence s
+    first = cum - nblk
+    for g0 in range(0, G, G_CHUNK):
+        b = g0 + tl.arange(0, G_CHUNK)
+        seq = tl.sum((cum[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        sel = (s[None, :] == seq[:, None]) & s_ok[None, :]
+        start = tl.sum(tl.where(sel, first[None, :], 0), axis=1)
+        q0 = (b - start) * BLOCK_Q
+        seq_out = tl.where(seq < S, seq, -1)
+        slot = G - 1 - b
+        tl.store(prog_seq_ptr + slot, seq_out, mask=b < G)
+        tl.store(prog_q0_ptr + slot, q0, mask=b < G)
+
+
+@triton.jit(do_not_specialize=["stride_bt", "block_size", "paged"])
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
+                     bt_ptr, stride_bt, block_size, paged,
+                     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+                     qk_scale, D,
+                     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    hk = tl.program_id(1)
+    seq = tl.load(prog_seq_ptr + pid)
+    if seq >= 0:
+        q0 = tl.load(prog_q0_ptr + pid)
+        cu0 = tl.load(cu_ptr + seq)
+        q_len = tl.load(cu_ptr + seq + 1) - cu0
+        kv_len = tl.load(seq_lens_ptr + seq)
+        first_pos = kv_len - q_len  # position of the sequence's first query in this call
+
+        r = tl.arange(0, BLOCK_M)
+        qi = q0 + r // GROUP_P  # query index within the sequence
+        g = r % GROUP_P
+        row_ok = (qi < q_len) & (g < GROUP)
+        tok = (cu0 + qi).to(tl.int64)
+        head = (hk * GROUP + g).to(tl.int64)
+        pos = first_pos + tl.minimum(qi, q_len - 1)  # padding rows borrow a real position: finite, never stored
+        d = tl.arange(0, D_P)
+        d_ok = d < D
+        q = tl.load(q_ptr + tok[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, D_P), dtype=tl.float32)
+        last_pos = first_pos + tl.minimum(q0 + BLOCK_Q, q_len) - 1  # the block's last query position
+        n_tiles = last_pos // BLOCK_KV + 1
+        j = tl.arange(0, BLOCK_KV)
+        kv_head = hk.to(tl.int64)
+        is_paged = (j * 0 + paged) != 0  # the run-time flag as a vector (one compiled kernel for both layouts)
+        for t in range(0, n_tiles):
+            kv_pos = t * BLOCK_KV + j
+            kv_ok = kv_pos <= last_pos  # never read past the sequence (cache slots beyond it hold anything)
+            blk = tl.load(bt_ptr + seq * stride_bt + kv_pos // block_size, mask=kv_ok & is_paged, other=0)
+            kv_row = tl.where(is_paged, blk * block_size + kv_pos % block_size, cu0 + kv_pos).to(tl.int64)
+            k = tl.load(k_ptr + kv_row[:, None] * stride_kn + kv_head * stride_kh + d[None, :],
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            allowed = kv_pos[None, :] <= pos[:, None]
+            s = tl.where(allowed, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv_row[:, None] * stride_vn + kv_head * stride_vh + d[None, :],
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+    """q [N, H, D]; k_flat/v_flat [rows, Hkv, D]: the packed tokens, or the cache viewed as [blocks*bs, Hkv, D].
+
+    No host synchronisation: the schedule is computed on the device (CUDA-graph friendly).
+    """
+    n, h, d = q.shape
+    hkv = k_flat.shape[1]
+    if h % hkv:
+        raise ValueError(f"attention: {h} query heads is not a multiple of {hkv} KV heads")
+    group = h // hkv
+    block_q, group_p = tile_shape(group)
+    out = torch.empty((n, h, d), device=q.device, dtype=q.dtype)
+    s_count = meta.num_seqs
+    if n == 0 or s_count == 0:
+        return out
+    for name, t in (("q", q), ("k", k_flat), ("v", v_flat)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"attention: {name} must have a contiguous last dim")
+    g_slots = triton.cdiv(n, block_q) + s_count  # >= sum over sequences of ceil(q_len / BLOCK_Q)
+    prog_seq = torch.empty(g_slots, device=q.device, dtype=torch.int32)
+    prog_q0 = torch.empty(g_slots, device=q.device, dtype=torch.int32)
+    cu = meta.cu_seqlens_q
+    _schedule_kernel[(1,)](cu, s_count, g_slots, prog_seq, prog_q0, BLOCK_Q=block_q,
+                           S_P=triton.next_power_of_2(s_count), G_CHUNK=max(16, 2048 // triton.next_power_of_2(s_count)),
+                           num_warps=4)
+    paged = meta.block_table is not None
+    bt = meta.block_table if paged else cu
+    _attn_fwd_kernel[(g_slots, hkv)](
+        q, k_flat, v_flat, out, prog_seq, prog_q0, cu, meta.seq_lens,
+        bt, bt.stride(0) if paged else 0, meta.block_size if paged else 1, int(paged),
+        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
+        out.stride(0), out.stride(1), float(scale) * LOG2E, d,
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV, D_P=triton.next_power_of_2(d),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def attention_bwd_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                         meta: AttentionMetadata, scale: float,
+                         max_scores_bytes: int = 1 << 29) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of packed causal attention, recomputed in float32 torch math (deterministic, no atomics).
+
+    Per sequence, in chunks of KV heads sized so one [heads, L, L] score tensor stays under ``max_scores_bytes``.
+    """
+    n, h, d = q.shape
+    hkv = k.shape[1]
+    group = h // hkv
+    dq = torch.zeros((n, h, d), device=q.device, dtype=torch.float32)
+    dk = torch.zeros((n, hkv, d), device=q.device, dtype=torch.float32)
+    dv = torch.zeros((n, hkv, d), device=q.device, dtype=torch.float32)
+    cu = meta.cu_seqlens_q.tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        length = b - a
+        if length == 0:
+            continue
+        causal = torch.ones(length, length, device=q.device, dtype=torch.bool).tril()
+        per_kv_head = group * length * length * 4
+        chunk = max(1, min(hkv, max_scores_bytes // max(per_kv_head, 1)))
+        for c0 in range(0, hkv, chunk):
+            c1 = min(hkv, c0 + chunk)
+            nk = c1 - c0
+            qh = q[a:b, c0 * group:c1 * group].float().permute(1, 0, 2).reshape(nk, group, length, d)
+            kh = k[a:b, c0:c1].float().permute(1, 0, 2).unsqueeze(1)  # [nk, 1, L, D]
+            vh = v[a:b, c0:c1].float().permute(1, 0, 2).unsqueeze(1)
+            go = grad_out[a:b, c0 * group:c1 * group].float().permute(1, 0, 2).reshape(nk, group, length, d)
+            s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+            s = s.masked_fill(~causal, float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            del s
+            dv_h = torch.matmul(p.transpose(-1, -2), go).sum(dim=1)  # [nk, L, D]
+            dp = torch.matmul(go, vh.transpose(-1, -2))
+            delta = (p * dp).sum(dim=-1, keepdim=True)
+            ds = p * (dp - delta) * scale
+            del p, dp
+            dq_h = torch.matmul(ds, kh)  # [nk, G, L, D]
+            dk_h = torch.matmul(ds.transpose(-1, -2), qh).sum(dim=1)
+            dq[a:b, c0 * group:c1 * group] = dq_h.reshape(nk * group, length, d).permute(1, 0, 2)
+            dk[a:b, c0:c1] = dk_h.permute(1, 0, 2)
+            dv[a:b, c0:c1] = dv_h.permute(1, 0, 2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def default_scale(d: int) -> float:
+    return 1.0 / math.sqrt(d)

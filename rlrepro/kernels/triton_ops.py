@@ -1,0 +1,196 @@
+"""Deterministic (batch-invariant) kernels for CUDA tensors, in Triton: the ops ``kernels.__init__`` dispatches to.
+
+Signatures are those of :mod:`rlrepro.kernels.cpu`. Forward passes are Triton kernels whose per-row results do
+not depend on the rows sharing the call (see ``triton_matmul``, ``triton_rowwise``, ``triton_attention``).
+Backward passes are deterministic torch computations (fixed-shape cuBLAS products, torch reductions, a sorted
+segment sum for the embedding): reproducible run to run, though not batch-invariant, which training does not need.
+The paged-cache path of ``attention`` is inference only and has no backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import triton_attention as _attn
+from . import triton_matmul as _mm
+from . import triton_rowwise as _rw
+from .cpu import write_kv_cache
+from .metadata import AttentionMetadata
+
+__all__ = ["linear", "rms_norm", "log_softmax", "silu_and_mul", "apply_rope", "embedding", "attention"]
+
+
+# ----------------------------------------------------------------------------------------------- linear
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        k = x.shape[-1]
+        out = _mm.matmul(x.reshape(-1, k), weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, weight.shape[0])
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.mm(g2, weight).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = torch.mm(g2.t(), x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.float().sum(0).to(g2.dtype)
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _Linear.apply(x, weight, bias)
+
+
+# ----------------------------------------------------------------------------------------------- RMSNorm
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _rw.rms_norm_fwd(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        y = xf * rstd
+        gf = grad.float()
+        gx = gw = None
+        if ctx.needs_input_grad[1]:
+            normed = y.to(x.dtype).float()
+            gw = (gf * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            gy = gf * weight.float()
+            gx = (rstd * (gy - y * (gy * y).mean(-1, keepdim=True))).to(x.dtype)
+        return gx, gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _RMSNorm.apply(x, weight, eps)
+
+
+# ----------------------------------------------------------------------------------------------- log-softmax
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = _rw.log_softmax_fwd(x)
+        ctx.save_for_backward(out)
+        ctx.in_dtype = x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        g = grad.float()
+        return (g - torch.exp(out) * g.sum(-1, keepdim=True)).to(ctx.in_dtype)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    return _LogSoftmax.apply(x)
+
+
+# ----------------------------------------------------------------------------------------------- SwiGLU
+class _SiluAndMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return _rw.silu_and_mul_fwd(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        d = x.shape[-1] // 2
+        gate, up = x[..., :d].float(), x[..., d:].float()
+        gf = grad.float()
+        sig = torch.sigmoid(gate)
+        d_up = gf * gate * sig
+        d_gate = gf * up * sig * (1.0 + gate * (1.0 - sig))
+        return torch.cat((d_gate, d_up), dim=-1).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _SiluAndMul.apply(x)
+
+
+# ----------------------------------------------------------------------------------------------- rotary
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.x_dtype = x.dtype
+        return _rw.apply_rope_fwd(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        d = grad.shape[-1] // 2
+        c = cos.to(ctx.x_dtype).float().unsqueeze(1)
+        s = sin.to(ctx.x_dtype).float().unsqueeze(1)
+        g1, g2 = grad[..., :d].float(), grad[..., d:].float()
+        gx = torch.cat((g1 * c + g2 * s, g2 * c - g1 * s), dim=-1).to(ctx.x_dtype)
+        return gx, None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _Rope.apply(x, cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------- embedding
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.num_embeddings = weight.shape[0]
+        ctx.w_dtype = weight.dtype
+        return _rw.embedding_fwd(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        return None, _rw.embedding_bwd(ids, grad, ctx.num_embeddings, ctx.w_dtype)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _Embedding.apply(ids, weight)
+
+
+# ----------------------------------------------------------------------------------------------- attention
+class _PackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, meta, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.meta = meta
+        ctx.scale = scale
+        return _attn.attention_fwd(q, k, v, meta, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv = _attn.attention_bwd_packed(q, k, v, grad, ctx.meta, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
+              kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Causal attention, same semantics as ``cpu.attention`` (read its docstring); KV tile 64 on CUDA."""
+    if kv_cache is None:
+        if meta.block_table is not None:
+            raise ValueError("attention: metadata has a block table but no kv_cache was given")
+        return _PackedAttention.apply(q, k, v, meta, scale)
+    if meta.block_table is None or meta.slot_mapping is None:
+        raise ValueError("attention: a kv_cache needs paged metadata (AttentionMetadata.paged)")
+    k_cache, v_cache = kv_cache
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"attention: KV cache is {k_cache.dtype}/{v_cache.dtype} but q is {q.dtype}")
+    write_kv_cache(k, v, kv_cache, meta)
+    nb, bs, hkv, d = k_cache.shape
+    with torch.no_grad():  # inference path: the cache is state, not part of a graph
+        return _attn.attention_fwd(q.detach(), k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d),
+                                   meta, scale)

@@ -1,0 +1,244 @@
+"""Row-wise and element-wise Triton kernels: RMSNorm, log-softmax, SwiGLU, rotary embedding, embedding gather.
+
+Reductions run one program per row, over the row in chunks of a block size that depends only on the row length,
+in a fixed order, so a row's result is the same whatever else is in the call. Element-wise kernels compute each
+element with the same instructions wherever it falls. These are forward kernels; ``triton_ops`` adds the
+backward passes in torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROW_BLOCK = 8192  # elements of a row held at once; longer rows are walked in chunks of this size
+
+
+def _row_block(d: int) -> int:
+    return min(triton.next_power_of_2(max(d, 1)), MAX_ROW_BLOCK)
+
+
+def _row_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x viewed as [rows, last] with a contiguous last dim (a copy only when needed)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------- RMSNorm
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
+                     BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    o_row = out_ptr + row * stride_o
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:
+        mask = cols < D
+        x = tl.load(x_row + cols, mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / D
+        rstd = 1.0 / tl.sqrt_rn(var + eps)
+        y = (xf * rstd).to(x.dtype).to(tl.float32)  # normalised, rounded to x's dtype (as the torch version)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_row + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        sq = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, D, BLOCK):
+            mask = start + cols < D
+            xf = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            sq += xf * xf
+        var = tl.sum(sq, axis=0) / D
+        rstd = 1.0 / tl.sqrt_rn(var + eps)
+        for start in range(0, D, BLOCK):
+            mask = start + cols < D
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0)
+            y = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
+            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(o_row + start + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({d},)")
+    x2 = _rows(x)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x2.shape, device=x.device, dtype=out_dtype)
+    if x2.shape[0] > 0:
+        block = _row_block(d)
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), out, d, x2.stride(0), out.stride(0), float(eps),
+                                         BLOCK=block, SINGLE=block >= d, num_warps=_row_warps(block))
+    return out.reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------- log-softmax
+@triton.jit
+def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    o_row = out_ptr + row * stride_o
+    cols = tl.arange(0, BLOCK)
+    # pass 1: per-lane running max and sum of exp, chunks in order; lanes combined once at the end
+    m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        x = tl.load(x_row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    s_row = tl.sum(s * tl.exp(m - m_row), axis=0)
+    lse = m_row + tl.log(s_row)
+    # pass 2: write x - lse
+    for start in range(0, V, BLOCK):
+        mask = start + cols < V
+        x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_row + start + cols, x - lse, mask=mask)
+
+
+def log_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
+    v = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, device=x.device, dtype=torch.float32)
+    if x2.shape[0] > 0 and v > 0:
+        block = min(triton.next_power_of_2(v), 4096)
+        _log_softmax_kernel[(x2.shape[0],)](x2, out, v, x2.stride(0), out.stride(0), BLOCK=block,
+                                            num_warps=_row_warps(block))
+    return out.reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------- SwiGLU
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_fwd(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: last dim must be even (gate and up halves); got {x.shape[-1]}")
+    d = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty((x2.shape[0], d), device=x.device, dtype=x.dtype)
+    if x2.shape[0] > 0 and d > 0:
+        block = min(triton.next_power_of_2(d), 2048)
+        _silu_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, d, x2.stride(0), out.stride(0), BLOCK=block,
+                                                               num_warps=4)
+    return out.reshape(*x.shape[:-1], d)
+
+
+# ----------------------------------------------------------------------------------------------- rotary
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, half, stride_xn, stride_xh, stride_cn, stride_sn,
+                 stride_on, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < half
+    mask = (heads < H)[:, None] & cmask[None, :]
+    x_base = x_ptr + n * stride_xn + heads.to(tl.int64)[:, None] * stride_xh + cols[None, :]
+    x1 = tl.load(x_base, mask=mask, other=0.0)
+    x2 = tl.load(x_base + half, mask=mask, other=0.0)
+    # cos/sin rounded to x's dtype first, as the torch version does
+    c = tl.load(cos_ptr + n * stride_cn + cols, mask=cmask, other=0.0).to(x1.dtype).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + n * stride_sn + cols, mask=cmask, other=0.0).to(x1.dtype).to(tl.float32)[None, :]
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    o_base = out_ptr + n * stride_on + heads.to(tl.int64)[:, None] * stride_oh + cols[None, :]
+    tl.store(o_base, (x1f * c - x2f * s).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_base + half, (x2f * c + x1f * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def apply_rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 3 or x.shape[-1] % 2:
+        raise ValueError(f"apply_rope: x must be [N, H, D] with D even; got {tuple(x.shape)}")
+    n, h, dd = x.shape
+    half = dd // 2
+    if cos.shape != (n, half) or sin.shape != (n, half):
+        raise ValueError(f"apply_rope: cos/sin must be [{n}, {half}]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    out = torch.empty((n, h, dd), device=x.device, dtype=x.dtype)
+    if n > 0 and h > 0:
+        block_d = triton.next_power_of_2(half)
+        block_h = max(1, min(triton.next_power_of_2(h), 4096 // block_d))
+        _rope_kernel[(n, triton.cdiv(h, block_h))](
+            x, cos, sin, out, h, half, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+            out.stride(0), out.stride(1), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- embedding
+@triton.jit
+def _embedding_kernel(ids_ptr, w_ptr, out_ptr, D, stride_w, stride_o, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    tok = tl.load(ids_ptr + i).to(tl.int64)
+    vals = tl.load(w_ptr + tok * stride_w + cols, mask=mask)
+    tl.store(out_ptr + i * stride_o + cols, vals, mask=mask)
+
+
+def embedding_fwd(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    flat = ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    d = weight.shape[1]
+    out = torch.empty((flat.shape[0], d), device=weight.device, dtype=weight.dtype)
+    if flat.shape[0] > 0 and d > 0:
+        block = min(triton.next_power_of_2(d), 4096)
+        _embedding_kernel[(flat.shape[0], triton.cdiv(d, block))](flat, weight, out, d, weight.stride(0),
+                                                                  out.stride(0), BLOCK=block, num_warps=4)
+    return out.reshape(*ids.shape, d)
+
+
+@triton.jit
+def _embedding_bwd_kernel(sorted_ids_ptr, order_ptr, grad_ptr, gw_ptr, n, D, stride_g, stride_gw,
+                          BLOCK: tl.constexpr):
+    """Program i owns the run of equal ids that starts at sorted position i (others exit): it sums the run's
+    gradient rows in sorted (= original, the sort is stable) order, so no two programs touch one row."""
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    tok = tl.load(sorted_ids_ptr + i)
+    prev = tl.load(sorted_ids_ptr + i - 1, mask=i > 0, other=-1)
+    if (i == 0) | (prev != tok):
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        j = i
+        cur = tok
+        while (j < n) & (cur == tok):
+            src = tl.load(order_ptr + j).to(tl.int64)
+            acc += tl.load(grad_ptr + src * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+            j += 1
+            cur = tl.load(sorted_ids_ptr + j, mask=j < n, other=-1)
+        tl.store(gw_ptr + tok.to(tl.int64) * stride_gw + cols, acc.to(gw_ptr.dtype.element_ty), mask=mask)
+
+
+def embedding_bwd(ids: torch.Tensor, grad: torch.Tensor, num_embeddings: int, dtype: torch.dtype) -> torch.Tensor:
+    """Deterministic dense gradient of the embedding table: a fixed-order sum per id, no atomics."""
+    d = grad.shape[-1]
+    g2 = _rows(grad)
+    flat = ids.reshape(-1)
+    gw = torch.zeros((num_embeddings, d), device=grad.device, dtype=dtype)
+    n = flat.shape[0]
+    if n == 0 or d == 0:
+        return gw
+    sorted_ids, order = torch.sort(flat, stable=True)
+    block = min(triton.next_power_of_2(d), 1024)
+    _embedding_bwd_kernel[(n, triton.cdiv(d, block))](sorted_ids.contiguous(), order.contiguous(), g2, gw, n, d,
+                                                      g2.stride(0), gw.stride(0), BLOCK=block, num_warps=4)
+    return gw

@@ -1,0 +1,212 @@
+"""The run configuration: one schema (dataclasses) that hydra composes recipes and overrides against.
+
+The schema is registered in hydra's ConfigStore as ``rlrepro_schema``; each recipe YAML lists it in its
+defaults, so a key that is not in the schema fails at composition, before any work starts. ``validate()``
+then checks values and cross-field rules and raises :class:`ConfigError` naming the key, the value and the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration problem found before any work starts."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/${recipe}"
+    seed: int = 0
+    resume: bool = False
+    device: str = "cpu"  # cpu | cuda
+    deterministic: bool = True  # False: stock kernels in engine and trainer (the 'fast' mode, for comparison)
+    save_rollouts: bool = True  # rollouts/step_NNNNNN.jsonl.gz, used by `rlrepro diff` to name the token
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # HF directory (config.json, *.safetensors, tokenizer files)
+    init: str = "pretrained"  # pretrained | random (seeded random weights of the checkpoint's shape) | tiny
+    init_seed: int = 0
+    dtype: Optional[str] = None  # None: the checkpoint's own; float32 | bfloat16
+    tiny_overrides: dict = field(default_factory=dict)  # config.json overrides when init=tiny
+
+
+@dataclass
+class SyntheticConfig:
+    task: str = "copy"
+    num: int = 512
+    seed: int = 0
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    source: Optional[str] = None  # local .jsonl/.parquet (or dir), a hub name with allow_hub, or None for synthetic
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    split: str = "train"
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    id_field: Optional[str] = None
+    messages_field: Optional[str] = None
+    template: Optional[str] = None
+    system_prompt: Optional[str] = None
+    use_chat_template: bool = True
+    on_bad_row: str = "error"  # error | skip
+    allow_hub: bool = False
+    limit: Optional[int] = None
+    shuffle: bool = True
+    max_prompt_tokens: int = 512
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "exact_match"  # exact_match | prefix_match | math | package.module:function
+    on_error: str = "raise"  # raise | zero
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 1
+    prompts_per_step: int = 8
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    prefix_cache: bool = True
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    gpu_memory_fraction: float = 0.3  # on CUDA: KV cache size when num_kv_blocks is unset
+    max_model_len: Optional[int] = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10
+    lr: float = 1e-6
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 8
+    ppo_epochs: int = 1
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    loss_agg: str = "token-mean"
+    advantage: str = "grpo"  # grpo | dr_grpo
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    num_gpus: int = 1  # data-parallel trainer replicas (on CUDA)
+
+
+@dataclass
+class WarmStartConfig:
+    """Optional deterministic supervised warm-start before RL (the CPU recipe uses it to learn the format)."""
+    steps: int = 0
+    lr: float = 1e-3
+    batch_size: int = 32
+    seed: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # 0: only at the end
+    keep_last: int = 3
+
+
+@dataclass
+class LoggerConfig:
+    wandb: bool = False
+    project: str = "rlrepro"
+    mode: str = "offline"  # offline | online (online needs network and a key)
+    progress: bool = True
+    num_table_samples: int = 4
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None  # None: start a local Ray on 127.0.0.1; else join this cluster
+    num_cpus: Optional[int] = None
+    colocate: bool = True  # rollout workers and trainer share devices
+
+
+@dataclass
+class RunSchema:
+    recipe: str = "grpo_tiny"
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+_CHOICES = {
+    "run.device": ("cpu", "cuda"),
+    "model.init": ("pretrained", "random", "tiny"),
+    "model.dtype": (None, "float32", "bfloat16"),
+    "data.on_bad_row": ("error", "skip"),
+    "reward.on_error": ("raise", "zero"),
+    "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "train.advantage": ("grpo", "dr_grpo"),
+    "train.kl_estimator": ("k1", "k2", "k3"),
+    "logger.mode": ("offline", "online", "disabled"),
+}
+_POSITIVE = ["rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_tokens",
+             "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.block_size", "train.steps",
+             "train.micro_batch_size", "train.ppo_epochs", "train.num_gpus", "data.max_prompt_tokens"]
+_NON_NEGATIVE = ["rollout.temperature", "train.lr", "train.warmup_steps", "train.weight_decay", "train.kl_coef",
+                 "train.clip_low", "train.clip_high", "checkpoint.every", "warm_start.steps", "train.max_grad_norm"]
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: Any) -> None:
+    """Check values and cross-field rules of a composed config (an OmegaConf DictConfig or RunSchema)."""
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(choices)}")
+    for key in _POSITIVE:
+        value = _get(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}={value!r} must be a positive integer")
+    for key in _NON_NEGATIVE:
+        value = _get(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{key}={value!r} must be a number >= 0")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r} must be in (0, 1]")
+    if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
+        raise ConfigError(f"rollout.top_k={cfg.rollout.top_k!r} must be -1 (off) or a positive integer")
+    if cfg.rollout.group_size < 2:
+        raise ConfigError(f"rollout.group_size={cfg.rollout.group_size} must be >= 2: GRPO compares samples "
+                          "within a group")
+    if cfg.model.init in ("pretrained", "random") and not cfg.model.path:
+        raise ConfigError(f"model.init={cfg.model.init} needs model.path=/path/to/hf_model_dir "
+                          "(for random weights, a directory with config.json and the tokenizer)")
+    if cfg.model.init == "pretrained" and cfg.model.path:
+        from pathlib import Path
+        if not Path(cfg.model.path).is_dir():
+            raise ConfigError(f"model.path={cfg.model.path!r} is not a directory; point it at a local HF model "
+                              "directory (rlrepro never downloads weights)")
+    if cfg.run.device == "cpu" and cfg.model.dtype == "bfloat16":
+        pass  # allowed, slow
+    if cfg.rollout.max_num_batched_tokens < cfg.rollout.block_size:
+        raise ConfigError(f"rollout.max_num_batched_tokens={cfg.rollout.max_num_batched_tokens} must be >= "
+                          f"rollout.block_size={cfg.rollout.block_size}")

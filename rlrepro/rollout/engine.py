@@ -1,0 +1,256 @@
+"""The embedded deterministic engine: ``Engine(model_or_path, ...).generate(prompts, params)``.
+
+Synchronous and single-process: ``generate`` admits every request, steps scheduler -> runner -> scheduler until
+all finish, and returns one :class:`RequestOutput` per prompt, in input order. In ``deterministic=True`` mode
+every step runs inside ``kernels.mode("deterministic")`` (batch-invariant kernels), which is what makes a
+request's tokens and logprobs independent of batching, chunking, prefix caching and preemption; see
+docs/ENGINE.md for the argument.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+from collections.abc import Iterable, Iterator, Sequence as Seq
+
+import torch
+
+from rlrepro import kernels
+
+from .block_manager import BlockManager
+from .params import RequestOutput, SamplingParams
+from .runner import ModelRunner, kv_block_bytes
+from .scheduler import Scheduler
+from .seeds import derive_seed
+from .sequence import Sequence
+
+CPU_DEFAULT_KV_BYTES = 512 * 2**20  # default KV-cache cap on CPU when neither size argument is given
+CUDA_RESERVE_FRACTION = 0.10  # of total GPU memory kept free for activations, logits, noise and graphs
+CUDA_RESERVE_BYTES = 4 * 2**30
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _token_id(request: int, token: object, vocab: int) -> int:
+    try:
+        if isinstance(token, bool):
+            raise TypeError
+        value = operator.index(token)  # ints and numpy integers
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < vocab:
+        raise ValueError(f"request {request}: token id {token!r} is not an integer in [0, {vocab}) (the model's "
+                         "vocabulary); check that the tokenizer matches the model")
+    return value
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Engine {name} must be a positive integer, got {value!r}")
+    return value
+
+
+class Engine:
+    """Deterministic paged-KV engine with continuous batching, chunked prefill, a prefix cache and preemption.
+
+    ``model_or_path``: a ``Qwen3ForCausalLM`` (used as is, on its own device and dtype) or an HF model directory
+    (loaded with ``load_pretrained(path, device, dtype)``). KV-cache size: ``num_kv_blocks`` blocks, or as many
+    as fit in ``kv_cache_memory_bytes``; by default on CUDA what is free after loading minus a reserve, on CPU
+    enough for ``max_num_seqs`` full-length sequences up to 512 MiB. ``max_model_len`` defaults to the model's
+    ``max_position_embeddings``. ``enable_cuda_graphs`` (default: on for CUDA) captures decode steps.
+    """
+
+    def __init__(self, model_or_path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 deterministic: bool = True, seed: int = 0, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, enable_prefix_cache: bool = True, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 max_model_len: int | None = None, enable_cuda_graphs: bool | None = None) -> None:
+        if isinstance(model_or_path, (str, os.PathLike)):
+            from rlrepro.model import load_pretrained
+
+            model = load_pretrained(model_or_path, device=device, dtype=dtype)
+        else:
+            model = model_or_path
+            if not hasattr(model, "forward_tokens") or not hasattr(model, "config"):
+                raise ValueError(f"Engine needs a Qwen3ForCausalLM or a model directory path, got "
+                                 f"{type(model).__name__}")
+            if not _same_device(torch.device(device), model.device):
+                raise ValueError(f"the model is on {model.device} but device={str(device)!r}; pass "
+                                 f"device={str(model.device)!r} or move the model first")
+            if dtype is not None and dtype != model.dtype:
+                raise ValueError(f"the model is {model.dtype} but dtype={dtype}; pass dtype=None or convert "
+                                 "the model first (an Engine uses a model object as is)")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"Engine seed must be an integer, got {seed!r}")
+        self.model = model
+        self.config = model.config
+        self.device = model.device
+        self.deterministic = bool(deterministic)
+        self.seed = seed
+        self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.block_size = _positive_int("block_size", block_size)
+        self.max_model_len = _positive_int("max_model_len", max_model_len or self.config.max_position_embeddings)
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {max_model_len}")
+        self.vocab_size = self.config.vocab_size
+        eos = self.config.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        self.num_kv_blocks = self._num_blocks(num_kv_blocks, kv_cache_memory_bytes)
+        self.enable_prefix_cache = bool(enable_prefix_cache)
+        self.block_manager = BlockManager(self.num_kv_blocks, self.block_size, self.enable_prefix_cache)
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
+                                   self.max_model_len, self.eos_token_ids)
+        if enable_cuda_graphs is None:
+            enable_cuda_graphs = self.device.type == "cuda"
+        with self._mode():
+            self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=self.block_size,
+                                      max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                                      enable_cuda_graphs=bool(enable_cuda_graphs))
+        self.weight_version = 0
+        self.num_requests = 0  # requests accepted so far: the index that derives an unseeded request's seed
+
+    def _num_blocks(self, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None) -> int:
+        if num_kv_blocks is not None:
+            return _positive_int("num_kv_blocks", num_kv_blocks)
+        per_block = kv_block_bytes(self.config, self.block_size, self.model.dtype)
+        max_useful = self.max_num_seqs * -(-self.max_model_len // self.block_size)
+        if kv_cache_memory_bytes is not None:
+            budget = _positive_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - max(int(CUDA_RESERVE_FRACTION * total), CUDA_RESERVE_BYTES)
+        else:
+            budget = min(max_useful * per_block, CPU_DEFAULT_KV_BYTES)
+        blocks = min(budget // per_block, max_useful) if kv_cache_memory_bytes is None else budget // per_block
+        if blocks < 1:
+            raise ValueError(f"the KV-cache budget ({budget} bytes) holds no block of {per_block} bytes; "
+                             "raise kv_cache_memory_bytes or pass num_kv_blocks")
+        return int(blocks)
+
+    @contextlib.contextmanager
+    def _mode(self) -> Iterator[None]:
+        with kernels.mode("deterministic" if self.deterministic else "fast"):
+            yield
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Seq[Seq[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate a completion for each prompt (lists of token ids); outputs come back in input order.
+
+        Every request is validated before any work; a ValueError names the request index and the fix, and
+        leaves the engine as it was."""
+        prompts, params = self._validate(prompt_token_ids, sampling_params)
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            index = self.num_requests + i
+            seed = p.seed if p.seed is not None else derive_seed(self.seed, index)
+            seqs.append(Sequence(index, prompt, p, seed))
+        self.num_requests += len(seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        try:
+            with self._mode():
+                while self.scheduler.has_unfinished():
+                    scheduled = self.scheduler.schedule()
+                    sampled = self.runner.execute(scheduled)
+                    self.scheduler.update(scheduled, sampled)
+        finally:
+            if self.scheduler.has_unfinished():  # an exception (or interrupt) mid-run: free everything
+                self.scheduler.abort_all()
+        return [RequestOutput(prompt_token_ids=s.prompt_token_ids, token_ids=s.output_token_ids,
+                              logprobs=list(s.output_logprobs), finish_reason=s.finish_reason, seed=s.seed,
+                              weight_version=self.weight_version) for s in seqs]
+
+    def _validate(self, prompt_token_ids, sampling_params) -> tuple[list[list[int]], list[SamplingParams]]:
+        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Iterable):
+            raise ValueError("generate() takes a list of prompts, each a list of token ids; got "
+                             f"{type(prompt_token_ids).__name__}")
+        prompts = [p for p in prompt_token_ids]
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            raise ValueError("generate() takes a list of prompts, each a list of token ids; got one flat list of "
+                             "ints: wrap it as [prompt]")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one "
+                                 "SamplingParams for all, or one per prompt")
+            for i, p in enumerate(params):
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"request {i}: sampling params must be a SamplingParams, got "
+                                     f"{type(p).__name__}")
+        vocab, bs = self.vocab_size, self.block_size
+        out = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
+                raise ValueError(f"request {i}: a prompt must be a list of token ids, got {type(prompt).__name__}; "
+                                 "tokenize text first")
+            if isinstance(prompt, torch.Tensor):
+                prompt = prompt.tolist()
+            prompt = [_token_id(i, t, vocab) for t in prompt]
+            if not prompt:
+                raise ValueError(f"request {i}: the prompt is empty; give at least one token (e.g. BOS)")
+            stop_bad = [t for t in p.stop_token_ids if t >= vocab]
+            if stop_bad:
+                raise ValueError(f"request {i}: stop_token_ids {stop_bad} lie outside the vocabulary [0, {vocab})")
+            n = len(prompt)
+            if n >= self.max_model_len:
+                raise ValueError(f"request {i}: the prompt has {n} tokens but the context holds max_model_len="
+                                 f"{self.max_model_len} (the prompt plus at least one generated token); shorten "
+                                 "the prompt or raise max_model_len")
+            if n + p.max_tokens > self.max_model_len:
+                raise ValueError(f"request {i}: prompt ({n} tokens) + max_tokens ({p.max_tokens}) = "
+                                 f"{n + p.max_tokens} exceeds max_model_len={self.max_model_len}; lower max_tokens "
+                                 f"to at most {self.max_model_len - n} or raise max_model_len")
+            # Positions 0 .. n + max_tokens - 2 get K/V (the last sampled token is never fed back).
+            need = -(-(n + p.max_tokens - 1) // bs)
+            if need > self.num_kv_blocks:
+                raise ValueError(f"request {i}: prompt + max_tokens needs {need} KV blocks of {bs} tokens but the "
+                                 f"cache has {self.num_kv_blocks}; raise num_kv_blocks / kv_cache_memory_bytes or "
+                                 "lower max_tokens")
+            out.append(prompt)
+        return out, params
+
+    # ---- weights and cache --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy new weights into the model in place (CUDA graphs stay valid) and drop the prefix cache.
+
+        Names follow ``model.named_parameters()`` (transformers' names); ``lm_head.weight`` is skipped for a model
+        with tied embeddings. Tensors are cast to the model dtype. A bad name or shape raises ValueError; tensors
+        copied before it stay copied, so reload all weights after such an error.
+        """
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"load_weights version must be an integer, got {version!r}")
+        params = dict(self.model.named_parameters())
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        for name, tensor in named_tensors:
+            if name == "lm_head.weight" and tied and name not in params:
+                continue
+            if name not in params:
+                raise ValueError(f"load_weights: the model has no parameter {name!r}; expected names like "
+                                 f"{next(iter(params))!r} (transformers' Qwen3 naming)")
+            target = params[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is "
+                                 f"{tuple(target.shape)}")
+            target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+        self.weight_version = version
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached prefix blocks (their K/V were computed with the weights of the time)."""
+        self.block_manager.reset_prefix_cache()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"num_steps": self.scheduler.num_steps, "num_preemptions": self.scheduler.num_preemptions,
+                "num_prefix_hit_blocks": self.block_manager.num_prefix_hits,
+                "num_cached_blocks": self.block_manager.num_cached_blocks,
+                "num_graph_steps": self.runner.num_graph_steps, "num_kv_blocks": self.num_kv_blocks}

@@ -1,0 +1,82 @@
+"""Per-request sampling parameters and the engine's output record (plain Python, no torch)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_SEED = 2**63  # request seeds are 63-bit non-negative integers
+MIN_TEMPERATURE = 1e-5  # below this logits / T may overflow float32; use 0 for greedy decoding
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples.
+
+    ``temperature=0`` is greedy decoding (the first maximal logit; top-k/top-p are then irrelevant).
+    ``seed=None`` lets the engine derive one from its own seed and the request's submission index
+    (see :func:`rlrepro.rollout.seeds.derive_seed`). ``stop_token_ids`` end a request with ``finish_reason
+    "stop"`` and are kept in the output, as are EOS tokens (unless ``ignore_eos``).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 128
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {t!r}; "
+                             "use 0 for greedy decoding")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"SamplingParams.temperature={t!r} is too small (logits / T overflows); "
+                             f"use 0 for greedy decoding or a value >= {MIN_TEMPERATURE}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise ValueError(f"SamplingParams.top_p must lie in (0, 1], got {p!r}; use 1.0 to disable top-p")
+        k = self.top_k
+        if not _is_int(k) or (k < 1 and k != -1):
+            raise ValueError(f"SamplingParams.top_k must be -1 (disabled) or an integer >= 1, got {k!r}")
+        m = self.max_tokens
+        if not _is_int(m) or m < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {m!r}")
+        s = self.seed
+        if s is not None and (not _is_int(s) or not 0 <= s < MAX_SEED):
+            raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {s!r}; "
+                             "rlrepro.rollout.request_seed(...) derives valid seeds")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids, got {stops!r}")
+        stops = tuple(stops)
+        bad = [x for x in stops if not _is_int(x) or x < 0]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids must hold non-negative integer token ids; "
+                             f"bad entries {bad!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RequestOutput:
+    """One finished request. ``logprobs[i]`` is the float32 log-probability of ``token_ids[i]`` (see ENGINE.md)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    seed: int  # the sampling seed actually used (given or derived)
+    weight_version: int  # engine.weight_version when the request ran

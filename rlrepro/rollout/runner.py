@@ -1,0 +1,179 @@
+"""The model runner: owns the KV-cache tensors, turns a scheduled step into one model call, samples.
+
+Every step is one ``model.forward_tokens`` over the step's tokens (prefill chunks and decodes mixed), described
+by ``AttentionMetadata.paged``. Logits are computed only for the rows that sample (each sampling sequence's last
+row); ``kernels.linear`` is batch-invariant, so they equal the rows of a full-sequence forward.
+
+CUDA graphs (CUDA only, ``enable_cuda_graphs``): decode-only steps (every sequence computes one token) replay a
+graph captured for the smallest fixed batch size >= the step's size. Padding rows read and write only a scratch
+block that no sequence owns, and the kernels are batch-invariant, so padding cannot change a real row. The graph
+is captured with ``max_seq_len = max_model_len`` and a block table as wide as ``max_model_len`` needs: the
+attention kernel must give the same result for any ``max_seq_len`` >= the true one (the deterministic kernels
+reduce over positions ``0..p`` only) and must not synchronise with the host. A capture that fails (e.g. a kernel
+that reads a tensor value on the host) falls back to eager decoding with a warning.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from rlrepro.kernels import AttentionMetadata
+
+from .sampler import SampleRequest, sample
+from .scheduler import ScheduledSeq
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 513, 16))
+
+
+def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block over all layers (K and V)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model, *, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                 enable_cuda_graphs: bool) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        # One block past the allocator's range: the scratch block that CUDA-graph padding rows write into.
+        self.scratch_block = num_blocks
+        shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
+                           torch.zeros(shape, dtype=model.dtype, device=self.device))
+                          for _ in range(cfg.num_hidden_layers)]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_graph_steps = 0
+        if enable_cuda_graphs and self.device.type == "cuda":
+            try:
+                self._capture_decode_graphs(max_num_seqs)
+            except Exception as e:  # noqa: BLE001 - any capture failure means: decode eagerly
+                self.graphs = {}
+                torch.cuda.synchronize(self.device)
+                warnings.warn(f"CUDA graph capture failed, decoding runs eagerly: {type(e).__name__}: {e}",
+                              RuntimeWarning, stacklevel=2)
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, float]]:
+        """Run one step; returns (token, logprob) for each sampling entry, in order."""
+        ids: list[int] = []
+        sample_rows: list[int] = []
+        requests: list[SampleRequest] = []
+        for s in scheduled:
+            seq = s.seq
+            ids.extend(seq.token_ids[s.start:s.end])
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+                p = seq.params
+                requests.append(SampleRequest(p.temperature, p.top_k, p.top_p, seq.seed, s.end))
+        graph_size = self._graph_size(scheduled)
+        if graph_size is not None:
+            logits = self._replay_decode_graph(scheduled, ids, graph_size)
+            rows = [i for i, s in enumerate(scheduled) if s.samples]
+            logits = logits[rows] if len(rows) != len(scheduled) else logits
+        else:
+            meta = AttentionMetadata.paged(
+                [s.num_new_tokens for s in scheduled], [s.end for s in scheduled],
+                [s.seq.block_table for s in scheduled], self.block_size, self.device)
+            hidden = self.model.forward_tokens(torch.tensor(ids, dtype=torch.int64, device=self.device), meta,
+                                               self.kv_caches)
+            if not sample_rows:
+                return []
+            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        tokens, logprobs = sample(logits, requests)
+        return list(zip(tokens, logprobs))
+
+    # ---- CUDA graphs for decode ---------------------------------------------------------------------------
+    def _graph_size(self, scheduled: list[ScheduledSeq]) -> int | None:
+        if not self.graphs or any(s.num_new_tokens != 1 for s in scheduled):
+            return None
+        n = len(scheduled)
+        return next((b for b in sorted(self.graphs) if b >= n), None)
+
+    def _graph_forward(self, b: int) -> torch.Tensor:
+        """``forward_tokens`` + ``compute_logits`` on the static buffers, without host synchronisation.
+
+        Mirrors ``Qwen3ForCausalLM.forward_tokens`` minus its token-range check and its rope-table growth (both
+        read tensor values on the host, which capture forbids): the table is grown before capture and gathered
+        from here. Kept in step with the model by the GPU test comparing graph and eager decoding bit for bit.
+        """
+        m = self.model
+        meta = AttentionMetadata(
+            cu_seqlens_q=self._cu[: b + 1], seq_lens=self._seq_lens[:b], positions=self._positions[:b],
+            seq_idx=self._seq_idx[:b], max_seq_len=self.max_model_len, slot_mapping=self._slots[:b],
+            block_table=self._block_table[:b], block_size=self.block_size)
+        cos = self._rope_cos[meta.positions]
+        sin = self._rope_sin[meta.positions]
+        x = m.model.embed_tokens(self._ids[:b])
+        for layer, kv in zip(m.model.layers, self.kv_caches):
+            x = layer(x, cos, sin, meta, kv)
+        return m.compute_logits(m.model.norm(x))
+
+    def _reset_graph_inputs(self) -> None:
+        self._ids.zero_()
+        self._positions.zero_()
+        self._seq_lens.fill_(1)
+        self._slots.fill_(self.scratch_block * self.block_size)
+        self._block_table.fill_(self.scratch_block)
+
+    def _capture_decode_graphs(self, max_num_seqs: int) -> None:
+        limit = min(max_num_seqs, GRAPH_BATCH_SIZES[-1])
+        sizes = [b for b in GRAPH_BATCH_SIZES if b < limit] + [next(b for b in GRAPH_BATCH_SIZES if b >= limit)]
+        max_b = sizes[-1]
+        dev = self.device
+        width = -(-self.max_model_len // self.block_size)
+        self._ids = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self._positions = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self._seq_lens = torch.ones(max_b, dtype=torch.int64, device=dev)
+        self._slots = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self._block_table = torch.zeros(max_b, width, dtype=torch.int64, device=dev)
+        self._cu = torch.arange(max_b + 1, dtype=torch.int64, device=dev)
+        self._seq_idx = torch.arange(max_b, dtype=torch.int64, device=dev)
+        self._host = torch.empty(4, max_b, dtype=torch.int64, pin_memory=True)
+        cos, sin = self.model.rope(torch.arange(self.max_model_len, device=dev))  # grows the model's table
+        self._rope_cos, self._rope_sin = cos.contiguous(), sin.contiguous()
+        self._reset_graph_inputs()
+        with torch.inference_mode():
+            pool = None
+            for b in reversed(sizes):  # largest first, so the smaller graphs fit in its memory pool
+                self._graph_forward(b)  # warm-up: lazy initialisation must not happen during capture
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._graph_forward(b)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[b] = (graph, out)
+            torch.cuda.synchronize(dev)
+        self._reset_graph_inputs()
+
+    def _replay_decode_graph(self, scheduled: list[ScheduledSeq], ids: list[int], b: int) -> torch.Tensor:
+        n, bs = len(scheduled), self.block_size
+        host = self._host
+        host[:, n:b] = torch.tensor([[0], [0], [1], [self.scratch_block * bs]], dtype=torch.int64)  # padding
+        width = max(len(s.seq.block_table) for s in scheduled)
+        table = torch.full((b, width), self.scratch_block, dtype=torch.int64)
+        for r, s in enumerate(scheduled):
+            pos = s.start
+            blocks = s.seq.block_table
+            host[0, r] = ids[r]
+            host[1, r] = pos
+            host[2, r] = pos + 1
+            host[3, r] = blocks[pos // bs] * bs + pos % bs
+            table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        self._ids[:b].copy_(host[0, :b], non_blocking=True)
+        self._positions[:b].copy_(host[1, :b], non_blocking=True)
+        self._seq_lens[:b].copy_(host[2, :b], non_blocking=True)
+        self._slots[:b].copy_(host[3, :b], non_blocking=True)
+        # Columns past a row's blocks keep stale but valid block ids; the kernels mask positions >= seq_len.
+        self._block_table[:b, :width].copy_(table)
+        graph, out = self.graphs[b]
+        graph.replay()
+        self.num_graph_steps += 1
+        return out[:n]

@@ -1,0 +1,160 @@
+"""Per-request sampling that no other request in the batch can influence.
+
+Definition (one row of logits, the request's temperature ``T``, seed ``s``, and ``pos``, the position the
+new token will occupy, i.e. the sequence length before it is appended):
+
+* ``T == 0``: the token is ``argmax(logits)``, the first maximal entry.
+* ``T > 0``: ``x = logits.float() / T``; if top-k or top-p is set, tokens outside the kept set get ``-inf``;
+  the token is ``argmax(x.double() + g)`` (first maximum) with Gumbel noise ``g[v] = -log(-log(u[v]))`` and
+  ``u[v] = (k + 0.5) / 2**52``, ``k`` the top 52 bits of ``mix64(row_key(s, pos) + (v + 1) * GAMMA)``.
+  This is the Gumbel-max trick: an exact draw from ``softmax(x)`` restricted to the kept set.
+
+The noise is counter-based: a pure function of (seed, position, token id), drawn from no RNG state, so a
+request's tokens do not depend on what else is in the batch, on the step a token is sampled in, or on
+preemption and recompute. The hash is splitmix64's finaliser in int64 arithmetic (multiplication wraps modulo
+2**64, shifts are made logical by masking). The two logarithms are computed from ``frexp`` and a polynomial in
+IEEE-correctly-rounded ``+ - * /`` only (no libm ``log``, whose SIMD body and scalar tail can round
+differently), evaluated op by op in float64, so every element's noise is the same whatever the tensor size,
+vector width, thread count or device.
+
+Top-k / top-p (nucleus). Sort ``x`` descending with a stable sort, so equal values keep token-id order: ties
+are broken toward the lower token id. top-k keeps the first ``k`` of that order (exactly ``k`` tokens, even if
+the k-th value is tied with later ones). top-p then takes float32 ``softmax`` over the top-k survivors (in
+sorted order) and keeps sorted position ``j`` while the probability mass *before* it is ``< top_p`` (the first
+token is always kept). The filters run row by row on a ``[1, V]`` tensor, so their kernels see the same shape
+whatever the batch; rows without filters stay batched (their ops are elementwise or exact argmaxes).
+
+Logprob. The reported logprob is ``kernels.token_logprob(logits_row, token, T)``: float32
+``log_softmax(logits.float() / T)`` at the token, over the *unfiltered* distribution, ``T = 1`` for greedy.
+The trainer evaluates the same function on the same logits, so the two agree bit for bit. Rows are grouped by
+temperature and evaluated together; ``kernels.log_softmax`` is batch-invariant, so grouping changes nothing.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from rlrepro import kernels
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(value: int) -> int:
+    """A 64-bit pattern as the signed int64 torch stores."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+GAMMA = _i64(0x9E3779B97F4A7C15)  # splitmix64's increment (golden ratio)
+MIX1 = _i64(0xBF58476D1CE4E5B9)
+MIX2 = _i64(0x94D049BB133111EB)
+ROW_SALT = _i64(0xD1B54A32D192ED03)
+_SQRT_HALF = math.sqrt(0.5)
+_LN2 = math.log(2.0)
+_LOG_TERMS = 11  # log(m) = 2 atanh(s) = 2 (s + s^3/3 + ... + s^21/21): |s| <= 0.172, error < 1e-17
+
+
+def _lsr(z: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors; products wrap modulo 2**64."""
+    z = (z ^ _lsr(z, 30)) * MIX1
+    z = (z ^ _lsr(z, 27)) * MIX2
+    return z ^ _lsr(z, 31)
+
+
+def noise_bits(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int64 [R, V] hash of (seed, position, token id) for each row's seed and position."""
+    row = mix64(mix64(seeds.to(torch.int64) ^ ROW_SALT) + positions.to(torch.int64) * GAMMA)  # [R]
+    tokens = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device) * GAMMA  # wraps
+    return mix64(row.unsqueeze(1) + tokens.unsqueeze(0))
+
+
+def exact_log(x: torch.Tensor) -> torch.Tensor:
+    """Natural log of positive float64 values from frexp and correctly rounded + - * / only."""
+    m, e = torch.frexp(x)  # x = m * 2**e, m in [0.5, 1)
+    small = m < _SQRT_HALF
+    m = torch.where(small, m * 2.0, m)  # exact; now m in [sqrt(1/2), sqrt(2))
+    e = torch.where(small, e - 1, e)
+    s = (m - 1.0) / (m + 1.0)
+    z = s * s
+    p = torch.full_like(z, 1.0 / (2 * _LOG_TERMS - 1))
+    for k in range(_LOG_TERMS - 2, -1, -1):
+        p = p * z
+        p = p + 1.0 / (2 * k + 1)
+    return e.to(torch.float64) * _LN2 + (s * 2.0) * p
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float64 [R, V] Gumbel(0, 1) noise keyed on (seed, position, token id)."""
+    bits = _lsr(noise_bits(seeds, positions, vocab_size), 12)  # 52 uniform bits
+    u = (bits.to(torch.float64) + 0.5) * (2.0 ** -52)  # exact; in (0, 1)
+    return -exact_log(-exact_log(u))
+
+
+def keep_mask(scaled_row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """bool [V]: the tokens top-k / top-p keep for one row of ``logits / T`` (see the module docstring)."""
+    v = scaled_row.shape[-1]
+    row = scaled_row.reshape(1, v)
+    sorted_vals, order = torch.sort(row, dim=-1, descending=True, stable=True)
+    keep_sorted = torch.ones_like(row, dtype=torch.bool)
+    if 0 < top_k < v:
+        keep_sorted[:, top_k:] = False
+    if top_p < 1.0:
+        probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep_sorted &= mass_before < top_p
+        keep_sorted[:, 0] = True
+    mask = torch.empty_like(keep_sorted)
+    mask.scatter_(1, order, keep_sorted)
+    return mask.reshape(v)
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """What the sampler needs of one row: the request's parameters and its noise key."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    position: int  # position of the token being sampled (the sequence length before it is appended)
+
+
+def sample(logits: torch.Tensor, requests: Seq[SampleRequest]) -> tuple[list[int], list[float]]:
+    """Sample one token per row of ``logits`` [R, V]; returns the tokens and their logprobs (Python lists)."""
+    r, v = logits.shape
+    if r != len(requests):
+        raise ValueError(f"{r} logits rows for {len(requests)} sample requests")
+    if r == 0:
+        return [], []
+    device = logits.device
+    tokens = torch.empty(r, dtype=torch.int64, device=device)
+    logprobs = torch.empty(r, dtype=torch.float32, device=device)
+    by_temperature: dict[float, list[int]] = {}
+    for i, req in enumerate(requests):
+        by_temperature.setdefault(req.temperature, []).append(i)
+    for t, rows in sorted(by_temperature.items()):
+        idx = torch.tensor(rows, dtype=torch.int64, device=device)
+        group = logits.index_select(0, idx)
+        if t == 0.0:
+            chosen = torch.argmax(group.float(), dim=-1)
+        else:
+            scaled = group.float() / t  # the same expression token_logprob evaluates
+            seeds = torch.tensor([requests[i].seed for i in rows], dtype=torch.int64, device=device)
+            positions = torch.tensor([requests[i].position for i in rows], dtype=torch.int64, device=device)
+            scores = scaled.double() + gumbel_noise(seeds, positions, v)
+            for j, i in enumerate(rows):
+                req = requests[i]
+                if req.top_k > 0 or req.top_p < 1.0:
+                    scores[j].masked_fill_(~keep_mask(scaled[j], req.top_k, req.top_p), float("-inf"))
+            chosen = torch.argmax(scores, dim=-1)
+        tokens[idx] = chosen
+        logprobs[idx] = kernels.token_logprob(group, chosen, t)
+    return tokens.tolist(), logprobs.tolist()

@@ -1,0 +1,347 @@
+"""Training checkpoints that are complete or absent, verified before use, and hold everything a resume needs.
+
+Layout of ``ckpt_root/step_NNNNNN/`` (six-digit zero-padded step)::
+
+    model.safetensors   the policy's state dict (compute dtype)
+    optimizer.pt        optimizer.state_dict() (AdamW moments, and float32 master weights when separate)
+    scheduler.pt        scheduler.state_dict()
+    rng.pt              capture_rng_state(): python random, numpy, torch CPU, every CUDA device, named generators
+    extra_state.pt      the caller's dict (data cursor, driver state, ...)
+    manifest.json       {"format": "rlrepro-checkpoint", "version": 1, "step": N,
+                         "files": {name: {"size": bytes, "sha256": hex}}}
+
+Atomicity: everything is written into ``step_NNNNNN.tmp-<pid>/``, each file fsynced, the manifest written last
+and fsynced, the directory fsynced, then renamed to ``step_NNNNNN`` (``os.rename`` of a directory is atomic on
+POSIX file systems) and the parent fsynced. A crash at any point leaves either no ``step_NNNNNN`` or a complete
+one; leftover ``*.tmp-*`` directories are ignored by :func:`latest_checkpoint`.
+
+``.pt`` files are read with ``torch.load(weights_only=True)``: tensors and plain containers only, no code.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlrepro.model import save_pretrained
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "verify_checkpoint",
+           "capture_rng_state",
+           "restore_rng_state", "export_hf", "LoadedCheckpoint", "checkpoint_dir_name"]
+
+FORMAT = "rlrepro-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+# ---------------------------------------------------------------------------------------------------- RNG state
+
+def _np_to_plain(obj):
+    """numpy state -> torch-loadable plain objects (ndarrays become tagged int64 tensors)."""
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": torch.from_numpy(obj.astype(np.int64)), "dtype": str(obj.dtype)}
+    if isinstance(obj, dict):
+        return {k: _np_to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, tuple | list):
+        return type(obj)(_np_to_plain(v) for v in obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _plain_to_np(obj):
+    if isinstance(obj, dict) and "__ndarray__" in obj:
+        return obj["__ndarray__"].numpy().astype(obj["dtype"])
+    if isinstance(obj, dict):
+        return {k: _plain_to_np(v) for k, v in obj.items()}
+    if isinstance(obj, tuple | list):
+        return type(obj)(_plain_to_np(v) for v in obj)
+    return obj
+
+
+def _generator_state(gen):
+    if isinstance(gen, torch.Generator):
+        return {"kind": "torch", "state": gen.get_state()}
+    if isinstance(gen, np.random.Generator):
+        return {"kind": "numpy", "state": _np_to_plain(gen.bit_generator.state)}
+    if isinstance(gen, random.Random):
+        return {"kind": "python", "state": gen.getstate()}
+    raise TypeError(f"cannot capture the state of {type(gen).__name__}; register a torch.Generator, "
+                    "numpy.random.Generator or random.Random")
+
+
+def capture_rng_state(generators: Mapping[str, object] | None = None) -> dict:
+    """Every RNG a resumed run must continue from: Python ``random``, numpy's global state, torch CPU, every CUDA
+    device (when CUDA is available), and the caller's named generators (torch, numpy or ``random.Random``)."""
+    state = {
+        "python": random.getstate(),
+        "numpy": _np_to_plain(np.random.get_state()),
+        "torch_cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "generators": {name: _generator_state(g) for name, g in (generators or {}).items()},
+    }
+    return state
+
+
+def restore_rng_state(state: Mapping, generators: Mapping[str, object] | None = None) -> None:
+    """Put back what :func:`capture_rng_state` took; ``generators`` must name the same generators."""
+    random.setstate(state["python"])
+    np.random.set_state(_plain_to_np(state["numpy"]))
+    torch.set_rng_state(state["torch_cpu"])
+    cuda = list(state["cuda"])
+    if cuda:
+        if not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda):
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise ValueError(f"the checkpoint holds RNG states for {len(cuda)} CUDA devices but {have} are visible; "
+                             "resume with the same CUDA_VISIBLE_DEVICES as the saving run")
+        torch.cuda.set_rng_state_all(cuda)
+    saved = state.get("generators", {})
+    given = dict(generators or {})
+    if set(saved) != set(given):
+        raise ValueError(f"the checkpoint holds generators {sorted(saved)} but {sorted(given)} were passed; "
+                         "pass the same named generators to restore_rng_state/load_checkpoint as to capture")
+    for name, gen in given.items():
+        entry = saved[name]
+        if entry["kind"] == "torch" and isinstance(gen, torch.Generator):
+            gen.set_state(entry["state"])
+        elif entry["kind"] == "numpy" and isinstance(gen, np.random.Generator):
+            gen.bit_generator.state = _plain_to_np(entry["state"])
+        elif entry["kind"] == "python" and isinstance(gen, random.Random):
+            gen.setstate(entry["state"])
+        else:
+            raise TypeError(f"generator {name!r} was saved as a {entry['kind']} generator, "
+                            f"got a {type(gen).__name__}")
+
+
+# ------------------------------------------------------------------------------------------------------ writing
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_digest(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _write_file(path: Path, write: Callable[[Path], None]) -> dict:
+    """Write one file with ``write(path)``, fsync it and return its size and sha256."""
+    write(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return _file_digest(path)
+
+
+def _model_state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+
+
+def save_checkpoint(ckpt_root: str | os.PathLike, step: int, *, model=None, optimizer=None, scheduler=None,
+                    extra_state: Mapping | None = None, rng_state: Mapping | None = None,
+                    keep_last: int | None = None) -> Path:
+    """Write ``ckpt_root/step_NNNNNN/`` atomically and return its path.
+
+    ``rng_state`` defaults to :func:`capture_rng_state` taken now. ``keep_last``: afterwards delete all but the
+    newest ``keep_last`` complete checkpoints. Saving a step that already exists replaces it (the old one is moved
+    aside first, so for a moment neither exists under that name; :func:`latest_checkpoint` then finds the previous).
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    root = Path(ckpt_root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_dir_name(step)
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    rng_state = capture_rng_state() if rng_state is None else rng_state
+    files: dict[str, dict] = {}
+    try:
+        if model is not None:
+            state = _model_state(model)
+            files["model.safetensors"] = _write_file(
+                tmp / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+        if optimizer is not None:
+            files["optimizer.pt"] = _write_file(tmp / "optimizer.pt", lambda p: torch.save(optimizer.state_dict(), p))
+        if scheduler is not None:
+            files["scheduler.pt"] = _write_file(tmp / "scheduler.pt", lambda p: torch.save(scheduler.state_dict(), p))
+        files["rng.pt"] = _write_file(tmp / "rng.pt", lambda p: torch.save(dict(rng_state), p))
+        files["extra_state.pt"] = _write_file(tmp / "extra_state.pt",
+                                              lambda p: torch.save(dict(extra_state or {}), p))
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": dict(sorted(files.items()))}
+        _write_file(tmp / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n"))
+        _fsync_dir(tmp)
+        if final.exists():
+            aside = root / f"{final.name}.old-{os.getpid()}"
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            shutil.rmtree(aside)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep_last is not None:
+        for old in _complete_steps(root)[keep_last:]:
+            shutil.rmtree(root / checkpoint_dir_name(old), ignore_errors=True)
+    return final
+
+
+# ------------------------------------------------------------------------------------------------------ reading
+
+def _read_manifest(path: Path) -> dict:
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise ValueError(f"{mpath} is missing: {path} is incomplete or not an rlrepro checkpoint; "
+                         "resume from latest_checkpoint(ckpt_root) instead")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{mpath} is not valid JSON ({e}); the checkpoint is corrupt, "
+                         "resume from an earlier one (latest_checkpoint skips it only if files are missing)") from e
+    if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"{mpath} is not an {FORMAT} manifest (format {manifest.get('format')!r})")
+    if manifest.get("version") != VERSION:
+        raise ValueError(f"{mpath} has format version {manifest.get('version')}; this rlrepro reads version {VERSION}")
+    return manifest
+
+
+def verify_checkpoint(path: str | os.PathLike, check_hashes: bool = True) -> dict:
+    """Check every file the manifest lists: present, the recorded size and (``check_hashes``) sha256.
+
+    Raises ValueError naming the first bad file and what to do; returns the manifest.
+    """
+    path = Path(path)
+    manifest = _read_manifest(path)
+    advice = "the checkpoint is damaged: delete it and resume from an earlier one"
+    for name, entry in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise ValueError(f"checkpoint file {f} is missing; {advice}")
+        size = f.stat().st_size
+        if size != entry["size"]:
+            raise ValueError(f"checkpoint file {f} has {size} bytes, the manifest says {entry['size']} "
+                             f"(truncated or overwritten); {advice}")
+        if check_hashes:
+            digest = _file_digest(f)["sha256"]
+            if digest != entry["sha256"]:
+                raise ValueError(f"checkpoint file {f} has sha256 {digest}, the manifest says {entry['sha256']} "
+                                 f"(corrupted); {advice}")
+    return manifest
+
+
+def _complete_steps(root: Path) -> list[int]:
+    """Steps of complete checkpoints (manifest present, every listed file of the recorded size), newest first."""
+    steps = []
+    if not root.is_dir():
+        return steps
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if not m or not d.is_dir():
+            continue
+        try:
+            verify_checkpoint(d, check_hashes=False)
+        except ValueError:
+            continue
+        steps.append(int(m.group(1)))
+    return sorted(steps, reverse=True)
+
+
+def list_checkpoints(ckpt_root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of each complete checkpoint under ``ckpt_root``, oldest first; see latest_checkpoint."""
+    return [(s, Path(ckpt_root) / checkpoint_dir_name(s)) for s in reversed(_complete_steps(Path(ckpt_root)))]
+
+
+def latest_checkpoint(ckpt_root: str | os.PathLike) -> Path | None:
+    """The newest complete ``step_NNNNNN`` under ``ckpt_root`` (None if there is none).
+
+    Skips ``*.tmp-*`` directories and directories whose manifest is missing or lists a missing or wrongly sized
+    file. Hashes are checked by :func:`load_checkpoint`, not here (reading every byte of a large checkpoint).
+    """
+    steps = _complete_steps(Path(ckpt_root))
+    return Path(ckpt_root) / checkpoint_dir_name(steps[0]) if steps else None
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    step: int
+    extra_state: dict
+    rng_state: dict
+
+
+def _load_pt(path: Path, map_location):
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, scheduler=None,
+                    restore_rng: bool = True, generators: Mapping[str, object] | None = None,
+                    map_location: str | torch.device | None = "cpu") -> LoadedCheckpoint:
+    """Verify the manifest (sizes and sha256 of every file) and only then load into the given objects.
+
+    ``model``: its state dict is loaded strictly (same names, shapes and dtypes). ``restore_rng``: put the RNG
+    states back (Python, numpy, torch CPU and CUDA, and ``generators``). Returns step, extra_state and rng_state.
+    """
+    path = Path(path)
+    manifest = verify_checkpoint(path, check_hashes=True)
+    listed = manifest["files"]
+
+    def need(name: str, what: str) -> Path:
+        if name not in listed:
+            raise ValueError(f"checkpoint {path} has no {name} but a {what} was passed to load; "
+                             f"it was saved without one — pass {what}=None")
+        return path / name
+
+    if model is not None:
+        f = need("model.safetensors", "model")
+        state = load_file(str(f))
+        own = model.state_dict()
+        if set(state) != set(own):
+            raise ValueError(f"{f} holds tensors {sorted(set(state) - set(own))[:5]} the model lacks and lacks "
+                             f"{sorted(set(own) - set(state))[:5]}; load it into the same architecture")
+        for k, v in state.items():
+            if v.dtype != own[k].dtype or v.shape != own[k].shape:
+                raise ValueError(f"{f}: {k!r} is {v.dtype} {tuple(v.shape)}, the model has {own[k].dtype} "
+                                 f"{tuple(own[k].shape)}; build the model with the saving run's dtype and config")
+        model.load_state_dict(state, strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(_load_pt(need("optimizer.pt", "optimizer"), map_location))
+    if scheduler is not None:
+        scheduler.load_state_dict(_load_pt(need("scheduler.pt", "scheduler"), map_location))
+    rng_state = _load_pt(path / "rng.pt", "cpu")
+    extra_state = _load_pt(path / "extra_state.pt", map_location)
+    if restore_rng:
+        restore_rng_state(rng_state, generators)
+    return LoadedCheckpoint(path=path, step=int(manifest["step"]), extra_state=extra_state, rng_state=rng_state)
+
+
+def export_hf(model, path: str | os.PathLike, **kwargs) -> Path:
+    """Write the policy as a Hugging Face checkpoint (config.json + safetensors) via ``rlrepro.model.save_pretrained``;
+    ``kwargs`` go to it (``max_shard_bytes``, ``tokenizer_from``)."""
+    return save_pretrained(model, path, **kwargs)

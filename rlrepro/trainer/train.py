@@ -1,0 +1,289 @@
+"""The GRPO train step: on-policy check, micro-batched clipped-surrogate loss, clip, AdamW, LR schedule.
+
+``Trainer.train_step(samples)`` reads like the algorithm:
+
+1. Without grad, recompute every completion token's logprob with the current weights and report
+   ``train/rollout_logprob_abs_diff = max |trainer - rollout|`` (exactly 0.0 when trainer and engine agree bit
+   for bit); with a reference model, compute its logprobs for the KL term.
+2. For each of ``ppo_epochs`` passes: for each micro-batch (consecutive chunks of ``micro_batch_size`` samples,
+   a pure function of the batch order) compute the loss share (scaled by the whole batch's token / sequence
+   counts, so micro-batching changes nothing mathematically), backward, accumulate grads in float32; then
+   (data parallel: order-fixed gradient sum) clip by global norm and take an AdamW step.
+3. Advance the LR schedule (once per train step; every epoch of a step uses the same rate).
+
+The "old" logprobs of the PPO ratio are the rollout's, as the engine reported them.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .advantages import ADVANTAGE_MODES
+from .checkpoint import capture_rng_state, load_checkpoint, save_checkpoint
+from .data_parallel import DataParallel
+from .logprobs import logprobs_and_entropy, token_logprobs
+from .losses import KL_ESTIMATORS, LOSS_AGG_MODES, pad_sequences, policy_loss
+from .optim import MasterWeightAdamW, WarmupCosineLR, clip_grad_norm_
+
+__all__ = ["TrainConfig", "TrainSample", "Trainer", "micro_batches"]
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    total_steps: int = 1000  # length of the LR schedule, in train steps
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    max_grad_norm: float = 1.0  # <= 0: no clipping (the norm is still reported)
+    micro_batch_size: int = 8  # samples per forward/backward
+    ppo_epochs: int = 1  # optimizer steps per train step, each over the whole batch
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
+    loss_agg: str = "token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    temperature: float = 1.0  # the rollout's sampling temperature (<= 0 means 1, as the engine)
+    max_response_length: int | None = None  # the rollout's max_tokens; needed by seq-mean-token-sum-norm
+    advantage_mode: str = "grpo"  # "grpo" (std-normalised) or "dr_grpo"; used by advantages.compute_advantages
+    advantage_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)
+
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        need(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+             f"train.betas must be two numbers in [0, 1), got {self.betas}")
+        need(self.eps > 0, f"train.eps must be > 0, got {self.eps}")
+        need(isinstance(self.total_steps, int) and self.total_steps >= 1,
+             f"train.total_steps must be a positive int (the LR schedule's length), got {self.total_steps!r}")
+        need(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps <= self.total_steps,
+             f"train.warmup_steps must be an int in [0, total_steps={self.total_steps}], got {self.warmup_steps!r}")
+        need(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        need(isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1,
+             f"train.micro_batch_size must be a positive int (samples per forward), got {self.micro_batch_size!r}")
+        need(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1,
+             f"train.ppo_epochs must be a positive int, got {self.ppo_epochs!r}")
+        need(0 <= self.clip_low < 1, f"train.clip_low must be in [0, 1) (ratio floor 1 - clip_low > 0), "
+             f"got {self.clip_low}")
+        need(self.clip_high >= 0, f"train.clip_high must be >= 0, got {self.clip_high}")
+        need(self.loss_agg in LOSS_AGG_MODES, f"train.loss_agg {self.loss_agg!r} is not one of {LOSS_AGG_MODES}")
+        need(self.kl_coef >= 0, f"train.kl_coef must be >= 0, got {self.kl_coef}")
+        need(self.kl_estimator in KL_ESTIMATORS,
+             f"train.kl_estimator {self.kl_estimator!r} is not one of {KL_ESTIMATORS}")
+        need(self.temperature >= 0, f"train.temperature must be >= 0 (the rollout's), got {self.temperature}")
+        need(self.max_response_length is None or (isinstance(self.max_response_length, int)
+                                                  and self.max_response_length >= 1),
+             f"train.max_response_length must be a positive int or None, got {self.max_response_length!r}")
+        need(self.loss_agg != "seq-mean-token-sum-norm" or self.max_response_length is not None,
+             "train.loss_agg 'seq-mean-token-sum-norm' divides by a constant: set train.max_response_length to "
+             "the rollout's max_tokens")
+        need(self.advantage_mode in ADVANTAGE_MODES,
+             f"train.advantage_mode {self.advantage_mode!r} is not one of {ADVANTAGE_MODES}")
+        need(self.advantage_eps >= 0, f"train.advantage_eps must be >= 0, got {self.advantage_eps}")
+
+
+@dataclass
+class TrainSample:
+    """What the trainer needs of a rollout sample. Any object with these attributes (or a mapping with these
+    keys) is accepted by :meth:`Trainer.train_step`."""
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    rollout_logprobs: list[float]
+    advantage: float
+    extra: dict = field(default_factory=dict)
+
+
+def _field(sample, name: str, index: int):
+    try:
+        return sample[name] if isinstance(sample, Mapping) else getattr(sample, name)
+    except (KeyError, AttributeError):
+        raise ValueError(f"sample {index} has no {name!r}; a train sample needs prompt_token_ids, "
+                         "completion_token_ids, rollout_logprobs and advantage") from None
+
+
+def _as_train_sample(sample, index: int) -> TrainSample:
+    s = TrainSample(prompt_token_ids=list(_field(sample, "prompt_token_ids", index)),
+                    completion_token_ids=list(_field(sample, "completion_token_ids", index)),
+                    rollout_logprobs=[float(x) for x in _field(sample, "rollout_logprobs", index)],
+                    advantage=float(_field(sample, "advantage", index)))
+    if len(s.rollout_logprobs) != len(s.completion_token_ids):
+        raise ValueError(f"sample {index} has {len(s.completion_token_ids)} completion tokens but "
+                         f"{len(s.rollout_logprobs)} rollout logprobs; they must be one per token")
+    if not math.isfinite(s.advantage):
+        raise ValueError(f"sample {index} has advantage {s.advantage}; advantages must be finite")
+    return s
+
+
+def micro_batches(num_samples: int, micro_batch_size: int) -> list[range]:
+    """Consecutive chunks ``[0, m), [m, 2m), ...`` of the batch: a pure function of its size and order."""
+    return [range(a, min(a + micro_batch_size, num_samples)) for a in range(0, num_samples, micro_batch_size)]
+
+
+class Trainer:
+    """Owns the policy, its optimizer and LR schedule; ``train_step`` runs one GRPO update.
+
+    ``param_dtype``: the compute dtype of the policy (e.g. ``torch.bfloat16`` on GPU). When it differs from the
+    model's dtype the model is cast to it and the optimizer keeps float32 master weights initialised from the
+    model's weights *before* the cast; when the model is float32 and ``param_dtype`` is None the parameters are
+    their own masters. ``ref_model``: frozen reference for the KL term (required when ``kl_coef > 0``; with
+    ``kl_coef == 0`` its KL is still reported). ``data_parallel``: see :mod:`rlrepro.trainer.data_parallel`.
+
+    Determinism: call :func:`enable_determinism` first; every rank/run must use the same CPU thread count.
+    """
+
+    def __init__(self, model, config: TrainConfig, ref_model=None, *, param_dtype: torch.dtype | None = None,
+                 data_parallel: DataParallel | None = None) -> None:
+        if config.kl_coef > 0 and ref_model is None:
+            raise ValueError(f"train.kl_coef={config.kl_coef} needs a reference model: pass ref_model= "
+                             "(a frozen copy of the initial policy) or set kl_coef=0")
+        self.config = config
+        self.data_parallel = data_parallel
+        master_init = None
+        if param_dtype is not None and param_dtype != model.dtype:
+            master_init = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+            model.to(param_dtype)
+        self.model = model
+        self.ref_model = ref_model
+        if ref_model is not None:
+            ref_model.requires_grad_(False)
+        self.optimizer = MasterWeightAdamW(model.named_parameters(), lr=config.lr, betas=config.betas,
+                                           eps=config.eps, weight_decay=config.weight_decay, master_init=master_init)
+        self.scheduler = WarmupCosineLR(self.optimizer, base_lr=config.lr, warmup_steps=config.warmup_steps,
+                                        total_steps=config.total_steps, min_lr_ratio=config.min_lr_ratio)
+
+    @property
+    def step(self) -> int:
+        """Train steps completed (the LR schedule's position)."""
+        return self.scheduler.last_step
+
+    def save_checkpoint(self, ckpt_root, step: int, *, extra_state: Mapping | None = None,
+                        keep_last: int | None = None, generators: Mapping | None = None):
+        """:func:`~rlrepro.trainer.checkpoint.save_checkpoint` of the policy, optimizer (with master weights),
+        schedule and every RNG (plus ``generators``); returns the checkpoint's path. The reference model is not
+        saved: it is the frozen initial policy, rebuilt by the caller."""
+        return save_checkpoint(ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                               extra_state=extra_state, rng_state=capture_rng_state(generators), keep_last=keep_last)
+
+    def load_checkpoint(self, path, *, generators: Mapping | None = None, restore_rng: bool = True) -> dict:
+        """Verify and load a checkpoint written by :meth:`save_checkpoint`, restore the RNGs, return its extra_state."""
+        return load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                               restore_rng=restore_rng, generators=generators).extra_state
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's (name, detached tensor) pairs in name order, in the compute dtype: what the engine runs."""
+        for name, p in sorted(self.model.named_parameters(), key=lambda kv: kv[0]):
+            yield name, p.detach()
+
+    def _my_chunks(self, num_samples: int) -> list[range]:
+        chunks = micro_batches(num_samples, self.config.micro_batch_size)
+        if self.data_parallel is None:
+            return chunks
+        return [chunks[k] for k in self.data_parallel.my_micro_batches(len(chunks))]
+
+    def train_step(self, samples: Sequence) -> dict:
+        """One GRPO update on ``samples`` (each with prompt_token_ids, completion_token_ids, rollout_logprobs,
+        advantage). Returns ``train/*`` metrics (Python floats) and the raw ``loss`` / ``grad_norm`` floats (means
+        over the PPO epochs; per epoch in ``loss_per_epoch`` / ``grad_norm_per_epoch``) for fingerprints."""
+        cfg = self.config
+        batch = [_as_train_sample(s, i) for i, s in enumerate(samples)]
+        if not batch:
+            raise ValueError("train_step got an empty batch")
+        dp = self.data_parallel
+        device = self.model.device
+        chunks = self._my_chunks(len(batch))
+        num_tokens = sum(len(s.completion_token_ids) for s in batch)
+        num_seqs = len(batch)
+        lr = self.scheduler.get_last_lr()
+
+        # 1. on-policy check and reference logprobs, no grad
+        max_diff = 0.0
+        ref_lps: dict[int, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for k, chunk in enumerate(chunks):
+                part = [batch[i] for i in chunk]
+                prompts = [s.prompt_token_ids for s in part]
+                completions = [s.completion_token_ids for s in part]
+                current = token_logprobs(self.model, prompts, completions, cfg.temperature)
+                for s, lp in zip(part, current):
+                    if lp.numel():
+                        old = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=device)
+                        max_diff = max(max_diff, float((lp - old).abs().max()))
+                if self.ref_model is not None:
+                    ref_lps[k] = token_logprobs(self.ref_model, prompts, completions, cfg.temperature)
+        if dp is not None:
+            max_diff = dp.max_float(max_diff)
+
+        # 2. ppo_epochs optimizer steps over the whole batch
+        losses, norms = [], []
+        metric_sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # pg*n, kl*n, clip_frac*n, entropy*n, n
+        for _ in range(cfg.ppo_epochs):
+            self.optimizer.zero_grad()
+            loss_sum = 0.0
+            sums = [0.0] * 5
+            for k, chunk in enumerate(chunks):
+                part = [batch[i] for i in chunk]
+                if not any(s.completion_token_ids for s in part):
+                    continue  # nothing to learn from; contributes 0 to the loss
+                lps, ents = logprobs_and_entropy(self.model, [s.prompt_token_ids for s in part],
+                                                 [s.completion_token_ids for s in part], cfg.temperature)
+                logp, mask = pad_sequences(lps)
+                old, _ = pad_sequences([torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=device)
+                                        for s in part])
+                entropy, _ = pad_sequences(ents)
+                ref = pad_sequences(ref_lps[k])[0] if self.ref_model is not None else None
+                adv = torch.tensor([s.advantage for s in part], dtype=torch.float32, device=device)
+                out = policy_loss(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                  loss_agg=cfg.loss_agg, max_response_length=cfg.max_response_length,
+                                  kl_coef=cfg.kl_coef, ref_logp=ref, kl_estimator=cfg.kl_estimator,
+                                  entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs)
+                out.loss.backward()
+                self.optimizer.accumulate_grads()
+                loss_sum += float(out.loss.detach())
+                n = out.num_tokens
+                for j, v in enumerate((out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)):
+                    sums[j] += v
+            grads = self.optimizer.grads()
+            if dp is not None:
+                dp.sum_tensors_(grads)
+                loss_sum, *sums = dp.sum_floats([loss_sum, *sums])
+            norm = clip_grad_norm_(grads, cfg.max_grad_norm)
+            if not math.isfinite(norm):
+                raise FloatingPointError(f"gradient norm is {norm} at train step {self.step}; the update was not "
+                                         "applied. Lower train.lr or check the rewards/advantages for inf/nan")
+            self.optimizer.step()
+            losses.append(loss_sum)
+            norms.append(norm)
+            metric_sums = [a + b for a, b in zip(metric_sums, sums)]
+
+        # 3. LR schedule
+        self.scheduler.step()
+        n = metric_sums[4]
+        mean = (lambda v: v / n) if n else (lambda v: 0.0)
+        loss = sum(losses) / len(losses)
+        grad_norm = sum(norms) / len(norms)
+        return {
+            "train/loss": loss,
+            "train/pg_loss": mean(metric_sums[0]),
+            "train/grad_norm": grad_norm,
+            "train/kl": mean(metric_sums[1]),
+            "train/clip_frac": mean(metric_sums[2]),
+            "train/entropy": mean(metric_sums[3]),
+            "train/lr": lr,
+            "train/rollout_logprob_abs_diff": max_diff,
+            "train/num_tokens": num_tokens,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "loss_per_epoch": losses,
+            "grad_norm_per_epoch": norms,
+        }

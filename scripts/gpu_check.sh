@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# gpu_check.sh — everything that needs the GPU machine, in one go: a list of steps, each logging to
+# $OUT/<name>.log, each run even when an earlier one failed, and a summary table printed last.
+#
+#   scripts/gpu_check.sh                 # all steps
+#   scripts/gpu_check.sh gpu_tests       # only the named steps
+#   BENCH_ARGS=--sweep scripts/gpu_check.sh bench_kernels
+#
+# On the device machine (run from the repo root): `OUT` is set by the tool; elsewhere it defaults to
+# ./gpu_check_out. rlrepro is not installed there: the repo root goes on PYTHONPATH. To add a step, write one
+# `add_step NAME TIMEOUT_S 'command'` line below; keep names to letters, digits, '_' and '-'.
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+STEP_NAMES=()
+STEP_TIMEOUTS=()
+STEP_CMDS=()
+add_step() { STEP_NAMES+=("$1"); STEP_TIMEOUTS+=("$2"); STEP_CMDS+=("$3"); }
+
+# ---------------------------------------------------------------------------------------------- steps
+add_step env 60 '
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  $PY -c "import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0)); print(\"triton\", triton.__version__)"
+  $PY -m pytest --version'
+add_step gpu_tests 300 '$PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_PATHS:-tests/}'
+add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'
+# (engine / trainer steps go here)
+
+# ---------------------------------------------------------------------------------------------- runner
+export PY OUT ROOT
+selected=("$@")
+results=()
+overall=0
+for i in "${!STEP_NAMES[@]}"; do
+  name=${STEP_NAMES[$i]}
+  if [ ${#selected[@]} -gt 0 ] && [[ ! " ${selected[*]} " == *" $name "* ]]; then
+    continue
+  fi
+  log="$OUT/$name.log"
+  echo "=== [$name] start $(date -u +%H:%M:%S) (timeout ${STEP_TIMEOUTS[$i]}s) -> $log"
+  start=$(date +%s)
+  timeout --kill-after=10 "${STEP_TIMEOUTS[$i]}" bash -c "${STEP_CMDS[$i]}" >"$log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  [ $rc -eq 0 ] && status=ok || { status="FAIL(rc=$rc)"; overall=1; }
+  [ $rc -eq 124 ] && status="TIMEOUT"
+  echo "=== [$name] $status in ${secs}s; last lines:"
+  tail -n 15 "$log"
+  results+=("$(printf '%-16s %-14s %5ss' "$name" "$status" "$secs")")
+done
+
+{
+  echo "gpu_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ))"
+  for r in "${results[@]}"; do echo "  $r"; done
+} | tee "$OUT/summary.txt"
+exit $overall

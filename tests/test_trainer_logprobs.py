@@ -1,0 +1,87 @@
+"""Trainer token logprobs: bitwise independent of packing, equal to a plain full-sequence forward."""
+import random
+
+import pytest
+import torch
+
+from rlrepro import kernels
+from rlrepro.model import tiny_model
+from rlrepro.trainer import logprobs_and_entropy, token_logprobs
+from rlrepro.trainer.logprobs import tempered_log_softmax
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=3)
+
+
+def _samples(vocab: int, n: int, seed: int, max_prompt: int = 9, max_completion: int = 12):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))] for _ in range(n)]
+    completions = [[rng.randrange(vocab) for _ in range(rng.randint(1, max_completion))] for _ in range(n)]
+    return prompts, completions
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_packing_order_and_batch_composition_do_not_change_bits(model, temperature):
+    prompts, completions = _samples(model.config.vocab_size, 7, seed=11)
+    with torch.no_grad():
+        together = token_logprobs(model, prompts, completions, temperature)
+        alone = [token_logprobs(model, [p], [c], temperature)[0] for p, c in zip(prompts, completions)]
+        order = list(reversed(range(7)))
+        reversed_ = token_logprobs(model, [prompts[i] for i in order], [completions[i] for i in order], temperature)
+        others_p, others_c = _samples(model.config.vocab_size, 5, seed=12)
+        mixed = token_logprobs(model, others_p[:2] + prompts[3:5] + others_p[2:],
+                               others_c[:2] + completions[3:5] + others_c[2:], temperature)
+    for i in range(7):
+        assert together[i].dtype == torch.float32 and together[i].shape == (len(completions[i]),)
+        assert torch.equal(together[i], alone[i])
+        assert torch.equal(together[i], reversed_[order.index(i)])
+    assert torch.equal(mixed[2], together[3]) and torch.equal(mixed[3], together[4])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_equals_full_sequence_forward(model, temperature):
+    prompts, completions = _samples(model.config.vocab_size, 4, seed=5)
+    with torch.no_grad():
+        got = token_logprobs(model, prompts, completions, temperature)
+        for p, c, lp in zip(prompts, completions, got):
+            logits = model(torch.tensor([p + c]))[0]
+            want = kernels.token_logprob(logits[len(p) - 1:len(p) + len(c) - 1], torch.tensor(c), temperature)
+            assert torch.equal(lp, want)
+
+
+def test_logprobs_and_entropy_share_the_definition(model):
+    prompts, completions = _samples(model.config.vocab_size, 3, seed=8)
+    with torch.no_grad():
+        lps = token_logprobs(model, prompts, completions, 0.8)
+        lps2, ents = logprobs_and_entropy(model, prompts, completions, 0.8)
+        for p, c, a, b, e in zip(prompts, completions, lps, lps2, ents):
+            assert torch.equal(a, b)
+            logits = model(torch.tensor([p + c]))[0][len(p) - 1:len(p) + len(c) - 1]
+            lsm = tempered_log_softmax(logits, 0.8).double()
+            torch.testing.assert_close(e.double(), -(lsm.exp() * lsm).sum(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_grad_flows_and_equals_no_grad_values(model):
+    prompts, completions = _samples(model.config.vocab_size, 3, seed=9)
+    with torch.no_grad():
+        ref = token_logprobs(model, prompts, completions)
+    lps = token_logprobs(model, prompts, completions)
+    assert all(lp.requires_grad for lp in lps)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(lps, ref))
+    torch.stack([lp.sum() for lp in lps]).sum().backward()
+    assert model.model.embed_tokens.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
+def test_empty_completions_and_bad_inputs(model):
+    with torch.no_grad():
+        out = token_logprobs(model, [[1, 2], [3]], [[], [4, 5]])
+        assert out[0].shape == (0,) and out[1].shape == (2,)
+        assert torch.equal(out[1], token_logprobs(model, [[3]], [[4, 5]])[0])
+        assert [t.shape for t in token_logprobs(model, [[1]], [[]])] == [(0,)]
+    with pytest.raises(ValueError, match="empty prompt"):
+        token_logprobs(model, [[]], [[1]])
+    with pytest.raises(ValueError, match="2 prompts but 1 completions"):
+        token_logprobs(model, [[1], [2]], [[1]])
