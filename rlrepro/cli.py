@@ -51,6 +51,8 @@ def compose_config(overrides: list[str]):
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as e:
         msg = str(e).strip()
+        if e.__cause__ is not None:
+            msg += f" ({str(e.__cause__).splitlines()[0]})"
         bad = [o.split("=", 1)[0].lstrip("+~") for o in rest]
         known = _all_keys(OmegaConf.structured(RunSchema))
         hints = []

@@ -110,3 +110,19 @@ def test_prefixes_of_one_prompt(model, params, warm):
     assert all(len(s) <= 1 for s in seen.values()), {n: len(s) for n, s in seen.items()}
     assert sum(len(s) for s in seen.values()) >= len(lengths) - 2  # nearly every length was exercised
     assert hits > 0, "no prefix-cache hit in any trial"
+
+
+def test_random_workloads_match_running_each_request_alone(model):
+    """Many random batches under random configurations; every request must equal its solo run."""
+    rng = random.Random(4)
+    solo_engine = Engine(model, block_size=BLOCK_SIZE, num_kv_blocks=64, max_num_seqs=1)
+    solo: dict = {}
+    for trial in range(40):
+        prompts = [random_prompt(rng) for _ in range(rng.randint(1, 12))]
+        params = [random_params(rng) for _ in prompts]
+        engine = random_engine(model, rng, max(blocks_for(p, sp) for p, sp in zip(prompts, params)))
+        for prompt, sp, out in zip(prompts, params, engine.generate(prompts, params)):
+            k = (tuple(prompt), sp)
+            if k not in solo:
+                solo[k] = key(solo_engine.generate([prompt], sp)[0])
+            assert key(out) == solo[k]

@@ -113,6 +113,9 @@ class WarmStartConfig:
     lr: float = 1e-3
     batch_size: int = 32
     seed: int = 0
+    # format: answers replaced by random strings of the same length over the answers' characters, so the model
+    # learns to answer briefly and stop, but nothing about which answer is right; answer: the true answers (SFT)
+    target: str = "format"
 
 
 @dataclass
@@ -162,6 +165,7 @@ _CHOICES = {
     "train.advantage": ("grpo", "dr_grpo"),
     "train.kl_estimator": ("k1", "k2", "k3"),
     "logger.mode": ("offline", "online", "disabled"),
+    "warm_start.target": ("format", "answer"),
 }
 _POSITIVE = ["rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_tokens",
              "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.block_size", "train.steps",

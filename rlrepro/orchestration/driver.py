@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import sys
 import time
@@ -130,11 +131,14 @@ class GRPODriver:
         syn = cfg.data.synthetic
         records = make_synthetic_records(syn.task, max(256, ws.batch_size * 4), syn.seed + 1_000_003 + ws.seed,
                                          **OmegaConf.to_container(syn.kwargs))
+        rng = random.Random(ws.seed)
+        charset = sorted({c for rec in records for c in rec.answer})
         examples = []
         for rec in records:
             p = tokenize_prompt(rec, self.tokenizer, template=cfg.data.template, system_prompt=cfg.data.system_prompt,
                                 use_chat_template=cfg.data.use_chat_template)
-            examples.append((p, self.tokenizer.encode(rec.answer) + self.stop_token_ids))
+            target = rec.answer if ws.target == "answer" else "".join(rng.choice(charset) for _ in rec.answer)
+            examples.append((p, self.tokenizer.encode(target) + self.stop_token_ids))
         losses = self.cluster.warm_start(examples, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, seed=ws.seed)
         self._log_line(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 

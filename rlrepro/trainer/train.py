@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -101,7 +101,6 @@ class TrainSample:
     completion_token_ids: list[int]
     rollout_logprobs: list[float]
     advantage: float
-    extra: dict = field(default_factory=dict)
 
 
 def _field(sample, name: str, index: int):
