@@ -145,6 +145,48 @@ def bench_engine(model, prompts, args, deterministic: bool) -> dict:
     return result
 
 
+def profile_engine(model, prompts, args) -> None:
+    """Per-step wall times (synchronised) and the profiler's top ops for a short deterministic run."""
+    device = model.device
+    n, p_len = len(prompts), len(prompts[0])
+    steps = args.profile
+    engine = Engine(model, device=str(device), max_num_seqs=max(n, 1), block_size=args.block_size,
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=p_len + steps + 1,
+                    num_kv_blocks=n * math.ceil((p_len + steps + 1) / args.block_size) + n,
+                    enable_cuda_graphs=not args.no_cuda_graphs)
+    engine.generate(prompts[: min(n, 4)], [sampling(args, 4, i) for i in range(min(n, 4))])
+    engine.reset_prefix_cache()
+    times: list[tuple[int, float]] = []
+    real = engine.runner.execute
+
+    def timed(scheduled):
+        sync(device)
+        t0 = time.perf_counter()
+        out = real(scheduled)
+        sync(device)
+        times.append((sum(s.num_new_tokens for s in scheduled), time.perf_counter() - t0))
+        return out
+
+    engine.runner.execute = timed
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        engine.generate(prompts, [sampling(args, steps, i) for i in range(n)])
+        sync(device)
+        total = time.perf_counter() - t0
+    decode = [t for tokens, t in times if tokens == n]
+    print(f"# profile: {len(times)} steps in {total:.3f} s; execute() of the {len(decode)} full decode steps: "
+          f"mean {1e3 * sum(decode) / max(len(decode), 1):.2f} ms (synchronised)")
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.profile_rows, max_name_column_width=60))
+    names = ("rlrepro.schedule", "rlrepro.execute", "rlrepro.update", "rlrepro.sample")
+    for evt in prof.key_averages():
+        if evt.key in names:
+            print(f"# {evt.key}: {evt.count} calls, CPU total {evt.cpu_time_total / 1e3:.1f} ms")
+
+
 def bench_transformers(model, prompts, args) -> dict:
     import transformers
 
@@ -201,6 +243,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="profile a deterministic run of STEPS output tokens instead of benchmarking")
+    ap.add_argument("--profile-rows", type=int, default=30)
     args = ap.parse_args(argv)
     if not args.tiny and not args.model:
         args.qwen3_8b_shape = True
@@ -215,6 +260,9 @@ def main(argv=None) -> None:
           f"N={args.num_requests} P={args.prompt_len} O={args.output_len} T={args.temperature}", flush=True)
     print(f"# copy bandwidth {bandwidth / 1e12:.2f} TB/s; decode roofline {roofline:,.0f} tokens/s", flush=True)
 
+    if args.profile:
+        profile_engine(model, prompts, args)
+        return
     results = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode not in ("deterministic", "fast"):

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from pathlib import Path
 
@@ -63,6 +64,10 @@ def compose_config(overrides: list[str]):
         hint = ("; " + "; ".join(hints)) if hints else ""
         raise ConfigError(f"bad override for recipe {recipe}: {msg}{hint}. "
                           f"`rlrepro train recipe={recipe} --cfg` prints every key") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"recipe {recipe} needs values for {', '.join(missing)}: add "
+                          + " ".join(f"{k}=..." for k in missing))
     validate(cfg)
     return cfg
 
@@ -99,8 +104,11 @@ def cmd_train(args: list[str]) -> int:
 
     try:
         run_training(cfg)
-    except ConfigError as e:
-        print(f"rlrepro train: {e}", file=sys.stderr)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        # Bad input found while preparing the run (a data row, a model directory): the message names it.
+        if os.environ.get("RLREPRO_DEBUG"):
+            raise
+        print(f"rlrepro train: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print(f"run written to {cfg.run.dir}", file=sys.stderr)
     return 0

@@ -32,6 +32,7 @@ from rlrepro.kernels.metadata import AttentionMetadata  # noqa: E402
 
 try:
     import triton  # noqa: F401
+
     HAS_TRITON = True
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
@@ -262,9 +263,16 @@ def check_attention_invariance_fp32():
 
 @interp_check
 def check_attention_mha_fp32():
+    from rlrepro.kernels import triton_attention as A
     from rlrepro.kernels import triton_ops as T
     check_attention_invariance(T.attention, [9, 40], h=2, hkv=2, d=16, dtype=torch.float32, device="cpu",
                                block_sizes=(32,), tol=1e-5)
+    lens = [3, 150]  # every tile config (64 and 128 rows) computes the same function
+    q, k, v = make_paged_case(lens, 4, 2, 16, torch.float32, "cpu")
+    meta = AttentionMetadata.packed(lens)
+    expect = ref.attention_packed(q, k, v, meta, 0.3)
+    for name, cfg in A.ATTENTION_CONFIGS.items():
+        assert rel_err(A.attention_fwd(q, k, v, meta, 0.3, config=cfg), expect) < 1e-5, name
 
 
 def _grad_pairs(device, dtype):
@@ -458,6 +466,26 @@ def test_gpu_attention_packed_paged_chunked_equal(dtype):
     lens = [300, 129, 64, 1, 77] if dtype == torch.bfloat16 else [130, 1, 65]
     check_attention_invariance(T.attention, lens, h=8, hkv=2, d=128, dtype=dtype, device="cuda",
                                block_sizes=(16, 256), tol=tol)
+
+
+@gpu
+@needs_cuda
+def test_gpu_attention_configs_agree(monkeypatch):
+    """The 64-row and 128-row attention tiles give the same bits, so the tile may follow the call's size: with a
+    low switch-over, packed / chunked / decode calls mix both configs and still agree bitwise."""
+    from rlrepro.kernels import triton_attention as A
+    from rlrepro.kernels import triton_ops as T
+    seed = _cuda_seed()
+    lens = [300, 129, 1, 77]
+    q, k, v = make_paged_case(lens, 8, 2, 128, torch.bfloat16, "cuda")
+    meta = AttentionMetadata.packed(lens, device="cuda")
+    outs = {name: A.attention_fwd(q, k, v, meta, 0.09, config=cfg) for name, cfg in A.ATTENTION_CONFIGS.items()}
+    first = next(iter(outs.values()))
+    for name, out in outs.items():
+        assert torch.equal(out, first), f"attention config {name} differs (seed {seed})"
+    monkeypatch.setattr(A, "LARGE_MIN_TOKENS", 64)
+    check_attention_invariance(T.attention, lens, h=8, hkv=2, d=128, dtype=torch.bfloat16, device="cuda",
+                               block_sizes=(16,), tol=2e-2)
 
 
 @gpu

@@ -1,7 +1,7 @@
 """Batch-invariant causal attention in Triton, for packed sequences and the paged KV cache alike.
 
 One program owns ``BLOCK_Q`` consecutive queries of one sequence and the ``GROUP`` query heads that share one KV
-head (GQA), so its tile has ``BLOCK_M = BLOCK_Q * GROUP_P`` rows. It walks KV positions 0, 64, 128, ... in tiles
+head (GQA), so its tile has ``BLOCK_M = BLOCK_Q * GROUP_P`` rows (64 or 128, see ``ATTENTION_CONFIGS``). It walks KV positions 0, 64, 128, ... in tiles
 of ``BLOCK_KV``, in that order, with an online softmax in float32, up to the block's last query position. A row
 whose position lies before a tile gets exactly zero weight there (``alpha == 1``, ``p == 0``), so it leaves the
 row's state bitwise unchanged: a query's result depends only on its sequence's K/V at positions ``0..p``.
@@ -14,6 +14,8 @@ full-sequence forward give identical bits.
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,18 +24,40 @@ import triton.language as tl
 from .metadata import AttentionMetadata
 
 BLOCK_KV = 64  # KV positions per step of the online softmax: the fixed reduction order
-ROWS = 64  # rows (query tokens x heads of a group) per program: one wgmma M tile
-NUM_WARPS = 4
-NUM_STAGES = 2
 LOG2E = 1.4426950408889634
 
 
-def tile_shape(group: int) -> tuple[int, int]:
+@dataclass(frozen=True)
+class AttentionConfig:
+    rows: int  # query tokens x heads of a group per program (wgmma M: 64 per warpgroup)
+    num_warps: int
+    num_stages: int
+
+
+# "small" serves decode-heavy calls (few queries per sequence: fewer wasted rows); "large" serves prefill.
+# Both keep BLOCK_KV, the KV order and the instructions, with one warp per 16 rows, so a row's softmax state
+# evolves identically; tests/test_triton_kernels.py checks bitwise that the two give the same output.
+ATTENTION_CONFIGS = {
+    "small": AttentionConfig(rows=64, num_warps=4, num_stages=2),
+    "large": AttentionConfig(rows=128, num_warps=8, num_stages=2),
+    "large3": AttentionConfig(rows=128, num_warps=8, num_stages=3),
+}
+LARGE_MIN_TOKENS = 1024  # calls with at least this many query tokens use "large" (H200: prefill 13% faster)
+
+
+def pick_attention_config(num_tokens: int) -> AttentionConfig:
+    forced = os.environ.get("RLREPRO_ATTENTION_CONFIG")
+    if forced:
+        return ATTENTION_CONFIGS[forced]
+    return ATTENTION_CONFIGS["large" if num_tokens >= LARGE_MIN_TOKENS else "small"]
+
+
+def tile_shape(group: int, rows: int = 64) -> tuple[int, int]:
     """(BLOCK_Q, GROUP_P): query tokens per program and the group size padded to a power of two."""
     group_p = triton.next_power_of_2(group)
-    if group_p > ROWS:
-        raise ValueError(f"attention: {group} query heads per KV head is more than the {ROWS}-row tile supports")
-    return ROWS // group_p, group_p
+    if group_p > rows:
+        raise ValueError(f"attention: {group} query heads per KV head is more than the {rows}-row tile supports")
+    return rows // group_p, group_p
 
 
 @triton.jit
@@ -124,7 +148,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
 
 
 def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
+                  scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
     """q [N, H, D]; k_flat/v_flat [rows, Hkv, D]: the packed tokens, or the cache viewed as [blocks*bs, Hkv, D].
 
     No host synchronisation: the schedule is computed on the device (CUDA-graph friendly).
@@ -134,7 +158,8 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
     if h % hkv:
         raise ValueError(f"attention: {h} query heads is not a multiple of {hkv} KV heads")
     group = h // hkv
-    block_q, group_p = tile_shape(group)
+    cfg = config or pick_attention_config(n)
+    block_q, group_p = tile_shape(group, cfg.rows)
     out = torch.empty((n, h, d), device=q.device, dtype=q.dtype)
     s_count = meta.num_seqs
     if n == 0 or s_count == 0:
@@ -158,7 +183,7 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         out.stride(0), out.stride(1), float(scale) * LOG2E, d,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV, D_P=triton.next_power_of_2(d),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

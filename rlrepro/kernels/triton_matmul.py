@@ -59,6 +59,7 @@ CONFIGS_16BIT: dict[str, MatmulConfig] = {c.name: c for c in [
     MatmulConfig(128, 128, 64, 4, 4),
     MatmulConfig(64, 256, 64, 4, 4, subtile=True),
     MatmulConfig(64, 128, 64, 4, 6),
+    MatmulConfig(64, 128, 64, 4, 8),
     MatmulConfig(64, 128, 64, 4, 4, ctas_per_sm=2),
     MatmulConfig(64, 64, 64, 4, 6, ctas_per_sm=2),
     MatmulConfig(64, 64, 64, 4, 10),
@@ -67,11 +68,21 @@ CONFIGS_16BIT: dict[str, MatmulConfig] = {c.name: c for c in [
 ]}
 CONFIG_FP32 = MatmulConfig(64, 64, BLOCK_K_FP32, 4, 3)
 
-# Which config serves which M (16-bit). Keys are config names; chosen from the H200 sweep in docs/BENCHMARKS.md.
-# Small M is bound by reading the weight: many narrow N tiles keep every multiprocessor loading.
-_SMALL_M = (64, "64x32x64w4s8c2")  # M <= 64
-_MID_M = (256, "64x128x64w4s6c1")  # 64 < M <= 256
-_LARGE = ("128x256x64w8s3c1s", "128x128x64w8s4c1")  # M > 256: the one with fewer idle SM-slots wins
+# Which config serves which M (16-bit); chosen from the H200 sweep in docs/BENCHMARKS.md ("Kernels"), where all
+# configs gave bitwise-identical outputs. M <= 64 is bound by reading the weight once; no split-K means N alone
+# sets the parallelism, so wide N tiles (more bytes per K step) win unless N is small.
+SMALL_M = 64
+SMALL_M_WIDE_N_TILES = 64  # at least this many 256-wide N tiles: 64x256 tiles
+# Larger M: the candidate with the least estimated time, waves * tile area / relative speed per element, so that
+# shapes whose tile count would leave most SMs idle in a last wave get smaller tiles.
+LARGE_M_CANDIDATES = (("128x256x64w8s3c1s", 1.00), ("128x128x64w8s4c1", 0.92), ("64x256x64w4s4c1s", 0.88),
+                      ("64x128x64w4s8c1", 0.80))
+
+
+def _small_m_config(m: int, n: int) -> str:
+    if triton.cdiv(n, 256) >= SMALL_M_WIDE_N_TILES:
+        return "64x256x64w4s4c1s"
+    return "64x128x64w4s8c1" if m <= 16 else "64x64x64w4s10c1"
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -95,17 +106,14 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> MatmulC
         return CONFIG_FP32
     if forced:
         return CONFIGS_16BIT[forced]
-    if m <= _SMALL_M[0]:
-        return CONFIGS_16BIT[_SMALL_M[1]]
-    if m <= _MID_M[0]:
-        return CONFIGS_16BIT[_MID_M[1]]
+    if m <= SMALL_M:
+        return CONFIGS_16BIT[_small_m_config(m, n)]
     best, best_cost = None, None
-    for i, name in enumerate(_LARGE):
+    for name, speed in LARGE_M_CANDIDATES:
         c = CONFIGS_16BIT[name]
         tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
         waves = triton.cdiv(tiles, sms * c.ctas_per_sm)
-        # time ~ waves * tile area / per-tile rate; the big tile runs ~15% faster per element
-        cost = waves * c.block_m * c.block_n * (1.0 if i == 0 else 1.15)
+        cost = waves * c.block_m * c.block_n / speed
         if best_cost is None or cost < best_cost:
             best, best_cost = c, cost
     return best

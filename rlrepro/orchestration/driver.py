@@ -240,6 +240,8 @@ class GRPODriver:
                 found = latest_checkpoint(self.checkpoint_root())
                 ckpt = None if found is None else str(found)
             if ckpt is not None:
+                if cfg.train.kl_coef > 0:
+                    self._warm_start()  # rebuilds the KL reference (the warm-started policy) deterministically
                 done = self.restore(ckpt)
                 self._log_line(f"resumed from {ckpt} (step {done})")
             else:

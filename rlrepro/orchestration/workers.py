@@ -66,7 +66,9 @@ class TrainerWorker:
         self.kernel_mode = "deterministic" if deterministic else "fast"
         self.model = load_pretrained(model_dir, device=device, dtype=_dtype(dtype))
         self.train_config = TrainConfig(**train_kwargs)
-        self.trainer = Trainer(self.model, self.train_config)
+        # The KL reference is the policy RL starts from: the loaded weights, or the warm-started ones.
+        self.ref_model = self._frozen_copy() if self.train_config.kl_coef > 0 else None
+        self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model)
         self._kernels = kernels
 
     def train_step(self, samples: list[dict]) -> dict:
@@ -81,8 +83,17 @@ class TrainerWorker:
 
         with self._kernels.mode(self.kernel_mode):
             losses = supervised_warm_start(self.model, examples, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
-        self.trainer = Trainer(self.model, self.train_config)  # RL starts with fresh optimizer state
+        if self.ref_model is not None:
+            self.ref_model = self._frozen_copy()
+        self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model)  # fresh optimizer state
         return losses
+
+    def _frozen_copy(self):
+        import copy
+
+        ref = copy.deepcopy(self.model)
+        ref.requires_grad_(False)
+        return ref.eval()
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().to("cpu", copy=True) for name, t in self.trainer.named_weights()}

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence as Seq
 
 import torch
+from torch.profiler import record_function
 
 from rlrepro import kernels
 
@@ -154,9 +155,12 @@ class Engine:
         try:
             with self._mode():
                 while self.scheduler.has_unfinished():
-                    scheduled = self.scheduler.schedule()
-                    sampled = self.runner.execute(scheduled)
-                    self.scheduler.update(scheduled, sampled)
+                    with record_function("rlrepro.schedule"):
+                        scheduled = self.scheduler.schedule()
+                    with record_function("rlrepro.execute"):
+                        sampled = self.runner.execute(scheduled)
+                    with record_function("rlrepro.update"):
+                        self.scheduler.update(scheduled, sampled)
         finally:
             if self.scheduler.has_unfinished():  # an exception (or interrupt) mid-run: free everything
                 self.scheduler.abort_all()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.profiler import record_function
 
 from rlrepro.kernels import AttentionMetadata
 
@@ -87,7 +88,8 @@ class ModelRunner:
                 return []
             rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-        tokens, logprobs = sample(logits, requests)
+        with record_function("rlrepro.sample"):
+            tokens, logprobs = sample(logits, requests)
         return list(zip(tokens, logprobs))
 
     # ---- CUDA graphs for decode ---------------------------------------------------------------------------
@@ -158,15 +160,16 @@ class ModelRunner:
         host = self._host
         host[:, n:b] = torch.tensor([[0], [0], [1], [self.scratch_block * bs]], dtype=torch.int64)  # padding
         width = max(len(s.seq.block_table) for s in scheduled)
-        table = torch.full((b, width), self.scratch_block, dtype=torch.int64)
-        for r, s in enumerate(scheduled):
-            pos = s.start
-            blocks = s.seq.block_table
-            host[0, r] = ids[r]
-            host[1, r] = pos
-            host[2, r] = pos + 1
-            host[3, r] = blocks[pos // bs] * bs + pos % bs
-            table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        pad = [self.scratch_block] * width
+        rows, positions, slots = [], [], []
+        for s in scheduled:
+            pos, blocks = s.start, s.seq.block_table
+            positions.append(pos)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            rows.append(blocks + pad[len(blocks):])
+        rows += [pad] * (b - n)
+        host[:, :n] = torch.tensor([ids, positions, [p + 1 for p in positions], slots], dtype=torch.int64)
+        table = torch.tensor(rows, dtype=torch.int64)
         self._ids[:b].copy_(host[0, :b], non_blocking=True)
         self._positions[:b].copy_(host[1, :b], non_blocking=True)
         self._seq_lens[:b].copy_(host[2, :b], non_blocking=True)

@@ -1,0 +1,66 @@
+"""Bad recipes, keys, values and data sets fail before any work, with the key and the fix."""
+import json
+
+import pytest
+
+from rlrepro.cli import compose_config, main
+from rlrepro.orchestration.config import ConfigError
+
+
+def test_unknown_recipe_lists_recipes(capsys):
+    assert main(["train", "recipe=grpo_tiy"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe 'grpo_tiy'" in err and "did you mean grpo_tiny" in err and "grpo_qwen3_8b" in err
+
+
+def test_missing_recipe(capsys):
+    assert main(["train", "train.steps=3"]) == 2
+    assert "name a recipe" in capsys.readouterr().err
+
+
+def test_unknown_key_names_close_keys(capsys):
+    assert main(["train", "recipe=grpo_tiny", "train.step=3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.step" in err and "train.steps" in err
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.steps=abc", "train.steps"),
+    ("rollout.group_size=1", "rollout.group_size=1"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("train.loss_agg=sum", "train.loss_agg"),
+    ("run.device=tpu", "run.device"),
+    ("rollout.temperature=-1", "rollout.temperature"),
+    ("model.init=pretrained", "model.path"),
+])
+def test_bad_values_fail_before_work(tmp_path, override, needle, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", override]) == 2
+    assert needle in capsys.readouterr().err
+    assert not run_dir.exists()  # nothing was started or written
+
+
+def test_cfg_prints_resolved_config(capsys):
+    assert main(["train", "recipe=grpo_tiny", "train.steps=7", "--cfg"]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 7" in out and "recipe: grpo_tiny" in out
+
+
+def test_every_recipe_composes():
+    from rlrepro.cli import list_recipes
+
+    assert {"grpo_tiny", "grpo_qwen3_8b"} <= set(list_recipes())
+    cfg = compose_config(["recipe=grpo_tiny"])
+    assert cfg.recipe == "grpo_tiny"
+    with pytest.raises(ConfigError, match="model.path"):
+        compose_config(["recipe=grpo_qwen3_8b"])
+
+
+def test_bad_data_set_names_row_and_field(tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"prompt": "copy: ab=", "answer": "ab"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    run_dir = tmp_path / "run"
+    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", f"data.source={data}", "train.steps=1",
+                 "logger.progress=false"]) == 2
+    err = capsys.readouterr().err
+    assert "answer" in err and "1" in err and "bad.jsonl" in err
