@@ -87,3 +87,16 @@ def test_different_seed_diverges_at_step_one(runs, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["divergence"]["step"] == 1
     assert report["divergence"]["field"] == "prompt_ids"
+
+
+def test_bisect_names_the_first_differing_op(runs, capsys):
+    """A run on stock kernels diverges from the deterministic one; bisect replays step 1 from the starting
+    weights (identical) and names the first op whose activations differ."""
+    _train(runs / "fast", "run.deterministic=false", "train.steps=1", "checkpoint.every=0", "warm_start.steps=0")
+    _train(runs / "det", "train.steps=1", "checkpoint.every=0", "warm_start.steps=0")
+    capsys.readouterr()
+    assert main(["diff", str(runs / "det"), str(runs / "fast"), "--bisect", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["bisect"]["kind"] == "activation"
+    assert report["bisect"]["replayed_from"] == "starting weights"
+    assert report["bisect"]["where"].startswith("model.layers.0.")

@@ -340,6 +340,9 @@ def run_interp_checks(names) -> dict:
 def interp_results():
     if not HAS_TRITON:
         pytest.skip("Triton is not installed")
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter breaks on these kernels with numpy 2 "
+                    "(seen with 3.6: 'only 0-dimensional arrays can be converted'); the CPU checks need Triton >= 3.9")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret"], env=env,

@@ -64,17 +64,17 @@ def load_prompts(cfg: DictConfig, run_dir: Path, tokenizer) -> tuple[list[Prompt
     from rlrepro.data import load_records, make_synthetic_records, tokenize_prompt, write_jsonl
 
     source = cfg.data.source
-    if source is None:
+    fields = dict(prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field, id_field=cfg.data.id_field,
+                  messages_field=cfg.data.messages_field)
+    if source is None:  # the synthetic task, written as jsonl and read back through the same loader
         source = run_dir / "data" / f"synthetic_{cfg.data.synthetic.task}.jsonl"
+        fields = dict(prompt_field="prompt", answer_field="answer", id_field="id", messages_field=None)
         if not source.is_file():
             records = make_synthetic_records(cfg.data.synthetic.task, cfg.data.synthetic.num, cfg.data.synthetic.seed,
                                              **OmegaConf.to_container(cfg.data.synthetic.kwargs))
-            source.parent.mkdir(parents=True, exist_ok=True)
             write_jsonl(records, source)
-    records, stats = load_records(
-        str(source), split=cfg.data.split, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field,
-        id_field=cfg.data.id_field, messages_field=cfg.data.messages_field, on_bad_row=cfg.data.on_bad_row,
-        allow_hub=cfg.data.allow_hub, limit=cfg.data.limit)
+    records, stats = load_records(str(source), split=cfg.data.split, on_bad_row=cfg.data.on_bad_row,
+                                  allow_hub=cfg.data.allow_hub, limit=cfg.data.limit, **fields)
     prompts = []
     for rec in records:
         ids = tokenize_prompt(rec, tokenizer, template=cfg.data.template, system_prompt=cfg.data.system_prompt,

@@ -46,7 +46,8 @@ class Cluster:
         r = cfg.rollout
         engine_kwargs = dict(seed=cfg.run.seed, max_num_seqs=r.max_num_seqs,
                              max_num_batched_tokens=r.max_num_batched_tokens, enable_prefix_cache=r.prefix_cache,
-                             block_size=r.block_size, num_kv_blocks=r.num_kv_blocks, max_model_len=r.max_model_len)
+                             block_size=r.block_size, num_kv_blocks=r.num_kv_blocks, max_model_len=r.max_model_len,
+                             gpu_memory_fraction=r.gpu_memory_fraction / nw)
         common = dict(device=cfg.run.device, dtype=cfg.model.dtype, deterministic=cfg.run.deterministic)
         self.workers = [
             ray.remote(num_cpus=0, num_gpus=worker_gpus)(RolloutWorker).remote(

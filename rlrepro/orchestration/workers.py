@@ -28,6 +28,10 @@ class RolloutWorker:
         _setup_process(device, torch_threads)
         from rlrepro.rollout import Engine
 
+        engine_kwargs = dict(engine_kwargs)
+        fraction = engine_kwargs.pop("gpu_memory_fraction", None)
+        if device == "cuda" and engine_kwargs.get("num_kv_blocks") is None and fraction:
+            engine_kwargs["kv_cache_memory_bytes"] = int(fraction * torch.cuda.get_device_properties(0).total_memory)
         self.engine = Engine(model_dir, device=device, dtype=_dtype(dtype), deterministic=deterministic,
                              **engine_kwargs)
 

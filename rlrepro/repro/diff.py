@@ -484,6 +484,8 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true",
                         help="also exit 1 when the runs recorded different sets of steps")
     parser.add_argument("--no-detail", action="store_true", help="do not read rollout files for token detail")
+    parser.add_argument("--bisect", action="store_true",
+                        help="on divergence, replay the first divergent step and name the first differing op")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
@@ -493,7 +495,23 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
     except ReproError as e:
         print(f"rlrepro diff: error: {e}", file=sys.stderr)
         return 2
-    print(rep.to_json() if args.json else rep.format())
+    bisect = None
+    if args.bisect and rep.divergence is not None:
+        from .bisect import bisect_runs
+
+        try:
+            bisect = bisect_runs(args.run_a, args.run_b)
+        except ReproError as e:
+            print(f"rlrepro diff: bisect: {e}", file=sys.stderr)
+    if args.json:
+        out = json.loads(rep.to_json())
+        if bisect is not None:
+            out["bisect"] = bisect.to_dict()
+        print(json.dumps(out, indent=2))
+    else:
+        print(rep.format())
+        if bisect is not None:
+            print(bisect.format())
     return rep.exit_code(strict=args.strict)
 
 

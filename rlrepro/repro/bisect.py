@@ -1,0 +1,145 @@
+"""``rlrepro diff --bisect``: find the first layer and op whose activations differ at the first divergent step.
+
+Both runs' policies are restored from their newest common checkpoint before the divergent step (or from their
+starting weights when the divergence is at step 1). If the weights already differ, the first differing tensor
+is the answer. Otherwise the first divergent sample's tokens (from run A's rollout file) are replayed through
+both policies, each in its own run's kernel mode, with a forward hook on every module; the first module in
+execution order whose output differs is reported. Identical activations mean the forward pass is not the
+cause (look at sampling or scheduling settings, which the config diff lists).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .diff import diff_runs, load_config
+from .records import CHECKPOINTS_DIR, ReproError, read_rollouts, step_dirname
+
+
+@dataclass
+class BisectResult:
+    step: int
+    replayed_from: str  # "checkpoint step N" or "starting weights"
+    kind: str  # "weights" | "activation" | "none" | "inputs"
+    where: str | None = None  # tensor or module name
+    op: str | None = None  # module class (Linear, RMSNorm, Qwen3Attention, ...)
+    max_abs_diff: float | None = None
+    note: str | None = None
+
+    def format(self) -> str:
+        head = f"bisect at step {self.step} (replayed from {self.replayed_from}): "
+        if self.kind == "weights":
+            return head + f"weights already differ; first tensor {self.where} (max |diff| {self.max_abs_diff:.3e})"
+        if self.kind == "activation":
+            return head + (f"first differing activation: {self.where} ({self.op}), max |diff| "
+                           f"{self.max_abs_diff:.3e}")
+        if self.kind == "inputs":
+            return head + f"the sample's inputs differ: {self.note}"
+        return head + f"forward passes are identical; {self.note}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _policy_dir(run: Path, cfg: dict) -> Path:
+    if (run / "base_model" / "config.json").is_file():
+        return run / "base_model"
+    path = (cfg or {}).get("model", {}).get("path")
+    if not path:
+        raise ReproError(f"{run}: cannot find the starting weights (no base_model/ and no model.path)")
+    return Path(path)
+
+
+def _load_policy(run: Path, cfg: dict, ckpt_step: int):
+    import torch
+    from safetensors.torch import load_file
+
+    from rlrepro.model import load_pretrained
+
+    model = load_pretrained(_policy_dir(run, cfg), device="cpu", dtype=torch.float32)
+    if ckpt_step > 0:
+        state = load_file(str(run / CHECKPOINTS_DIR / step_dirname(ckpt_step) / "model.safetensors"))
+        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    return model.eval()
+
+
+def _ckpt_steps(run: Path) -> set[int]:
+    root = run / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return set()
+    out = set()
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit() and (p / "manifest.json").is_file():
+            out.add(int(p.name[5:]))
+    return out
+
+
+def _trace(model, tokens: list[int], mode: str) -> list[tuple[str, str, Any]]:
+    import torch
+
+    from rlrepro import kernels
+
+    records: list[tuple[str, str, Any]] = []
+    hooks = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+
+        def hook(mod, args, out, name=name):
+            t = out[0] if isinstance(out, tuple) else out
+            if isinstance(t, torch.Tensor):
+                records.append((name, type(mod).__name__, t.detach().clone()))
+        hooks.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad(), kernels.mode(mode):
+            logits = model(torch.tensor([tokens]))
+        records.append(("logits", "lm_head", logits))
+    finally:
+        for h in hooks:
+            h.remove()
+    return records
+
+
+def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike) -> BisectResult | None:
+    import torch
+
+    a, b = Path(run_a), Path(run_b)
+    report = diff_runs(a, b)
+    dv = report.divergence
+    if dv is None:
+        return None
+    cfg_a, cfg_b = load_config(a) or {}, load_config(b) or {}
+    common = sorted(s for s in _ckpt_steps(a) & _ckpt_steps(b) if s < dv.step)
+    if common:
+        start = common[-1]
+    elif dv.step == 1:
+        start = 0
+    else:
+        raise ReproError(f"no checkpoint common to both runs before step {dv.step}; rerun them with "
+                         f"checkpoint.every=1 (or every that lands before the divergence) to bisect")
+    origin = f"checkpoint step {start}" if start else "starting weights"
+    model_a, model_b = _load_policy(a, cfg_a, start), _load_policy(b, cfg_b, start)
+    state_b = dict(model_b.named_parameters())
+    for name, p in sorted(model_a.named_parameters()):
+        if not torch.equal(p, state_b[name]):
+            return BisectResult(dv.step, origin, "weights", name, "parameter",
+                                float((p - state_b[name]).abs().max()))
+    samples = read_rollouts(a, dv.step)
+    if not samples:
+        raise ReproError(f"{a}: no rollouts for step {dv.step}; bisect needs run.save_rollouts=true")
+    samples_b = read_rollouts(b, dv.step) or []
+    i = dv.sample_index or 0
+    sample = samples[min(i, len(samples) - 1)]
+    if samples_b and i < len(samples_b) and samples_b[i]["prompt_token_ids"] != sample["prompt_token_ids"]:
+        return BisectResult(dv.step, origin, "inputs", note=f"sample {i} has different prompts (data order or "
+                            "templates differ: see the config diff)")
+    tokens = list(sample["prompt_token_ids"]) + list(sample["token_ids"])
+    mode = lambda cfg: "deterministic" if (cfg.get("run") or {}).get("deterministic", True) else "fast"  # noqa
+    trace_a, trace_b = _trace(model_a, tokens, mode(cfg_a)), _trace(model_b, tokens, mode(cfg_b))
+    for (name, op, ta), (_, _, tb) in zip(trace_a, trace_b):
+        if not torch.equal(ta, tb):
+            return BisectResult(dv.step, origin, "activation", name, op, float((ta.float() - tb.float()).abs().max()))
+    return BisectResult(dv.step, origin, "none", note="the divergence comes from sampling or scheduling; "
+                        "compare the differing config keys")
