@@ -74,3 +74,24 @@ def test_fast_mode_runs_on_cuda(model):
         engine = Engine(model, device="cuda", deterministic=False, num_kv_blocks=256)
     outs = engine.generate(prompts, params)
     assert all(len(o.token_ids) == len(o.logprobs) > 0 for o in outs)
+
+
+def test_fused_sampler_equals_the_eager_definition():
+    from rlrepro.rollout.sampler import SampleRequest, gumbel_noise, sample
+    from rlrepro.rollout.sampler_triton import gumbel_argmax
+
+    torch.manual_seed(0)
+    rows, vocab = 67, 151936
+    scaled = torch.randn(rows, vocab, device="cuda") * 4
+    scaled[3, 1000:] = float("-inf")
+    scaled[5] = 2.0  # all tied: the noise alone decides
+    seeds = torch.randint(0, 2**62, (rows,), device="cuda")
+    positions = torch.randint(0, 40000, (rows,), device="cuda")
+    idx, noise = gumbel_argmax(scaled, seeds, positions, return_noise=True)
+    want_noise = gumbel_noise(seeds, positions, vocab)
+    assert torch.equal(noise, want_noise)
+    assert torch.equal(idx, torch.argmax(scaled.double() + want_noise, -1))
+    logits = torch.randn(40, 5000, device="cuda", dtype=torch.bfloat16) * 3
+    reqs = [SampleRequest([1.0, 0.7, 0.0, 1.3][r % 4], [-1, 7, -1, 50][r % 4], [1.0, 1.0, 0.8, 0.9][r % 4],
+                          seed=r, position=r * 3) for r in range(40)]
+    assert sample(logits, reqs, fused=True) == sample(logits, reqs, fused=False)

@@ -32,6 +32,7 @@ def test_unknown_key_names_close_keys(capsys):
     ("run.device=tpu", "run.device"),
     ("rollout.temperature=-1", "rollout.temperature"),
     ("model.init=pretrained", "model.path"),
+    ("train.warmup_steps=500", "train.warmup_steps=500"),
 ])
 def test_bad_values_fail_before_work(tmp_path, override, needle, capsys):
     run_dir = tmp_path / "run"

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 # Small and quick: 4 prompts x 4 samples, 4 steps, short completions.
 BASE = ["recipe=grpo_tiny", "train.steps=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_tokens=6", "warm_start.steps=3", "checkpoint.every=2", "logger.progress=false",
-        "train.micro_batch_size=8"]
+        "train.micro_batch_size=8", "train.warmup_steps=1"]
 
 
 def _train(run_dir, *extra):

@@ -211,6 +211,9 @@ def validate(cfg: Any) -> None:
                               "directory (rlrepro never downloads weights)")
     if cfg.run.device == "cpu" and cfg.model.dtype == "bfloat16":
         pass  # allowed, slow
+    if cfg.train.warmup_steps > cfg.train.steps:
+        raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps} exceeds train.steps={cfg.train.steps}; "
+                          f"lower it (e.g. train.warmup_steps={cfg.train.steps // 10})")
     if cfg.rollout.max_num_batched_tokens < cfg.rollout.block_size:
         raise ConfigError(f"rollout.max_num_batched_tokens={cfg.rollout.max_num_batched_tokens} must be >= "
                           f"rollout.block_size={cfg.rollout.block_size}")

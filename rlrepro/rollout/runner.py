@@ -157,7 +157,7 @@ class ModelRunner:
 
     def _replay_decode_graph(self, scheduled: list[ScheduledSeq], ids: list[int], b: int) -> torch.Tensor:
         n, bs = len(scheduled), self.block_size
-        host = self._host
+        host = self._host  # pinned; safe to overwrite: the previous step's sampler synchronised on its results
         host[:, n:b] = torch.tensor([[0], [0], [1], [self.scratch_block * bs]], dtype=torch.int64)  # padding
         width = max(len(s.seq.block_table) for s in scheduled)
         pad = [self.scratch_block] * width

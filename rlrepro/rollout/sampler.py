@@ -24,6 +24,9 @@ sorted order) and keeps sorted position ``j`` while the probability mass *before
 token is always kept). The filters run row by row on a ``[1, V]`` tensor, so their kernels see the same shape
 whatever the batch; rows without filters stay batched (their ops are elementwise or exact argmaxes).
 
+On CUDA the noise, the sum and the argmax run as one fused Triton kernel (``sampler_triton``) that repeats
+this arithmetic operation for operation; it returns the same tokens as the eager path (tested on the GPU).
+
 Logprob. The reported logprob is ``kernels.token_logprob(logits_row, token, T)``: float32
 ``log_softmax(logits.float() / T)`` at the token, over the *unfiltered* distribution, ``T = 1`` for greedy.
 The trainer evaluates the same function on the same logits, so the two agree bit for bit. Rows are grouped by
@@ -32,7 +35,7 @@ temperature and evaluated together; ``kernels.log_softmax`` is batch-invariant, 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -130,14 +133,32 @@ class SampleRequest:
     position: int  # position of the token being sampled (the sequence length before it is appended)
 
 
-def sample(logits: torch.Tensor, requests: Seq[SampleRequest]) -> tuple[list[int], list[float]]:
-    """Sample one token per row of ``logits`` [R, V]; returns the tokens and their logprobs (Python lists)."""
+def _fused_gumbel_argmax(device: torch.device) -> Callable | None:
+    """The fused Triton kernel for CUDA tensors (same bits as the eager path), or None to run eagerly."""
+    if device.type != "cuda":
+        return None
+    try:
+        from .sampler_triton import gumbel_argmax
+    except ImportError:  # pragma: no cover - no Triton
+        return None
+    return gumbel_argmax
+
+
+def sample(logits: torch.Tensor, requests: Seq[SampleRequest], fused: bool | None = None,
+           ) -> tuple[list[int], list[float]]:
+    """Sample one token per row of ``logits`` [R, V]; returns the tokens and their logprobs (Python lists).
+
+    ``fused`` (default: on for CUDA) uses the fused Triton Gumbel-max, which gives the same tokens as the eager
+    definition; ``fused=False`` forces the eager path."""
     r, v = logits.shape
     if r != len(requests):
         raise ValueError(f"{r} logits rows for {len(requests)} sample requests")
     if r == 0:
         return [], []
     device = logits.device
+    fused_argmax = _fused_gumbel_argmax(device) if fused is not False else None
+    if fused and fused_argmax is None:
+        raise ValueError(f"fused=True needs a CUDA tensor and Triton; logits are on {device}")
     tokens = torch.empty(r, dtype=torch.int64, device=device)
     logprobs = torch.empty(r, dtype=torch.float32, device=device)
     by_temperature: dict[float, list[int]] = {}
@@ -152,12 +173,16 @@ def sample(logits: torch.Tensor, requests: Seq[SampleRequest]) -> tuple[list[int
             scaled = group.float() / t  # the same expression token_logprob evaluates
             seeds = torch.tensor([requests[i].seed for i in rows], dtype=torch.int64, device=device)
             positions = torch.tensor([requests[i].position for i in rows], dtype=torch.int64, device=device)
-            scores = scaled.double() + gumbel_noise(seeds, positions, v)
+            kept = scaled
             for j, i in enumerate(rows):
                 req = requests[i]
                 if req.top_k > 0 or req.top_p < 1.0:
-                    scores[j].masked_fill_(~keep_mask(scaled[j], req.top_k, req.top_p), float("-inf"))
-            chosen = torch.argmax(scores, dim=-1)
+                    kept = scaled.clone() if kept is scaled else kept
+                    kept[j].masked_fill_(~keep_mask(scaled[j], req.top_k, req.top_p), float("-inf"))
+            if fused_argmax is not None:
+                chosen = fused_argmax(kept, seeds, positions)
+            else:
+                chosen = torch.argmax(kept.double() + gumbel_noise(seeds, positions, v), dim=-1)
         tokens[idx] = chosen
         logprobs[idx] = kernels.token_logprob(group, chosen, t)
     return tokens.tolist(), logprobs.tolist()

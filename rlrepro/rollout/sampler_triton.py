@@ -1,0 +1,107 @@
+"""Fused Gumbel-max on CUDA: the noise of :mod:`rlrepro.rollout.sampler`, added and arg-maxed in one pass.
+
+The eager torch path materialises ~70 float64/int64 tensors of ``[rows, vocab]``; this kernel reads each row of
+scaled logits once and writes one index. It must give the same bits as the eager definition, so it repeats it
+operation for operation: the same wrapping int64 hash, ``frexp`` done on the bit pattern (exact for the normal
+numbers that occur), the same float64 ``+ - * /`` sequence with the polynomial's constants loaded as float64
+(Triton literals would be float32), and fp fusion off (no FMA contraction). ``tests/test_rollout_cuda.py``
+compares the two paths with ``torch.equal``. One program per row walks the vocabulary in fixed chunks and keeps
+the first maximum, so a row's result does not depend on the other rows.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import sampler as ref
+
+BLOCK = 2048
+
+
+@triton.jit
+def _lsr(z, shift: tl.constexpr):
+    return (z.to(tl.uint64, bitcast=True) >> shift).to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def _mix64(z, mix1, mix2):
+    z = (z ^ _lsr(z, 30)) * mix1
+    z = (z ^ _lsr(z, 27)) * mix2
+    return z ^ _lsr(z, 31)
+
+
+@triton.jit
+def _exact_log(x, c_ptr, TERMS: tl.constexpr):
+    """``sampler.exact_log`` for positive normal float64 values; c_ptr: [sqrt(1/2), ln 2, 1/1, 1/3, 1/5, ...]."""
+    sqrt_half = tl.load(c_ptr)
+    ln2 = tl.load(c_ptr + 1)
+    b = x.to(tl.int64, bitcast=True)
+    e = ((b >> 52) & 0x7FF) - 1022
+    m = ((b & 0xFFFFFFFFFFFFF) | (1022 << 52)).to(tl.float64, bitcast=True)  # frexp: x = m * 2**e, m in [.5, 1)
+    small = m < sqrt_half
+    m = tl.where(small, m * 2.0, m)
+    e = tl.where(small, e - 1, e)
+    s = (m - 1.0) / (m + 1.0)
+    z = s * s
+    p = tl.zeros_like(z) + tl.load(c_ptr + 2 + TERMS - 1)
+    for i in tl.static_range(TERMS - 1):
+        k = TERMS - 2 - i
+        p = p * z
+        p = p + tl.load(c_ptr + 2 + k)
+    return e.to(tl.float64) * ln2 + (s * 2.0) * p
+
+
+@triton.jit
+def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, out_ptr, noise_ptr, c_ptr, V,
+                          salt, gamma, mix1, mix2, BLOCK: tl.constexpr, TERMS: tl.constexpr,
+                          WRITE_NOISE: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    seed = tl.load(seed_ptr + r)
+    pos = tl.load(pos_ptr + r)
+    row = _mix64(_mix64(seed ^ salt, mix1, mix2) + pos * gamma, mix1, mix2)
+    best = tl.full([], float("-inf"), tl.float64)
+    best_idx = tl.full([], 0, tl.int64)
+    offs = tl.arange(0, BLOCK).to(tl.int64)
+    for start in range(0, V, BLOCK):
+        v = start + offs
+        ok = v < V
+        x = tl.load(x_ptr + r * stride_x + v, mask=ok, other=float("-inf")).to(tl.float64)
+        bits = _lsr(_mix64(row + (v + 1) * gamma, mix1, mix2), 12)
+        u = (bits.to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2**-52, exact in float32 too
+        g = -_exact_log(-_exact_log(u, c_ptr, TERMS), c_ptr, TERMS)
+        if WRITE_NOISE:
+            tl.store(noise_ptr + r * V + v, g, mask=ok)
+        score = tl.where(ok, x + g, float("-inf"))
+        chunk_max = tl.max(score, axis=0)
+        chunk_idx = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
+        take = chunk_max > best  # strict: an earlier chunk keeps a tie
+        best_idx = tl.where(take, start + chunk_idx, best_idx)
+        best = tl.where(take, chunk_max, best)
+    tl.store(out_ptr + r, best_idx)
+
+
+_CONSTANTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _constants(device: torch.device) -> torch.Tensor:
+    if device not in _CONSTANTS:
+        values = [ref._SQRT_HALF, ref._LN2] + [1.0 / (2 * k + 1) for k in range(ref._LOG_TERMS)]
+        _CONSTANTS[device] = torch.tensor(values, dtype=torch.float64, device=device)
+    return _CONSTANTS[device]
+
+
+def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  return_noise: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``argmax(scaled.double() + gumbel_noise(seeds, positions, V), -1)``; scaled: float32 [R, V], with -inf
+    for tokens a filter removed. ``return_noise`` also returns the noise (for tests)."""
+    r, v = scaled.shape
+    scaled = scaled if scaled.stride(-1) == 1 else scaled.contiguous()
+    out = torch.empty(r, dtype=torch.int64, device=scaled.device)
+    noise = torch.empty((r, v) if return_noise else (1,), dtype=torch.float64, device=scaled.device)
+    if r:
+        _gumbel_argmax_kernel[(r,)](
+            scaled, scaled.stride(0), seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
+            out, noise, _constants(scaled.device), v, ref.ROW_SALT, ref.GAMMA, ref.MIX1, ref.MIX2,
+            BLOCK=BLOCK, TERMS=ref._LOG_TERMS, WRITE_NOISE=return_noise, num_warps=8, enable_fp_fusion=False)
+    return (out, noise) if return_noise else out
