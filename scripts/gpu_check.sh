@@ -30,7 +30,9 @@ add_step env 60 '
   $PY -m pytest --version'
 add_step gpu_tests 300 '$PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_PATHS:-tests/}'
 add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'
-# (engine / trainer steps go here)
+add_step grpo 360 'source .devkit/install.sh && bash scripts/gpu_grpo.sh'
+add_step bench_engine 400 '$PY benchmarks/bench_engine.py --qwen3-8b-shape ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine.json"'
+
 
 # ---------------------------------------------------------------------------------------------- runner
 export PY OUT ROOT

@@ -21,11 +21,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--small", action="store_true", help="tiny widths (CPU smoke test of the same scripts)")
     ns = ap.parse_args()
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer()
     cfg = dict(QWEN3_8B, num_hidden_layers=ns.layers, eos_token_id=tok.token_to_id("<|im_end|>"))
+    if ns.small:
+        cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   torch_dtype="float32")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({

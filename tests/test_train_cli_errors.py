@@ -42,9 +42,9 @@ def test_bad_values_fail_before_work(tmp_path, override, needle, capsys):
 
 
 def test_cfg_prints_resolved_config(capsys):
-    assert main(["train", "recipe=grpo_tiny", "train.steps=7", "--cfg"]) == 0
+    assert main(["train", "recipe=grpo_tiny", "train.steps=17", "--cfg"]) == 0
     out = capsys.readouterr().out
-    assert "steps: 7" in out and "recipe: grpo_tiny" in out
+    assert "steps: 17" in out and "recipe: grpo_tiny" in out
 
 
 def test_every_recipe_composes():
@@ -61,7 +61,7 @@ def test_bad_data_set_names_row_and_field(tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "copy: ab=", "answer": "ab"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
     run_dir = tmp_path / "run"
-    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", f"data.source={data}", "train.steps=1",
+    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", f"data.source={data}", "train.steps=1", "train.warmup_steps=0",
                  "logger.progress=false"]) == 2
     err = capsys.readouterr().err
     assert "answer" in err and "1" in err and "bad.jsonl" in err

@@ -34,6 +34,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     if kv_cache is not None:
         write_kv_cache(k, v, kv_cache, meta)
     h, hkv = q.shape[1], (kv_cache[0].shape[2] if kv_cache is not None else k.shape[1])
+    if kv_cache is not None and q.shape[0] == meta.block_table.shape[0]:
+        # Decode (one query per sequence): one batched SDPA over each sequence's gathered blocks, with no host
+        # reads, so CUDA graphs can capture it like the deterministic path.
+        ks = kv_cache[0][meta.block_table].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [S, Hkv, W*bs, D]
+        vs = kv_cache[1][meta.block_table].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        mask = torch.arange(ks.shape[2], device=q.device).unsqueeze(0) < meta.seq_lens.unsqueeze(1)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=mask[:, None, None, :], scale=scale,
+                                           enable_gqa=h != hkv)
+        return o.squeeze(2)
     cu = meta.cu_seqlens_q.tolist()
     lens = meta.seq_lens.tolist()
     outs = []
