@@ -22,7 +22,11 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     else:
         # Local mode: Ray's processes listen on loopback only, no dashboard, no usage stats.
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+        import torch
+
+        # Name the GPUs: a stripped Ray may not detect them, and actors asking for one would wait forever.
+        ray.init(num_cpus=num_cpus or os.cpu_count(), num_gpus=torch.cuda.device_count(),
+                 include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=True, configure_logging=True, logging_level="WARNING")
 
 
