@@ -100,3 +100,12 @@ def test_bisect_names_the_first_differing_op(runs, capsys):
     assert report["bisect"]["kind"] == "activation"
     assert report["bisect"]["replayed_from"] == "starting weights"
     assert report["bisect"]["where"].startswith("model.layers.0.")
+
+
+def test_grpo_tiny_recipe_shows_real_learning(tmp_path):
+    """The embedded default as shipped: mean reward over the last 5 steps >= that over the first 5 + 0.3."""
+    run = tmp_path / "tiny"
+    assert main(["train", "recipe=grpo_tiny", f"run.dir={run}", "logger.progress=false"]) == 0
+    rewards = [json.loads(x)["rollout/reward_mean"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rewards) == 80
+    assert sum(rewards[-5:]) / 5 >= sum(rewards[:5]) / 5 + 0.3, rewards
