@@ -101,9 +101,16 @@ def cmd_train(args: list[str]) -> int:
         print(OmegaConf.to_yaml(cfg))
         return 0
     from rlrepro.orchestration import run_training
+    from rlrepro.orchestration.faults import RunFailed
 
     try:
         run_training(cfg)
+    except RunFailed as e:
+        # A step failed (a fault, not bad input): the message names the step, the cause and the checkpoint left.
+        if os.environ.get("RLREPRO_DEBUG"):
+            raise
+        print(f"rlrepro train: {e}", file=sys.stderr)
+        return 1
     except (ConfigError, ValueError, FileNotFoundError) as e:
         # Bad input found while preparing the run (a data row, a model directory): the message names it.
         if os.environ.get("RLREPRO_DEBUG"):

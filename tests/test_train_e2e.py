@@ -10,10 +10,12 @@ from rlrepro.cli import main
 
 pytestmark = pytest.mark.slow
 
-# Small and quick: 4 prompts x 4 samples, 4 steps, short completions.
+# Small and quick: 4 prompts x 4 samples, 4 steps, short completions. A short supervised warm-start and a
+# partial-credit reward make rewards differ within groups from step 1, so every step changes the weights and
+# the optimizer state (what resume and identity must then restore exactly).
 BASE = ["recipe=grpo_tiny", "train.steps=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "rollout.max_tokens=6", "warm_start.steps=3", "checkpoint.every=2", "logger.progress=false",
-        "train.micro_batch_size=8", "train.warmup_steps=1"]
+        "rollout.max_tokens=6", "warm_start.steps=10", "warm_start.target=answer", "reward.fn=prefix_match",
+        "checkpoint.every=2", "logger.progress=false", "train.micro_batch_size=8", "train.warmup_steps=1"]
 
 
 def _train(run_dir, *extra):
@@ -41,6 +43,9 @@ def test_run_directory_layout(runs):
                     "train/kl", "train/entropy", "train/rollout_logprob_abs_diff", "perf/step_time_s"):
             assert key in m, key
         assert m["train/rollout_logprob_abs_diff"] == 0.0  # exactly on-policy
+    assert all(m["train/grad_norm"] > 0 for m in lines)  # the weights move at every step
+    fps = [json.loads(x) for x in (a / "fingerprints.jsonl").read_text().splitlines()]
+    assert len({fp["weights"] for fp in fps}) == 4
 
 
 def test_two_runs_identical(runs):

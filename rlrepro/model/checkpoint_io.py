@@ -79,6 +79,42 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     return model
 
 
+def check_pretrained(path: str | os.PathLike) -> Qwen3Config:
+    """Check an HF model directory without reading the weights: config.json parses, every shard is present and
+    complete (safetensors checks that its header covers the file), and the tensors' names and shapes are the
+    ones ``config.json`` implies, none missing. Raises the errors :func:`load_pretrained` would, before any
+    work; returns the config."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path {path} is not a directory (expected an HF model dir with config.json)")
+    config = Qwen3Config.from_file(path)
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in Qwen3ForCausalLM(config).named_parameters()}
+    seen: set[str] = set()
+    for f in _weight_files(path):
+        try:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:
+            raise ValueError(f"cannot read weights file {f} (truncated or corrupt?): {e}. Fix: copy the model "
+                             "directory again") from e
+        with handle:
+            for name in handle.keys():
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                if name not in shapes:
+                    raise ValueError(f"{f} holds tensor {name!r}, which a Qwen3ForCausalLM does not have")
+                shape = tuple(handle.get_slice(name).get_shape())
+                if shape != shapes[name]:
+                    raise ValueError(f"{f}: tensor {name!r} has shape {shape}, config.json implies {shapes[name]}; "
+                                     "config.json and the weights do not belong together")
+                seen.add(name)
+    missing = sorted(set(shapes) - seen)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+                         "a shard is missing from the index or the directory is incomplete")
+    return config
+
+
 def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None,
                     tokenizer_from: str | os.PathLike | None = None) -> Path:
     """Write config.json + safetensors (sharded with an index when ``max_shard_bytes`` is exceeded).

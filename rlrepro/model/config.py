@@ -78,7 +78,13 @@ class Qwen3Config:
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {path}; a model directory needs config.json and *.safetensors")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); the model directory is damaged: copy it again") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object; the model directory is damaged")
+        return cls.from_dict(raw)
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "extra"}

@@ -6,6 +6,7 @@ then checks values and cross-field rules and raises :class:`ConfigError` naming 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -22,6 +23,9 @@ class RunConfig:
     device: str = "cpu"  # cpu | cuda
     deterministic: bool = True  # False: stock kernels in engine and trainer (the 'fast' mode, for comparison)
     save_rollouts: bool = True  # rollouts/step_NNNNNN.jsonl.gz, used by `rlrepro diff` to name the token
+    # a fresh run (resume=false) refuses a run.dir that already holds records or checkpoints unless this is true
+    # (then that run's records, checkpoints, base_model and data are deleted first)
+    overwrite: bool = False
 
 
 @dataclass
@@ -82,6 +86,9 @@ class RolloutConfig:
     num_kv_blocks: Optional[int] = None
     gpu_memory_fraction: float = 0.3  # on CUDA: KV cache size when num_kv_blocks is unset
     max_model_len: Optional[int] = None
+    # a rollout worker that dies (process killed, actor lost) is replaced, loaded with the current weights, and
+    # its unfinished requests are re-run (same keys, same samples); at most this many replacements per step
+    max_restarts: int = 3
 
 
 @dataclass
@@ -104,6 +111,9 @@ class TrainConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     num_gpus: int = 1  # data-parallel trainer replicas (on CUDA)
+    # a non-finite loss or gradient norm: error (stop before the weights change; a checkpoint of the last
+    # completed step is kept) | skip (weights and optimizer state untouched, LR schedule advances, step recorded)
+    on_nonfinite: str = "error"
 
 
 @dataclass
@@ -166,12 +176,21 @@ _CHOICES = {
     "train.kl_estimator": ("k1", "k2", "k3"),
     "logger.mode": ("offline", "online", "disabled"),
     "warm_start.target": ("format", "answer"),
+    "train.on_nonfinite": ("error", "skip"),
 }
 _POSITIVE = ["rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_tokens",
              "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.block_size", "train.steps",
-             "train.micro_batch_size", "train.ppo_epochs", "train.num_gpus", "data.max_prompt_tokens"]
+             "train.micro_batch_size", "train.ppo_epochs", "train.num_gpus", "data.max_prompt_tokens",
+             "checkpoint.keep_last", "warm_start.batch_size", "data.synthetic.num"]
 _NON_NEGATIVE = ["rollout.temperature", "train.lr", "train.warmup_steps", "train.weight_decay", "train.kl_coef",
-                 "train.clip_low", "train.clip_high", "checkpoint.every", "warm_start.steps", "train.max_grad_norm"]
+                 "train.clip_low", "train.clip_high", "checkpoint.every", "warm_start.steps", "train.max_grad_norm",
+                 "rollout.max_restarts", "logger.num_table_samples", "train.adam_eps", "warm_start.lr"]
+_POSITIVE_OR_NONE = ["rollout.num_kv_blocks", "rollout.max_model_len", "data.limit", "ray.num_cpus"]
+# (key, low, high, low inclusive, high inclusive)
+_RANGES = [("train.min_lr_ratio", 0, 1, True, True), ("train.adam_beta1", 0, 1, True, False),
+           ("train.adam_beta2", 0, 1, True, False), ("train.clip_low", 0, 1, True, False),
+           ("rollout.gpu_memory_fraction", 0, 1, False, True)]
+_INTEGERS = ["run.seed", "model.init_seed", "data.synthetic.seed", "warm_start.seed"]
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -192,9 +211,38 @@ def validate(cfg: Any) -> None:
             raise ConfigError(f"{key}={value!r} must be a positive integer")
     for key in _NON_NEGATIVE:
         value = _get(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(f"{key}={value!r} must be a number >= 0")
-    if not 0 < cfg.rollout.top_p <= 1:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{key}={value!r} must be a finite number >= 0")
+        if key in ("rollout.max_restarts", "logger.num_table_samples") and not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer >= 0")
+    for key in _POSITIVE_OR_NONE:
+        value = _get(cfg, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{key}={value!r} must be a positive integer or null (unset)")
+    for key, lo, hi, lo_in, hi_in in _RANGES:
+        value = _get(cfg, key)
+        ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+              and (lo <= value if lo_in else lo < value) and (value <= hi if hi_in else value < hi))
+        if not ok:
+            raise ConfigError(f"{key}={value!r} must lie in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}")
+    for key in _INTEGERS:
+        value = _get(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+    if cfg.rollout.max_model_len is not None and cfg.rollout.max_model_len < 2:
+        raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} must be >= 2 (a prompt token and a "
+                          "generated one), or null for the model's max_position_embeddings")
+    if cfg.train.lr == 0:
+        raise ConfigError("train.lr=0 would never change the weights; give a learning rate > 0 (e.g. train.lr=1e-6)")
+    if cfg.train.adam_eps == 0:
+        raise ConfigError("train.adam_eps=0 can divide by zero; give a value > 0 (e.g. train.adam_eps=1e-8)")
+    if cfg.warm_start.steps > 0 and cfg.warm_start.lr == 0:
+        raise ConfigError(f"warm_start.steps={cfg.warm_start.steps} with warm_start.lr=0 does nothing; give "
+                          "warm_start.lr > 0 or set warm_start.steps=0")
+    if 0 < cfg.rollout.temperature < 1e-5:
+        raise ConfigError(f"rollout.temperature={cfg.rollout.temperature!r} is too small (logits / T overflows); "
+                          "use 0 for greedy decoding or a value >= 1e-5")
+    if not 0 < cfg.rollout.top_p <= 1:  # (NaN fails this too)
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r} must be in (0, 1]")
     if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
         raise ConfigError(f"rollout.top_k={cfg.rollout.top_k!r} must be -1 (off) or a positive integer")

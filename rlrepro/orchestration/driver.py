@@ -21,9 +21,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlrepro.repro.fingerprint import fingerprint_from_samples
-from rlrepro.repro.records import CHECKPOINTS_DIR, FingerprintWriter, MetricsWriter, RolloutWriter
+from rlrepro.repro.records import (CHECKPOINTS_DIR, CONFIG_FILE, FINGERPRINTS_FILE, METRICS_FILE, ROLLOUTS_DIR,
+                                   FingerprintWriter, MetricsWriter, RolloutWriter, atomic_write_bytes)
 
 from .config import ConfigError
+from .faults import RunFailed, describe, is_actor_death, log, unwrap
 from .ray_runtime import Cluster
 
 
@@ -76,15 +78,29 @@ def load_prompts(cfg: DictConfig, run_dir: Path, tokenizer) -> tuple[list[Prompt
     records, stats = load_records(str(source), split=cfg.data.split, on_bad_row=cfg.data.on_bad_row,
                                   allow_hub=cfg.data.allow_hub, limit=cfg.data.limit, **fields)
     prompts = []
+    skipped = []
     for rec in records:
         ids = tokenize_prompt(rec, tokenizer, template=cfg.data.template, system_prompt=cfg.data.system_prompt,
                               use_chat_template=cfg.data.use_chat_template)
+        problem = None
         if not ids:
-            raise ConfigError(f"prompt {rec.uid!r} tokenizes to nothing; fix the row or the template")
-        if len(ids) > cfg.data.max_prompt_tokens:
-            raise ConfigError(f"prompt {rec.uid!r} has {len(ids)} tokens > data.max_prompt_tokens="
-                              f"{cfg.data.max_prompt_tokens}; raise the limit or filter the data set")
+            problem = f"prompt {rec.uid!r} tokenizes to nothing; fix the row or the template"
+        elif len(ids) > cfg.data.max_prompt_tokens:
+            problem = (f"prompt {rec.uid!r} has {len(ids)} tokens > data.max_prompt_tokens="
+                       f"{cfg.data.max_prompt_tokens}; raise the limit, filter the data set, or set "
+                       "data.on_bad_row=skip to leave such prompts out")
+        if problem is not None:
+            if cfg.data.on_bad_row != "skip":
+                raise ConfigError(problem)
+            skipped.append(rec.uid)
+            continue
         prompts.append(Prompt(rec.uid, ids, rec))
+    if skipped:
+        print(f"rlrepro: data.on_bad_row=skip: left out {len(skipped)} prompt(s) that are empty or longer than "
+              f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} (first: {skipped[0]!r})", file=sys.stderr)
+    if not prompts:
+        raise ConfigError(f"no prompt of {source} is left after leaving out {len(skipped)} empty or too long ones; "
+                          "raise data.max_prompt_tokens")
     uids = [p.uid for p in prompts]
     if len(set(uids)) != len(uids):
         raise ConfigError("prompt uids are not unique; set data.id_field to a unique column")
@@ -100,19 +116,28 @@ class GRPODriver:
 
     # ------------------------------------------------------------------------------------------------ set-up
     def setup(self) -> None:
+        """Check everything that can be known before work (reward, model directory, tokenizer, data, lengths),
+        then write config.yaml and start the actors. A check that fails raises ConfigError / ValueError /
+        FileNotFoundError naming the value and the fix, before Ray starts and before config.yaml is written."""
         from rlrepro.data import EpochOrder, load_reward_fn
         from rlrepro.model import load_tokenizer
+        from rlrepro.model.checkpoint_io import check_pretrained
 
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        self._check_devices()
         self.reward_fn = load_reward_fn(cfg.reward.fn)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = prepare_model_dir(cfg, self.run_dir)
+        self.model_config = check_pretrained(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
+        self._check_tokenizer()
         self.prompts, self.data_stats = load_prompts(cfg, self.run_dir, self.tokenizer)
         if len(self.prompts) < cfg.rollout.prompts_per_step:
             raise ConfigError(f"the data set has {len(self.prompts)} prompts < rollout.prompts_per_step="
                               f"{cfg.rollout.prompts_per_step}")
+        self._check_lengths()
+        self._check_reward()
+        atomic_write_bytes(self.run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode("utf-8"))
         self.order = EpochOrder(len(self.prompts), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         eos = self.tokenizer.eos_token_id
         self.stop_token_ids = [eos] if eos is not None else []
@@ -120,6 +145,98 @@ class GRPODriver:
         self.fingerprints = FingerprintWriter(self.run_dir)
         self.rollouts = RolloutWriter(self.run_dir)
         self.cluster = Cluster(cfg, str(self.model_dir))
+
+    # ------------------------------------------------------------------------------------------- checks
+    def _check_devices(self) -> None:
+        import torch
+
+        cfg = self.cfg
+        if cfg.run.device == "cuda" and cfg.ray.address is None:
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if have == 0:
+                raise ConfigError("run.device=cuda but this machine has no visible CUDA device (actors would wait "
+                                  "forever for one). Fix: run.device=cpu, or check CUDA_VISIBLE_DEVICES and the driver")
+            if cfg.train.num_gpus > have:
+                raise ConfigError(f"train.num_gpus={cfg.train.num_gpus} but {have} CUDA device(s) are visible; "
+                                  f"lower it to at most {have}")
+
+    def _check_tokenizer(self) -> None:
+        vocab, tok = self.model_config.vocab_size, self.tokenizer
+        if tok.vocab_size > vocab:
+            raise ConfigError(
+                f"the tokenizer in {self.model_dir} has {tok.vocab_size} tokens but the model's vocab_size is "
+                f"{vocab} (config.json): token ids >= {vocab} have no embedding. Fix: use the tokenizer that belongs "
+                "to these weights (tokenizer.json next to config.json in model.path), or a model with a larger "
+                "vocabulary")
+        eos = tok.eos_token_id
+        if tok.eos_token is not None and eos is None:
+            raise ConfigError(f"the tokenizer in {self.model_dir} names eos_token {tok.eos_token!r} "
+                              "(tokenizer_config.json), which is not in its vocabulary; fix tokenizer_config.json")
+
+    def _check_lengths(self) -> None:
+        """Every prompt plus rollout.max_tokens fits the context and the KV cache (the engine would refuse the
+        request mid-run otherwise)."""
+        r = self.cfg.rollout
+        max_len = r.max_model_len or self.model_config.max_position_embeddings
+        longest = max(self.prompts, key=lambda p: len(p.token_ids))
+        n = len(longest.token_ids)
+        if n + r.max_tokens > max_len:
+            src = "rollout.max_model_len" if r.max_model_len else "the model's max_position_embeddings"
+            raise ConfigError(f"prompt {longest.uid!r} has {n} tokens; with rollout.max_tokens={r.max_tokens} that is "
+                              f"{n + r.max_tokens} > {max_len} ({src}). Fix: lower rollout.max_tokens to at most "
+                              f"{max_len - n}, lower data.max_prompt_tokens to drop long prompts, or raise "
+                              "rollout.max_model_len")
+        if r.num_kv_blocks is not None:
+            need = -(-(n + r.max_tokens - 1) // r.block_size)
+            if need > r.num_kv_blocks:
+                raise ConfigError(f"prompt {longest.uid!r} ({n} tokens) + rollout.max_tokens={r.max_tokens} needs "
+                                  f"{need} KV blocks of {r.block_size} tokens > rollout.num_kv_blocks="
+                                  f"{r.num_kv_blocks}. Fix: raise rollout.num_kv_blocks to at least {need} or lower "
+                                  "rollout.max_tokens")
+
+    def _check_reward(self) -> None:
+        """Under reward.on_error=raise, score the first prompt's gold answer once: a reward that raises or returns
+        something other than a number in [0, 1] fails now rather than at the end of the first rollout."""
+        from rlrepro.data import compute_rewards
+        from rlrepro.data.rewards import RewardError
+
+        cfg = self.cfg
+        if cfg.reward.on_error != "raise":
+            return
+        rec = self.prompts[0].record
+        try:
+            compute_rewards(self.reward_fn, [rec.answer], [rec], policy="raise")
+        except (RewardError, TypeError) as e:
+            cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ is not None else ""
+            raise ConfigError(f"reward.fn={cfg.reward.fn!r} fails on the gold answer of prompt {rec.uid!r}: {e}{cause}. "
+                              "Fix the function (it must return a float in [0, 1] for any completion), or set "
+                              "reward.on_error=zero to score such completions 0 and count them") from None
+
+    def _check_run_dir(self, fresh: bool) -> None:
+        """A fresh run refuses a run.dir that already holds a run: starting over would truncate its records."""
+        from rlrepro.trainer import list_checkpoints
+
+        if not fresh:
+            return
+        found = []
+        for name in (METRICS_FILE, FINGERPRINTS_FILE):
+            f = self.run_dir / name
+            if f.is_file() and f.stat().st_size > 0:
+                found.append(name)
+        ckpts = list_checkpoints(self.checkpoint_root())
+        if ckpts:
+            found.append(f"checkpoints up to step {ckpts[-1][0]}")
+        if not found:
+            return
+        if not self.cfg.run.overwrite:
+            raise ConfigError(f"run.dir={str(self.run_dir)!r} already holds a run ({', '.join(found)}). Fix: continue "
+                              "it with run.resume=true, start it over with run.overwrite=true (deletes its records, "
+                              "checkpoints, base_model and data), or choose another run.dir")
+        log(f"run.overwrite=true: deleting the run in {self.run_dir}")
+        for name in (METRICS_FILE, FINGERPRINTS_FILE, CONFIG_FILE):
+            (self.run_dir / name).unlink(missing_ok=True)
+        for name in (ROLLOUTS_DIR, CHECKPOINTS_DIR, "base_model", "data", "verify"):
+            shutil.rmtree(self.run_dir / name, ignore_errors=True)
 
     def _warm_start(self) -> None:
         cfg = self.cfg
@@ -164,7 +281,7 @@ class GRPODriver:
         t0 = time.perf_counter()
         batch = [self.prompts[i] for i in self.order.next_batch(cfg.rollout.prompts_per_step)]
         by_uid = {p.uid: p for p in batch}
-        results = self.cluster.generate(self._requests(step, batch))
+        results = self.cluster.generate(self._requests(step, batch))  # a lost worker is replaced, its part re-run
         results.sort(key=lambda res: res["key"])  # (prompt uid, sample index): arrival order never matters
         t1 = time.perf_counter()
         texts = [self.tokenizer.decode(res["token_ids"]) for res in results]
@@ -180,7 +297,15 @@ class GRPODriver:
                     "finish_reason": res["finish_reason"]} for i, res in enumerate(results)]
         train_samples = [{"prompt_token_ids": s["prompt_token_ids"], "completion_token_ids": s["token_ids"],
                           "rollout_logprobs": s["logprobs"], "advantage": s["advantage"]} for s in samples]
-        train_metrics = self.cluster.train_step(train_samples)
+        self._trainer_step = None  # unknown while the update runs
+        try:
+            train_metrics = self.cluster.train_step(train_samples)
+        except FloatingPointError:
+            self._trainer_step = step - 1  # the trainer refused the update before any weight changed
+            raise
+        self._trainer_step = step
+        if train_metrics.get("train/nonfinite_skipped"):
+            self._log_line(f"step {step}: non-finite loss or gradient norm; update skipped (train.on_nonfinite=skip)")
         t3 = time.perf_counter()
         weights_digest = self.cluster.sync_weights(version=step)
         t4 = time.perf_counter()
@@ -201,6 +326,7 @@ class GRPODriver:
             "perf/rollout_s": t1 - t0, "perf/reward_s": t2 - t1, "perf/train_s": t3 - t2, "perf/sync_s": t4 - t3,
             "perf/rollout_tokens_per_s": sum(lengths) / max(t1 - t0, 1e-9),
             "perf/step_time_s": t4 - t0,
+            "perf/rollout_worker_restarts": self.cluster.restarts,  # (run environment, not compared by diff)
         })
         fp = fingerprint_from_samples(step, samples, loss=train_metrics["train/loss"],
                                       grad_norm=train_metrics["train/grad_norm"], weights=weights_digest)
@@ -215,8 +341,9 @@ class GRPODriver:
     def checkpoint_root(self) -> Path:
         return self.run_dir / CHECKPOINTS_DIR
 
-    def save_checkpoint(self, step: int) -> str:
-        extra = {"step": step, "data_order": self.order.state_dict(), "recipe": self.cfg.recipe}
+    def save_checkpoint(self, step: int, data_order: dict | None = None) -> str:
+        order = self.order.state_dict() if data_order is None else data_order
+        extra = {"step": step, "data_order": order, "recipe": self.cfg.recipe}
         return self.cluster.save_checkpoint(str(self.checkpoint_root()), step, extra, self.cfg.checkpoint.keep_last)
 
     def restore(self, ckpt_path: str) -> int:
@@ -233,8 +360,10 @@ class GRPODriver:
 
         cfg = self.cfg
         last_step = cfg.train.steps if last_step is None else last_step
+        self._check_run_dir(fresh=start_checkpoint is None and not cfg.run.resume)
         self.setup()
         try:
+            self._remove_partial_checkpoints()
             ckpt = start_checkpoint
             if ckpt is None and cfg.run.resume:
                 found = latest_checkpoint(self.checkpoint_root())
@@ -253,17 +382,65 @@ class GRPODriver:
             self._init_wandb()
             history = []
             t_start = time.perf_counter()
+            # what a checkpoint of the last completed step needs, should a later step fail
+            self._done_step, self._done_order, self._trainer_step = done, self.order.state_dict(), done
             for step in range(done + 1, last_step + 1):
-                metrics = self.run_step(step)
-                history.append(metrics)
-                self._log_wandb(step, metrics)
-                every = cfg.checkpoint.every
-                if (every and step % every == 0) or step == last_step:
-                    self.save_checkpoint(step)
+                self._saving = False
+                try:
+                    metrics = self.run_step(step)
+                    self._done_step, self._done_order = step, self.order.state_dict()
+                    history.append(metrics)
+                    self._log_wandb(step, metrics)
+                    every = cfg.checkpoint.every
+                    if (every and step % every == 0) or step == last_step:
+                        self._saving = True
+                        self.save_checkpoint(step)
+                        self._saving = False
+                except Exception as e:  # noqa: BLE001 - every failure of a step ends the run the same way
+                    raise self._failed(step, e) from e
                 self._progress(step, last_step, done, metrics, time.perf_counter() - t_start)
             return history
         finally:
             self.close()
+
+    def _remove_partial_checkpoints(self) -> None:
+        """Delete ``step_NNNNNN.tmp-<pid>`` directories that a killed run left (never loaded; they only take disk)."""
+        root = self.checkpoint_root()
+        if not root.is_dir():
+            return
+        for d in sorted(root.glob("step_*.tmp-*")):
+            if d.is_dir():
+                self._log_line(f"rlrepro: removing the partial checkpoint {d} (a write that did not finish)")
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _failed(self, step: int, error: BaseException) -> RunFailed:
+        """The error a failed step ends the run with. When the trainer still holds the state of the last completed
+        step (the failure came before the update, or the update was refused as non-finite) and that step has no
+        checkpoint, one is written first, so a resumed run repeats nothing that was recorded."""
+        from rlrepro.trainer import latest_checkpoint
+        from rlrepro.trainer.checkpoint import checkpoint_dir_name
+
+        cause = unwrap(error)
+        notes = []
+        done = self._done_step
+        trainer_died = is_actor_death(error)  # rollout workers are replaced; a lost actor here is the trainer
+        if (self._trainer_step == done and done > 0 and not self._saving and not trainer_died
+                and not (self.checkpoint_root() / checkpoint_dir_name(done)).is_dir()):
+            try:
+                path = self.save_checkpoint(done, data_order=self._done_order)
+                notes.append(f"saved a checkpoint of the last completed step {done}: {path}")
+            except Exception as e:  # noqa: BLE001
+                notes.append(f"a checkpoint of the last completed step {done} could not be saved ({describe(e)})")
+        if self._saving:
+            notes.append(f"the checkpoint of step {step} was not written (nothing partial is ever loaded)")
+        if trainer_died:
+            notes.append("the trainer process died (out of memory? killed?)")
+        latest = latest_checkpoint(self.checkpoint_root())
+        where = f"{latest}" if latest is not None else "none (a resumed run starts from step 1)"
+        message = (f"step {step} failed: {describe(error)}. " + "".join(n[0].upper() + n[1:] + ". " for n in notes)
+                   + f"The last complete checkpoint is {where}; rerun with run.resume=true to continue from it "
+                   "(the steps after it are repeated bit for bit).")
+        return RunFailed(message, step=step, checkpoint=None if latest is None else str(latest), cause=cause)
 
     # ------------------------------------------------------------------------------------------------ logging
     def _log_line(self, text: str) -> None:

@@ -44,7 +44,10 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
     last = max(recorded) if steps is None else from_step + steps - 1
     if last not in recorded:
         raise ReproError(f"{run}: step {last} is not recorded; the last recorded step is {max(recorded)}")
-    cfg = OmegaConf.load(run / "config.yaml")
+    from .config import RunSchema
+
+    # onto the schema: a run recorded before a key existed gets its default
+    cfg = OmegaConf.merge(OmegaConf.structured(RunSchema), OmegaConf.load(run / "config.yaml"))
     validate(cfg)
     start_step, ckpt = _checkpoint_before(run / "checkpoints", from_step - 1)
     out = run / "verify" / f"from_{from_step}"

@@ -52,6 +52,10 @@ class TrainConfig:
     max_response_length: int | None = None  # the rollout's max_tokens; needed by seq-mean-token-sum-norm
     advantage_mode: str = "grpo"  # "grpo" (std-normalised) or "dr_grpo"; used by advantages.compute_advantages
     advantage_eps: float = 1e-6
+    # a non-finite loss or gradient norm: "error" raises FloatingPointError before any weight changes; "skip"
+    # leaves weights and optimizer state as they were, still advances the LR schedule, and reports
+    # train/nonfinite_skipped = 1 (deterministic: the same step is skipped in every run)
+    on_nonfinite: str = "error"
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)
@@ -91,6 +95,8 @@ class TrainConfig:
         need(self.advantage_mode in ADVANTAGE_MODES,
              f"train.advantage_mode {self.advantage_mode!r} is not one of {ADVANTAGE_MODES}")
         need(self.advantage_eps >= 0, f"train.advantage_eps must be >= 0, got {self.advantage_eps}")
+        need(self.on_nonfinite in ("error", "skip"),
+             f"train.on_nonfinite must be 'error' or 'skip', got {self.on_nonfinite!r}")
 
 
 @dataclass
@@ -190,6 +196,19 @@ class Trainer:
             return chunks
         return [chunks[k] for k in self.data_parallel.my_micro_batches(len(chunks))]
 
+    def _snapshot(self) -> tuple[dict, dict]:
+        """Exact copies of the weights and the optimizer state (to undo earlier PPO epochs of a failed step)."""
+        import copy
+
+        return ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                copy.deepcopy(self.optimizer.state_dict()))
+
+    @torch.no_grad()
+    def _restore(self, snapshot: tuple[dict, dict]) -> None:
+        model_state, optim_state = snapshot
+        self.model.load_state_dict(model_state, strict=True)
+        self.optimizer.load_state_dict(optim_state)
+
     def train_step(self, samples: Sequence) -> dict:
         """One GRPO update on ``samples`` (each with prompt_token_ids, completion_token_ids, rollout_logprobs,
         advantage). Returns ``train/*`` metrics (Python floats) and the raw ``loss`` / ``grad_norm`` floats (means
@@ -223,10 +242,13 @@ class Trainer:
         if dp is not None:
             max_diff = dp.max_float(max_diff)
 
-        # 2. ppo_epochs optimizer steps over the whole batch
+        # 2. ppo_epochs optimizer steps over the whole batch. A non-finite loss or gradient norm stops the step
+        # before the optimizer moves (with several epochs, the state from before the first epoch is put back).
+        snapshot = self._snapshot() if cfg.ppo_epochs > 1 else None
         losses, norms = [], []
         metric_sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # pg*n, kl*n, clip_frac*n, entropy*n, n
-        for _ in range(cfg.ppo_epochs):
+        skipped = False
+        for epoch in range(cfg.ppo_epochs):
             self.optimizer.zero_grad()
             loss_sum = 0.0
             sums = [0.0] * 5
@@ -257,9 +279,20 @@ class Trainer:
                 dp.sum_tensors_(grads)
                 loss_sum, *sums = dp.sum_floats([loss_sum, *sums])
             norm = clip_grad_norm_(grads, cfg.max_grad_norm)
-            if not math.isfinite(norm):
-                raise FloatingPointError(f"gradient norm is {norm} at train step {self.step}; the update was not "
-                                         "applied. Lower train.lr or check the rewards/advantages for inf/nan")
+            if not (math.isfinite(norm) and math.isfinite(loss_sum)):
+                self.optimizer.zero_grad()
+                if snapshot is not None and epoch > 0:
+                    self._restore(snapshot)
+                what = (f"loss {loss_sum}, gradient norm {norm}" + (f" (PPO epoch {epoch + 1})"
+                                                                   if cfg.ppo_epochs > 1 else ""))
+                if cfg.on_nonfinite == "error":
+                    raise FloatingPointError(
+                        f"non-finite {what} at train step {self.step + 1}; the update was not applied (weights and "
+                        "optimizer state are those of the step before). Fix: lower train.lr or train.max_grad_norm, "
+                        "check rewards/advantages, or set train.on_nonfinite=skip to skip such steps")
+                losses, norms, skipped = [loss_sum], [norm], True
+                metric_sums = [0.0] * 5
+                break
             self.optimizer.step()
             losses.append(loss_sum)
             norms.append(norm)
@@ -281,6 +314,7 @@ class Trainer:
             "train/lr": lr,
             "train/rollout_logprob_abs_diff": max_diff,
             "train/num_tokens": num_tokens,
+            "train/nonfinite_skipped": float(skipped),
             "loss": loss,
             "grad_norm": grad_norm,
             "loss_per_epoch": losses,

@@ -1,0 +1,204 @@
+"""Faults: the errors a run stops with, how Ray failures are recognised, and test-only fault injection.
+
+Policies (docs/RELIABILITY.md has the table of faults tried):
+
+- A rollout worker that dies is replaced by :class:`~rlrepro.orchestration.ray_runtime.Cluster` (new actor,
+  weights of the current version), and its unfinished requests are re-run; requests are pure functions of
+  their keys, so the samples are the same. At most ``rollout.max_restarts`` replacements per step, then
+  :class:`RolloutWorkerLost`.
+- Any other failure of a step stops the run with :class:`RunFailed`, naming the step and the cause. When the
+  trainer still holds the state of the last completed step, a checkpoint of that step is written first, so
+  ``run.resume=true`` loses nothing that was recorded.
+
+Fault injection (tests only): the environment variable ``RLREPRO_FAULTS`` holds a JSON list of faults, each a
+dict with ``kind`` and ``step`` (the GRPO step, 1-based). Each fault fires once per process.
+
+==========================  =========================================================================================
+kind                        what happens
+==========================  =========================================================================================
+``kill_worker``             ``at`` ``"generate"`` (after the step's requests are dealt) or ``"sync"`` (after the
+                            weights are sent): rollout worker ``worker`` (default 0) is ended after ``delay_s``
+                            (default 0) seconds, ``how`` ``"sigkill"`` (``os.kill`` of its pid, default) or
+                            ``"ray_kill"``; ``times`` (default 1): also end that many - 1 of its replacements.
+``nan_grad``                the trainer's gradient at that step is NaN (a hook on one parameter).
+``checkpoint_enospc``       writing the checkpoint of that step fails with ``OSError(ENOSPC)`` after
+                            ``after_files`` (default 2) of its files.
+``crash_in_checkpoint``     while writing the checkpoint of that step, after ``after_files`` (default 2) files, the
+                            driver process and the trainer are killed with SIGKILL (a partial checkpoint is left).
+==========================  =========================================================================================
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from .workers import TrainerWorker
+
+FAULTS_ENV = "RLREPRO_FAULTS"
+KINDS = ("kill_worker", "nan_grad", "checkpoint_enospc", "crash_in_checkpoint")
+TRAINER_KINDS = ("nan_grad", "checkpoint_enospc", "crash_in_checkpoint")
+
+
+class RunFailed(RuntimeError):
+    """A step failed and the run stopped. ``step``: the step that failed; ``checkpoint``: the newest complete
+    checkpoint left (None: a resumed run starts from step 1); ``cause``: the underlying exception."""
+
+    def __init__(self, message: str, *, step: int, checkpoint: str | None, cause: BaseException) -> None:
+        super().__init__(message)
+        self.step, self.checkpoint, self.cause = step, checkpoint, cause
+
+
+class RolloutWorkerLost(RuntimeError):
+    """Rollout workers died more often in one step than ``rollout.max_restarts`` allows."""
+
+
+def is_actor_death(exc: BaseException) -> bool:
+    """True for Ray's "the actor's process is gone" errors (killed, crashed, its node lost)."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, RayActorError)
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The exception raised inside an actor, without Ray's wrapper (its message holds the remote traceback)."""
+    from ray.exceptions import RayTaskError
+
+    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def describe(exc: BaseException, limit: int = 600) -> str:
+    exc = unwrap(exc)
+    text = str(exc).strip().splitlines()
+    first = " ".join(text[:3]) if text else ""
+    out = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def log(text: str) -> None:
+    print(f"rlrepro: {text}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ fault injection
+
+
+class FaultPlan:
+    """The faults named by ``RLREPRO_FAULTS`` (empty when unset). Picklable: the trainer actor gets a copy."""
+
+    def __init__(self, faults: list[dict] | None = None, driver_pid: int | None = None) -> None:
+        self.faults = [dict(f) for f in faults or []]
+        for f in self.faults:
+            if f.get("kind") not in KINDS or not isinstance(f.get("step"), int):
+                raise ValueError(f"{FAULTS_ENV}: bad fault {f!r}; each needs 'kind' in {KINDS} and an integer 'step'")
+        self.driver_pid = driver_pid if driver_pid is not None else os.getpid()
+        self._fired: set[int] = set()
+
+    @classmethod
+    def from_env(cls) -> "FaultPlan":
+        raw = os.environ.get(FAULTS_ENV, "").strip()
+        if not raw:
+            return cls()
+        try:
+            faults = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{FAULTS_ENV} is not JSON ({e}): {raw!r}") from None
+        if isinstance(faults, dict):
+            faults = [faults]
+        return cls(faults)
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def has_trainer_faults(self) -> bool:
+        return any(f["kind"] in TRAINER_KINDS for f in self.faults)
+
+    def take(self, kind: str, step: int, **match: Any) -> dict | None:
+        """The first unfired fault of ``kind`` at ``step`` whose fields equal ``match``; marks it fired."""
+        for i, f in enumerate(self.faults):
+            if i in self._fired or f["kind"] != kind or f["step"] != step:
+                continue
+            if any(f.get(k, v) != v for k, v in match.items()):
+                continue
+            self._fired.add(i)
+            return f
+        return None
+
+
+def kill_actor_later(ray, actor, pid: int | None, how: str, delay_s: float) -> None:
+    """End a rollout worker after ``delay_s`` seconds (on a timer thread, so the caller keeps waiting on it)."""
+
+    def kill() -> None:
+        try:
+            if how == "ray_kill" or pid is None:
+                ray.kill(actor, no_restart=True)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    if delay_s <= 0:
+        kill()
+    else:
+        t = threading.Timer(delay_s, kill)
+        t.daemon = True
+        t.start()
+
+
+class FaultyTrainerWorker(TrainerWorker):
+    """A TrainerWorker that injects the trainer faults of a :class:`FaultPlan` (tests only)."""
+
+    def __init__(self, *args, fault_plan: FaultPlan, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fault_plan = fault_plan
+
+    def train_step(self, samples: list[dict]) -> dict:
+        import torch
+
+        step = self.trainer.step + 1
+        handle = None
+        if self.fault_plan.take("nan_grad", step) is not None:
+            param = next(p for _, p in sorted(self.model.named_parameters()) if p.requires_grad)
+            handle = param.register_hook(lambda g: torch.full_like(g, float("nan")))
+        try:
+            return super().train_step(samples)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    def save_checkpoint(self, ckpt_root: str, step: int, extra_state: dict, keep_last: int) -> str:
+        from rlrepro.trainer import checkpoint as ckpt_mod
+
+        fault = (self.fault_plan.take("checkpoint_enospc", step)
+                 or self.fault_plan.take("crash_in_checkpoint", step))
+        if fault is None:
+            return super().save_checkpoint(ckpt_root, step, extra_state, keep_last)
+        original = ckpt_mod._write_file
+        budget = [int(fault.get("after_files", 2))]
+        driver_pid = self.fault_plan.driver_pid
+
+        def faulty_write(path, write):
+            if budget[0] <= 0:
+                if fault["kind"] == "checkpoint_enospc":
+                    with open(path, "wb") as f:  # a partial file, as a full disk leaves
+                        f.write(b"\0" * 16)
+                    raise OSError(errno.ENOSPC, f"No space left on device (injected): {path}")
+                os.kill(driver_pid, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+            budget[0] -= 1
+            return original(path, write)
+
+        ckpt_mod._write_file = faulty_write
+        try:
+            return super().save_checkpoint(ckpt_root, step, extra_state, keep_last)
+        finally:
+            ckpt_mod._write_file = original
+
+
+def trainer_actor_class(plan: FaultPlan):
+    """``TrainerWorker``, or its fault-injecting subclass when ``plan`` holds trainer faults."""
+    return FaultyTrainerWorker if plan.has_trainer_faults() else TrainerWorker
