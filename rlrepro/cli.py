@@ -148,7 +148,19 @@ def cmd_generate(args: list[str]) -> int:
     return 0
 
 
+def _pin_hash_seed(argv: list[str]) -> None:
+    """Re-run the command with PYTHONHASHSEED=0 unless it is pinned already: sympy (inside math-verify) iterates
+    sets, whose order follows the string hash seed, and a reward must not depend on it. Only the console
+    entry point does this (``main(None)``); callers passing argv keep their process."""
+    if os.environ.get("PYTHONHASHSEED") == "0" or os.environ.get("RLREPRO_NO_REEXEC"):
+        return
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    os.execve(sys.executable, [sys.executable, "-m", "rlrepro.cli", *argv], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] in (["train"], ["verify"]):
+        _pin_hash_seed(sys.argv[1:])
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
