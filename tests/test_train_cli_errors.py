@@ -65,3 +65,12 @@ def test_bad_data_set_names_row_and_field(tmp_path, capsys):
                  "logger.progress=false"]) == 2
     err = capsys.readouterr().err
     assert "answer" in err and "1" in err and "bad.jsonl" in err
+
+
+def test_generate_smoke_is_seeded(capsys):
+    """`rlrepro generate`: the tiny model's completions, the same twice for the same seed."""
+    assert main(["generate", "--max-tokens", "6", "--seed", "3"]) == 0
+    first = capsys.readouterr().out
+    assert main(["generate", "--max-tokens", "6", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == first
+    assert first.count("->") == 3
