@@ -13,18 +13,11 @@ from hypothesis import strategies as st
 
 from rlrepro.model import tiny_model
 from rlrepro.orchestration.faults import FaultPlan
-from rlrepro.trainer import TrainConfig, Trainer, enable_determinism, latest_checkpoint, token_logprobs
+from rlrepro.trainer import TrainConfig, Trainer, latest_checkpoint, token_logprobs
 from rlrepro.trainer import checkpoint as ckpt_mod
 
 
-@pytest.fixture(autouse=True)
-def determinism():
-    before, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    enable_determinism()
-    torch.set_num_threads(1)
-    yield
-    torch.use_deterministic_algorithms(before)
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("deterministic_torch")
 
 
 def make_trainer(**overrides) -> Trainer:

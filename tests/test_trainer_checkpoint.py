@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlrepro.model import load_pretrained, tiny_model
-from rlrepro.trainer import (TrainConfig, Trainer, capture_rng_state, enable_determinism, export_hf,
+from rlrepro.trainer import (TrainConfig, Trainer, capture_rng_state, export_hf,
                              latest_checkpoint, list_checkpoints, load_checkpoint, restore_rng_state, save_checkpoint,
                              token_logprobs)
 from rlrepro.trainer import checkpoint as ckpt_mod
@@ -16,14 +16,7 @@ from rlrepro.trainer import checkpoint as ckpt_mod
 CONFIG = TrainConfig(lr=3e-3, total_steps=6, warmup_steps=1, micro_batch_size=3, ppo_epochs=2, clip_high=0.28)
 
 
-@pytest.fixture(autouse=True)
-def determinism():
-    before, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    enable_determinism()
-    torch.set_num_threads(1)
-    yield
-    torch.use_deterministic_algorithms(before)
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("deterministic_torch")
 
 
 def make_batch(model, gen: torch.Generator):

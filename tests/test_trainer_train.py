@@ -5,19 +5,10 @@ import pytest
 import torch
 
 from rlrepro.model import tiny_model
-from rlrepro.trainer import TrainConfig, Trainer, compute_advantages, enable_determinism, token_logprobs
+from rlrepro.trainer import TrainConfig, Trainer, compute_advantages, token_logprobs
 
 
-@pytest.fixture(autouse=True)
-def determinism():
-    """Deterministic algorithms on; one CPU thread (tiny models gain nothing from more, and a shared 2-core
-    machine makes torch's thread pool stall)."""
-    before, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    enable_determinism()
-    torch.set_num_threads(1)
-    yield
-    torch.use_deterministic_algorithms(before)
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("deterministic_torch")
 
 
 def make_batch(model, step: int, num_prompts: int = 3, group_size: int = 2, temperature: float = 1.0):
