@@ -24,3 +24,14 @@ def deterministic_torch():
     yield
     torch.use_deterministic_algorithms(before)
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny-model tests (far faster than OpenMP hand-offs per small op)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -9,13 +9,7 @@ from rlrepro.rollout import Engine, SamplingParams, derive_seed
 from rlrepro.rollout.sampler import gumbel_noise, keep_mask
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread (no OpenMP hand-offs per small op); restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ under test. The promise is bitwise, so outputs are compared as exact tuples of t
 import random
 
 import pytest
-import torch
 
 from rlrepro.model import tiny_model
 from rlrepro.rollout import Engine, SamplingParams
@@ -19,13 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, top_k=20, max_tokens=MAX_TOKENS, seed=1234)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~50x faster on one thread (no OpenMP hand-offs per small op); restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,10 @@ def _load_policy(run: Path, cfg: dict, ckpt_step: int):
     return model.eval()
 
 
+def _kernel_mode(cfg: dict) -> str:
+    return "deterministic" if (cfg.get("run") or {}).get("deterministic", True) else "fast"
+
+
 def _ckpt_steps(run: Path) -> set[int]:
     root = run / CHECKPOINTS_DIR
     if not root.is_dir():
@@ -136,8 +140,7 @@ def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike) -> BisectRes
         return BisectResult(dv.step, origin, "inputs", note=f"sample {i} has different prompts (data order or "
                             "templates differ: see the config diff)")
     tokens = list(sample["prompt_token_ids"]) + list(sample["token_ids"])
-    mode = lambda cfg: "deterministic" if (cfg.get("run") or {}).get("deterministic", True) else "fast"  # noqa
-    trace_a, trace_b = _trace(model_a, tokens, mode(cfg_a)), _trace(model_b, tokens, mode(cfg_b))
+    trace_a, trace_b = _trace(model_a, tokens, _kernel_mode(cfg_a)), _trace(model_b, tokens, _kernel_mode(cfg_b))
     for (name, op, ta), (_, _, tb) in zip(trace_a, trace_b):
         if not torch.equal(ta, tb):
             return BisectResult(dv.step, origin, "activation", name, op, float((ta.float() - tb.float()).abs().max()))

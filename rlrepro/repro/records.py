@@ -120,16 +120,21 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     except OSError as e:
         raise ReproError(f"{path}: cannot read: {e}") from None
     with f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ReproError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise ReproError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, obj
+        yield from _json_objects(path, f)
+
+
+def _json_objects(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; ReproError naming the file and line for anything else."""
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ReproError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise ReproError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        yield lineno, obj
 
 
 def read_step_records(path: str | os.PathLike, required: Iterable[str] = ()) -> dict[int, dict]:
@@ -316,16 +321,7 @@ def read_rollouts(run_dir: str | os.PathLike, step: int) -> list[dict] | None:
     out = []
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ReproError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                if not isinstance(obj, dict):
-                    raise ReproError(f"{path}:{lineno}: expected a JSON object")
-                out.append(obj)
+            out.extend(obj for _, obj in _json_objects(path, f))
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise ReproError(f"{path}: unreadable ({e})") from None
     return out
