@@ -5,6 +5,9 @@
 #   scripts/gpu_check.sh                 # all steps
 #   scripts/gpu_check.sh gpu_tests       # only the named steps
 #   BENCH_ARGS=--sweep scripts/gpu_check.sh bench_kernels
+#   # two GPUs, two things at once (each with its own OUT):
+#   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/gpu0 scripts/gpu_check.sh grpo & CUDA_VISIBLE_DEVICES=1 OUT=$OUT/gpu1 \
+#     scripts/gpu_check.sh bench_engine; wait
 #
 # On the device machine (run from the repo root): `OUT` is set by the tool; elsewhere it defaults to
 # ./gpu_check_out. rlrepro is not installed there: the repo root goes on PYTHONPATH. To add a step, write one
@@ -30,8 +33,13 @@ add_step env 60 '
   $PY -m pytest --version'
 add_step gpu_tests 300 '$PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_PATHS:-tests/}'
 add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'
-add_step grpo 360 'source .devkit/install.sh && bash scripts/gpu_grpo.sh'
-add_step bench_engine 400 '$PY benchmarks/bench_engine.py --qwen3-8b-shape ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine.json"'
+add_step grpo 560 'source .devkit/install.sh && GRPO_SET=one bash scripts/gpu_grpo.sh'
+add_step grpo_two 560 'source .devkit/install.sh && GRPO_SET=two bash scripts/gpu_grpo.sh'
+# the full 36-layer Qwen3-8B shape: 64 requests (with transformers generate), 256 requests, 512/512 tokens
+add_step bench_engine 560 '
+  $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_64.json"
+  $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 256 --no-hf ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_256.json"'
+add_step profile_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 128 --no-hf --modes deterministic --profile 20'
 
 
 # ---------------------------------------------------------------------------------------------- runner

@@ -1,55 +1,87 @@
 #!/usr/bin/env bash
-# GRPO on the GPU with the Qwen3-8B width (GRPO_LAYERS layers; 36 is the full model) and seeded random weights:
-# two runs + diff, a run with other engine batch settings + diff, a resumed run + diff, and fast mode for
-# the cost comparison. Needs the kit (ray, hydra, datasets, math-verify): `source .devkit/install.sh` first.
-# Writes under $OUT/grpo/ and prints a summary table.
+# GRPO on the GPU with the Qwen3-8B width (GRPO_LAYERS layers; 36 is the full model) and seeded random weights,
+# through `rlrepro train recipe=grpo_qwen3_8b` and Ray. Needs the kit (ray, hydra, datasets, math-verify):
+# `source .devkit/install.sh` first. Writes under $OUT/grpo_<set>/ (summary, diffs, and each run's records
+# without checkpoints, so `rlrepro diff` can be re-run anywhere).
+#
+#   GRPO_SET=one  (1 GPU, colocated, CUDA IPC weight sync): a (creates the weights), b (= a?), c (other engine
+#                 batch settings, = a?), f (fast kernels: the cost of determinism), d (resumed from a's step-2
+#                 checkpoint, = a?)
+#   GRPO_SET=two  (2 GPUs): g and h (data-parallel trainer on 2 GPUs, 2 colocated engines, CUDA IPC; g = h?),
+#                 s (separate placement: trainer on GPU 0, engine on GPU 1, NCCL broadcast), f2 (g in fast mode)
+# CPU smoke test of the same script: GRPO_SMALL=1 GRPO_DEVICE=cpu GRPO_DTYPE=float32 GRPO_MAX_TOKENS=8 ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
+SET=${GRPO_SET:-one}
 OUT=${OUT:-$PWD/gpu_check_out}
-W=${GRPO_WORK:-/tmp/grpo}
-rm -rf "$W" && mkdir -p "$W" "$OUT"
+R=$OUT/grpo_$SET
+W=${GRPO_WORK:-/tmp/grpo_$SET}
+rm -rf "$W" "$R" && mkdir -p "$W" "$R"
 export PYTHONPATH=$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}
 export RAY_USAGE_STATS_ENABLED=0 WANDB_MODE=offline HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 PY=${PYTHON:-python3}
 M=$W/qwen3_shape
 $PY scripts/make_qwen3_shape.py --out "$M" --layers "${GRPO_LAYERS:-2}" ${GRPO_SMALL:+--small} >/dev/null
+STEPS=${GRPO_STEPS:-3}
 COMMON=(recipe=grpo_qwen3_8b "run.device=${GRPO_DEVICE:-cuda}" "model.dtype=${GRPO_DTYPE:-bfloat16}"
         data.source=null data.synthetic.task=copy
         data.use_chat_template=false data.template=null reward.fn=systems_reward:pseudo_reward
-        rollout.num_workers=1 "rollout.prompts_per_step=${GRPO_PROMPTS:-16}" rollout.group_size=8
+        "rollout.prompts_per_step=${GRPO_PROMPTS:-16}" rollout.group_size=8
         "rollout.max_tokens=${GRPO_MAX_TOKENS:-128}" rollout.max_model_len=512 rollout.gpu_memory_fraction=0.2
-        "train.steps=${GRPO_STEPS:-3}" train.warmup_steps=1 train.micro_batch_size=16 train.num_gpus=1 ray.colocate=true
-        logger.wandb=false checkpoint.every=2 logger.progress=true)
-# run a creates the seeded random weights (model.init=random); the others load them as a checkpoint
-train() { $PY -m rlrepro.cli train "${COMMON[@]}" model.init=pretrained "model.path=$W/a/base_model" "$@"; }
+        "train.steps=$STEPS" train.warmup_steps=1 train.micro_batch_size=16
+        logger.wandb=false checkpoint.every=0 checkpoint.save_last=false logger.progress=true)
+ONE=(train.num_gpus=1 rollout.num_workers=1 ray.colocate=true)
+TWO=(train.num_gpus=2 rollout.num_workers=2 ray.colocate=true)
 rc=0
-$PY -m rlrepro.cli train "${COMMON[@]}" model.init=random "model.path=$M" run.dir=$W/a || rc=1
-train run.dir=$W/b || rc=1
-$PY -m rlrepro.cli diff $W/a $W/b > "$OUT/grpo_diff_ab.txt" 2>&1; echo "diff a b: exit $?" | tee -a "$OUT/grpo_summary.txt"
-train run.dir=$W/c rollout.max_num_seqs=7 rollout.max_num_batched_tokens=999 || rc=1
-$PY -m rlrepro.cli diff $W/a $W/c > "$OUT/grpo_diff_ac.txt" 2>&1; echo "diff a c (other batch settings): exit $?" | tee -a "$OUT/grpo_summary.txt"
-train run.dir=$W/f run.deterministic=false || rc=1
-$PY - "$W" <<'PYEOF' | tee -a "$OUT/grpo_summary.txt"
+log() { echo "$*" | tee -a "$R/summary.txt"; }
+# the first run creates the seeded random weights (model.init=random); the others load them as a checkpoint
+first() { local name=$1; shift
+  $PY -m rlrepro.cli train "${COMMON[@]}" model.init=random "model.path=$M" "run.dir=$W/$name" "$@" || rc=1
+  BASE=$W/$name/base_model; }
+train() { local name=$1; shift
+  $PY -m rlrepro.cli train "${COMMON[@]}" model.init=pretrained "model.path=$BASE" "run.dir=$W/$name" "$@" || rc=1; }
+diffrun() { $PY -m rlrepro.cli diff "$W/$1" "$W/$2" > "$R/diff_$1_$2.txt" 2>&1; log "diff $1 $2 ($3): exit $?"; }
+
+if [ "$SET" = one ]; then
+  first a "${ONE[@]}" checkpoint.every=2
+  train b "${ONE[@]}"; diffrun a b "two runs"
+  train c "${ONE[@]}" rollout.max_num_seqs=7 rollout.max_num_batched_tokens=999; diffrun a c "other engine batch settings"
+  train f "${ONE[@]}" run.deterministic=false
+  mkdir -p $W/d/checkpoints && cp -r $W/a/checkpoints/step_000002 $W/d/checkpoints/
+  train d "${ONE[@]}" run.resume=true; diffrun a d "resumed at step 2"
+  RUNS="a b c f d"
+else
+  first g "${TWO[@]}"
+  train h "${TWO[@]}"; diffrun g h "two runs, 2 GPUs"
+  train s train.num_gpus=1 rollout.num_workers=1 ray.colocate=false
+  train f2 "${TWO[@]}" run.deterministic=false
+  RUNS="g h s f2"
+fi
+
+$PY - "$W" $RUNS <<'PYEOF' | tee -a "$R/summary.txt"
 import json, sys
 from pathlib import Path
-w = Path(sys.argv[1])
+w, names = Path(sys.argv[1]), sys.argv[2:]
 def load(name):
     p = w / name / "metrics.jsonl"
     return [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
-keys = ["perf/step_time_s", "perf/rollout_s", "perf/reward_s", "perf/train_s", "perf/sync_s", "perf/rollout_tokens_per_s"]
-print("| run | steps | " + " | ".join(k.split("/")[1] for k in keys) + " | max logprob diff |")
-print("|---|---|" + "---|" * (len(keys) + 1))
-for name in ("a", "b", "c", "d", "f"):
-    m = load(name)[1:]  # step 1 includes compilation and graph capture
+keys = ["perf/step_time_s", "perf/rollout_s", "perf/reward_s", "perf/train_s", "perf/sync_s",
+        "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/mfu"]
+print("averages over steps 2.. (step 1 includes compilation and CUDA-graph capture)")
+print("| run | steps | " + " | ".join(k.split("/")[1] for k in keys) + " | peak GiB (actor) | max lp diff |")
+print("|---|---|" + "---|" * (len(keys) + 2))
+for name in names:
+    every = load(name)
+    m = every[1:] or every
     if not m:
         print(f"| {name} | 0 |"); continue
-    avg = [sum(x[k] for x in m) / len(m) for k in keys]
-    lp = max(x["train/rollout_logprob_abs_diff"] for x in load(name))
-    print(f"| {name} | {len(m)} | " + " | ".join(f"{v:.3f}" for v in avg) + f" | {lp:.3g} |")
+    avg = [sum(x.get(k, float("nan")) for x in m) / len(m) for k in keys]
+    mem = {k.split("peak_mem_gib_")[1]: max(x[k] for x in every if k in x) for k in every[0] if "peak_mem_gib" in k}
+    lp = max(x["train/rollout_logprob_abs_diff"] for x in every)
+    print(f"| {name} | {len(every)} | " + " | ".join(f"{v:.3g}" for v in avg) + " | "
+          + ", ".join(f"{v:.1f} ({k})" for k, v in mem.items()) + f" | {lp:.3g} |")
 PYEOF
-cp $W/a/metrics.jsonl "$OUT/grpo_a_metrics.jsonl" 2>/dev/null
-# last, so that a short time limit still leaves the table above
-mkdir -p $W/d/checkpoints && cp -r $W/a/checkpoints/step_000002 $W/d/checkpoints/
-train run.dir=$W/d run.resume=true || rc=1
-$PY -m rlrepro.cli diff $W/a $W/d > "$OUT/grpo_diff_ad.txt" 2>&1; echo "diff a d (resumed at step 2): exit $?" | tee -a "$OUT/grpo_summary.txt"
+for n in $RUNS; do  # records only: diff-able anywhere with `rlrepro diff`
+  [ -d "$W/$n" ] && mkdir -p "$R/runs/$n" && cp "$W/$n"/*.jsonl "$W/$n/config.yaml" "$R/runs/$n/" 2>/dev/null
+done
 exit $rc

@@ -26,6 +26,11 @@ def main() -> None:
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer()
+    # Name every other id of the 151,936-token vocabulary, so that what a random model samples decodes to distinct
+    # text (the systems reward hashes the text; unnamed ids would all decode to "").
+    from tokenizers import AddedToken
+
+    tok.add_tokens([AddedToken(f"<t{i}>", normalized=False) for i in range(tok.get_vocab_size(), QWEN3_8B["vocab_size"])])
     cfg = dict(QWEN3_8B, num_hidden_layers=ns.layers, eos_token_id=tok.token_to_id("<|im_end|>"))
     if ns.small:
         cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -1,24 +1,25 @@
 """The collective weight-sync path (gloo on CPU; the same code runs NCCL between GPUs): the engine's model
 receives the trainer's weights bit for bit, with the version, and a mismatched model is refused."""
 import multiprocessing as mp
-import socket
 
 import torch
 
 from rlrepro.model import tiny_model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(rank, world, port, seed_send, queue, mismatch):
-    from rlrepro.orchestration.weight_sync import WeightBroadcaster
+def _run(rank, world, ports, seed_send, queue, mismatch):
+    from rlrepro.orchestration.weight_sync import Rendezvous, WeightBroadcaster
 
     torch.set_num_threads(1)
-    sync = WeightBroadcaster(f"tcp://127.0.0.1:{port}", rank, world)
+    rdv = None
+    if rank == 0:  # rank 0 hosts the store on a port of its own choosing and tells the others
+        rdv = Rendezvous("127.0.0.1")
+        port = rdv.port
+        for _ in range(world - 1):
+            ports.put(port)
+    else:
+        port = ports.get(timeout=60)
+    sync = WeightBroadcaster("127.0.0.1", port, rank, world, generation=3, rendezvous=rdv)
     try:
         if rank == 0:
             model = tiny_model(seed=seed_send)
@@ -40,9 +41,8 @@ def _run(rank, world, port, seed_send, queue, mismatch):
 
 def _spawn(world, mismatch=False):
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_run, args=(r, world, port, 3, queue, mismatch)) for r in range(world)]
+    queue, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_run, args=(r, world, ports, 3, queue, mismatch)) for r in range(world)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=120) for _ in range(world)]

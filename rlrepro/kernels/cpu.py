@@ -20,12 +20,43 @@ from .metadata import AttentionMetadata
 KV_TILE = 32  # KV positions reduced per step of the online softmax; fixed, so the reduction order is too
 
 
+def _rowwise_matmul(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x2d [M, K] @ weight[N, K]^T`` one row at a time: a batched matmul of M ``[1, K] x [K, N]`` products,
+    whose per-row result does not depend on M. One operand layout for every M (bmm picks its GEMM by strides)."""
+    m, k = x2d.shape
+    n = weight.shape[0]
+    rows = x2d.reshape(m, 1, k).contiguous()
+    return torch.bmm(rows, weight.t().unsqueeze(0).expand(m, k, n)).reshape(m, n)
+
+
+class _Linear(torch.autograd.Function):
+    """Batch-invariant forward; backward with the input gradient row by row as well (batch-invariant) and the
+    weight gradient as one ``grad^T @ x`` matmul: deterministic for a given shape, and it never materialises
+    the per-row ``[M, K, N]`` gradient of an expanded weight (for a 151,936-token vocabulary that is ~100 GB)."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight):
+        ctx.save_for_backward(x2d, weight)
+        return _rowwise_matmul(x2d, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2d, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        gx = _rowwise_matmul(grad, weight.t()) if ctx.needs_input_grad[0] else None
+        gw = grad.t().mm(x2d) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     k = x.shape[-1]
     n = weight.shape[0]
-    rows = x.reshape(-1, 1, k).contiguous()  # one operand layout for every M (bmm picks its GEMM by strides)
-    m = rows.shape[0]
-    out = torch.bmm(rows, weight.t().unsqueeze(0).expand(m, k, n)).reshape(*x.shape[:-1], n)
+    x2d = x.reshape(-1, k)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        out = _Linear.apply(x2d, weight)
+    else:
+        out = _rowwise_matmul(x2d, weight)
+    out = out.reshape(*x.shape[:-1], n)
     if bias is not None:
         out = out + bias
     return out

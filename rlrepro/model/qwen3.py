@@ -27,12 +27,25 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
+    # Tensor-parallel emulation (see Qwen3ForCausalLM.set_tensor_parallel_emulation): None = one plain product;
+    # ("column" | "row", tp) = what a column-/row-parallel linear over tp ranks computes (rlrepro.kernels.tp).
+    tp_split: tuple[str, int] | None = None
+
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = _param(out_features, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight)
+        if self.tp_split is None:
+            return kernels.linear(x, self.weight)
+        return _tp_linear(x, self.weight, self.tp_split)
+
+
+def _tp_linear(x: torch.Tensor, weight: torch.Tensor, split: tuple[str, int]) -> torch.Tensor:
+    from rlrepro.kernels import tp
+
+    kind, parts = split
+    return (tp.linear_row_split if kind == "row" else tp.linear_column_split)(x, weight, parts)
 
 
 class RMSNorm(nn.Module):
@@ -123,6 +136,34 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = Qwen3Model(config)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tensor_parallel_emulation = 1
+
+    def set_tensor_parallel_emulation(self, tp: int) -> "Qwen3ForCausalLM":
+        """Compute every linear as a Megatron-style tensor-parallel model over ``tp`` ranks would, in this one
+        process: q/k/v, gate/up and the LM head as ``tp`` column shards, o_proj and down_proj as ``tp`` K-split
+        partials added in rank order (:mod:`rlrepro.kernels.tp`). The engine runs a model set this way to produce
+        the same bits as a trainer sharded with ``trainer.tensor_parallel=tp`` (docs/MEGATRON.md).
+        ``tp=1`` (the default) is the plain model, bit for bit. The weights are not touched."""
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor-parallel emulation size must be a positive int, got {tp!r}")
+        cfg = self.config
+        if tp > 1:
+            for name, value in (("num_attention_heads", cfg.num_attention_heads),
+                                ("num_key_value_heads", cfg.num_key_value_heads),
+                                ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+                if value % tp:
+                    raise ValueError(f"tensor-parallel size {tp} does not divide {name}={value}; "
+                                     f"choose a size that divides it")
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for lin, kind in ((attn.q_proj, "column"), (attn.k_proj, "column"), (attn.v_proj, "column"),
+                              (attn.o_proj, "row"), (mlp.gate_proj, "column"), (mlp.up_proj, "column"),
+                              (mlp.down_proj, "row")):
+                lin.tp_split = None if tp == 1 else (kind, tp)
+        if self.lm_head is not None:
+            self.lm_head.tp_split = None if tp == 1 else ("column", tp)
+        self.tensor_parallel_emulation = tp
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -156,6 +197,8 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tensor_parallel_emulation > 1:
+            return _tp_linear(hidden, self.head_weight(), ("column", self.tensor_parallel_emulation))
         return kernels.linear(hidden, self.head_weight())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,9 @@ class RolloutConfig:
     block_size: int = 16
     num_kv_blocks: Optional[int] = None
     gpu_memory_fraction: float = 0.3  # on CUDA: KV cache size when num_kv_blocks is unset
+    # trainer -> engines: auto (CUDA IPC when colocated on CUDA, NCCL broadcast when not, object store on CPU) |
+    # object_store | collective (torch.distributed broadcast: NCCL on CUDA, gloo on CPU) | cuda_ipc
+    weight_sync: str = "auto"
     max_model_len: Optional[int] = None
     # a rollout worker that dies (process killed, actor lost) is replaced, loaded with the current weights, and
     # its unfinished requests are re-run (same keys, same samples); at most this many replacements per step
@@ -110,7 +113,8 @@ class TrainConfig:
     advantage: str = "grpo"  # grpo | dr_grpo
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    num_gpus: int = 1  # data-parallel trainer replicas (on CUDA)
+    # data-parallel trainer ranks (order-fixed gradient sum): one GPU each on CUDA, one process each on CPU
+    num_gpus: int = 1
     # a non-finite loss or gradient norm: error (stop before the weights change; a checkpoint of the last
     # completed step is kept) | skip (weights and optimizer state untouched, LR schedule advances, step recorded)
     on_nonfinite: str = "error"
@@ -132,6 +136,7 @@ class WarmStartConfig:
 class CheckpointConfig:
     every: int = 0  # 0: only at the end
     keep_last: int = 3
+    save_last: bool = True  # also after the last step (false: only every N steps; for benchmarks)
 
 
 @dataclass
@@ -177,6 +182,7 @@ _CHOICES = {
     "logger.mode": ("offline", "online", "disabled"),
     "warm_start.target": ("format", "answer"),
     "train.on_nonfinite": ("error", "skip"),
+    "rollout.weight_sync": ("auto", "object_store", "collective", "cuda_ipc"),
 }
 _POSITIVE = ["rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_tokens",
              "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.block_size", "train.steps",
@@ -262,6 +268,10 @@ def validate(cfg: Any) -> None:
     if cfg.train.warmup_steps > cfg.train.steps:
         raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps} exceeds train.steps={cfg.train.steps}; "
                           f"lower it (e.g. train.warmup_steps={cfg.train.steps // 10})")
+    if cfg.rollout.weight_sync == "cuda_ipc" and (cfg.run.device != "cuda" or not cfg.ray.colocate):
+        raise ConfigError(f"rollout.weight_sync=cuda_ipc needs trainer and engines on the same GPUs "
+                          f"(run.device=cuda and ray.colocate=true; here run.device={cfg.run.device}, "
+                          f"ray.colocate={cfg.ray.colocate}); use rollout.weight_sync=auto")
     if cfg.rollout.max_num_batched_tokens < cfg.rollout.block_size:
         raise ConfigError(f"rollout.max_num_batched_tokens={cfg.rollout.max_num_batched_tokens} must be >= "
                           f"rollout.block_size={cfg.rollout.block_size}")

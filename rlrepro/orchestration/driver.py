@@ -328,6 +328,7 @@ class GRPODriver:
             "perf/step_time_s": t4 - t0,
             "perf/rollout_worker_restarts": self.cluster.restarts,  # (run environment, not compared by diff)
         })
+        metrics.update(self._perf_metrics(train_metrics, samples, t3 - t2))
         fp = fingerprint_from_samples(step, samples, loss=train_metrics["train/loss"],
                                       grad_norm=train_metrics["train/grad_norm"], weights=weights_digest)
         self.fingerprints.write(fp)
@@ -336,6 +337,21 @@ class GRPODriver:
             self.rollouts.write(step, samples)
         self._last_samples = [(by_uid[s["prompt_uid"]].record, texts[i], s["reward"]) for i, s in enumerate(samples)]
         return metrics
+
+    def _perf_metrics(self, train_metrics: dict, samples: list[dict], train_s: float) -> dict:
+        """Trainer throughput and MFU (model FLOPs over the step's train wall time and the GPUs' bf16 dense peak),
+        and peak GPU memory per actor since the last step."""
+        n_tokens = sum(len(s["prompt_token_ids"]) + len(s["token_ids"]) for s in samples)
+        out = {"perf/train_tokens_per_s": n_tokens / max(train_s, 1e-9)}
+        flops = train_metrics.get("perf/train_flops")
+        if self.cfg.run.device == "cuda":
+            peak = train_metrics.get("perf/gpu_peak_flops")
+            if flops is not None and peak:
+                out["perf/mfu"] = flops / (train_s * peak * self.cfg.train.num_gpus)
+            for actor, stats in self.cluster.memory_stats().items():
+                if stats:
+                    out[f"perf/peak_mem_gib_{actor}"] = stats["peak_allocated_gib"]
+        return out
 
     # ------------------------------------------------------------------------------------------------ the loop
     def checkpoint_root(self) -> Path:
@@ -392,9 +408,11 @@ class GRPODriver:
                     history.append(metrics)
                     self._log_wandb(step, metrics)
                     every = cfg.checkpoint.every
-                    if (every and step % every == 0) or step == last_step:
+                    if (every and step % every == 0) or (step == last_step and cfg.checkpoint.save_last):
                         self._saving = True
-                        self.save_checkpoint(step)
+                        t_ckpt = time.perf_counter()
+                        path = self.save_checkpoint(step)
+                        self._log_line(f"checkpoint {path}: {time.perf_counter() - t_ckpt:.1f} s")
                         self._saving = False
                 except Exception as e:  # noqa: BLE001 - every failure of a step ends the run the same way
                     raise self._failed(step, e) from e
@@ -498,3 +516,4 @@ class GRPODriver:
 
 def run_training(cfg: DictConfig) -> list[dict]:
     return GRPODriver(cfg).run()
+

@@ -65,36 +65,60 @@ class Cluster:
         self._restarts_in_step = 0
         self._active_kills: list[dict] = []
         on_gpu = cfg.run.device == "cuda"
-        nw = cfg.rollout.num_workers
-        if on_gpu and cfg.ray.colocate:
-            worker_gpus, trainer_gpus = 0.5 / nw, 0.5
-        elif on_gpu:
-            worker_gpus, trainer_gpus = 1.0, 1.0
-        else:
-            worker_gpus = trainer_gpus = 0
+        nw, nt = cfg.rollout.num_workers, cfg.train.num_gpus
+        self.sync_mode = resolve_weight_sync(cfg)
         r = cfg.rollout
         engine_kwargs = dict(seed=cfg.run.seed, max_num_seqs=r.max_num_seqs,
                              max_num_batched_tokens=r.max_num_batched_tokens, enable_prefix_cache=r.prefix_cache,
                              block_size=r.block_size, num_kv_blocks=r.num_kv_blocks, max_model_len=r.max_model_len,
-                             gpu_memory_fraction=r.gpu_memory_fraction / nw)
+                             gpu_memory_fraction=r.gpu_memory_fraction / -(-nw // nt) if cfg.ray.colocate
+                             else r.gpu_memory_fraction)
         common = dict(device=cfg.run.device, dtype=cfg.model.dtype, deterministic=cfg.run.deterministic)
-        self._worker_cls = ray.remote(num_cpus=0, num_gpus=worker_gpus, max_restarts=0)(RolloutWorker)
+        # Placement: on CUDA one bundle per GPU. Colocated: trainer rank g and the rollout workers g, g + nt, ...
+        # share GPU g (half for the trainer, half split among its workers); separate: the trainer ranks on the
+        # first nt GPUs, one GPU per rollout worker after them. On CPU, plain actors.
+        self._placement = None
+        self._worker_options: list[dict] = []
+        trainer_options: list[dict] = []
+        if on_gpu:
+            self._placement = make_placement(ray, nt if cfg.ray.colocate else nt + nw, cfg)
+            per_gpu = -(-nw // nt)
+            for i in range(nw):
+                bundle = i % nt if cfg.ray.colocate else nt + i
+                self._worker_options.append(self._in_bundle(bundle, 0.5 / per_gpu if cfg.ray.colocate else 1.0))
+            trainer_options = [self._in_bundle(g, 0.5 if cfg.ray.colocate else 1.0) for g in range(nt)]
+        else:
+            self._worker_options = [dict(num_gpus=0)] * nw
+            trainer_options = [dict(num_gpus=0)] * nt
+        self._worker_cls = ray.remote(num_cpus=0, max_restarts=0)(RolloutWorker)
         self._worker_args = (model_dir,), dict(engine_kwargs=engine_kwargs, **common)
-        self.workers = [self._new_worker() for _ in range(nw)]
+        self.workers = [self._new_worker(i) for i in range(nw)]
         train_kwargs = trainer_kwargs(cfg)
-        trainer_cls = trainer_actor_class(self.fault_plan)
+        trainer_cls = ray.remote(num_cpus=0)(trainer_actor_class(self.fault_plan))
         extra = {"fault_plan": self.fault_plan} if self.fault_plan.has_trainer_faults() else {}
-        self.trainer = ray.remote(num_cpus=0, num_gpus=trainer_gpus)(trainer_cls).remote(
-            model_dir, train_kwargs=train_kwargs, **common, **extra)
+        self.trainers = [trainer_cls.options(**trainer_options[g]).remote(
+            model_dir, train_kwargs=train_kwargs, rank=g, world_size=nt, **common, **extra) for g in range(nt)]
+        self.trainer = self.trainers[0]  # rank 0: weights, digests and checkpoints come from it
+        if nt > 1:
+            host, port = self.get(self.trainer.rendezvous_address.remote())
+            self.get([t.init_data_parallel.remote(host, port) for t in self.trainers])
         self.weight_version = -1
+        self._sync_generation = 0
+        self._sync_group_ready = False
+
+    def _in_bundle(self, bundle: int, gpus: float) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return dict(num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self._placement, placement_group_bundle_index=bundle))
 
     def get(self, refs: Any) -> Any:
         return self._ray.get(refs)
 
     # ------------------------------------------------------------------------------------ rollout workers
-    def _new_worker(self):
+    def _new_worker(self, i: int):
         args, kwargs = self._worker_args
-        return self._worker_cls.remote(*args, **kwargs)
+        return self._worker_cls.options(**self._worker_options[i]).remote(*args, **kwargs)
 
     def _call(self, i: int, method: str, *args: Any):
         """``self.workers[i].<method>.remote(*args)``; a test's kill_worker fault may end the worker right after."""
@@ -141,7 +165,8 @@ class Cluster:
                 ray.kill(self.workers[i], no_restart=True)
             except Exception:  # noqa: BLE001 - it is gone already
                 pass
-            self.workers[i] = self._new_worker()
+            self.workers[i] = self._new_worker(i)
+            self._sync_group_ready = False  # a collective weight-sync group is formed again, with the new worker
             if version < 0:
                 return
             ref = weights_ref if weights_ref is not None else self.trainer.get_weights.remote()
@@ -192,34 +217,71 @@ class Cluster:
         return [res for i in sorted(results) for res in results[i]]
 
     def train_step(self, samples: list[dict]) -> dict:
-        return self.get(self.trainer.train_step.remote(samples))
+        """Every trainer rank gets the whole batch (it computes its own micro-batches of it); rank 0 reports."""
+        ref = self._ray.put(samples)
+        return self.get([t.train_step.remote(ref) for t in self.trainers])[0]
 
     def warm_start(self, examples, **kw) -> list[float]:
-        return self.get(self.trainer.warm_start.remote(examples, **kw))
+        ref = self._ray.put(examples)
+        return self.get([t.warm_start.remote(ref, **kw) for t in self.trainers])[0]
+
+    def memory_stats(self) -> dict:
+        """Peak GPU memory (GiB) of each actor since the last call: ``trainer{g}`` and ``worker{i}``."""
+        refs = {f"trainer{g}": t.memory_stats.remote() for g, t in enumerate(self.trainers)}
+        refs.update({f"worker{i}": w.memory_stats.remote() for i, w in enumerate(self.workers)})
+        return {name: self.get(ref) for name, ref in refs.items()}
 
     def sync_weights(self, version: int) -> str:
-        """Trainer -> object store -> every worker; returns the digest of the weights sent. Each worker
-        reports the version it now holds and a mismatch is an error, never a silent stale policy."""
-        weights_ref = self.trainer.get_weights.remote()
+        """Trainer -> every worker, by ``rollout.weight_sync`` (see :func:`resolve_weight_sync`); returns the
+        digest of the weights sent. Each worker reports the version it now holds and a mismatch is an error,
+        never a silent stale policy."""
         digest = self.trainer.weights_digest.remote()
         self._arm_faults("sync", version)
-        calls = {i: self._call(i, "load_weights", weights_ref, version) for i in range(len(self.workers))}
-        # a replacement is loaded with weights_ref as it is made: nothing to resubmit
+        if self.sync_mode == "object_store" or version < 0:
+            weights_ref = self.trainer.get_weights.remote()
+            calls = {i: self._call(i, "load_weights", weights_ref, version) for i in range(len(self.workers))}
+        elif self.sync_mode == "cuda_ipc":
+            weights_ref = None  # a replacement worker is loaded through the object store
+            nt = len(self.trainers)
+            handles = {g: t.ipc_handles.remote() for g, t in enumerate(self.trainers)}
+            calls = {i: self._call(i, "load_weights_ipc", handles[i % nt], version) for i in range(len(self.workers))}
+        else:
+            weights_ref = None
+            self._form_sync_group()
+            send = self.trainer.sync_send.remote(version)
+            calls = {i: self._call(i, "sync_receive") for i in range(len(self.workers))}
         got = self._gather(calls, lambda i: None, "weight sync", version, weights_ref)
+        if self.sync_mode == "collective" and version >= 0:
+            self.get(send)
         versions = [got[i] for i in range(len(self.workers))]
         if any(v != version for v in versions):
             raise RuntimeError(f"weight sync to version {version} failed: workers report {versions}")
         self.weight_version = version
         return self.get(digest)
 
+    def _form_sync_group(self) -> None:
+        """The collective weight-sync group (trainer rank 0 + every worker), formed at first use and again after
+        a worker was replaced (a new generation: the old group's keys are never met)."""
+        if self._sync_group_ready:
+            return
+        self._sync_generation += 1
+        backend = "nccl" if self.cfg.run.device == "cuda" else "gloo"
+        world = len(self.workers) + 1
+        host, port = self.get(self.trainer.rendezvous_address.remote())
+        refs = [self.trainer.sync_group_join.remote(host, port, world, backend, self._sync_generation)]
+        refs += [w.sync_group_join.remote(host, port, i + 1, world, backend, self._sync_generation)
+                 for i, w in enumerate(self.workers)]
+        self.get(refs)
+        self._sync_group_ready = True
+
     def save_checkpoint(self, ckpt_root: str, step: int, extra: dict, keep_last: int) -> str:
         return self.get(self.trainer.save_checkpoint.remote(ckpt_root, step, extra, keep_last))
 
     def load_checkpoint(self, path: str) -> dict:
-        return self.get(self.trainer.load_checkpoint.remote(path))
+        return self.get([t.load_checkpoint.remote(path) for t in self.trainers])[0]
 
     def shutdown(self) -> None:
-        for actor in self.workers + [self.trainer]:
+        for actor in self.workers + self.trainers:
             try:
                 self._ray.kill(actor)
             except Exception:  # noqa: BLE001 - best effort at teardown
@@ -227,6 +289,32 @@ class Cluster:
         self.workers = []
         if self.cfg.ray.address is None and self._ray.is_initialized():
             self._ray.shutdown()
+
+
+def resolve_weight_sync(cfg: DictConfig) -> str:
+    """``rollout.weight_sync``: ``auto`` is CUDA IPC when trainer and engines share GPUs (ray.colocate on CUDA),
+    a collective broadcast (NCCL) when they do not, and the object store on CPU."""
+    mode = cfg.rollout.weight_sync
+    if mode != "auto":
+        return mode
+    if cfg.run.device != "cuda":
+        return "object_store"
+    return "cuda_ipc" if cfg.ray.colocate else "collective"
+
+
+def make_placement(ray, num_gpus: int, cfg: DictConfig):
+    """A placement group of ``num_gpus`` one-GPU bundles, packed; a clear error when the cluster has fewer."""
+    from ray.util.placement_group import placement_group
+
+    have = int(ray.cluster_resources().get("GPU", 0))
+    if num_gpus > have:
+        layout = ("train.num_gpus" if cfg.ray.colocate
+                  else "train.num_gpus + rollout.num_workers (ray.colocate=false: one GPU per rollout worker)")
+        raise RuntimeError(f"this run needs {num_gpus} GPUs ({layout}) but the Ray cluster has {have}; lower "
+                           "train.num_gpus / rollout.num_workers, set ray.colocate=true, or add GPUs")
+    pg = placement_group([{"GPU": 1}] * num_gpus, strategy="PACK")
+    ray.get(pg.ready(), timeout=300)
+    return pg
 
 
 def trainer_kwargs(cfg: DictConfig) -> dict:

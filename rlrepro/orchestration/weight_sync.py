@@ -1,39 +1,111 @@
-"""Weight sync from the trainer to rollout engines over a torch.distributed group.
+"""Weight sync from the trainer to rollout engines: a collective broadcast, and CUDA IPC for a shared GPU.
 
-The trainer is rank 0 and each rollout worker one more rank; every weight is broadcast from rank 0 in sorted
-name order, after a header that carries the version and the tensors' names, shapes and dtypes, so a worker
-refuses a mismatched model instead of loading it silently. A broadcast is a copy, so the engine receives the
-trainer's bits exactly. Backend ``gloo`` on CPU, ``nccl`` between GPUs (the path for an engine on its own
-GPU); the object store path in :mod:`.ray_runtime` remains the default.
+**Collective** (``rollout.weight_sync=collective``): the trainer's rank 0 is rank 0 of a separate group and each
+rollout worker one more rank. The group is *stateless*: its own ``TCPStore`` and a ``ProcessGroupNCCL`` /
+``ProcessGroupGloo`` built directly, not ``init_process_group``, so it lives beside the trainer's data-parallel
+group, and a new one (a new ``generation``) can be formed after a rollout worker is replaced without touching
+the trainer. Every weight is broadcast from rank 0 in sorted name order, after a header with the version and the
+tensors' names, shapes and dtypes that every rank checks first: a worker refuses a mismatched model instead of
+loading it silently, and the trainer sends nothing unless all accept. A broadcast is a copy, so the engine
+receives the trainer's bits exactly. NCCL between GPUs (an engine on its own GPU), gloo on CPU.
+
+**CUDA IPC** (``rollout.weight_sync=cuda_ipc``, trainer and engine on one GPU): the trainer hands out IPC
+handles of its live parameters (:func:`ipc_handles`); the engine maps them and copies device to device
+(:func:`open_ipc_handles`). No bytes leave the GPU.
 """
 from __future__ import annotations
 
 import datetime
+import pickle
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
+__all__ = ["Rendezvous", "WeightBroadcaster", "ipc_handles", "open_ipc_handles"]
+
+
+class Rendezvous:
+    """A listening socket on ``host`` (port chosen by the OS) that rank 0 of a group keeps until it builds the
+    group's TCPStore on it (``master_listen_fd``): no race for the port, and the store listens on ``host`` only
+    (127.0.0.1 in local mode), never on every interface."""
+
+    def __init__(self, host: str) -> None:
+        import socket
+
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.bind((host, 0))
+        self.sock.listen(256)
+        self.host, self.port = host, self.sock.getsockname()[1]
+
+    def store(self, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+        return dist.TCPStore(self.host, self.port, world_size, True, timeout, wait_for_workers=False,
+                             master_listen_fd=self.sock.fileno())
+
+
+def tcp_store(host: str, port: int, world_size: int, rendezvous: Rendezvous | None,
+              timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's store: served from ``rendezvous`` on rank 0, a client elsewhere."""
+    if rendezvous is not None:
+        return rendezvous.store(world_size, timeout)
+    return dist.TCPStore(host, port, world_size, False, timeout)
+
 
 class WeightBroadcaster:
-    """One side of the group: ``rank 0`` sends, other ranks receive."""
+    """One member of a weight-sync group: ``rank 0`` (the trainer) sends, every other rank receives.
 
-    def __init__(self, init_method: str, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_s: float = 300.0) -> None:
+    ``host``/``port``: rank 0 hosts the group's TCPStore there, from ``rendezvous`` (required on rank 0, made by
+    it); ``generation`` names this incarnation of the group, so a re-formed group never meets an old one's keys.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                 generation: int = 0, timeout_s: float = 300.0, rendezvous: Rendezvous | None = None) -> None:
         if world_size < 2:
             raise ValueError(f"a weight-sync group needs the trainer and at least one worker; world_size={world_size}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"weight-sync backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
         self.rank, self.world_size, self.backend = rank, world_size, backend
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if (rank == 0) != (rendezvous is not None):
+            raise ValueError("rank 0 of a weight-sync group hosts its store: pass rendezvous= on rank 0 only")
+        self._tcp = tcp_store(host, port, world_size, rendezvous, timeout)
+        store = dist.PrefixStore(f"rlrepro-weight-sync/{generation}", self._tcp)
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
+        else:
+            self.device = torch.device("cpu")
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+    # --------------------------------------------------------------------------------- collectives on self.pg
+    def _broadcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        self.pg.broadcast([t], opts).wait()
 
     def _broadcast_object(self, obj):
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, device=self.device if self.backend == "nccl" else None)
-        return box[0]
+        if self.rank == 0:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        else:
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._broadcast(size)
+        if self.rank != 0:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._broadcast(payload)
+        return obj if self.rank == 0 else pickle.loads(payload.cpu().numpy().tobytes())
 
+    def _all_accept(self, ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([flag], opts).wait()
+        return bool(flag.item())
+
+    # --------------------------------------------------------------------------------- send / receive
     def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        assert self.rank == 0, "only rank 0 (the trainer) sends"
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 (the trainer) sends weights")
         items = sorted(named, key=lambda kv: kv[0])
         header = {"version": version, "tensors": [(n, tuple(t.shape), str(t.dtype)) for n, t in items]}
         self._broadcast_object(header)
@@ -41,21 +113,30 @@ class WeightBroadcaster:
             raise ValueError(f"weight sync to version {version}: a worker refused the weights (model mismatch; "
                              "see the worker's error)")
         for _, t in items:
-            dist.broadcast(t.detach().to(self.device).contiguous(), src=0)
+            self._broadcast(t.detach().to(self.device).contiguous())
+        if self.backend == "nccl":
+            torch.cuda.current_stream().synchronize()
 
     def receive(self, params: dict[str, torch.Tensor]) -> int:
-        """Receive into ``params`` (name -> tensor, e.g. ``dict(model.named_parameters())``); returns the version."""
-        assert self.rank != 0, "rank 0 sends"
+        """Receive into ``params`` (name -> tensor, e.g. ``dict(model.named_parameters())``); returns the version.
+        A tensor already on this group's device is written in place; others go through one staging buffer."""
+        if self.rank == 0:
+            raise RuntimeError("rank 0 sends; receivers have rank >= 1")
         header = self._broadcast_object(None)
         problem = self._check(header, params)
         if not self._all_accept(problem is None):  # every rank agrees before any tensor moves
             raise ValueError(problem or "weight sync: another worker refused the weights (model mismatch)")
-        for name, shape, dtype in header["tensors"]:
-            target = params[name]
-            buf = torch.empty(shape, dtype=target.dtype, device=self.device)
-            dist.broadcast(buf, src=0)
-            with torch.no_grad():
-                target.copy_(buf)
+        with torch.no_grad():
+            for name, shape, dtype in header["tensors"]:
+                target = params[name]
+                if target.device == self.device and target.is_contiguous():
+                    self._broadcast(target.data)
+                else:
+                    buf = torch.empty(shape, dtype=target.dtype, device=self.device)
+                    self._broadcast(buf)
+                    target.copy_(buf)
+        if self.backend == "nccl":
+            torch.cuda.current_stream().synchronize()
         return int(header["version"])
 
     @staticmethod
@@ -72,11 +153,39 @@ class WeightBroadcaster:
                         f"{dtype} on the trainer")
         return None
 
-    def _all_accept(self, ok: bool) -> bool:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Drop the group (its communicator is freed with the object)."""
+        pg = getattr(self, "pg", None)
+        if pg is not None and self.backend == "nccl" and hasattr(pg, "shutdown"):
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort: a peer may be gone
+                pass
+        self.pg = None
+        self._tcp = None
+
+
+def ipc_handles(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple]]:
+    """(name, picklable CUDA IPC handle) for each CUDA tensor, in the given order. The tensors must stay alive
+    (and unchanged) until every receiver has copied them: the trainer's parameters between two steps are."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    torch.cuda.current_stream().synchronize()  # the receiver reads what the last update wrote
+    out = []
+    for name, t in named:
+        if not t.is_cuda:
+            raise ValueError(f"CUDA IPC weight sync: {name} is on {t.device}; it needs CUDA tensors "
+                             "(use rollout.weight_sync=object_store on CPU)")
+        out.append((name, reduce_tensor(t.detach().contiguous())))
+    return out
+
+
+def open_ipc_handles(handles: list[tuple[str, tuple]], device_index: int | None = None):
+    """Map handles made by :func:`ipc_handles` in another process on the same GPU; yields (name, tensor).
+    ``device_index``: this process's index of that GPU (the sender's index is replaced by it)."""
+    if device_index is None:
+        device_index = torch.cuda.current_device()
+    for name, (rebuild, args) in handles:
+        args = list(args)
+        args[6] = device_index  # rebuild_cuda_tensor(cls, size, stride, offset, storage_cls, dtype, device, ...)
+        yield name, rebuild(*args)

@@ -49,6 +49,32 @@ class RolloutWorker:
         self.engine.load_weights(weights.items(), version=version)
         return version
 
+    def load_weights_ipc(self, handles: list, version: int) -> int:
+        """CUDA IPC: map the trainer's parameters (same GPU) and copy them device to device."""
+        from .weight_sync import open_ipc_handles
+
+        self.engine.load_weights(open_ipc_handles(handles), version=version)
+        torch.cuda.current_stream().synchronize()  # done reading before the trainer may write again
+        return version
+
+    def sync_group_join(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                        generation: int) -> bool:
+        from .weight_sync import WeightBroadcaster
+
+        if getattr(self, "_sync", None) is not None:
+            self._sync.close()
+        self._sync = WeightBroadcaster(host, port, rank, world_size, backend=backend, generation=generation)
+        return True
+
+    def sync_receive(self) -> int:
+        """Receive a collective broadcast straight into the engine's parameters."""
+        version = self._sync.receive(dict(self.engine.model.named_parameters()))
+        self.engine.load_weights((), version=version)  # nothing to copy: sets the version, drops the prefix cache
+        return version
+
+    def memory_stats(self) -> dict:
+        return _memory_stats()
+
     def weight_version(self) -> int:
         return self.engine.weight_version
 
@@ -60,8 +86,11 @@ class TrainerWorker:
     """The policy, its optimizer and its checkpoints."""
 
     def __init__(self, model_dir: str, *, device: str, dtype: str | None, deterministic: bool,
-                 train_kwargs: dict, torch_threads: int = 1) -> None:
+                 train_kwargs: dict, torch_threads: int = 1, rank: int = 0, world_size: int = 1) -> None:
         _setup_process(device, torch_threads)
+        self.device, self.rank, self.world_size = device, rank, world_size
+        self.data_parallel = None
+        self._sync = self._rendezvous = None
         from rlrepro import kernels
         from rlrepro.model import load_pretrained
         from rlrepro.trainer import Trainer, TrainConfig, enable_determinism
@@ -75,9 +104,48 @@ class TrainerWorker:
         self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model)
         self._kernels = kernels
 
+    # ---------------------------------------------------------------------------- data parallel (train.num_gpus)
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Open a listening socket on this node (kept until the next group is built on it) for a group this
+        actor hosts as rank 0; returns its (host, port)."""
+        from .weight_sync import Rendezvous
+
+        self._rendezvous = Rendezvous(_node_address())
+        return self._rendezvous.host, self._rendezvous.port
+
+    def init_data_parallel(self, host: str, port: int) -> int:
+        """Join the trainer ranks' group (NCCL on CUDA, gloo on CPU); the update becomes data parallel with
+        the order-fixed gradient sum of :class:`rlrepro.trainer.DataParallel`. Returns this rank."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from rlrepro.trainer import DataParallel, Trainer
+
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        if backend == "nccl":
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            torch.cuda.set_device(0)  # Ray gives each trainer rank its own GPU, visible as device 0
+        from .weight_sync import tcp_store
+
+        timeout = datetime.timedelta(seconds=600)
+        rdv = self._rendezvous if self.rank == 0 else None
+        store = tcp_store(host, port, self.world_size, rdv, timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+        self._rendezvous = None
+        self.data_parallel = DataParallel()
+        self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model,
+                               data_parallel=self.data_parallel)
+        return self.rank
+
     def train_step(self, samples: list[dict]) -> dict:
         with self._kernels.mode(self.kernel_mode):
-            return self.trainer.train_step(samples)
+            metrics = self.trainer.train_step(samples)
+        metrics["perf/train_flops"] = train_flops(self.model.config, samples, self.train_config)
+        if self.device == "cuda":
+            name = torch.cuda.get_device_name()
+            metrics["perf/gpu_peak_flops"] = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+        return metrics
 
     def warm_start(self, examples: list[tuple[list[int], list[int]]], *, steps: int, lr: float, batch_size: int,
                    seed: int) -> list[float]:
@@ -89,7 +157,8 @@ class TrainerWorker:
             losses = supervised_warm_start(self.model, examples, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
         if self.ref_model is not None:
             self.ref_model = self._frozen_copy()
-        self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model)  # fresh optimizer state
+        self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model,
+                               data_parallel=self.data_parallel)  # fresh optimizer state
         return losses
 
     def _frozen_copy(self):
@@ -101,6 +170,30 @@ class TrainerWorker:
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().to("cpu", copy=True) for name, t in self.trainer.named_weights()}
+
+    def ipc_handles(self) -> list:
+        """CUDA IPC handles of the policy's parameters, for an engine on the same GPU."""
+        from .weight_sync import ipc_handles
+
+        return ipc_handles(self.trainer.named_weights())
+
+    def sync_group_join(self, host: str, port: int, world_size: int, backend: str, generation: int) -> bool:
+        """Host (as rank 0) a new weight-sync group with the rollout workers; an older one is closed."""
+        from .weight_sync import WeightBroadcaster
+
+        if self._sync is not None:
+            self._sync.close()
+        self._sync = WeightBroadcaster(host, port, 0, world_size, backend=backend, generation=generation,
+                                       rendezvous=self._rendezvous)
+        self._rendezvous = None
+        return True
+
+    def sync_send(self, version: int) -> int:
+        self._sync.send(self.trainer.named_weights(), version)
+        return version
+
+    def memory_stats(self) -> dict:
+        return _memory_stats()
 
     def weights_digest(self) -> str:
         from rlrepro.repro.fingerprint import weights_digest
@@ -117,3 +210,45 @@ class TrainerWorker:
         from rlrepro.trainer import export_hf
 
         return str(export_hf(self.model, path))
+
+
+# bf16 dense tensor-core peak (FLOP/s) by GPU name, for MFU; GPUs not listed get no MFU
+PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
+
+
+def _node_address() -> str:
+    """This node's address as Ray knows it (127.0.0.1 in local mode); 127.0.0.1 outside Ray."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    except Exception:  # noqa: BLE001 - outside Ray (in-process tests)
+        return "127.0.0.1"
+
+
+def _memory_stats() -> dict:
+    """Peak GPU memory since the last call (GiB), then the peak is reset; {} on CPU."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    stats = {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+    torch.cuda.reset_peak_memory_stats()
+    return stats
+
+
+def train_flops(config, samples: list[dict], train_config) -> float:
+    """Model FLOPs of one train step on ``samples`` (all ranks together): a forward pass for the on-policy check,
+    one for the KL reference when kl_coef > 0, and forward + backward (3 forwards) per PPO epoch. A forward costs
+    2 FLOPs per matmul weight per token (every linear, lm_head included; the embedding lookup is free) plus causal
+    attention, 2 * 2 * layers * heads * head_dim * (i + 1) for the token at position i."""
+    h, L = config.hidden_size, config.num_hidden_layers
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    matmul_weights = L * per_layer + h * config.vocab_size
+    fwd = 0.0
+    for s in samples:
+        n = len(s["prompt_token_ids"]) + len(s["completion_token_ids"])
+        fwd += 2.0 * matmul_weights * n + 4.0 * L * q * n * (n + 1) / 2
+    passes = 1 + (1 if train_config.kl_coef > 0 else 0) + 3 * train_config.ppo_epochs
+    return fwd * passes

@@ -1,0 +1,290 @@
+"""Tensor parallelism with order-fixed reductions, and its single-process emulation.
+
+Megatron-style tensor parallelism (TP) splits each linear layer over ``tp`` ranks:
+
+* **column-parallel** (q/k/v, gate/up, the LM head): rank ``r`` holds output rows ``W[N_r]`` and computes its own
+  slice of the output; the full output is the concatenation in rank order (gathering only copies bytes).
+* **row-parallel** (o_proj, down_proj): rank ``r`` holds the input columns ``W[:, K_r]`` and computes a *partial*
+  output over its K-slice; the output is the sum of the partials. Megatron all-reduces them, which leaves the
+  summation order to NCCL. Here every rank **all-gathers** the partials and adds them itself in rank order,
+  ``((p_0 + p_1) + p_2) + ...`` with a float32 accumulator cast once to the output dtype, so every rank and every
+  run get the same bits.
+* **vocab-parallel** log-softmax: each rank holds a vocab shard of the logits; the global max is exact, the
+  per-shard ``sum exp(x - max)`` (float32) are gathered and added in rank order.
+
+Autograd. In TP every rank runs the same computation after a gather or a sum (the downstream is replicated), so
+every rank holds the same gradient of a gathered/summed tensor. Hence:
+
+=========================  =========================================  ====================================
+op                         forward                                    backward
+=========================  =========================================  ====================================
+:func:`copy_to_tp`         identity (input to a column-parallel op)   order-fixed sum of the ranks' grads
+:func:`row_parallel_sum`   gather partials, sum in rank order         identity (each rank keeps the grad)
+:func:`gather_stack`       gather, stack ``[tp, ...]``                this rank's slice of the grad
+:func:`gather_last_dim`    gather, concatenate along the last dim     this rank's slice of the grad
+=========================  =========================================  ====================================
+
+No backward uses an all-reduce; the only reduction (``copy_to_tp``'s) is again gather + rank-order sum.
+The "own slice" backward of a gather is right only when the gathered tensor depends on other ranks' data through
+``copy_to_tp`` alone (then the cross-rank part of its gradient is summed there); a tensor computed from another
+gather's result (e.g. a log-softmax normalised by gathered sums) must not be gathered again with grad.
+
+Emulation. :func:`linear_row_split`, :func:`linear_column_split`, :func:`emulated_log_softmax` and
+:func:`emulated_token_logprob` compute, in one process, exactly what ``tp`` ranks compute: each shard's product
+with the deterministic kernel on a contiguous copy of the shard (the shape a rank sees), cast to the output
+dtype as the rank's kernel returns it, then combined in rank order the same way. This is how the engine
+reproduces a TP trainer: ``Qwen3ForCausalLM.set_tensor_parallel_emulation(tp)`` routes the model's linears
+through these, and ``tests/test_tp_emulation.py`` checks emulated TP == real TP over gloo with ``torch.equal``.
+Column splits are emulated too because a kernel's bits may depend on N: on the CPU,
+``kernels.linear(x, W)[:, :n]`` differs from ``kernels.linear(x, W[:n])`` for some shapes.
+
+Works with gloo (CPU tensors) and NCCL (CUDA tensors); ``group=None`` is the default process group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "shard_range", "ordered_sum", "copy_to_tp", "row_parallel_sum", "gather_stack", "gather_last_dim",
+    "vocab_parallel_log_softmax", "vocab_parallel_token_logprob", "linear_row_split", "linear_column_split",
+    "emulated_log_softmax", "emulated_token_logprob", "sum_in_rank_order",
+]
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+def shard_range(size: int, parts: int, index: int, what: str = "dimension") -> tuple[int, int]:
+    """``[start, end)`` of shard ``index`` when ``size`` is split into ``parts`` equal consecutive shards."""
+    if parts < 1 or size % parts:
+        raise ValueError(f"cannot split {what} of size {size} into {parts} equal tensor-parallel shards; "
+                         f"choose a tensor_parallel size that divides {size}")
+    if not 0 <= index < parts:
+        raise ValueError(f"shard index {index} is outside [0, {parts})")
+    step = size // parts
+    return index * step, (index + 1) * step
+
+
+def sum_in_rank_order(parts: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``((p_0 + p_1) + p_2) + ...`` with a float32 (float64 if the parts are float64) accumulator, cast to
+    ``dtype`` (default: the parts' dtype). The one definition of a TP sum, used by ranks and emulation alike."""
+    dtype = dtype or parts[0].dtype
+    acc_dtype = torch.float64 if parts[0].dtype == torch.float64 else torch.float32
+    total = parts[0].to(acc_dtype, copy=True)
+    for p in parts[1:]:
+        total += p.to(acc_dtype)
+    return total.to(dtype)
+
+
+def _world(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _all_gather(x: torch.Tensor, group) -> list[torch.Tensor]:
+    x = x.detach().contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return parts
+
+
+@torch.no_grad()
+def ordered_sum(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum of ``x`` over the group's ranks, in rank order (all-gather, then :func:`sum_in_rank_order`): the same
+    bits on every rank and in every run, unlike ``all_reduce``."""
+    if dist.get_world_size(group) == 1:
+        return x.detach().clone()
+    return sum_in_rank_order(_all_gather(x, group))
+
+
+# ------------------------------------------------------------------------------------------ autograd primitives
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ordered_sum(grad, ctx.group), None
+
+
+class _RowParallelSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial, group):
+        return sum_in_rank_order(_all_gather(partial, group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherStack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.rank = dist.get_rank(group)
+        return torch.stack(_all_gather(x, group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank].contiguous(), None
+
+
+def copy_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Identity forward; backward sums the ranks' input grads in rank order. Put it where a replicated tensor
+    enters a column-parallel op (each rank's grad covers only its shard of the output)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def row_parallel_sum(partial: torch.Tensor, group=None) -> torch.Tensor:
+    """The row-parallel linear's output: the ranks' partial outputs added in rank order (float32 accumulator,
+    cast to ``partial.dtype``). Backward: identity."""
+    if dist.get_world_size(group) == 1:
+        return partial
+    return _RowParallelSum.apply(partial, group)
+
+
+def gather_stack(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``[tp, *x.shape]``: every rank's ``x`` in rank order. Backward: this rank's slice of the grad."""
+    if dist.get_world_size(group) == 1:
+        return x.unsqueeze(0)
+    return _GatherStack.apply(x, group)
+
+
+def gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The column-parallel gather: the ranks' shards concatenated along the last dim in rank order."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return torch.cat(gather_stack(x, group).unbind(0), dim=-1)
+
+
+# ------------------------------------------------------------------------------ vocab-parallel log-softmax math
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    t = float(temperature) if temperature > 0 else 1.0
+    return logits.float() / t
+
+
+def _lse_from_shards(shards: list[torch.Tensor], gather) -> torch.Tensor:
+    """``logsumexp`` over all shards, shared by ranks and emulation. ``shards``: the float32 (tempered) logit shards
+    this process holds (one on a rank, all in emulation); ``gather(values, grad)`` turns per-held-shard values into
+    the list over all shards. Max: exact (any order); ``sum exp(x - max)``: float32 per shard, added in rank order."""
+    maxes = gather([s.detach().amax(dim=-1) for s in shards], grad=False)
+    m = maxes[0]
+    for v in maxes[1:]:
+        m = torch.maximum(m, v)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).unsqueeze(-1)
+    sums = gather([torch.exp(s - m).sum(dim=-1) for s in shards], grad=True)
+    total = sums[0]
+    for v in sums[1:]:
+        total = total + v
+    return m + torch.log(total).unsqueeze(-1)
+
+
+def _rank_gather(group):
+    def gather(values: list[torch.Tensor], grad: bool) -> list[torch.Tensor]:
+        (v,) = values
+        if not grad:
+            return _all_gather(v, group)
+        return list(gather_stack(v, group).unbind(0))
+    return gather
+
+
+def _local_gather(values: list[torch.Tensor], grad: bool) -> list[torch.Tensor]:
+    return values
+
+
+def vocab_parallel_log_softmax(logits_shard: torch.Tensor, group=None, temperature: float = 1.0) -> torch.Tensor:
+    """This rank's vocab shard of ``log_softmax(logits.float() / T)`` (float32, differentiable); the normaliser
+    combines the shards' max (exact) and ``sum exp`` (float32, rank order). Equals :func:`emulated_log_softmax`
+    bit for bit; it is *not* the bits of ``kernels.log_softmax`` over the whole row (another summation order).
+
+    Autograd note: the result depends on every rank's logits, so it must not be fed to :func:`gather_stack` (whose
+    backward keeps only this rank's slice); :func:`vocab_parallel_token_logprob` gathers the raw logit instead."""
+    x = _tempered(logits_shard, temperature).contiguous()
+    return x - _lse_from_shards([x], _rank_gather(group))
+
+
+def _select_owner(values: list[torch.Tensor], owner: torch.Tensor) -> torch.Tensor:
+    stacked = torch.stack(values, dim=-1)
+    return stacked.gather(-1, owner.long().unsqueeze(-1)).squeeze(-1)
+
+
+def vocab_parallel_token_logprob(logits_shard: torch.Tensor, token_ids: torch.Tensor, group=None,
+                                 temperature: float = 1.0) -> torch.Tensor:
+    """Float32 logprob of ``token_ids`` (global vocab ids) from vocab-sharded logits: ``x[token] - logsumexp(x)``
+    with ``x = logits / T``, the token's logit gathered from its owner rank (a copy), the logsumexp as in
+    :func:`vocab_parallel_log_softmax`. Every rank returns the same bits. Differentiable: each rank gets the
+    gradient of its own shard (the gathered tensors depend only on their rank's shard)."""
+    rank, world = _world(group)
+    x = _tempered(logits_shard, temperature).contiguous()
+    lse = _lse_from_shards([x], _rank_gather(group)).squeeze(-1)
+    vocab_shard = x.shape[-1]
+    owner = torch.div(token_ids, vocab_shard, rounding_mode="floor")
+    local = torch.where(owner == rank, token_ids - rank * vocab_shard, torch.zeros_like(token_ids)).long()
+    picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+    if world > 1:
+        picked = _select_owner(list(gather_stack(picked, group).unbind(0)), owner)
+    return picked - lse
+
+
+# ---------------------------------------------------------------------------------------------------- emulation
+
+def _kernel_linear():
+    from rlrepro import kernels  # this package; imported late because kernels/__init__ does not import tp
+
+    return kernels.linear
+
+
+def linear_row_split(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """What a row-parallel linear over ``parts`` ranks returns: partials over contiguous K-slices, each from the
+    deterministic kernel (in the output dtype), added in rank order with :func:`sum_in_rank_order`."""
+    if parts == 1:
+        return _kernel_linear()(x, weight)
+    k = weight.shape[1]
+    linear = _kernel_linear()
+    partials = []
+    for r in range(parts):
+        a, b = shard_range(k, parts, r, "the input dimension (K) of a row-parallel linear")
+        partials.append(linear(x[..., a:b].contiguous(), weight[:, a:b].contiguous()))
+    return sum_in_rank_order(partials)
+
+
+def linear_column_split(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """What a column-parallel linear over ``parts`` ranks returns after the gather: each rank's output slice from
+    the kernel on its contiguous N-shard of the weight, concatenated in rank order."""
+    if parts == 1:
+        return _kernel_linear()(x, weight)
+    n = weight.shape[0]
+    linear = _kernel_linear()
+    outs = []
+    for r in range(parts):
+        a, b = shard_range(n, parts, r, "the output dimension (N) of a column-parallel linear")
+        outs.append(linear(x, weight[a:b].contiguous()))
+    return torch.cat(outs, dim=-1)
+
+
+def _split_last(x: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    v = x.shape[-1]
+    return [x[..., slice(*shard_range(v, parts, r, "the vocabulary"))].contiguous() for r in range(parts)]
+
+
+def emulated_log_softmax(logits: torch.Tensor, parts: int, temperature: float = 1.0) -> torch.Tensor:
+    """Full-vocab float32 log-softmax computed as ``parts`` vocab-parallel ranks compute it (see
+    :func:`vocab_parallel_log_softmax`), their shards concatenated."""
+    shards = _split_last(_tempered(logits, temperature), parts)
+    lse = _lse_from_shards(shards, _local_gather)
+    return torch.cat([s - lse for s in shards], dim=-1)
+
+
+def emulated_token_logprob(logits: torch.Tensor, token_ids: torch.Tensor, parts: int,
+                           temperature: float = 1.0) -> torch.Tensor:
+    """:func:`vocab_parallel_token_logprob` over ``parts`` ranks, computed in one process (same bits)."""
+    shards = _split_last(_tempered(logits, temperature), parts)
+    lse = _lse_from_shards(shards, _local_gather).squeeze(-1)
+    vocab_shard = shards[0].shape[-1]
+    owner = torch.div(token_ids, vocab_shard, rounding_mode="floor")
+    local = (token_ids - owner * vocab_shard).long().unsqueeze(-1)
+    return _select_owner([s.gather(-1, local).squeeze(-1) for s in shards], owner) - lse

@@ -1,0 +1,43 @@
+"""The megatron backend (``trainer.backend=megatron``): Qwen3 sharded over tensor-parallel ranks with order-fixed
+reductions, and a ``Trainer`` on it. See docs/MEGATRON.md.
+
+Nothing here imports megatron-core at import time: :func:`init_parallel(..., use_megatron=True)` imports its
+``parallel_state`` when called, and :func:`validate_megatron_config` only checks that it is installed.
+"""
+from .config import BACKENDS, MegatronLayout, megatron_core_version, require_megatron_core, validate_megatron_config
+from .model import TPQwen3ForCausalLM, gather_param, shard_spec, shard_tensor
+from .parallel import ParallelGroups, destroy_parallel, init_parallel, single_process_groups
+from .trainer import MegatronTrainer
+
+__all__ = ["BACKENDS", "MegatronLayout", "validate_megatron_config", "megatron_core_version", "require_megatron_core",
+           "TPQwen3ForCausalLM", "shard_spec", "shard_tensor", "gather_param", "ParallelGroups", "init_parallel",
+           "destroy_parallel", "single_process_groups", "MegatronTrainer", "build_megatron_trainer"]
+
+
+def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int, num_gpus: int, device: str = "cpu",
+                           dtype=None, param_dtype=None, use_megatron_parallel_state: bool | None = None,
+                           with_ref_model: bool | None = None):
+    """What a trainer rank runs after ``torch.distributed.init_process_group`` (world = ``num_gpus`` ranks):
+    validate, build the TP/DP groups, load this rank's shard of ``model_dir``, and return a :class:`MegatronTrainer`
+    (with a frozen reference copy when ``train_config.kl_coef > 0`` or ``with_ref_model``).
+    ``use_megatron_parallel_state``: default True when megatron-core is installed."""
+    from rlrepro.model import Qwen3Config
+
+    config = Qwen3Config.from_file(model_dir)
+    validate_megatron_config("megatron", tensor_parallel, num_gpus, device, config,
+                             check_installed=bool(use_megatron_parallel_state))
+    if use_megatron_parallel_state is None:
+        use_megatron_parallel_state = megatron_core_version() is not None
+    groups = init_parallel(tensor_parallel, use_megatron=use_megatron_parallel_state)
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+    model = TPQwen3ForCausalLM.from_pretrained(model_dir, groups, device=device, dtype=dtype)
+    ref = None
+    if with_ref_model or (with_ref_model is None and train_config.kl_coef > 0):
+        import copy
+
+        ref = copy.deepcopy(model).requires_grad_(False).eval()
+    return MegatronTrainer(model, train_config, ref, param_dtype=param_dtype)

@@ -1,0 +1,311 @@
+"""``MegatronTrainer``: the GRPO train step of :class:`rlrepro.trainer.Trainer` on a tensor-parallel model.
+
+Same interface and metric keys as ``Trainer``: ``train_step(samples)``, ``named_weights()`` (full, unsharded
+tensors in name order), ``save_checkpoint`` / ``load_checkpoint``, ``step``. What changes is where gradients go
+between the backward passes and the optimizer step:
+
+1. q_norm/k_norm grads (replicated weights applied per head, so each TP rank's grad covers only its heads) are
+   summed over the TP group in rank order;
+2. data parallel (``groups.dp_size > 1``): every grad is summed over the DP group in rank order
+   (:class:`rlrepro.trainer.DataParallel` on the DP group);
+3. the global grad norm is computed on the **full** gradients, gathered one parameter at a time in name order,
+   with :func:`rlrepro.trainer.optim.grad_norm`'s formula, so it is the number a single-process trainer computes
+   from the same gradients; every rank scales its shards by the same coefficient.
+
+The optimizer is rlrepro's :class:`MasterWeightAdamW` over this rank's shards (elementwise, so sharding changes no
+bits of the update). This order-fixed path runs on CPU (gloo) and CUDA (NCCL). megatron-core's
+``DistributedDataParallel`` + distributed optimizer are not used by this class: their gradient reduce-scatter's
+summation order belongs to NCCL (docs/MEGATRON.md, "GPU path").
+
+Checkpoints are TP-agnostic: the shards are gathered into the full model and full optimizer state and written by
+one rank (TP rank 0 of replica 0) in rlrepro's checkpoint format (``rlrepro.trainer.checkpoint``), with the RNG
+states and ``extra_state`` (data cursor) as ``Trainer`` writes them. A checkpoint saved at TP=2 loads into a
+``Trainer`` or a ``MegatronTrainer`` at any TP, and vice versa. Every rank must call the collective methods
+(``train_step``, ``named_weights``, ``save_checkpoint``, ``load_checkpoint``, ``export_hf``) together.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import capture_rng_state, checkpoint_dir_name, load_checkpoint, save_checkpoint
+from ..data_parallel import DataParallel
+from rlrepro.kernels.tp import ordered_sum
+from ..logprobs import logprobs_and_entropy, token_logprobs
+from ..losses import pad_sequences, policy_loss
+from ..train import Trainer, TrainConfig, _as_train_sample
+from .model import TPQwen3ForCausalLM, gather_param, shard_spec, shard_tensor
+
+__all__ = ["MegatronTrainer"]
+
+
+class _FullModelView:
+    """What ``save_checkpoint`` / ``load_checkpoint`` need of a model, in full (unsharded) tensors."""
+
+    def __init__(self, model: TPQwen3ForCausalLM, state: dict | None = None) -> None:
+        self.model, self.state = model, state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if self.state is not None:
+            return self.state
+        tp = self.model.groups.tp_size
+        out = {}
+        for name, p in self.model.named_parameters():
+            dim, _ = shard_spec(name)
+            shape = list(p.shape)
+            if dim is not None:
+                shape[dim] *= tp
+            out[name] = torch.empty(shape, dtype=p.dtype, device="meta")
+        return out
+
+    def load_state_dict(self, state, strict: bool = True) -> None:
+        self.model.load_full_state_dict(dict(state))
+
+
+class _FullOptimizerView:
+    def __init__(self, trainer: "MegatronTrainer", state: dict | None = None) -> None:
+        self.trainer, self.state = trainer, state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.trainer._load_full_optimizer_state(state)
+
+
+class MegatronTrainer(Trainer):
+    """``Trainer`` over a :class:`TPQwen3ForCausalLM` (this rank's shard; its ``groups`` give TP and DP).
+
+    ``ref_model``: a frozen ``TPQwen3ForCausalLM`` of the initial policy (same groups), when ``kl_coef > 0``.
+    Determinism: :func:`rlrepro.trainer.enable_determinism` first, and the same CPU thread count on every rank.
+    """
+
+    def __init__(self, model: TPQwen3ForCausalLM, config: TrainConfig, ref_model=None, *,
+                 param_dtype: torch.dtype | None = None) -> None:
+        if not isinstance(model, TPQwen3ForCausalLM):
+            raise TypeError(f"MegatronTrainer takes a TPQwen3ForCausalLM (rlrepro.trainer.megatron), got "
+                            f"{type(model).__name__}; build it with TPQwen3ForCausalLM.from_pretrained(path, groups)")
+        self.groups = model.groups
+        dp = DataParallel(group=self.groups.dp_group) if self.groups.dp_size > 1 else None
+        super().__init__(model, config, ref_model, param_dtype=param_dtype, data_parallel=dp)
+        self._specs = [shard_spec(n) for n in self.optimizer.names]
+
+    # --- gradients ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _reduce_grads(self, grads: list[torch.Tensor]) -> None:
+        g = self.groups
+        if g.tp_size > 1:
+            for grad, (_, partial) in zip(grads, self._specs):
+                if partial:
+                    grad.copy_(ordered_sum(grad, g.tp_group))
+        if self.data_parallel is not None:
+            self.data_parallel.sum_tensors_(grads)
+
+    @torch.no_grad()
+    def _clip(self, grads: list[torch.Tensor]) -> float:
+        """Global norm of the full grads (name order, float32 per tensor, float64 sum), then clip every shard."""
+        total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+        for name, grad in zip(self.optimizer.names, grads):
+            full = gather_param(name, grad, self.groups)
+            total += torch.linalg.vector_norm(full, dtype=torch.float32).double().square()
+        norm = total.sqrt()
+        value = float(norm)
+        max_norm = self.config.max_grad_norm
+        if max_norm > 0 and math.isfinite(value):
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            if float(coef) < 1.0:
+                for grad in grads:
+                    grad.mul_(coef.to(grad.dtype))
+        return value
+
+    # --- the step (Trainer.train_step with the TP gradient handling) ----------------------------------------------
+    def train_step(self, samples: Sequence) -> dict:
+        cfg = self.config
+        batch = [_as_train_sample(s, i) for i, s in enumerate(samples)]
+        if not batch:
+            raise ValueError("train_step got an empty batch")
+        dp = self.data_parallel
+        device = self.model.device
+        chunks = self._my_chunks(len(batch))
+        num_tokens = sum(len(s.completion_token_ids) for s in batch)
+        num_seqs = len(batch)
+        lr = self.scheduler.get_last_lr()
+
+        max_diff = 0.0
+        ref_lps: dict[int, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for k, chunk in enumerate(chunks):
+                part = [batch[i] for i in chunk]
+                prompts = [s.prompt_token_ids for s in part]
+                completions = [s.completion_token_ids for s in part]
+                current = token_logprobs(self.model, prompts, completions, cfg.temperature)
+                for s, lp in zip(part, current):
+                    if lp.numel():
+                        old = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=device)
+                        max_diff = max(max_diff, float((lp - old).abs().max()))
+                if self.ref_model is not None:
+                    ref_lps[k] = token_logprobs(self.ref_model, prompts, completions, cfg.temperature)
+        if dp is not None:
+            max_diff = dp.max_float(max_diff)
+
+        snapshot = self._snapshot() if cfg.ppo_epochs > 1 else None
+        losses, norms = [], []
+        metric_sums = [0.0] * 5
+        skipped = False
+        for epoch in range(cfg.ppo_epochs):
+            self.optimizer.zero_grad()
+            loss_sum = 0.0
+            sums = [0.0] * 5
+            for k, chunk in enumerate(chunks):
+                part = [batch[i] for i in chunk]
+                if not any(s.completion_token_ids for s in part):
+                    continue
+                lps, ents = logprobs_and_entropy(self.model, [s.prompt_token_ids for s in part],
+                                                 [s.completion_token_ids for s in part], cfg.temperature)
+                logp, mask = pad_sequences(lps)
+                old, _ = pad_sequences([torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=device)
+                                        for s in part])
+                entropy, _ = pad_sequences(ents)
+                ref = pad_sequences(ref_lps[k])[0] if self.ref_model is not None else None
+                adv = torch.tensor([s.advantage for s in part], dtype=torch.float32, device=device)
+                out = policy_loss(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                  loss_agg=cfg.loss_agg, max_response_length=cfg.max_response_length,
+                                  kl_coef=cfg.kl_coef, ref_logp=ref, kl_estimator=cfg.kl_estimator,
+                                  entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs)
+                out.loss.backward()
+                self.optimizer.accumulate_grads()
+                loss_sum += float(out.loss.detach())
+                n = out.num_tokens
+                for j, v in enumerate((out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)):
+                    sums[j] += v
+            grads = self.optimizer.grads()
+            self._reduce_grads(grads)
+            if dp is not None:
+                loss_sum, *sums = dp.sum_floats([loss_sum, *sums])
+            norm = self._clip(grads)
+            if not (math.isfinite(norm) and math.isfinite(loss_sum)):
+                self.optimizer.zero_grad()
+                if snapshot is not None and epoch > 0:
+                    self._restore(snapshot)
+                what = (f"loss {loss_sum}, gradient norm {norm}" + (f" (PPO epoch {epoch + 1})"
+                                                                   if cfg.ppo_epochs > 1 else ""))
+                if cfg.on_nonfinite == "error":
+                    raise FloatingPointError(
+                        f"non-finite {what} at train step {self.step + 1}; the update was not applied (weights and "
+                        "optimizer state are those of the step before). Fix: lower train.lr or train.max_grad_norm, "
+                        "check rewards/advantages, or set train.on_nonfinite=skip to skip such steps")
+                losses, norms, skipped = [loss_sum], [norm], True
+                metric_sums = [0.0] * 5
+                break
+            self.optimizer.step()
+            losses.append(loss_sum)
+            norms.append(norm)
+            metric_sums = [a + b for a, b in zip(metric_sums, sums)]
+
+        self.scheduler.step()
+        n = metric_sums[4]
+        mean = (lambda v: v / n) if n else (lambda v: 0.0)
+        loss = sum(losses) / len(losses)
+        grad_norm = sum(norms) / len(norms)
+        return {
+            "train/loss": loss,
+            "train/pg_loss": mean(metric_sums[0]),
+            "train/grad_norm": grad_norm,
+            "train/kl": mean(metric_sums[1]),
+            "train/clip_frac": mean(metric_sums[2]),
+            "train/entropy": mean(metric_sums[3]),
+            "train/lr": lr,
+            "train/rollout_logprob_abs_diff": max_diff,
+            "train/num_tokens": num_tokens,
+            "train/nonfinite_skipped": float(skipped),
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "loss_per_epoch": losses,
+            "grad_norm_per_epoch": norms,
+        }
+
+    # --- weights --------------------------------------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) in name order, compute dtype; a collective over the TP group (every TP rank must
+        consume the whole iterator)."""
+        yield from self.model.named_full_parameters()
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def _full_optimizer_state(self) -> dict:
+        """The optimizer state a single-process Trainer of the full model would hold; a collective."""
+        local = self.optimizer.state_dict()
+        names = local["names"]
+        adamw = local["adamw"]
+        state = {}
+        for i, per_param in sorted(adamw["state"].items()):
+            name = names[i]
+            state[i] = {k: (gather_param(name, v, self.groups) if torch.is_tensor(v) and v.dim() > 0 else v)
+                        for k, v in sorted(per_param.items())}
+        masters = {n: gather_param(n, t, self.groups) for n, t in sorted(local["master_weights"].items())}
+        return {"names": list(names), "adamw": {"state": state, "param_groups": adamw["param_groups"]},
+                "master_weights": masters}
+
+    def _load_full_optimizer_state(self, full: Mapping) -> None:
+        g = self.groups
+
+        def shard(name, t):
+            return shard_tensor(name, t, g.tp_rank, g.tp_size).clone() if torch.is_tensor(t) and t.dim() > 0 else t
+
+        names = list(full["names"])
+        state = {i: {k: shard(names[i], v) for k, v in per.items()} for i, per in full["adamw"]["state"].items()}
+        self.optimizer.load_state_dict({
+            "names": names, "adamw": {"state": state, "param_groups": full["adamw"]["param_groups"]},
+            "master_weights": {n: shard(n, t) for n, t in full["master_weights"].items()}})
+
+    def _barrier(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def save_checkpoint(self, ckpt_root, step: int, *, extra_state: Mapping | None = None,
+                        keep_last: int | None = None, generators: Mapping | None = None) -> Path:
+        """Gather the full model and optimizer state and write them (one writer rank) in rlrepro's checkpoint
+        format, with the writer's RNG states and ``extra_state``. Every rank calls it; all get the path."""
+        model_state = self.model.full_state_dict()
+        optim_state = self._full_optimizer_state()
+        path = Path(ckpt_root) / checkpoint_dir_name(step)
+        error = None
+        if self.groups.is_writer:
+            try:
+                path = save_checkpoint(ckpt_root, step, model=_FullModelView(self.model, model_state),
+                                       optimizer=_FullOptimizerView(self, optim_state), scheduler=self.scheduler,
+                                       extra_state=extra_state, rng_state=capture_rng_state(generators),
+                                       keep_last=keep_last)
+            except BaseException as e:  # still reach the barrier, so the other ranks do not hang
+                error = e
+        self._barrier()
+        if error is not None:
+            raise error
+        return path
+
+    def load_checkpoint(self, path, *, generators: Mapping | None = None, restore_rng: bool = True) -> dict:
+        """Verify and load a checkpoint (from this class or from a plain ``Trainer``, at any TP): every rank reads
+        it and keeps its shards; RNG states are the writer's. Returns ``extra_state``."""
+        loaded = load_checkpoint(path, model=_FullModelView(self.model), optimizer=_FullOptimizerView(self),
+                                 scheduler=self.scheduler, restore_rng=restore_rng, generators=generators)
+        self._barrier()
+        return loaded.extra_state
+
+    def export_hf(self, path, **kwargs) -> Path:
+        """Write the full policy as an HF directory (config.json + safetensors) from the writer rank; a collective."""
+        from rlrepro.model import save_pretrained
+
+        full = self.model.to_full_model()
+        error = None
+        if self.groups.is_writer:
+            try:
+                save_pretrained(full, path, **kwargs)
+            except BaseException as e:
+                error = e
+        self._barrier()
+        if error is not None:
+            raise error
+        return Path(path)
