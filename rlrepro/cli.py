@@ -162,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] in (["train"], ["verify"]):
         _pin_hash_seed(sys.argv[1:])
     argv = list(sys.argv[1:] if argv is None else argv)
+    if float(os.environ.get("RLREPRO_STACK_DUMP_S", "0") or 0) > 0:  # debugging a hang (actors do the same)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["RLREPRO_STACK_DUMP_S"]), repeat=True)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0 if argv else 2

@@ -8,7 +8,8 @@
 #                 batch settings, = a?), f (fast kernels: the cost of determinism), d (resumed from a's step-2
 #                 checkpoint, = a?)
 #   GRPO_SET=two  (2 GPUs): g and h (data-parallel trainer on 2 GPUs, 2 colocated engines, CUDA IPC; g = h?),
-#                 s (separate placement: trainer on GPU 0, engine on GPU 1, NCCL broadcast), f2 (g in fast mode)
+#                 s (separate placement: trainer on GPU 0, engine on GPU 1, NCCL broadcast), m1 and m2
+#                 (trainer.backend=megatron, TP=2; m1 = m2?), f2 (g in fast mode, with GRPO_FAST=1)
 # CPU smoke test of the same script: GRPO_SMALL=1 GRPO_DEVICE=cpu GRPO_DTYPE=float32 GRPO_MAX_TOKENS=8 ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ OUT=${OUT:-$PWD/gpu_check_out}
 R=$OUT/grpo_$SET
 W=${GRPO_WORK:-/tmp/grpo_$SET}
 rm -rf "$W" "$R" && mkdir -p "$W" "$R"
-export PYTHONPATH=$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export RAY_USAGE_STATS_ENABLED=0 WANDB_MODE=offline HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 PY=${PYTHON:-python3}
 M=$W/qwen3_shape
@@ -25,7 +26,7 @@ $PY scripts/make_qwen3_shape.py --out "$M" --layers "${GRPO_LAYERS:-2}" ${GRPO_S
 STEPS=${GRPO_STEPS:-3}
 COMMON=(recipe=grpo_qwen3_8b "run.device=${GRPO_DEVICE:-cuda}" "model.dtype=${GRPO_DTYPE:-bfloat16}"
         data.source=null data.synthetic.task=copy
-        data.use_chat_template=false data.template=null reward.fn=systems_reward:pseudo_reward
+        data.use_chat_template=false data.template=null reward.fn=hash
         "rollout.prompts_per_step=${GRPO_PROMPTS:-16}" rollout.group_size=8
         "rollout.max_tokens=${GRPO_MAX_TOKENS:-128}" rollout.max_model_len=512 rollout.gpu_memory_fraction=0.2
         "train.steps=$STEPS" train.warmup_steps=1 train.micro_batch_size=16
@@ -54,8 +55,11 @@ else
   first g "${TWO[@]}"
   train h "${TWO[@]}"; diffrun g h "two runs, 2 GPUs"
   train s train.num_gpus=1 rollout.num_workers=1 ray.colocate=false
-  train f2 "${TWO[@]}" run.deterministic=false
-  RUNS="g h s f2"
+  # megatron backend, TP=2 over the 2 GPUs; the engines emulate its reduction (docs/MEGATRON.md)
+  train m1 "${TWO[@]}" trainer.backend=megatron trainer.tensor_parallel=2
+  train m2 "${TWO[@]}" trainer.backend=megatron trainer.tensor_parallel=2; diffrun m1 m2 "two runs, megatron TP=2"
+  [ -n "${GRPO_FAST:-}" ] && train f2 "${TWO[@]}" run.deterministic=false
+  RUNS="g h s m1 m2 ${GRPO_FAST:+f2}"
 fi
 
 $PY - "$W" $RUNS <<'PYEOF' | tee -a "$R/summary.txt"

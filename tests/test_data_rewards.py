@@ -136,7 +136,7 @@ def test_load_reward_fn_builtins_and_paths(tmp_path, monkeypatch):
     assert fn("abcde", rec("x")) == 0.5
     assert load_reward_fn("myrewards.fns.length_reward") is fn
     assert load_reward_fn("myrewards.fns:Holder.score")("", rec("x")) == 1.0
-    with pytest.raises(ValueError, match=r"unknown reward 'exactmatch'.*\['exact_match', 'math', 'prefix_match'\]"):
+    with pytest.raises(ValueError, match=r"unknown reward 'exactmatch'.*\['exact_match', 'hash', 'math', 'prefix_match'\]"):
         load_reward_fn("exactmatch")
     with pytest.raises(ValueError, match="cannot import module 'nopkg.mod' .*ModuleNotFoundError.*PYTHONPATH"):
         load_reward_fn("nopkg.mod:fn")

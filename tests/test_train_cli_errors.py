@@ -33,11 +33,19 @@ def test_unknown_key_names_close_keys(capsys):
     ("rollout.temperature=-1", "rollout.temperature"),
     ("model.init=pretrained", "model.path"),
     ("train.warmup_steps=500", "train.warmup_steps=500"),
+    ("rollout.weight_sync=nccl", "rollout.weight_sync"),
+    ("rollout.weight_sync=cuda_ipc", "run.device=cpu"),
+    ("trainer.backend=deepspeed", "trainer.backend"),
+    ("trainer.tensor_parallel=2", "trainer.backend=megatron"),
+    ("trainer.backend=megatron trainer.tensor_parallel=4 train.num_gpus=2", "train.num_gpus=2"),
+    ("trainer.backend=megatron trainer.tensor_parallel=2 train.num_gpus=3", "not a multiple"),
+    ("trainer.backend=megatron warm_start.steps=5", "warm_start.steps=5"),
 ])
 def test_bad_values_fail_before_work(tmp_path, override, needle, capsys):
     run_dir = tmp_path / "run"
-    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", override]) == 2
+    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", *override.split()]) == 2
     assert needle in capsys.readouterr().err
+    assert not run_dir.exists()  # nothing was started or written
     assert not run_dir.exists()  # nothing was started or written
 
 
@@ -74,3 +82,13 @@ def test_generate_smoke_is_seeded(capsys):
     assert main(["generate", "--max-tokens", "6", "--seed", "3"]) == 0
     assert capsys.readouterr().out == first
     assert first.count("->") == 3
+
+
+def test_tensor_parallel_must_divide_the_model(tmp_path, capsys):
+    """Checked once the model's shape is known, before any actor starts: the tiny model has 2 KV heads."""
+    run_dir = tmp_path / "run"
+    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", "trainer.backend=megatron",
+                 "trainer.tensor_parallel=4", "train.num_gpus=4", "warm_start.steps=0"]) == 2
+    err = capsys.readouterr().err
+    assert "num_key_value_heads=2" in err and "[1, 2]" in err
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists()

@@ -68,3 +68,25 @@ def test_mismatched_model_is_refused():
     errors = {r[1]: r[2] for r in results if r[0] == "error"}
     assert "same model" in errors[1]  # the worker names the mismatch
     assert "refused" in errors[0]  # and the trainer stops before sending any tensor
+
+
+def test_store_keeps_listening_after_its_rendezvous_is_gone():
+    """Rank 0 builds the store and returns at once (NCCL starts lazily); a rank that connects only later must
+    still reach it. The store once shared the Rendezvous socket's descriptor, which closed with the object, and
+    the 2-GPU trainer's second rank waited forever (seen on the H200s)."""
+    import datetime
+    import gc
+
+    import torch.distributed as dist
+
+    from rlrepro.orchestration.weight_sync import Rendezvous, tcp_store
+
+    timeout = datetime.timedelta(seconds=10)
+    rdv = Rendezvous("127.0.0.1")
+    port = rdv.port
+    server = tcp_store("127.0.0.1", port, 2, rdv, timeout)
+    del rdv
+    gc.collect()
+    client = tcp_store("127.0.0.1", port, 2, None, timeout)
+    server.set("key", "value")
+    assert client.get("key") == b"value"

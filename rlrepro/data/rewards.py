@@ -30,7 +30,7 @@ from .records import PromptRecord
 
 __all__ = [
     "RewardFn", "RewardError", "exact_match_reward", "prefix_match_reward", "math_reward", "MathReward",
-    "extract_last_boxed", "load_reward_fn", "compute_rewards", "BUILTIN_REWARDS",
+    "extract_last_boxed", "hash_reward", "load_reward_fn", "compute_rewards", "BUILTIN_REWARDS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -292,12 +292,23 @@ def math_reward(completion: str, record: PromptRecord) -> float:
     return _DEFAULT_MATH_REWARD(completion, record)
 
 
+def hash_reward(completion: str, record: PromptRecord) -> float:
+    """For systems tests on random weights only (``reward.fn=hash``): a deterministic pseudo-random value in
+    [0, 1] from the prompt uid and the completion text (sha256), so advantages and gradients are non-zero and
+    every part of a step runs. It teaches nothing."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{record.uid}\x00{completion}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") / 0xFFFFFFFF
+
+
 # ------------------------------------------------------------------------------------------------ loading
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match_reward,
     "prefix_match": prefix_match_reward,
     "math": math_reward,
+    "hash": hash_reward,
 }
 
 

@@ -121,6 +121,15 @@ class TrainConfig:
 
 
 @dataclass
+class TrainerBackendConfig:
+    """How the policy is held: ``default`` (the whole model per rank, data parallel over train.num_gpus) or
+    ``megatron`` (sharded over ``tensor_parallel`` ranks with order-fixed reductions; data parallel over
+    train.num_gpus / tensor_parallel; docs/MEGATRON.md). The engine emulates the trainer's TP reduction."""
+    backend: str = "default"
+    tensor_parallel: int = 1
+
+
+@dataclass
 class WarmStartConfig:
     """Optional deterministic supervised warm-start before RL (the CPU recipe uses it to learn the format)."""
     steps: int = 0
@@ -164,6 +173,7 @@ class RunSchema:
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    trainer: TrainerBackendConfig = field(default_factory=TrainerBackendConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -183,10 +193,11 @@ _CHOICES = {
     "warm_start.target": ("format", "answer"),
     "train.on_nonfinite": ("error", "skip"),
     "rollout.weight_sync": ("auto", "object_store", "collective", "cuda_ipc"),
+    "trainer.backend": ("default", "megatron"),
 }
 _POSITIVE = ["rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_tokens",
              "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.block_size", "train.steps",
-             "train.micro_batch_size", "train.ppo_epochs", "train.num_gpus", "data.max_prompt_tokens",
+             "train.micro_batch_size", "train.ppo_epochs", "train.num_gpus", "trainer.tensor_parallel", "data.max_prompt_tokens",
              "checkpoint.keep_last", "warm_start.batch_size", "data.synthetic.num"]
 _NON_NEGATIVE = ["rollout.temperature", "train.lr", "train.warmup_steps", "train.weight_decay", "train.kl_coef",
                  "train.clip_low", "train.clip_high", "checkpoint.every", "warm_start.steps", "train.max_grad_norm",
@@ -268,10 +279,36 @@ def validate(cfg: Any) -> None:
     if cfg.train.warmup_steps > cfg.train.steps:
         raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps} exceeds train.steps={cfg.train.steps}; "
                           f"lower it (e.g. train.warmup_steps={cfg.train.steps // 10})")
+    _validate_trainer_layout(cfg)
     if cfg.rollout.weight_sync == "cuda_ipc" and (cfg.run.device != "cuda" or not cfg.ray.colocate):
         raise ConfigError(f"rollout.weight_sync=cuda_ipc needs trainer and engines on the same GPUs "
                           f"(run.device=cuda and ray.colocate=true; here run.device={cfg.run.device}, "
                           f"ray.colocate={cfg.ray.colocate}); use rollout.weight_sync=auto")
+    if cfg.rollout.weight_sync == "cuda_ipc" and cfg.trainer.backend == "megatron" and cfg.train.num_gpus > 1:
+        raise ConfigError("rollout.weight_sync=cuda_ipc with trainer.backend=megatron and train.num_gpus > 1: the "
+                          "gathered weights live on trainer rank 0's GPU only; use rollout.weight_sync=auto "
+                          "(a collective broadcast)")
     if cfg.rollout.max_num_batched_tokens < cfg.rollout.block_size:
         raise ConfigError(f"rollout.max_num_batched_tokens={cfg.rollout.max_num_batched_tokens} must be >= "
                           f"rollout.block_size={cfg.rollout.block_size}")
+
+
+def _validate_trainer_layout(cfg: Any, model_config: Any = None) -> None:
+    """trainer.backend / trainer.tensor_parallel against train.num_gpus (and the model's shape when given)."""
+    from rlrepro.trainer.megatron import validate_megatron_config
+
+    try:
+        validate_megatron_config(cfg.trainer.backend, cfg.trainer.tensor_parallel, cfg.train.num_gpus,
+                                 cfg.run.device, model_config)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(str(e)) from None
+    if cfg.trainer.backend == "megatron" and cfg.warm_start.steps > 0:
+        raise ConfigError(f"warm_start.steps={cfg.warm_start.steps} is not supported with trainer.backend=megatron "
+                          "(the warm start trains the unsharded model); set warm_start.steps=0 or "
+                          "trainer.backend=default")
+
+
+def validate_model_layout(cfg: Any, model_config: Any) -> None:
+    """The checks that need the model's shape (heads, KV heads, MLP width and vocabulary divisible by TP); run
+    once the model directory exists, before any actor starts."""
+    _validate_trainer_layout(cfg, model_config)

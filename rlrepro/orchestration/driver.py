@@ -24,7 +24,7 @@ from rlrepro.repro.fingerprint import fingerprint_from_samples
 from rlrepro.repro.records import (CHECKPOINTS_DIR, CONFIG_FILE, FINGERPRINTS_FILE, METRICS_FILE, ROLLOUTS_DIR,
                                    FingerprintWriter, MetricsWriter, RolloutWriter, atomic_write_bytes)
 
-from .config import ConfigError
+from .config import ConfigError, validate_model_layout
 from .faults import RunFailed, describe, is_actor_death, log, unwrap
 from .ray_runtime import Cluster
 
@@ -129,6 +129,7 @@ class GRPODriver:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = prepare_model_dir(cfg, self.run_dir)
         self.model_config = check_pretrained(self.model_dir)
+        validate_model_layout(cfg, self.model_config)  # e.g. trainer.tensor_parallel must divide the heads
         self.tokenizer = load_tokenizer(self.model_dir)
         self._check_tokenizer()
         self.prompts, self.data_stats = load_prompts(cfg, self.run_dir, self.tokenizer)
@@ -159,6 +160,11 @@ class GRPODriver:
             if cfg.train.num_gpus > have:
                 raise ConfigError(f"train.num_gpus={cfg.train.num_gpus} but {have} CUDA device(s) are visible; "
                                   f"lower it to at most {have}")
+            need = cfg.train.num_gpus + (0 if cfg.ray.colocate else cfg.rollout.num_workers)
+            if need > have:
+                raise ConfigError(f"ray.colocate=false puts each of the rollout.num_workers={cfg.rollout.num_workers} "
+                                  f"engines on its own GPU beside train.num_gpus={cfg.train.num_gpus}: {need} GPUs, "
+                                  f"but {have} are visible; set ray.colocate=true or lower the counts")
 
     def _check_tokenizer(self) -> None:
         vocab, tok = self.model_config.vocab_size, self.tokenizer

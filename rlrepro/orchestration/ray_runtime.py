@@ -91,15 +91,19 @@ class Cluster:
             self._worker_options = [dict(num_gpus=0)] * nw
             trainer_options = [dict(num_gpus=0)] * nt
         self._worker_cls = ray.remote(num_cpus=0, max_restarts=0)(RolloutWorker)
-        self._worker_args = (model_dir,), dict(engine_kwargs=engine_kwargs, **common)
+        self.megatron = cfg.trainer.backend == "megatron"
+        tp_emulation = cfg.trainer.tensor_parallel if self.megatron else 1
+        self._worker_args = (model_dir,), dict(engine_kwargs=engine_kwargs, tensor_parallel_emulation=tp_emulation,
+                                               **common)
         self.workers = [self._new_worker(i) for i in range(nw)]
         train_kwargs = trainer_kwargs(cfg)
         trainer_cls = ray.remote(num_cpus=0)(trainer_actor_class(self.fault_plan))
         extra = {"fault_plan": self.fault_plan} if self.fault_plan.has_trainer_faults() else {}
         self.trainers = [trainer_cls.options(**trainer_options[g]).remote(
-            model_dir, train_kwargs=train_kwargs, rank=g, world_size=nt, **common, **extra) for g in range(nt)]
+            model_dir, train_kwargs=train_kwargs, rank=g, world_size=nt, backend=cfg.trainer.backend,
+            tensor_parallel=cfg.trainer.tensor_parallel, **common, **extra) for g in range(nt)]
         self.trainer = self.trainers[0]  # rank 0: weights, digests and checkpoints come from it
-        if nt > 1:
+        if nt > 1 or self.megatron:
             host, port = self.get(self.trainer.rendezvous_address.remote())
             self.get([t.init_data_parallel.remote(host, port) for t in self.trainers])
         self.weight_version = -1
@@ -275,7 +279,10 @@ class Cluster:
         self._sync_group_ready = True
 
     def save_checkpoint(self, ckpt_root: str, step: int, extra: dict, keep_last: int) -> str:
-        return self.get(self.trainer.save_checkpoint.remote(ckpt_root, step, extra, keep_last))
+        # default backend: every rank holds the same state, rank 0 writes it; megatron: a collective (the
+        # shards are gathered and one rank writes)
+        savers = self.trainers if self.megatron else [self.trainer]
+        return self.get([t.save_checkpoint.remote(ckpt_root, step, extra, keep_last) for t in savers])[0]
 
     def load_checkpoint(self, path: str) -> dict:
         return self.get([t.load_checkpoint.remote(path) for t in self.trainers])[0]
@@ -299,6 +306,8 @@ def resolve_weight_sync(cfg: DictConfig) -> str:
         return mode
     if cfg.run.device != "cuda":
         return "object_store"
+    if cfg.trainer.backend == "megatron" and cfg.train.num_gpus > 1:
+        return "collective"  # the gathered weights live on trainer rank 0's GPU only
     return "cuda_ipc" if cfg.ray.colocate else "collective"
 
 

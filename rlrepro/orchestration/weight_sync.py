@@ -39,8 +39,16 @@ class Rendezvous:
         self.host, self.port = host, self.sock.getsockname()[1]
 
     def store(self, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
-        return dist.TCPStore(self.host, self.port, world_size, True, timeout, wait_for_workers=False,
-                             master_listen_fd=self.sock.fileno())
+        """The TCPStore server, listening on this socket. It gets its own duplicate of the descriptor: the
+        store uses the descriptor without owning the Python socket, so the socket's closing (when this object
+        is collected) must not close the store's listener under clients that have not connected yet (with
+        NCCL's lazy start, rank 0 returns before the others connect)."""
+        import os
+
+        store = dist.TCPStore(self.host, self.port, world_size, True, timeout, wait_for_workers=False,
+                              master_listen_fd=os.dup(self.sock.fileno()))
+        self.sock.close()
+        return store
 
 
 def tcp_store(host: str, port: int, world_size: int, rendezvous: Rendezvous | None,

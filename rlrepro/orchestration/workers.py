@@ -11,6 +11,11 @@ import torch
 
 def _setup_process(device: str, torch_threads: int) -> None:
     torch.set_num_threads(torch_threads)
+    stall_s = float(os.environ.get("RLREPRO_STACK_DUMP_S", "0") or 0)
+    if stall_s > 0:  # debugging a hang: every thread's Python stack to the actor's stderr after this many seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(stall_s, repeat=True)
     if device == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
@@ -24,7 +29,7 @@ class RolloutWorker:
     numbers (the sampling seed inside the request does)."""
 
     def __init__(self, model_dir: str, *, device: str, dtype: str | None, deterministic: bool,
-                 engine_kwargs: dict, torch_threads: int = 1) -> None:
+                 engine_kwargs: dict, torch_threads: int = 1, tensor_parallel_emulation: int = 1) -> None:
         _setup_process(device, torch_threads)
         from rlrepro.rollout import Engine
 
@@ -32,7 +37,15 @@ class RolloutWorker:
         fraction = engine_kwargs.pop("gpu_memory_fraction", None)
         if device == "cuda" and engine_kwargs.get("num_kv_blocks") is None and fraction:
             engine_kwargs["kv_cache_memory_bytes"] = int(fraction * torch.cuda.get_device_properties(0).total_memory)
-        self.engine = Engine(model_dir, device=device, dtype=_dtype(dtype), deterministic=deterministic,
+        model = model_dir
+        if tensor_parallel_emulation > 1:
+            # the trainer is sharded over TP ranks (trainer.backend=megatron): compute its reduction order here,
+            # before the engine captures its CUDA graphs
+            from rlrepro.model import load_pretrained
+
+            model = load_pretrained(model_dir, device=device, dtype=_dtype(dtype))
+            model.set_tensor_parallel_emulation(tensor_parallel_emulation)
+        self.engine = Engine(model, device=device, dtype=_dtype(dtype), deterministic=deterministic,
                              **engine_kwargs)
 
     def generate(self, requests: list[dict]) -> list[dict]:
@@ -86,23 +99,30 @@ class TrainerWorker:
     """The policy, its optimizer and its checkpoints."""
 
     def __init__(self, model_dir: str, *, device: str, dtype: str | None, deterministic: bool,
-                 train_kwargs: dict, torch_threads: int = 1, rank: int = 0, world_size: int = 1) -> None:
+                 train_kwargs: dict, torch_threads: int = 1, rank: int = 0, world_size: int = 1,
+                 backend: str = "default", tensor_parallel: int = 1) -> None:
         _setup_process(device, torch_threads)
         self.device, self.rank, self.world_size = device, rank, world_size
+        self.model_dir, self.dtype_name = model_dir, dtype
+        self.backend, self.tensor_parallel = backend, tensor_parallel
         self.data_parallel = None
         self._sync = self._rendezvous = None
+        self._full_weights: list | None = None  # megatron: the gathered weights of the current step (rank 0)
         from rlrepro import kernels
         from rlrepro.model import load_pretrained
         from rlrepro.trainer import Trainer, TrainConfig, enable_determinism
 
         enable_determinism()
         self.kernel_mode = "deterministic" if deterministic else "fast"
-        self.model = load_pretrained(model_dir, device=device, dtype=_dtype(dtype))
         self.train_config = TrainConfig(**train_kwargs)
+        self._kernels = kernels
+        self.model = self.ref_model = self.trainer = None
+        if backend == "megatron":
+            return  # built by init_data_parallel, once the ranks' group exists
+        self.model = load_pretrained(model_dir, device=device, dtype=_dtype(dtype))
         # The KL reference is the policy RL starts from: the loaded weights, or the warm-started ones.
         self.ref_model = self._frozen_copy() if self.train_config.kl_coef > 0 else None
         self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model)
-        self._kernels = kernels
 
     # ---------------------------------------------------------------------------- data parallel (train.num_gpus)
     def rendezvous_address(self) -> tuple[str, int]:
@@ -133,14 +153,40 @@ class TrainerWorker:
         store = tcp_store(host, port, self.world_size, rdv, timeout)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         self._rendezvous = None
+        if self.backend == "megatron":
+            from rlrepro.trainer.megatron import build_megatron_trainer
+
+            self.trainer = build_megatron_trainer(self.model_dir, self.train_config,
+                                                  tensor_parallel=self.tensor_parallel, num_gpus=self.world_size,
+                                                  device=self.device, dtype=_dtype(self.dtype_name))
+            self.model = self.trainer.model
+            self._gather_weights()
+            return self.rank
         self.data_parallel = DataParallel()
         self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model,
                                data_parallel=self.data_parallel)
         return self.rank
 
+    def _gather_weights(self) -> None:
+        """megatron: gather the full weights on every rank (a collective), keep them on rank 0 for the weight
+        sync, digest and get_weights calls of this step, which then run on rank 0 alone."""
+        if self.backend != "megatron":
+            return
+        full = [(n, t.detach().clone()) for n, t in self.trainer.named_weights()]
+        self._full_weights = full if self.rank == 0 else None
+
+    def _weights(self):
+        """The policy's (name, tensor) pairs in name order, unsharded, in the compute dtype (rank 0)."""
+        if self.backend == "megatron":
+            if self._full_weights is None:
+                raise RuntimeError("the gathered weights live on trainer rank 0; ask rank 0")
+            return iter(self._full_weights)
+        return self.trainer.named_weights()
+
     def train_step(self, samples: list[dict]) -> dict:
         with self._kernels.mode(self.kernel_mode):
             metrics = self.trainer.train_step(samples)
+        self._gather_weights()
         metrics["perf/train_flops"] = train_flops(self.model.config, samples, self.train_config)
         if self.device == "cuda":
             name = torch.cuda.get_device_name()
@@ -169,13 +215,13 @@ class TrainerWorker:
         return ref.eval()
 
     def get_weights(self) -> dict[str, torch.Tensor]:
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.trainer.named_weights()}
+        return {name: t.detach().to("cpu", copy=True) for name, t in self._weights()}
 
     def ipc_handles(self) -> list:
         """CUDA IPC handles of the policy's parameters, for an engine on the same GPU."""
         from .weight_sync import ipc_handles
 
-        return ipc_handles(self.trainer.named_weights())
+        return ipc_handles(self._weights())
 
     def sync_group_join(self, host: str, port: int, world_size: int, backend: str, generation: int) -> bool:
         """Host (as rank 0) a new weight-sync group with the rollout workers; an older one is closed."""
@@ -189,7 +235,7 @@ class TrainerWorker:
         return True
 
     def sync_send(self, version: int) -> int:
-        self._sync.send(self.trainer.named_weights(), version)
+        self._sync.send(self._weights(), version)
         return version
 
     def memory_stats(self) -> dict:
@@ -198,17 +244,21 @@ class TrainerWorker:
     def weights_digest(self) -> str:
         from rlrepro.repro.fingerprint import weights_digest
 
-        return weights_digest(self.trainer.named_weights())
+        return weights_digest(self._weights())
 
     def save_checkpoint(self, ckpt_root: str, step: int, extra_state: dict, keep_last: int) -> str:
         return str(self.trainer.save_checkpoint(ckpt_root, step, extra_state=extra_state, keep_last=keep_last))
 
     def load_checkpoint(self, path: str) -> dict:
-        return self.trainer.load_checkpoint(path)
+        extra = self.trainer.load_checkpoint(path)
+        self._gather_weights()
+        return extra
 
     def export_hf(self, path: str) -> str:
         from rlrepro.trainer import export_hf
 
+        if self.backend == "megatron":
+            return str(self.trainer.export_hf(path))  # a collective: every rank calls it
         return str(export_hf(self.model, path))
 
 
