@@ -294,6 +294,14 @@ class Cluster:
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
         self.workers = []
+        if self._placement is not None:  # on a shared cluster the GPUs go back at once
+            try:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self._placement)
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+            self._placement = None
         if self.cfg.ray.address is None and self._ray.is_initialized():
             self._ray.shutdown()
 
