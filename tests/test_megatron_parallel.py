@@ -1,15 +1,13 @@
 """Process groups from megatron-core's parallel_state (on gloo): TP=2 x DP=2 over 4 processes trains with every
 rank holding the same weights and metrics, and the layout is Megatron's (TP ranks consecutive)."""
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rlrepro.model import write_tiny_checkpoint
-from rlrepro.trainer import TrainConfig, enable_determinism
+from rlrepro.trainer import TrainConfig
 from rlrepro.trainer.megatron import megatron_core_version
+
+from _dist import gloo_process_group, spawn_ranks
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(megatron_core_version() is None, reason="megatron-core is not installed")]
@@ -21,10 +19,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    enable_determinism()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_process_group(rank, world, port):
         from rlrepro.trainer import token_logprobs
         from rlrepro.trainer.megatron import build_megatron_trainer, destroy_parallel
 
@@ -43,21 +38,12 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         res["weights"] = dict(trainer.named_weights())
         destroy_parallel(g)
         torch.save(res, f"{out}.rank{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tp2_dp2_with_megatron_parallel_state(tmp_path):
     model_dir = str(write_tiny_checkpoint(tmp_path / "model", seed=4))
     out = str(tmp_path / "res")
-    mp.start_processes(_worker, args=(4, _free_port(), model_dir, out), nprocs=4, start_method="spawn", join=True)
-    runs = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(4)]
+    runs = spawn_ranks(_worker, 4, model_dir, out=out)
     assert [r["layout"] for r in runs] == [(True, 0, 2, 0, 2), (True, 1, 2, 0, 2), (True, 0, 2, 1, 2),
                                            (True, 1, 2, 1, 2)]
     for r in runs[1:]:

@@ -1,16 +1,15 @@
 """MegatronTrainer: TP=1 == Trainer bit for bit; TP=2 over 2 gloo processes is exactly on-policy against the engine
 running the emulated TP=2 model, reproducible run to run, and its checkpoints resume exactly and are TP-agnostic."""
 import copy
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rlrepro.model import load_pretrained, tiny_model, write_tiny_checkpoint
-from rlrepro.trainer import TrainConfig, Trainer, enable_determinism, token_logprobs
+from rlrepro.trainer import TrainConfig, Trainer, token_logprobs
 from rlrepro.trainer.megatron import MegatronTrainer, TPQwen3ForCausalLM, single_process_groups
+
+from _dist import gloo_process_group, spawn_ranks
 
 CONFIG = dict(lr=3e-3, total_steps=5, warmup_steps=1, micro_batch_size=3, ppo_epochs=2, clip_high=0.28,
               kl_coef=0.05, temperature=0.9, max_grad_norm=0.5)
@@ -74,10 +73,7 @@ def engine_batch(weights: dict, model_dir: str, step: int):
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
-    torch.set_num_threads(1)
-    enable_determinism()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_process_group(rank, world, port):
         from rlrepro.trainer.megatron import build_megatron_trainer
 
         def build():
@@ -110,20 +106,10 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
                 res["resumed_weights_after_1"] = {n: w.clone() for n, w in resumed.named_weights()}
         res["resumed_weights"] = dict(resumed.named_weights())
         torch.save(res, f"{out}.rank{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(tmp_path, tag: str, model_dir: str) -> list[dict]:
-    out = str(tmp_path / tag)
-    mp.start_processes(_worker, args=(2, _free_port(), model_dir, out), nprocs=2, start_method="spawn", join=True)
-    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker, 2, model_dir, out=str(tmp_path / tag))
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,11 @@
 """Data parallelism: 2 gloo processes on 127.0.0.1 give bitwise-identical weights on both ranks and run to run."""
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rlrepro.model import tiny_model
-from rlrepro.trainer import (DataParallel, TrainConfig, Trainer, assign_micro_batches, enable_determinism,
-                             token_logprobs)
+from rlrepro.trainer import DataParallel, TrainConfig, Trainer, assign_micro_batches, token_logprobs
+
+from _dist import gloo_process_group, spawn_ranks
 
 CONFIG = dict(lr=3e-3, total_steps=5, micro_batch_size=2, ppo_epochs=2, clip_high=0.28)
 STEPS = 3
@@ -33,27 +30,13 @@ def train(data_parallel=None):
 
 
 def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
-    torch.set_num_threads(1)
-    enable_determinism()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
+    with gloo_process_group(rank, world_size, port):
         weights, metrics = train(DataParallel(bucket_numel=5000))  # small buckets: exercise the bucketing
         torch.save({"weights": weights, "metrics": metrics}, f"{out_path}.rank{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(tmp_path, tag: str, world_size: int = 2) -> list[dict]:
-    out = str(tmp_path / tag)
-    mp.start_processes(_worker, args=(world_size, _free_port(), out), nprocs=world_size, start_method="spawn",
-                       join=True)
-    return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(world_size)]
+    return spawn_ranks(_worker, world_size, out=str(tmp_path / tag), weights_only=True)
 
 
 def test_assign_micro_batches_is_round_robin():

@@ -180,22 +180,25 @@ class WarmupCosineLR:
 
 
 @torch.no_grad()
-def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Global L2 norm as a float64 0-d tensor: float32 norm of each tensor, squares summed in list order in float64."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+def grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm as a float64 0-d tensor: float32 norm of each tensor, squares summed in order in float64.
+    ``grads`` may be a generator (e.g. gathering one sharded gradient at a time)."""
+    total = None
     for g in grads:
+        if total is None:
+            total = torch.zeros((), dtype=torch.float64, device=g.device)
         total += torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
-    return total.sqrt()
+    return torch.zeros((), dtype=torch.float64) if total is None else total.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor | None = None) -> float:
     """Scale ``grads`` in place by ``min(1, max_norm / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``) and
     return the norm before clipping. Pass the grads in a fixed order (name order). ``max_norm <= 0``: no clipping.
+    ``norm``: the global norm, when it is not ``grad_norm(grads)`` (e.g. that of the full tensors of sharded grads).
     """
-    norm = grad_norm(grads)
+    if norm is None:
+        norm = grad_norm(grads)
     value = float(norm)
     if max_norm > 0 and math.isfinite(value):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -26,7 +26,7 @@ from .checkpoint import capture_rng_state, load_checkpoint, save_checkpoint
 from .data_parallel import DataParallel
 from .logprobs import logprobs_and_entropy, token_logprobs
 from .losses import KL_ESTIMATORS, LOSS_AGG_MODES, pad_sequences, policy_loss
-from .optim import MasterWeightAdamW, WarmupCosineLR, clip_grad_norm_
+from .optim import MasterWeightAdamW, WarmupCosineLR, clip_grad_norm_, grad_norm
 
 __all__ = ["TrainConfig", "TrainSample", "Trainer", "micro_batches"]
 
@@ -209,6 +209,18 @@ class Trainer:
         self.model.load_state_dict(model_state, strict=True)
         self.optimizer.load_state_dict(optim_state)
 
+    # --- hooks of the train step (a sharded trainer overrides them; rlrepro.trainer.megatron) ------------------
+    @torch.no_grad()
+    def _reduce_grads(self, grads: list[torch.Tensor]) -> None:
+        """Turn this rank's accumulated float32 grads (name order) into the step's grads, in place: with data
+        parallel, the order-fixed sum over the replicas."""
+        if self.data_parallel is not None:
+            self.data_parallel.sum_tensors_(grads)
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The global grad norm (float64 0-d tensor) that clipping uses and ``train/grad_norm`` reports."""
+        return grad_norm(grads)
+
     def train_step(self, samples: Sequence) -> dict:
         """One GRPO update on ``samples`` (each with prompt_token_ids, completion_token_ids, rollout_logprobs,
         advantage). Returns ``train/*`` metrics (Python floats) and the raw ``loss`` / ``grad_norm`` floats (means
@@ -275,10 +287,10 @@ class Trainer:
                 for j, v in enumerate((out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)):
                     sums[j] += v
             grads = self.optimizer.grads()
+            self._reduce_grads(grads)
             if dp is not None:
-                dp.sum_tensors_(grads)
                 loss_sum, *sums = dp.sum_floats([loss_sum, *sums])
-            norm = clip_grad_norm_(grads, cfg.max_grad_norm)
+            norm = clip_grad_norm_(grads, cfg.max_grad_norm, norm=self._grad_norm(grads))
             if not (math.isfinite(norm) and math.isfinite(loss_sum)):
                 self.optimizer.zero_grad()
                 if snapshot is not None and epoch > 0:

@@ -22,7 +22,7 @@ from rlrepro import kernels
 from rlrepro.kernels import AttentionMetadata
 from rlrepro.kernels import tp as tpk
 from rlrepro.model import Qwen3Config, Qwen3ForCausalLM
-from rlrepro.model.qwen3 import rope_tables
+from rlrepro.model.qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3MLP, RMSNorm
 
 from .parallel import ParallelGroups
 
@@ -107,16 +107,6 @@ class RowParallelLinear(_TPModule):
         return partial if self.tp == 1 else tpk.row_parallel_sum(partial, self._groups.tp_group)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = _param(dim)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
-
-
 class VocabParallelEmbedding(_TPModule):
     """weight ``[vocab / tp, hidden]``. Each rank looks up the ids it owns; the rows are gathered and each token
     takes its owner's row (a copy, so the result is the plain embedding's bits)."""
@@ -151,15 +141,8 @@ class TPAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, meta):
-        n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q = kernels.apply_rope(q, cos, sin)
-        k = kernels.apply_rope(k, cos, sin)
-        o = kernels.attention(q, k, v, meta, self.scale, None)
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+    # the plain layer's forward on this rank's heads (kv_cache is always None here)
+    forward = Qwen3Attention.forward
 
 
 class TPMLP(nn.Module):
@@ -169,8 +152,7 @@ class TPMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, groups)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, groups)
 
-    def forward(self, x):
-        return self.down_proj(kernels.silu_and_mul(torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)))
+    forward = Qwen3MLP.forward
 
 
 class TPDecoderLayer(nn.Module):
@@ -181,9 +163,7 @@ class TPDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    forward = Qwen3DecoderLayer.forward
 
 
 class TPQwen3Model(nn.Module):
@@ -312,37 +292,20 @@ class TPQwen3ForCausalLM(nn.Module):
         full.load_state_dict({k: v.to("cpu") for k, v in state.items()}, strict=True)
         return full
 
-    # --- the plain model's interface ----------------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
-    def head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].device != positions.device:
-            size = max(4096, 1 << (need - 1).bit_length())
-            self._rope = rope_tables(self.config.head_dim, self.config.rope_theta, size, positions.device)
-        return self._rope[0][positions], self._rope[1][positions]
+    # --- the plain model's interface ---------------------------------------------------------------------------
+    # The attributes they read (config, model.embed_tokens / layers / norm, lm_head, _rope) are laid out as in the
+    # plain model, so its code serves here too: the same rope tables, the same layer loop (over this class's
+    # layers, without KV caches), forward() through this class's compute_logits.
+    device = Qwen3ForCausalLM.device
+    dtype = Qwen3ForCausalLM.dtype
+    head_weight = Qwen3ForCausalLM.head_weight
+    rope = Qwen3ForCausalLM.rope
+    forward = Qwen3ForCausalLM.forward
 
     def forward_tokens(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches=None) -> torch.Tensor:
         if kv_caches is not None:
             raise ValueError("the tensor-parallel trainer model runs full sequences only (no KV cache)")
-        vocab = self.config.vocab_size
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-            raise ValueError(f"token ids must lie in [0, {vocab}); got min {int(input_ids.min())}, "
-                             f"max {int(input_ids.max())}")
-        cos, sin = self.rope(meta.positions)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, meta)
-        return self.model.norm(x)
+        return Qwen3ForCausalLM.forward_tokens(self, input_ids, meta)
 
     def compute_logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits (for vocab-parallel logprobs)."""
@@ -353,10 +316,3 @@ class TPQwen3ForCausalLM(nn.Module):
         """Full-vocabulary logits: the column shards gathered in rank order (a copy: the emulated model's bits)."""
         shard = self.compute_logits_shard(hidden)
         return shard if self.groups.tp_size == 1 else tpk.gather_last_dim(shard, self.groups.tp_group)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.dim() != 2:
-            raise ValueError(f"model(input_ids) takes [batch, seq_len] token ids; got shape {tuple(input_ids.shape)}")
-        b, t = input_ids.shape
-        meta = AttentionMetadata.packed([t] * b, device=input_ids.device)
-        return self.compute_logits(self.forward_tokens(input_ids.reshape(-1), meta)).view(b, t, -1)

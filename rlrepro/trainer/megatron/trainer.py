@@ -1,8 +1,9 @@
 """``MegatronTrainer``: the GRPO train step of :class:`rlrepro.trainer.Trainer` on a tensor-parallel model.
 
 Same interface and metric keys as ``Trainer``: ``train_step(samples)``, ``named_weights()`` (full, unsharded
-tensors in name order), ``save_checkpoint`` / ``load_checkpoint``, ``step``. What changes is where gradients go
-between the backward passes and the optimizer step:
+tensors in name order), ``save_checkpoint`` / ``load_checkpoint``, ``step``. ``train_step`` is ``Trainer``'s own;
+what changes is where gradients go between the backward passes and the optimizer step (its hooks
+``_reduce_grads`` and ``_grad_norm``):
 
 1. q_norm/k_norm grads (replicated weights applied per head, so each TP rank's grad covers only its heads) are
    summed over the TP group in rank order;
@@ -25,8 +26,7 @@ states and ``extra_state`` (data cursor) as ``Trainer`` writes them. A checkpoin
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -35,9 +35,8 @@ import torch.distributed as dist
 from ..checkpoint import capture_rng_state, checkpoint_dir_name, load_checkpoint, save_checkpoint
 from ..data_parallel import DataParallel
 from rlrepro.kernels.tp import ordered_sum
-from ..logprobs import logprobs_and_entropy, token_logprobs
-from ..losses import pad_sequences, policy_loss
-from ..train import Trainer, TrainConfig, _as_train_sample
+from ..optim import grad_norm
+from ..train import Trainer, TrainConfig
 from .model import TPQwen3ForCausalLM, gather_param, shard_spec, shard_tensor
 
 __all__ = ["MegatronTrainer"]
@@ -94,139 +93,22 @@ class MegatronTrainer(Trainer):
         super().__init__(model, config, ref_model, param_dtype=param_dtype, data_parallel=dp)
         self._specs = [shard_spec(n) for n in self.optimizer.names]
 
-    # --- gradients ------------------------------------------------------------------------------------------
+    # --- gradients: the hooks of Trainer.train_step --------------------------------------------------------------
     @torch.no_grad()
     def _reduce_grads(self, grads: list[torch.Tensor]) -> None:
+        """q_norm/k_norm grads (each TP rank's covers its heads only) summed over TP in rank order, then
+        ``Trainer``'s order-fixed sum over the DP replicas."""
         g = self.groups
         if g.tp_size > 1:
             for grad, (_, partial) in zip(grads, self._specs):
                 if partial:
                     grad.copy_(ordered_sum(grad, g.tp_group))
-        if self.data_parallel is not None:
-            self.data_parallel.sum_tensors_(grads)
+        super()._reduce_grads(grads)
 
-    @torch.no_grad()
-    def _clip(self, grads: list[torch.Tensor]) -> float:
-        """Global norm of the full grads (name order, float32 per tensor, float64 sum), then clip every shard."""
-        total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-        for name, grad in zip(self.optimizer.names, grads):
-            full = gather_param(name, grad, self.groups)
-            total += torch.linalg.vector_norm(full, dtype=torch.float32).double().square()
-        norm = total.sqrt()
-        value = float(norm)
-        max_norm = self.config.max_grad_norm
-        if max_norm > 0 and math.isfinite(value):
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            if float(coef) < 1.0:
-                for grad in grads:
-                    grad.mul_(coef.to(grad.dtype))
-        return value
-
-    # --- the step (Trainer.train_step with the TP gradient handling) ----------------------------------------------
-    def train_step(self, samples: Sequence) -> dict:
-        cfg = self.config
-        batch = [_as_train_sample(s, i) for i, s in enumerate(samples)]
-        if not batch:
-            raise ValueError("train_step got an empty batch")
-        dp = self.data_parallel
-        device = self.model.device
-        chunks = self._my_chunks(len(batch))
-        num_tokens = sum(len(s.completion_token_ids) for s in batch)
-        num_seqs = len(batch)
-        lr = self.scheduler.get_last_lr()
-
-        max_diff = 0.0
-        ref_lps: dict[int, list[torch.Tensor]] = {}
-        with torch.no_grad():
-            for k, chunk in enumerate(chunks):
-                part = [batch[i] for i in chunk]
-                prompts = [s.prompt_token_ids for s in part]
-                completions = [s.completion_token_ids for s in part]
-                current = token_logprobs(self.model, prompts, completions, cfg.temperature)
-                for s, lp in zip(part, current):
-                    if lp.numel():
-                        old = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=device)
-                        max_diff = max(max_diff, float((lp - old).abs().max()))
-                if self.ref_model is not None:
-                    ref_lps[k] = token_logprobs(self.ref_model, prompts, completions, cfg.temperature)
-        if dp is not None:
-            max_diff = dp.max_float(max_diff)
-
-        snapshot = self._snapshot() if cfg.ppo_epochs > 1 else None
-        losses, norms = [], []
-        metric_sums = [0.0] * 5
-        skipped = False
-        for epoch in range(cfg.ppo_epochs):
-            self.optimizer.zero_grad()
-            loss_sum = 0.0
-            sums = [0.0] * 5
-            for k, chunk in enumerate(chunks):
-                part = [batch[i] for i in chunk]
-                if not any(s.completion_token_ids for s in part):
-                    continue
-                lps, ents = logprobs_and_entropy(self.model, [s.prompt_token_ids for s in part],
-                                                 [s.completion_token_ids for s in part], cfg.temperature)
-                logp, mask = pad_sequences(lps)
-                old, _ = pad_sequences([torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=device)
-                                        for s in part])
-                entropy, _ = pad_sequences(ents)
-                ref = pad_sequences(ref_lps[k])[0] if self.ref_model is not None else None
-                adv = torch.tensor([s.advantage for s in part], dtype=torch.float32, device=device)
-                out = policy_loss(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                  loss_agg=cfg.loss_agg, max_response_length=cfg.max_response_length,
-                                  kl_coef=cfg.kl_coef, ref_logp=ref, kl_estimator=cfg.kl_estimator,
-                                  entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs)
-                out.loss.backward()
-                self.optimizer.accumulate_grads()
-                loss_sum += float(out.loss.detach())
-                n = out.num_tokens
-                for j, v in enumerate((out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)):
-                    sums[j] += v
-            grads = self.optimizer.grads()
-            self._reduce_grads(grads)
-            if dp is not None:
-                loss_sum, *sums = dp.sum_floats([loss_sum, *sums])
-            norm = self._clip(grads)
-            if not (math.isfinite(norm) and math.isfinite(loss_sum)):
-                self.optimizer.zero_grad()
-                if snapshot is not None and epoch > 0:
-                    self._restore(snapshot)
-                what = (f"loss {loss_sum}, gradient norm {norm}" + (f" (PPO epoch {epoch + 1})"
-                                                                   if cfg.ppo_epochs > 1 else ""))
-                if cfg.on_nonfinite == "error":
-                    raise FloatingPointError(
-                        f"non-finite {what} at train step {self.step + 1}; the update was not applied (weights and "
-                        "optimizer state are those of the step before). Fix: lower train.lr or train.max_grad_norm, "
-                        "check rewards/advantages, or set train.on_nonfinite=skip to skip such steps")
-                losses, norms, skipped = [loss_sum], [norm], True
-                metric_sums = [0.0] * 5
-                break
-            self.optimizer.step()
-            losses.append(loss_sum)
-            norms.append(norm)
-            metric_sums = [a + b for a, b in zip(metric_sums, sums)]
-
-        self.scheduler.step()
-        n = metric_sums[4]
-        mean = (lambda v: v / n) if n else (lambda v: 0.0)
-        loss = sum(losses) / len(losses)
-        grad_norm = sum(norms) / len(norms)
-        return {
-            "train/loss": loss,
-            "train/pg_loss": mean(metric_sums[0]),
-            "train/grad_norm": grad_norm,
-            "train/kl": mean(metric_sums[1]),
-            "train/clip_frac": mean(metric_sums[2]),
-            "train/entropy": mean(metric_sums[3]),
-            "train/lr": lr,
-            "train/rollout_logprob_abs_diff": max_diff,
-            "train/num_tokens": num_tokens,
-            "train/nonfinite_skipped": float(skipped),
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "loss_per_epoch": losses,
-            "grad_norm_per_epoch": norms,
-        }
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Global norm of the **full** grads: each sharded grad gathered in turn (name order), then
+        :func:`rlrepro.trainer.optim.grad_norm`'s formula; ``Trainer`` clips every shard by it."""
+        return grad_norm(gather_param(name, grad, self.groups) for name, grad in zip(self.optimizer.names, grads))
 
     # --- weights --------------------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
