@@ -15,11 +15,18 @@
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-OUT=${OUT:-$ROOT/gpu_check_out}
-mkdir -p "$OUT"
+# Everything is written under a scratch folder, then packed into $OUT/results.tgz beside $OUT/summary.txt: the
+# device tool brings back at most 8 files, 2 folders down, so loose files would be lost.
+FINAL_OUT=${OUT:-$ROOT/gpu_check_out}
+mkdir -p "$FINAL_OUT"
+OUT=$(mktemp -d /tmp/gpu_check.XXXXXX)
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+
+# the GPU machine has no ray/hydra/datasets of its own: the package kit (.devkit, carried) installs them
+kit() { $PY -c "import ray, hydra, datasets" 2>/dev/null || source .devkit/install.sh; }
+export -f kit
 
 STEP_NAMES=()
 STEP_TIMEOUTS=()
@@ -33,8 +40,8 @@ add_step env 60 '
   $PY -m pytest --version'
 add_step gpu_tests 300 '$PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_PATHS:-tests/}'
 add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'
-add_step grpo 560 'source .devkit/install.sh && GRPO_SET=one bash scripts/gpu_grpo.sh'
-add_step grpo_two 560 'source .devkit/install.sh && GRPO_SET=two bash scripts/gpu_grpo.sh'
+add_step grpo 560 'kit && GRPO_SET=one bash scripts/gpu_grpo.sh'
+add_step grpo_two 560 'kit && GRPO_SET=two bash scripts/gpu_grpo.sh'
 # the full 36-layer Qwen3-8B shape: 64 requests (with transformers generate), 256 requests, 512/512 tokens
 add_step bench_engine 560 '
   $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_64.json"
@@ -69,4 +76,6 @@ done
   echo "gpu_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ))"
   for r in "${results[@]}"; do echo "  $r"; done
 } | tee "$OUT/summary.txt"
+tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$FINAL_OUT/summary.txt"
+echo "results: $FINAL_OUT/results.tgz (every step's log and files), $FINAL_OUT/summary.txt"
 exit $overall

@@ -31,8 +31,10 @@ COMMON=(recipe=grpo_qwen3_8b "run.device=${GRPO_DEVICE:-cuda}" "model.dtype=${GR
         "rollout.max_tokens=${GRPO_MAX_TOKENS:-128}" rollout.max_model_len=512 rollout.gpu_memory_fraction=0.2
         "train.steps=$STEPS" train.warmup_steps=1 train.micro_batch_size=16
         logger.wandb=false checkpoint.every=0 checkpoint.save_last=false logger.progress=true)
-ONE=(train.num_gpus=1 rollout.num_workers=1 ray.colocate=true)
-TWO=(train.num_gpus=2 rollout.num_workers=2 ray.colocate=true)
+DEF=(trainer.backend=default trainer.tensor_parallel=1)  # the recipe's own: megatron TP=4, for 8 GPUs
+ONE=(train.num_gpus=1 rollout.num_workers=1 ray.colocate=true "${DEF[@]}")
+TWO_GPUS=(train.num_gpus=2 rollout.num_workers=2 ray.colocate=true)
+TWO=("${TWO_GPUS[@]}" "${DEF[@]}")
 rc=0
 log() { echo "$*" | tee -a "$R/summary.txt"; }
 # the first run creates the seeded random weights (model.init=random); the others load them as a checkpoint
@@ -54,10 +56,10 @@ if [ "$SET" = one ]; then
 else
   first g "${TWO[@]}"
   train h "${TWO[@]}"; diffrun g h "two runs, 2 GPUs"
-  train s train.num_gpus=1 rollout.num_workers=1 ray.colocate=false
+  train s train.num_gpus=1 rollout.num_workers=1 ray.colocate=false "${DEF[@]}"
   # megatron backend, TP=2 over the 2 GPUs; the engines emulate its reduction (docs/MEGATRON.md)
-  train m1 "${TWO[@]}" trainer.backend=megatron trainer.tensor_parallel=2
-  train m2 "${TWO[@]}" trainer.backend=megatron trainer.tensor_parallel=2; diffrun m1 m2 "two runs, megatron TP=2"
+  train m1 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2
+  train m2 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2; diffrun m1 m2 "two runs, megatron TP=2"
   [ -n "${GRPO_FAST:-}" ] && train f2 "${TWO[@]}" run.deterministic=false
   RUNS="g h s m1 m2 ${GRPO_FAST:+f2}"
 fi
@@ -85,6 +87,9 @@ for name in names:
     print(f"| {name} | {len(every)} | " + " | ".join(f"{v:.3g}" for v in avg) + " | "
           + ", ".join(f"{v:.1f} ({k})" for k, v in mem.items()) + f" | {lp:.3g} |")
 PYEOF
+# the two-run overlay (reward, loss, KL, entropy, length, grad norm): the curves lie on top of each other
+if [ "$SET" = one ]; then PAIR="a b"; else PAIR="g h"; fi
+$PY -m rlrepro.cli plot $(for n in $PAIR; do echo "$W/$n"; done) --out "$R/plots" > /dev/null 2>&1 || log "plot failed"
 for n in $RUNS; do  # records only: diff-able anywhere with `rlrepro diff`
   [ -d "$W/$n" ] && mkdir -p "$R/runs/$n" && cp "$W/$n"/*.jsonl "$W/$n/config.yaml" "$R/runs/$n/" 2>/dev/null
 done
