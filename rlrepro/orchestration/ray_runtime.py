@@ -6,7 +6,7 @@ This module and the driver are the only places that import ray.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -74,19 +74,13 @@ class Cluster:
                              gpu_memory_fraction=r.gpu_memory_fraction / -(-nw // nt) if cfg.ray.colocate
                              else r.gpu_memory_fraction)
         common = dict(device=cfg.run.device, dtype=cfg.model.dtype, deterministic=cfg.run.deterministic)
-        # Placement: on CUDA one bundle per GPU. Colocated: trainer rank g and the rollout workers g, g + nt, ...
-        # share GPU g (half for the trainer, half split among its workers); separate: the trainer ranks on the
-        # first nt GPUs, one GPU per rollout worker after them. On CPU, plain actors.
+        # Placement (see plan_placement): on CUDA one placement-group bundle per GPU; on CPU, plain actors.
         self._placement = None
-        self._worker_options: list[dict] = []
-        trainer_options: list[dict] = []
         if on_gpu:
-            self._placement = make_placement(ray, nt if cfg.ray.colocate else nt + nw, cfg)
-            per_gpu = -(-nw // nt)
-            for i in range(nw):
-                bundle = i % nt if cfg.ray.colocate else nt + i
-                self._worker_options.append(self._in_bundle(bundle, 0.5 / per_gpu if cfg.ray.colocate else 1.0))
-            trainer_options = [self._in_bundle(g, 0.5 if cfg.ray.colocate else 1.0) for g in range(nt)]
+            plan = plan_placement(nt, nw, cfg.ray.colocate)
+            self._placement = make_placement(ray, plan.num_gpus, cfg)
+            self._worker_options = [self._in_bundle(b, g) for b, g in plan.workers]
+            trainer_options = [self._in_bundle(b, g) for b, g in plan.trainers]
         else:
             self._worker_options = [dict(num_gpus=0)] * nw
             trainer_options = [dict(num_gpus=0)] * nt
@@ -317,6 +311,25 @@ def resolve_weight_sync(cfg: DictConfig) -> str:
     if cfg.trainer.backend == "megatron" and cfg.train.num_gpus > 1:
         return "collective"  # the gathered weights live on trainer rank 0's GPU only
     return "cuda_ipc" if cfg.ray.colocate else "collective"
+
+
+class Placement(NamedTuple):
+    num_gpus: int
+    trainers: list[tuple[int, float]]  # (GPU bundle, share of that GPU) per trainer rank
+    workers: list[tuple[int, float]]  # the same per rollout worker
+
+
+def plan_placement(num_trainers: int, num_workers: int, colocate: bool) -> Placement:
+    """Colocated: trainer rank g and rollout workers g, g + N, g + 2N, ... share GPU g (N trainer ranks), half of
+    it for the trainer and the other half split evenly among its workers. Separate: the trainer ranks on the first
+    N GPUs, one GPU per rollout worker after them. (Ray's shares schedule; they do not cap memory: the engine's KV
+    cache is sized by rollout.gpu_memory_fraction, split among the engines of a GPU.)"""
+    if colocate:
+        per_gpu = -(-num_workers // num_trainers)
+        return Placement(num_trainers, [(g, 0.5) for g in range(num_trainers)],
+                         [(i % num_trainers, 0.5 / per_gpu) for i in range(num_workers)])
+    return Placement(num_trainers + num_workers, [(g, 1.0) for g in range(num_trainers)],
+                     [(num_trainers + i, 1.0) for i in range(num_workers)])
 
 
 def make_placement(ray, num_gpus: int, cfg: DictConfig):
