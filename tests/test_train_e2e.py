@@ -141,9 +141,20 @@ def test_weight_sync_path_does_not_change_the_run(tmp_path):
 def test_megatron_tensor_parallel_runs_are_identical_and_on_policy(tmp_path):
     """trainer.backend=megatron with TP=2: the engines emulate the trainer's reduction, so trainer logprobs equal
     rollout logprobs exactly; two runs are identical."""
-    tp = ["trainer.backend=megatron", "trainer.tensor_parallel=2"]
+    tp = ["trainer.backend=megatron", "trainer.tensor_parallel=2", "train.steps=3"]
     assert main(["train", *LAYOUT, *tp, f"run.dir={tmp_path / 'm1'}"]) == 0
     assert main(["train", *LAYOUT, *tp, f"run.dir={tmp_path / 'm2'}"]) == 0
     assert main(["diff", str(tmp_path / "m1"), str(tmp_path / "m2")]) == 0
     for m in _metrics(tmp_path / "m1"):
         assert m["train/rollout_logprob_abs_diff"] == 0.0 and m["train/grad_norm"] > 0
+    # sharded checkpoints (megatron-core dist_checkpointing): stop after step 2, resume, same run
+    from rlrepro.cli import compose_config
+    from rlrepro.orchestration import GRPODriver
+
+    d = tmp_path / "m3"
+    cfg = compose_config([*LAYOUT, *tp, f"run.dir={d}", "checkpoint.format=dist", "checkpoint.every=2"])
+    GRPODriver(cfg).run(last_step=2)
+    manifest = json.loads((d / "checkpoints" / "step_000002" / "manifest.json").read_text())
+    assert manifest["layout"] == "megatron-dist"
+    assert main(["train", *LAYOUT, *tp, f"run.dir={d}", "checkpoint.format=dist", "run.resume=true"]) == 0
+    assert main(["diff", str(tmp_path / "m1"), str(d)]) == 0

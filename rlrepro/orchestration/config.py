@@ -146,6 +146,9 @@ class CheckpointConfig:
     every: int = 0  # 0: only at the end
     keep_last: int = 3
     save_last: bool = True  # also after the last step (false: only every N steps; for benchmarks)
+    # full: one file set with the whole state (any backend) | dist: trainer.backend=megatron only, every rank
+    # writes its own shards through megatron-core's dist_checkpointing (no gather; loads at another TP size)
+    format: str = "full"
 
 
 @dataclass
@@ -194,6 +197,7 @@ _CHOICES = {
     "train.on_nonfinite": ("error", "skip"),
     "rollout.weight_sync": ("auto", "object_store", "collective", "cuda_ipc"),
     "trainer.backend": ("default", "megatron"),
+    "checkpoint.format": ("full", "dist"),
 }
 _POSITIVE = ["rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_tokens",
              "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.block_size", "train.steps",
@@ -302,6 +306,9 @@ def _validate_trainer_layout(cfg: Any, model_config: Any = None) -> None:
                                  cfg.run.device, model_config)
     except (ValueError, ImportError) as e:
         raise ConfigError(str(e)) from None
+    if cfg.checkpoint.format == "dist" and cfg.trainer.backend != "megatron":
+        raise ConfigError("checkpoint.format=dist writes tensor-parallel shards: it needs trainer.backend=megatron; "
+                          "use checkpoint.format=full")
     if cfg.trainer.backend == "megatron" and cfg.warm_start.steps > 0:
         raise ConfigError(f"warm_start.steps={cfg.warm_start.steps} is not supported with trainer.backend=megatron "
                           "(the warm start trains the unsharded model); set warm_start.steps=0 or "

@@ -95,7 +95,8 @@ class Cluster:
         extra = {"fault_plan": self.fault_plan} if self.fault_plan.has_trainer_faults() else {}
         self.trainers = [trainer_cls.options(**trainer_options[g]).remote(
             model_dir, train_kwargs=train_kwargs, rank=g, world_size=nt, backend=cfg.trainer.backend,
-            tensor_parallel=cfg.trainer.tensor_parallel, **common, **extra) for g in range(nt)]
+            tensor_parallel=cfg.trainer.tensor_parallel, checkpoint_format=cfg.checkpoint.format, **common,
+            **extra) for g in range(nt)]
         self.trainer = self.trainers[0]  # rank 0: weights, digests and checkpoints come from it
         if nt > 1 or self.megatron:
             host, port = self.get(self.trainer.rendezvous_address.remote())

@@ -100,11 +100,11 @@ class TrainerWorker:
 
     def __init__(self, model_dir: str, *, device: str, dtype: str | None, deterministic: bool,
                  train_kwargs: dict, torch_threads: int = 1, rank: int = 0, world_size: int = 1,
-                 backend: str = "default", tensor_parallel: int = 1) -> None:
+                 backend: str = "default", tensor_parallel: int = 1, checkpoint_format: str = "full") -> None:
         _setup_process(device, torch_threads)
         self.device, self.rank, self.world_size = device, rank, world_size
         self.model_dir, self.dtype_name = model_dir, dtype
-        self.backend, self.tensor_parallel = backend, tensor_parallel
+        self.backend, self.tensor_parallel, self.checkpoint_format = backend, tensor_parallel, checkpoint_format
         self.data_parallel = None
         self._sync = self._rendezvous = None
         self._full_weights: list | None = None  # megatron: the gathered weights of the current step (rank 0)
@@ -158,7 +158,8 @@ class TrainerWorker:
 
             self.trainer = build_megatron_trainer(self.model_dir, self.train_config,
                                                   tensor_parallel=self.tensor_parallel, num_gpus=self.world_size,
-                                                  device=self.device, dtype=_dtype(self.dtype_name))
+                                                  device=self.device, dtype=_dtype(self.dtype_name),
+                                                  checkpoint_format=self.checkpoint_format)
             self.model = self.trainer.model
             self._gather_weights()
             return self.rank

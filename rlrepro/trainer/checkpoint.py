@@ -161,6 +161,20 @@ def _model_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
 
 
+def commit_checkpoint_dir(tmp: Path, final: Path) -> None:
+    """Rename the complete, fsynced ``tmp`` directory to ``final`` (atomic on POSIX) and fsync the parent. An
+    existing ``final`` (the same step saved again) is moved aside first and deleted after."""
+    root = final.parent
+    if final.exists():
+        aside = root / f"{final.name}.old-{os.getpid()}"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+
+
 def save_checkpoint(ckpt_root: str | os.PathLike, step: int, *, model=None, optimizer=None, scheduler=None,
                     extra_state: Mapping | None = None, rng_state: Mapping | None = None,
                     keep_last: int | None = None) -> Path:
@@ -196,14 +210,7 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, *, model=None, opti
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": dict(sorted(files.items()))}
         _write_file(tmp / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n"))
         _fsync_dir(tmp)
-        if final.exists():
-            aside = root / f"{final.name}.old-{os.getpid()}"
-            os.rename(final, aside)
-            os.rename(tmp, final)
-            shutil.rmtree(aside)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
+        commit_checkpoint_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -311,6 +318,11 @@ def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, sche
     path = Path(path)
     manifest = verify_checkpoint(path, check_hashes=True)
     listed = manifest["files"]
+    layout = manifest.get("layout")
+    if layout is not None and layout != "full":
+        raise ValueError(f"checkpoint {path} has the {layout!r} layout (sharded by a tensor-parallel run); load it "
+                         "with trainer.backend=megatron, or convert it first with "
+                         "rlrepro.trainer.megatron.dist_to_full(path, ckpt_root)")
 
     def need(name: str, what: str) -> Path:
         if name not in listed:

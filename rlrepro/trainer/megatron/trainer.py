@@ -18,10 +18,17 @@ bits of the update). This order-fixed path runs on CPU (gloo) and CUDA (NCCL). m
 ``DistributedDataParallel`` + distributed optimizer are not used by this class: their gradient reduce-scatter's
 summation order belongs to NCCL (docs/MEGATRON.md, "GPU path").
 
-Checkpoints are TP-agnostic: the shards are gathered into the full model and full optimizer state and written by
-one rank (TP rank 0 of replica 0) in rlrepro's checkpoint format (``rlrepro.trainer.checkpoint``), with the RNG
-states and ``extra_state`` (data cursor) as ``Trainer`` writes them. A checkpoint saved at TP=2 loads into a
-``Trainer`` or a ``MegatronTrainer`` at any TP, and vice versa. Every rank must call the collective methods
+Checkpoints, two formats (``checkpoint_format``), both TP-agnostic:
+
+- ``"full"`` (default): the shards are gathered into the full model and full optimizer state and written by one
+  rank (TP rank 0 of replica 0) in rlrepro's checkpoint format (``rlrepro.trainer.checkpoint``), with the RNG
+  states and ``extra_state`` (data cursor) as ``Trainer`` writes them. A checkpoint saved at TP=2 loads into a
+  ``Trainer`` or a ``MegatronTrainer`` at any TP, and vice versa.
+- ``"dist"``: every rank writes only its shards through megatron-core's ``dist_checkpointing``, in the same atomic
+  layout with a manifest, every rank's RNG states and ``extra_state`` (:mod:`.dist_checkpoint`); it loads into a
+  ``MegatronTrainer`` at any TP, and ``dist_to_full`` / ``dist_to_hf`` convert it for a plain ``Trainer`` / HF.
+
+``load_checkpoint`` reads either format (the manifest says which). Every rank must call the collective methods
 (``train_step``, ``named_weights``, ``save_checkpoint``, ``load_checkpoint``, ``export_hf``) together.
 """
 from __future__ import annotations
@@ -33,13 +40,23 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import capture_rng_state, checkpoint_dir_name, load_checkpoint, save_checkpoint
+from .dist_checkpoint import is_dist_checkpoint, load_dist_checkpoint, save_dist_checkpoint
 from ..data_parallel import DataParallel
 from rlrepro.kernels.tp import ordered_sum
 from ..optim import grad_norm
 from ..train import Trainer, TrainConfig
 from .model import TPQwen3ForCausalLM, gather_param, shard_spec, shard_tensor
 
-__all__ = ["MegatronTrainer"]
+__all__ = ["MegatronTrainer", "CHECKPOINT_FORMATS"]
+
+CHECKPOINT_FORMATS = ("full", "dist")
+
+
+def _check_format(checkpoint_format: str) -> str:
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint_format={checkpoint_format!r} is not one of {CHECKPOINT_FORMATS}: 'full' "
+                         "(gathered, one writer, rlrepro's format) or 'dist' (every rank its shards, megatron-core)")
+    return checkpoint_format
 
 
 class _FullModelView:
@@ -80,15 +97,17 @@ class MegatronTrainer(Trainer):
     """``Trainer`` over a :class:`TPQwen3ForCausalLM` (this rank's shard; its ``groups`` give TP and DP).
 
     ``ref_model``: a frozen ``TPQwen3ForCausalLM`` of the initial policy (same groups), when ``kl_coef > 0``.
+    ``checkpoint_format``: what :meth:`save_checkpoint` writes by default, ``"full"`` or ``"dist"`` (module doc).
     Determinism: :func:`rlrepro.trainer.enable_determinism` first, and the same CPU thread count on every rank.
     """
 
     def __init__(self, model: TPQwen3ForCausalLM, config: TrainConfig, ref_model=None, *,
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, checkpoint_format: str = "full") -> None:
         if not isinstance(model, TPQwen3ForCausalLM):
             raise TypeError(f"MegatronTrainer takes a TPQwen3ForCausalLM (rlrepro.trainer.megatron), got "
                             f"{type(model).__name__}; build it with TPQwen3ForCausalLM.from_pretrained(path, groups)")
         self.groups = model.groups
+        self.checkpoint_format = _check_format(checkpoint_format)
         dp = DataParallel(group=self.groups.dp_group) if self.groups.dp_size > 1 else None
         super().__init__(model, config, ref_model, param_dtype=param_dtype, data_parallel=dp)
         self._specs = [shard_spec(n) for n in self.optimizer.names]
@@ -148,9 +167,17 @@ class MegatronTrainer(Trainer):
             dist.barrier()
 
     def save_checkpoint(self, ckpt_root, step: int, *, extra_state: Mapping | None = None,
-                        keep_last: int | None = None, generators: Mapping | None = None) -> Path:
-        """Gather the full model and optimizer state and write them (one writer rank) in rlrepro's checkpoint
-        format, with the writer's RNG states and ``extra_state``. Every rank calls it; all get the path."""
+                        keep_last: int | None = None, generators: Mapping | None = None,
+                        checkpoint_format: str | None = None) -> Path:
+        """``checkpoint_format`` (default: the trainer's) ``"full"``: gather the full model and optimizer state and
+        write them (one writer rank) in rlrepro's checkpoint format, with the writer's RNG states and
+        ``extra_state``; ``"dist"``: every rank writes its shards and its RNG states through megatron-core's
+        ``dist_checkpointing`` (:func:`.dist_checkpoint.save_dist_checkpoint`). Every rank calls it; all get the
+        path."""
+        fmt = _check_format(checkpoint_format or self.checkpoint_format)
+        if fmt == "dist":
+            return save_dist_checkpoint(self, ckpt_root, step, extra_state=extra_state, keep_last=keep_last,
+                                        generators=generators)
         model_state = self.model.full_state_dict()
         optim_state = self._full_optimizer_state()
         path = Path(ckpt_root) / checkpoint_dir_name(step)
@@ -169,8 +196,11 @@ class MegatronTrainer(Trainer):
         return path
 
     def load_checkpoint(self, path, *, generators: Mapping | None = None, restore_rng: bool = True) -> dict:
-        """Verify and load a checkpoint (from this class or from a plain ``Trainer``, at any TP): every rank reads
-        it and keeps its shards; RNG states are the writer's. Returns ``extra_state``."""
+        """Verify and load a checkpoint (from this class or from a plain ``Trainer``, at any TP): a full one is read
+        by every rank, which keeps its shards (RNG states are the writer's); a dist one is read shard by shard
+        (:func:`.dist_checkpoint.load_dist_checkpoint`). Returns ``extra_state``."""
+        if is_dist_checkpoint(path):
+            return load_dist_checkpoint(self, path, generators=generators, restore_rng=restore_rng)
         loaded = load_checkpoint(path, model=_FullModelView(self.model), optimizer=_FullOptimizerView(self),
                                  scheduler=self.scheduler, restore_rng=restore_rng, generators=generators)
         self._barrier()

@@ -1,0 +1,464 @@
+"""Sharded checkpoints of a :class:`MegatronTrainer` through megatron-core's ``dist_checkpointing``, in rlrepro's
+atomic checkpoint layout, and conversion to a full rlrepro checkpoint and to / from HF safetensors.
+
+Every rank writes only its own shards (no gather): each weight, float32 master weight and AdamW moment is described
+as a megatron ``ShardedTensor`` (this rank's slice of the full tensor, split along its tensor-parallel dim, or a
+replica) and saved with ``dist_checkpointing.save`` (``torch_dist`` strategy = ``torch.distributed.checkpoint``
+files, ``validate_access_integrity=True``). Loading describes the *loading* trainer's shards the same way and calls
+``dist_checkpointing.load``, which reshards: a checkpoint written at TP=2 loads at TP=1 or TP=2, with any DP.
+
+Layout of ``ckpt_root/step_NNNNNN/`` (``manifest.json`` as :mod:`rlrepro.trainer.checkpoint` writes it, with
+``"layout": "megatron-dist"``)::
+
+    dist/               megatron-core's checkpoint directory (*.distcp, .metadata, metadata.json, common.pt)
+    dist_meta.json      layout at save time (TP, DP, world), the model config, every saved tensor's full shape/dtype
+    optimizer.pt        what is not sharded: parameter names, AdamW param_groups, each parameter's step count
+    scheduler.pt        the LR schedule
+    rng/rank_NNNNN.pt   capture_rng_state() of every global rank (its own RNGs, plus the named generators)
+    extra_state.pt      the caller's dict (data cursor, ...)
+    manifest.json       size and sha256 of every file above; written last
+
+Atomicity as in :func:`rlrepro.trainer.checkpoint.save_checkpoint`: everything goes into
+``step_NNNNNN.tmp-<pid of rank 0>/``, each rank's files fsynced, the manifest written last by rank 0 and fsynced,
+then the directory renamed into place. A failure on any rank is agreed by all ranks (no hang after the megatron
+collective), the temporary directory is removed and every rank raises; the previous checkpoint is untouched.
+:func:`rlrepro.trainer.checkpoint.latest_checkpoint` / ``verify_checkpoint`` / ``list_checkpoints`` work on these
+directories unchanged.
+
+CPU: megatron-core's ``torch_dist`` save calls ``torch.cuda.synchronize()`` and ``torch.cuda.current_device()``
+(0.16.1) although nothing else in it needs CUDA; on a machine without CUDA those two calls are redirected to the
+CPU for the duration of the save/load (:func:`_megatron_without_cuda`). Its writer also needs ``psutil``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import checkpoint as ckpt
+from ..checkpoint import capture_rng_state, checkpoint_dir_name, restore_rng_state
+
+__all__ = ["LAYOUT", "is_dist_checkpoint", "save_dist_checkpoint", "load_dist_checkpoint", "dist_to_full",
+           "dist_to_hf", "hf_to_dist", "read_dist_meta"]
+
+LAYOUT = "megatron-dist"
+DIST_DIR = "dist"
+META = "dist_meta.json"
+
+
+# ------------------------------------------------------------------------------------------------------- helpers
+
+def is_dist_checkpoint(path) -> bool:
+    """Whether ``path`` (a ``step_NNNNNN`` directory) holds a manifest of the megatron-dist layout."""
+    m = Path(path) / ckpt.MANIFEST
+    try:
+        return json.loads(m.read_text()).get("layout") == LAYOUT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_dist_meta(path) -> dict:
+    path = Path(path)
+    if not is_dist_checkpoint(path):
+        raise ValueError(f"{path} is not a megatron-dist checkpoint (its manifest.json has no \"layout\": "
+                         f"\"{LAYOUT}\"); a full rlrepro checkpoint loads with Trainer/MegatronTrainer.load_checkpoint")
+    return json.loads((path / META).read_text())
+
+
+@contextlib.contextmanager
+def _megatron_without_cuda():
+    """megatron-core's torch_dist save calls ``torch.cuda.synchronize()`` (after copying tensors to the CPU) and
+    puts a failure flag on ``torch.cuda.current_device()``; without CUDA both would raise although every tensor is
+    already on the CPU. Redirect exactly those two calls while it runs; a no-op when CUDA is available."""
+    if torch.cuda.is_available():
+        yield
+        return
+    sync, current = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = sync, current
+
+
+def _require_dist(what: str) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{what} with checkpoint_format='dist' needs torch.distributed initialised on every rank "
+                           "(megatron-core's dist_checkpointing is collective; a 1-rank gloo group is enough), "
+                           "or use checkpoint_format='full'")
+    try:
+        import megatron.core.dist_checkpointing  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"checkpoint_format='dist' needs megatron-core ({e}); install rlrepro[megatron] "
+                          "(and psutil, which its checkpoint writer imports), or use checkpoint_format='full'") from e
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _agree(error: BaseException | None, what: str) -> None:
+    """Collective: raise on every rank if any rank failed (so no rank waits in a later collective)."""
+    world = dist.get_world_size()
+    errors: list = [None] * world
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise RuntimeError(f"{what} failed on rank {r}: {e}")
+
+
+def _full_shape(name: str, local: torch.Tensor, tp: int) -> list[int]:
+    from .model import shard_spec
+
+    dim, _ = shard_spec(name)
+    shape = list(local.shape)
+    if dim is not None and local.dim() > dim:
+        shape[dim] *= tp
+    return shape
+
+
+def _entries(trainer) -> list[tuple[str, dict, torch.Tensor]]:
+    """``(key, info, local tensor)`` of every tensor this trainer's dist checkpoint holds, key order. ``info``:
+    kind (model | master | state), parameter name, state key, full shape, dtype."""
+    opt, tp = trainer.optimizer, trainer.groups.tp_size
+    out = []
+    for name, p in sorted(trainer.model.named_parameters(), key=lambda kv: kv[0]):
+        out.append((f"model.{name}", dict(kind="model", name=name), p.detach()))
+    for name, m, p in zip(opt.names, opt.masters, opt.params):
+        if m is not p:
+            out.append((f"optimizer.master.{name}", dict(kind="master", name=name), m.detach()))
+    for name, m in zip(opt.names, opt.masters):
+        for k, v in sorted(opt.inner.state.get(m, {}).items()):
+            if torch.is_tensor(v) and v.dim() > 0:
+                out.append((f"optimizer.{k}.{name}", dict(kind="state", name=name, state_key=k), v.detach()))
+    for key, info, t in out:
+        info.update(shape=_full_shape(info["name"], t, tp), dtype=str(t.dtype).replace("torch.", ""))
+    return sorted(out, key=lambda e: e[0])
+
+
+def _sharded_tensor(key: str, name: str, data: torch.Tensor, groups):
+    """This rank's piece of ``key`` as a megatron ShardedTensor: split along the parameter's TP dim (one main
+    replica per shard: DP rank 0) or replicated (main replica: TP rank 0 of DP rank 0)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from .model import shard_spec
+
+    dim, _ = shard_spec(name)
+    if dim is not None and groups.tp_size > 1:
+        return ShardedTensor.from_rank_offsets(key, data, (dim, groups.tp_rank, groups.tp_size),
+                                               replica_id=(0, groups.dp_rank))
+    return ShardedTensor.from_rank_offsets(key, data, replica_id=(groups.tp_rank, groups.dp_rank))
+
+
+def _write_torch(path: Path, obj) -> dict:
+    return ckpt._write_file(path, lambda p: torch.save(obj, p))
+
+
+# -------------------------------------------------------------------------------------------------------- saving
+
+def save_dist_checkpoint(trainer, ckpt_root, step: int, *, extra_state: Mapping | None = None,
+                         keep_last: int | None = None, generators: Mapping | None = None) -> Path:
+    """Write ``ckpt_root/step_NNNNNN/`` (megatron-dist layout, see the module doc); a collective over the default
+    process group (every rank of every TP group and DP replica). Returns the path on every rank."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    rank, world = _require_dist("save_checkpoint")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    root = Path(ckpt_root)
+    final = root / checkpoint_dir_name(step)
+    pid = [os.getpid()]
+    dist.broadcast_object_list(pid, src=0)
+    tmp = root / f"{final.name}.tmp-{pid[0]}"
+    error = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / DIST_DIR).mkdir(parents=True)
+            (tmp / "rng").mkdir()
+        except BaseException as e:
+            error = e
+    _agree(error, "creating the checkpoint's temporary directory")
+    try:
+        try:
+            entries = _entries(trainer)
+            sharded = {key: _sharded_tensor(key, info["name"], t, trainer.groups) for key, info, t in entries}
+            with _megatron_without_cuda():
+                dc.save(sharded, str(tmp / DIST_DIR), sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
+                        validate_access_integrity=True)
+            _write_torch(tmp / "rng" / f"rank_{rank:05d}.pt", capture_rng_state(generators))
+            if rank == 0:
+                _write_rank0_files(trainer, tmp, entries, step, extra_state, world)
+        except BaseException as e:
+            error = e
+        _agree(error, "writing the dist checkpoint")
+        # hash every file, split over the ranks (file i by rank i % world), then rank 0 writes the manifest
+        files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
+        mine = {}
+        try:
+            for i, name in enumerate(files):
+                if i % world == rank:
+                    mine[name] = ckpt._file_digest(tmp / name)
+        except BaseException as e:
+            error = e
+        _agree(error, "hashing the dist checkpoint")
+        digests: list = [None] * world
+        dist.all_gather_object(digests, mine)
+        if rank == 0:
+            try:
+                listed = {k: v for d in digests for k, v in d.items()}
+                manifest = {"format": ckpt.FORMAT, "version": ckpt.VERSION, "step": step, "layout": LAYOUT,
+                            "files": dict(sorted(listed.items()))}
+                for d in (tmp / DIST_DIR, tmp / "rng"):
+                    ckpt._fsync_dir(d)
+                ckpt._write_file(tmp / ckpt.MANIFEST,
+                                 lambda p: p.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n"))
+                ckpt._fsync_dir(tmp)
+                ckpt.commit_checkpoint_dir(tmp, final)
+            except BaseException as e:
+                error = e
+        _agree(error, "committing the dist checkpoint")
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep_last is not None and rank == 0:
+        for old in ckpt._complete_steps(root)[keep_last:]:
+            shutil.rmtree(root / checkpoint_dir_name(old), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _write_rank0_files(trainer, tmp: Path, entries, step: int, extra_state, world: int) -> None:
+    g = trainer.groups
+    opt = trainer.optimizer
+    adamw = opt.inner.state_dict()
+    scalars = {opt.names[i]: {k: v for k, v in per.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+               for i, per in adamw["state"].items()}
+    _write_torch(tmp / "optimizer.pt", {"names": list(opt.names), "param_groups": adamw["param_groups"],
+                                        "scalars": scalars})
+    _write_torch(tmp / "scheduler.pt", trainer.scheduler.state_dict())
+    _write_torch(tmp / "extra_state.pt", dict(extra_state or {}))
+    meta = {"step": step, "tensor_parallel": g.tp_size, "data_parallel": g.dp_size, "world_size": world,
+            "model_config": trainer.model.config.to_dict(),
+            "tensors": {key: info for key, info, _ in entries}}
+    ckpt._write_file(tmp / META, lambda p: p.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n"))
+
+
+# ------------------------------------------------------------------------------------------------------- loading
+
+def _check_compatible(trainer, meta: dict, path: Path) -> None:
+    """The loading trainer must hold the same tensors (names, full shapes, dtypes, master copies) as the saved one;
+    TP and DP may differ."""
+    own = {key: info for key, info, _ in _entries(trainer) if info["kind"] != "state"}
+    saved = {key: info for key, info in meta["tensors"].items() if info["kind"] != "state"}
+    own_model = {k for k, i in own.items() if i["kind"] == "model"}
+    saved_model = {k for k, i in saved.items() if i["kind"] == "model"}
+    if own_model != saved_model:
+        raise ValueError(f"dist checkpoint {path} holds parameters {sorted(saved_model - own_model)[:5]} this model "
+                         f"lacks and lacks {sorted(own_model - saved_model)[:5]}; load it into the same architecture "
+                         f"(the saving run's config is in {path / META})")
+    for key in sorted(own_model):
+        a, b = own[key], saved[key]
+        if a["shape"] != b["shape"]:
+            cfg = meta.get("model_config", {})
+            mine = trainer.model.config.to_dict()
+            differ = {k: (cfg.get(k), mine.get(k)) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                             "num_hidden_layers", "num_attention_heads",
+                                                             "num_key_value_heads", "head_dim")
+                      if cfg.get(k) != mine.get(k)}
+            raise ValueError(f"dist checkpoint {path}: {key[len('model.'):]!r} has full shape {tuple(b['shape'])}, "
+                             f"this model's is {tuple(a['shape'])} (config saved vs this model: {differ}); the "
+                             f"checkpoint is of another model shape: build the model from the saving run's config")
+        if a["dtype"] != b["dtype"]:
+            raise ValueError(f"dist checkpoint {path}: {key[len('model.'):]!r} is {b['dtype']}, this model's is "
+                             f"{a['dtype']}; build the model with the saving run's dtype (and param_dtype)")
+    own_m = {k for k, i in own.items() if i["kind"] == "master"}
+    saved_m = {k for k, i in saved.items() if i["kind"] == "master"}
+    if own_m != saved_m:
+        raise ValueError(f"dist checkpoint {path} holds float32 master weights for {len(saved_m)} parameters, this "
+                         f"trainer keeps {len(own_m)} separate masters; use the same param_dtype as the saving run")
+
+
+def _verify_collectively(path: Path, rank: int) -> dict:
+    """Rank 0 checks every file's sha256, the others sizes; all agree before any rank reads tensors."""
+    manifest, error = None, None
+    try:
+        manifest = ckpt.verify_checkpoint(path, check_hashes=(rank == 0))
+        if manifest.get("layout") != LAYOUT:
+            raise ValueError(f"{path} is not a megatron-dist checkpoint")
+    except BaseException as e:
+        error = e
+    _agree(error, f"verifying {path}")
+    return manifest
+
+
+def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, restore_rng: bool = True) -> dict:
+    """Verify ``path`` (megatron-dist layout), check it holds this trainer's model, and load this rank's shards of
+    weights, masters and AdamW moments (resharded when the saving TP differs), the schedule and the RNG states:
+    each rank its own when the world size is the saving run's, else rank 0's on every rank (as a full checkpoint
+    does). A collective. Returns ``extra_state``."""
+    from megatron.core import dist_checkpointing as dc
+
+    rank, world = _require_dist("load_checkpoint")
+    path = Path(path)
+    _verify_collectively(path, rank)
+    meta = json.loads((path / META).read_text())
+    _check_compatible(trainer, meta, path)
+
+    opt, g = trainer.optimizer, trainer.groups
+    params = dict(trainer.model.named_parameters())
+    local_shape = {n: tuple(p.shape) for n, p in params.items()}
+    targets = {}
+    for key, info in meta["tensors"].items():
+        p = params[info["name"]]
+        t = torch.empty(local_shape[info["name"]], dtype=getattr(torch, info["dtype"]), device=p.device)
+        targets[key] = (info, t)
+    sharded = {key: _sharded_tensor(key, info["name"], t, g) for key, (info, t) in targets.items()}
+    with _megatron_without_cuda():
+        loaded = dc.load(sharded, str(path / DIST_DIR))
+
+    common = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    if list(common["names"]) != list(opt.names):
+        raise ValueError(f"dist checkpoint {path} holds optimizer state for other parameters; load it into a "
+                         "trainer built for the same model")
+    index = {n: i for i, n in enumerate(opt.names)}
+    state: dict[int, dict] = {}
+    masters = {}
+    with torch.no_grad():
+        for key, (info, _) in targets.items():
+            t = loaded[key]
+            if info["kind"] == "model":
+                params[info["name"]].copy_(t)
+            elif info["kind"] == "master":
+                masters[info["name"]] = t
+            else:
+                state.setdefault(index[info["name"]], {})[info["state_key"]] = t
+    for name, scalars in common["scalars"].items():
+        state.setdefault(index[name], {}).update(scalars)
+    opt.load_state_dict({"names": list(opt.names), "adamw": {"state": state, "param_groups": common["param_groups"]},
+                         "master_weights": masters})
+    trainer.scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
+    extra_state = torch.load(path / "extra_state.pt", map_location="cpu", weights_only=True)
+    if restore_rng:
+        own = path / "rng" / f"rank_{rank:05d}.pt"
+        src = own if meta["world_size"] == world else path / "rng" / "rank_00000.pt"
+        restore_rng_state(torch.load(src, map_location="cpu", weights_only=True), generators)
+    dist.barrier()
+    return extra_state
+
+
+# ---------------------------------------------------------------------------------------------------- conversion
+
+def _read_full_tensors(path: Path, meta: dict, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Full tensors of the given kinds, read in this process with torch.distributed.checkpoint (no process group,
+    no megatron-core needed)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {key: torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
+             for key, info in meta["tensors"].items() if info["kind"] in kinds}
+    import warnings
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / DIST_DIR)), no_dist=True)
+    return state
+
+
+class _Holder:
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+
+def dist_to_full(path, ckpt_root) -> Path:
+    """Convert a megatron-dist checkpoint into a full rlrepro checkpoint ``ckpt_root/step_NNNNNN`` (the format of
+    ``Trainer.save_checkpoint``: full model, optimizer with full AdamW moments and masters, schedule, rank 0's RNG
+    states, extra_state), in one process without a process group. The result equals what
+    ``MegatronTrainer.save_checkpoint(checkpoint_format='full')`` writes at that point, tensor for tensor."""
+    path = Path(path)
+    manifest = ckpt.verify_checkpoint(path, check_hashes=True)
+    meta = read_dist_meta(path)
+    tensors = _read_full_tensors(path, meta, ("model", "master", "state"))
+    common = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    names = list(common["names"])
+    index = {n: i for i, n in enumerate(names)}
+    model_state, masters, state = {}, {}, {}
+    for key, info in meta["tensors"].items():
+        if info["kind"] == "model":
+            model_state[info["name"]] = tensors[key]
+        elif info["kind"] == "master":
+            masters[info["name"]] = tensors[key]
+        else:
+            state.setdefault(index[info["name"]], {})[info["state_key"]] = tensors[key]
+    for name, scalars in common["scalars"].items():
+        state.setdefault(index[name], {}).update(scalars)
+    state = {i: dict(sorted(per.items())) for i, per in sorted(state.items())}
+    optimizer = {"names": names, "adamw": {"state": state, "param_groups": common["param_groups"]},
+                 "master_weights": dict(sorted(masters.items()))}
+    load = lambda name: torch.load(path / name, map_location="cpu", weights_only=True)  # noqa: E731
+    return ckpt.save_checkpoint(ckpt_root, int(manifest["step"]), model=_Holder(model_state),
+                                optimizer=_Holder(optimizer), scheduler=_Holder(load("scheduler.pt")),
+                                extra_state=load("extra_state.pt"), rng_state=load("rng/rank_00000.pt"))
+
+
+def dist_to_hf(path, hf_dir, **kwargs) -> Path:
+    """Write the policy of a megatron-dist checkpoint as an HF directory (config.json + safetensors, in the saved
+    compute dtype) through ``rlrepro.model.save_pretrained``; one process, no process group."""
+    from rlrepro.model import Qwen3Config, Qwen3ForCausalLM, save_pretrained
+
+    path = Path(path)
+    ckpt.verify_checkpoint(path, check_hashes=True)
+    meta = read_dist_meta(path)
+    tensors = _read_full_tensors(path, meta, ("model",))
+    state = {key[len("model."):]: t for key, t in tensors.items()}
+    config = Qwen3Config.from_dict(meta["model_config"])
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    dtype = next(iter(state.values())).dtype
+    model = model.to_empty(device="cpu").to(dtype)
+    model.load_state_dict(state, strict=True)
+    return save_pretrained(model, hf_dir, **kwargs)
+
+
+def hf_to_dist(hf_dir, ckpt_root, train_config, *, step: int = 0, dtype=None, param_dtype=None,
+               extra_state: Mapping | None = None) -> Path:
+    """Write a megatron-dist checkpoint of the HF model in ``hf_dir`` as a fresh trainer holds it (weights, float32
+    masters when ``param_dtype`` differs from the weights' dtype, no AdamW moments yet, the schedule at step 0 of
+    ``train_config``), from one process (a 1-rank gloo group is created when none exists). A ``MegatronTrainer`` at
+    any TP that divides the model then starts from it with ``load_checkpoint``."""
+    import dataclasses
+
+    from .model import TPQwen3ForCausalLM
+    from .parallel import single_process_groups
+    from .trainer import MegatronTrainer
+
+    own_group = not (dist.is_available() and dist.is_initialized())
+    if own_group:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError(f"hf_to_dist runs in one process; this process group has {dist.get_world_size()} ranks "
+                           "(call it before init_process_group, or from a 1-rank group)")
+    try:
+        model = TPQwen3ForCausalLM.from_pretrained(hf_dir, single_process_groups(), dtype=dtype)
+        trainer = MegatronTrainer(model, dataclasses.replace(train_config, kl_coef=0.0), param_dtype=param_dtype)
+        return save_dist_checkpoint(trainer, ckpt_root, step, extra_state=extra_state)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
