@@ -288,10 +288,10 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"rollout.weight_sync=cuda_ipc needs trainer and engines on the same GPUs "
                           f"(run.device=cuda and ray.colocate=true; here run.device={cfg.run.device}, "
                           f"ray.colocate={cfg.ray.colocate}); use rollout.weight_sync=auto")
-    if cfg.rollout.weight_sync == "cuda_ipc" and cfg.trainer.backend == "megatron" and cfg.train.num_gpus > 1:
-        raise ConfigError("rollout.weight_sync=cuda_ipc with trainer.backend=megatron and train.num_gpus > 1: the "
-                          "gathered weights live on trainer rank 0's GPU only; use rollout.weight_sync=auto "
-                          "(a collective broadcast)")
+    if cfg.rollout.weight_sync == "collective" and cfg.run.device == "cuda" and cfg.ray.colocate:
+        raise ConfigError("rollout.weight_sync=collective with ray.colocate=true on CUDA would put the trainer and "
+                          "an engine of one GPU into one NCCL communicator, which NCCL refuses (duplicate GPU); "
+                          "use rollout.weight_sync=auto (CUDA IPC there) or ray.colocate=false")
     if cfg.rollout.max_num_batched_tokens < cfg.rollout.block_size:
         raise ConfigError(f"rollout.max_num_batched_tokens={cfg.rollout.max_num_batched_tokens} must be >= "
                           f"rollout.block_size={cfg.rollout.block_size}")

@@ -309,8 +309,6 @@ def resolve_weight_sync(cfg: DictConfig) -> str:
         return mode
     if cfg.run.device != "cuda":
         return "object_store"
-    if cfg.trainer.backend == "megatron" and cfg.train.num_gpus > 1:
-        return "collective"  # the gathered weights live on trainer rank 0's GPU only
     return "cuda_ipc" if cfg.ray.colocate else "collective"
 
 

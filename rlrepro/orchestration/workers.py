@@ -169,18 +169,19 @@ class TrainerWorker:
         return self.rank
 
     def _gather_weights(self) -> None:
-        """megatron: gather the full weights on every rank (a collective), keep them on rank 0 for the weight
-        sync, digest and get_weights calls of this step, which then run on rank 0 alone."""
+        """megatron: gather the full weights on every rank (a collective) and keep them until the next update, so
+        that the weight sync, digest and get_weights calls of this step run on one rank alone: rank 0 for the
+        object store and the broadcast, each engine's own GPU's rank for CUDA IPC (NCCL cannot put two ranks of
+        one communicator on one GPU, so colocated engines are not fed by a broadcast). Costs one unsharded copy
+        of the weights (compute dtype) per rank."""
         if self.backend != "megatron":
             return
-        full = [(n, t.detach().clone()) for n, t in self.trainer.named_weights()]
-        self._full_weights = full if self.rank == 0 else None
+        self._full_weights = None
+        self._full_weights = [(n, t.detach().clone()) for n, t in self.trainer.named_weights()]
 
     def _weights(self):
-        """The policy's (name, tensor) pairs in name order, unsharded, in the compute dtype (rank 0)."""
+        """The policy's (name, tensor) pairs in name order, unsharded, in the compute dtype."""
         if self.backend == "megatron":
-            if self._full_weights is None:
-                raise RuntimeError("the gathered weights live on trainer rank 0; ask rank 0")
             return iter(self._full_weights)
         return self.trainer.named_weights()
 
