@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -38,43 +39,62 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> Qwen3ForCausalLM:
-    """Load an HF Qwen3 checkpoint directory. ``dtype=None`` keeps the checkpoint's own dtype (config torch_dtype)."""
+def model_dir_config(path: str | os.PathLike) -> tuple[Path, Qwen3Config]:
+    """The directory as a Path and its parsed config.json; a clear error when it is not a directory."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {path} is not a directory (expected an HF model dir with config.json)")
-    config = Qwen3Config.from_file(path)
+    return path, Qwen3Config.from_file(path)
+
+
+def iter_checkpoint_tensors(path: Path, config: Qwen3Config, names: Collection[str]) -> Iterator[tuple[Path, str, object]]:
+    """Walk every tensor of the model directory's safetensors files: yields (file, name, open safe_open handle)
+    for each tensor a Qwen3ForCausalLM of ``config`` has (``names``), skipping a stored LM head of a tied model.
+    An unreadable file or an unknown tensor name raises ValueError naming the file and the fix."""
+    for f in _weight_files(path):
+        try:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise ValueError(f"cannot read weights file {f} (truncated or corrupt?): {e}. Fix: copy the model "
+                             "directory again") from e
+        with handle:
+            for name in handle.keys():
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                if name not in names:
+                    raise ValueError(f"{f} holds tensor {name!r}, which a Qwen3ForCausalLM does not have")
+                yield f, name, handle
+
+
+def require_all_tensors(path: Path, names: Collection[str], seen: set[str]) -> None:
+    missing = sorted(set(names) - seen)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+                         "a shard is missing from the index or the directory is incomplete")
+
+
+def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> Qwen3ForCausalLM:
+    """Load an HF Qwen3 checkpoint directory. ``dtype=None`` keeps the checkpoint's own dtype (config torch_dtype)."""
+    path, config = model_dir_config(path)
     dtype = dtype or config.dtype
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     seen: set[str] = set()
-    for f in _weight_files(path):
+    for f, name, handle in iter_checkpoint_tensors(path, config, params):
         try:
-            handle = safe_open(str(f), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-            raise ValueError(f"cannot read weights file {f} (truncated or corrupt?): {e}") from e
-        with handle:
-            for name in handle.keys():
-                if name == "lm_head.weight" and config.tie_word_embeddings:
-                    continue
-                if name not in params:
-                    raise ValueError(f"{f} holds tensor {name!r}, which a Qwen3ForCausalLM does not have")
-                try:
-                    tensor = handle.get_tensor(name)
-                except Exception as e:
-                    raise ValueError(f"cannot read tensor {name!r} from {f} (truncated or corrupt?): {e}") from e
-                if tuple(tensor.shape) != tuple(params[name].shape):
-                    raise ValueError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"config.json implies {tuple(params[name].shape)}")
-                with torch.no_grad():
-                    params[name].copy_(tensor.to(dtype))
-                seen.add(name)
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            tensor = handle.get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"cannot read tensor {name!r} from {f} (truncated or corrupt?): {e}") from e
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"config.json implies {tuple(params[name].shape)}")
+        with torch.no_grad():
+            params[name].copy_(tensor.to(dtype))
+        seen.add(name)
+    require_all_tensors(path, params, seen)
     model.source_path = str(path)
     return model
 
@@ -84,34 +104,17 @@ def check_pretrained(path: str | os.PathLike) -> Qwen3Config:
     complete (safetensors checks that its header covers the file), and the tensors' names and shapes are the
     ones ``config.json`` implies, none missing. Raises the errors :func:`load_pretrained` would, before any
     work; returns the config."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model path {path} is not a directory (expected an HF model dir with config.json)")
-    config = Qwen3Config.from_file(path)
+    path, config = model_dir_config(path)
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in Qwen3ForCausalLM(config).named_parameters()}
     seen: set[str] = set()
-    for f in _weight_files(path):
-        try:
-            handle = safe_open(str(f), framework="pt", device="cpu")
-        except Exception as e:
-            raise ValueError(f"cannot read weights file {f} (truncated or corrupt?): {e}. Fix: copy the model "
-                             "directory again") from e
-        with handle:
-            for name in handle.keys():
-                if name == "lm_head.weight" and config.tie_word_embeddings:
-                    continue
-                if name not in shapes:
-                    raise ValueError(f"{f} holds tensor {name!r}, which a Qwen3ForCausalLM does not have")
-                shape = tuple(handle.get_slice(name).get_shape())
-                if shape != shapes[name]:
-                    raise ValueError(f"{f}: tensor {name!r} has shape {shape}, config.json implies {shapes[name]}; "
-                                     "config.json and the weights do not belong together")
-                seen.add(name)
-    missing = sorted(set(shapes) - seen)
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
-                         "a shard is missing from the index or the directory is incomplete")
+    for f, name, handle in iter_checkpoint_tensors(path, config, shapes):
+        shape = tuple(handle.get_slice(name).get_shape())
+        if shape != shapes[name]:
+            raise ValueError(f"{f}: tensor {name!r} has shape {shape}, config.json implies {shapes[name]}; "
+                             "config.json and the weights do not belong together")
+        seen.add(name)
+    require_all_tensors(path, shapes, seen)
     return config
 
 

@@ -215,45 +215,31 @@ class TPQwen3ForCausalLM(nn.Module):
         """Read this rank's shards of an HF directory (config.json + safetensors, sharded too) straight from the
         files (safetensors slices: a rank reads only its shards), cast to ``dtype`` (None: the checkpoint's) as
         :func:`rlrepro.model.load_pretrained` does, so the shards equal ``from_full(load_pretrained(path))``."""
-        from pathlib import Path
 
-        from safetensors import safe_open
+        from rlrepro.model.checkpoint_io import iter_checkpoint_tensors, model_dir_config, require_all_tensors
 
-        from rlrepro.model.checkpoint_io import _weight_files
-
-        path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model path {path} is not a directory (expected an HF model dir with config.json)")
-        config = Qwen3Config.from_file(path)
+        path, config = model_dir_config(path)
         dtype = dtype or config.dtype
         with torch.device("meta"):
             model = cls(config, groups)
         model = model.to_empty(device=device).to(dtype)
         params = dict(model.named_parameters())
         seen: set[str] = set()
-        for f in _weight_files(path):
-            with safe_open(str(f), framework="pt", device="cpu") as handle:
-                for name in handle.keys():
-                    if name == "lm_head.weight" and config.tie_word_embeddings:
-                        continue
-                    if name not in params:
-                        raise ValueError(f"{f} holds tensor {name!r}, which a Qwen3ForCausalLM does not have")
-                    piece = handle.get_slice(name)
-                    shape = list(piece.get_shape())
-                    dim, _ = shard_spec(name)
-                    if dim is None or groups.tp_size == 1:
-                        tensor = piece[:]
-                    else:
-                        a, b = tpk.shard_range(shape[dim], groups.tp_size, groups.tp_rank, f"{name} dim {dim}")
-                        tensor = piece[a:b] if dim == 0 else piece[:, a:b]
-                    if tuple(tensor.shape) != tuple(params[name].shape):
-                        raise ValueError(f"{f}: tensor {name!r} has shape {tuple(shape)}, which does not give this "
-                                         f"rank's shard {tuple(params[name].shape)}; config.json does not match")
-                    params[name].copy_(tensor.to(dtype))
-                    seen.add(name)
-        missing = sorted(set(params) - seen)
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        for f, name, handle in iter_checkpoint_tensors(path, config, params):
+            piece = handle.get_slice(name)
+            shape = list(piece.get_shape())
+            dim, _ = shard_spec(name)
+            if dim is None or groups.tp_size == 1:
+                tensor = piece[:]
+            else:
+                a, b = tpk.shard_range(shape[dim], groups.tp_size, groups.tp_rank, f"{name} dim {dim}")
+                tensor = piece[a:b] if dim == 0 else piece[:, a:b]
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"{f}: tensor {name!r} has shape {tuple(shape)}, which does not give this "
+                                 f"rank's shard {tuple(params[name].shape)}; config.json does not match")
+            params[name].copy_(tensor.to(dtype))
+            seen.add(name)
+        require_all_tensors(path, params, seen)
         model.source_path = str(path)
         return model
 
