@@ -8,7 +8,6 @@ cannot change a run, and a resumed run repeats the uninterrupted one.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil

@@ -80,9 +80,11 @@ class Cluster:
             plan = plan_placement(nt, nw, cfg.ray.colocate)
             self._placement = make_placement(ray, plan.num_gpus, cfg)
             self._worker_options = [self._in_bundle(b, g) for b, g in plan.workers]
+            self._worker_gpu = [b for b, _ in plan.workers]  # colocated: trainer rank b shares GPU b
             trainer_options = [self._in_bundle(b, g) for b, g in plan.trainers]
         else:
             self._worker_options = [dict(num_gpus=0)] * nw
+            self._worker_gpu = []
             trainer_options = [dict(num_gpus=0)] * nt
         self._worker_cls = ray.remote(num_cpus=0, max_restarts=0)(RolloutWorker)
         self.megatron = cfg.trainer.backend == "megatron"
@@ -236,21 +238,19 @@ class Cluster:
         never a silent stale policy."""
         digest = self.trainer.weights_digest.remote()
         self._arm_faults("sync", version)
-        if self.sync_mode == "object_store" or version < 0:
+        weights_ref = send = None  # without weights_ref, a replacement worker gets the weights from the trainer
+        if self.sync_mode == "object_store":
             weights_ref = self.trainer.get_weights.remote()
             calls = {i: self._call(i, "load_weights", weights_ref, version) for i in range(len(self.workers))}
-        elif self.sync_mode == "cuda_ipc":
-            weights_ref = None  # a replacement worker is loaded through the object store
-            nt = len(self.trainers)
-            handles = {g: t.ipc_handles.remote() for g, t in enumerate(self.trainers)}
-            calls = {i: self._call(i, "load_weights_ipc", handles[i % nt], version) for i in range(len(self.workers))}
+        elif self.sync_mode == "cuda_ipc":  # each engine from the trainer rank on its own GPU (plan_placement)
+            handles = {g: self.trainers[g].ipc_handles.remote() for g in sorted(set(self._worker_gpu))}
+            calls = {i: self._call(i, "load_weights_ipc", handles[g], version) for i, g in enumerate(self._worker_gpu)}
         else:
-            weights_ref = None
             self._form_sync_group()
             send = self.trainer.sync_send.remote(version)
             calls = {i: self._call(i, "sync_receive") for i in range(len(self.workers))}
         got = self._gather(calls, lambda i: None, "weight sync", version, weights_ref)
-        if self.sync_mode == "collective" and version >= 0:
+        if send is not None:
             self.get(send)
         versions = [got[i] for i in range(len(self.workers))]
         if any(v != version for v in versions):

@@ -4,7 +4,6 @@ Ray happens to give the process."""
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
