@@ -58,7 +58,18 @@ def build_model(args) -> Qwen3ForCausalLM:
         model = Qwen3ForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     t0 = time.perf_counter()
-    init_random_weights(model, args.seed)
+    if device.type == "cuda":
+        # seconds instead of the ~80 s of init_random_weights' CPU generator; throughput does not depend on the
+        # values, and every system in one run reads these same weights
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, cfg.initializer_range, generator=gen)
+    else:
+        init_random_weights(model, args.seed)
     print(f"# random Qwen3-8B-shaped weights ({cfg.num_hidden_layers} layers) in {time.perf_counter() - t0:.0f} s",
           flush=True)
     return model
@@ -187,6 +198,83 @@ def profile_engine(model, prompts, args) -> None:
             print(f"# {evt.key}: {evt.count} calls, CPU total {evt.cpu_time_total / 1e3:.1f} ms")
 
 
+def decode_breakdown(model, prompts, args) -> None:
+    """Where a steady-state decode step's time goes: whole step, execute(), graph replay, sampler, kernels.
+
+    Runs a deterministic generate of O tokens with execute() timed (synchronised), then replays the decode graph
+    on the last step's inputs (context ~P+O) timed with CUDA events, times the sampler alone on the same logits,
+    and profiles the graph's kernels over a few replays (per-step milliseconds per kernel)."""
+    device = model.device
+    if device.type != "cuda":
+        raise SystemExit("--breakdown needs CUDA (decode graphs)")
+    n, p_len, o_len = len(prompts), len(prompts[0]), args.output_len
+    bs = args.block_size
+    engine = Engine(model, device=str(device), max_num_seqs=max(n, 1), block_size=bs,
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=p_len + o_len,
+                    num_kv_blocks=n * math.ceil((p_len + o_len) / bs) + n, enable_cuda_graphs=True)
+    engine.generate(prompts[: min(n, 4)], [sampling(args, 4, i) for i in range(min(n, 4))])
+    engine.reset_prefix_cache()
+    runner = engine.runner
+    execs: list[float] = []
+    real = runner.execute
+
+    def timed(scheduled):
+        if len(scheduled) != n or any(s.num_new_tokens != 1 for s in scheduled):
+            return real(scheduled)
+        sync(device)
+        t0 = time.perf_counter()
+        out = real(scheduled)
+        sync(device)
+        execs.append(time.perf_counter() - t0)
+        return out
+
+    runner.execute = timed
+    sync(device)
+    t0 = time.perf_counter()
+    engine.generate(prompts, [sampling(args, o_len, i) for i in range(n)])
+    sync(device)
+    runner.execute = real
+    steps = len(execs)
+    b = next(g for g in sorted(runner.graphs) if g >= n)
+    graph, out = runner.graphs[b]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        graph.replay()
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    sync(device)
+    graph_ms = start.elapsed_time(end) / 20
+    logits = out[:n].clone()
+    from rlrepro.rollout.sampler import SampleRequest, sample
+    reqs = [SampleRequest(args.temperature, 0, 1.0, i, p_len + o_len - 1) for i in range(n)]
+    for _ in range(3):
+        sample(logits, reqs)
+    sync(device)
+    t1 = time.perf_counter()
+    for _ in range(20):
+        sample(logits, reqs)
+    sample_ms = (time.perf_counter() - t1) / 20 * 1e3
+    print(f"# decode breakdown, {n} requests, P={p_len} O={o_len}, graph batch {b}:")
+    print(f"#   execute() synchronised, mean of {steps} decode steps: {1e3 * sum(execs) / max(steps, 1):.2f} ms "
+          f"(first {1e3 * execs[0]:.2f}, last {1e3 * execs[-1]:.2f})")
+    print(f"#   graph replay alone at the last step's context (~{p_len + o_len}): {graph_ms:.2f} ms")
+    print(f"#   sample() alone (host + GPU, synchronised by its .tolist()): {sample_ms:.2f} ms")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        sync(device)
+    rows = sorted(((e.key, e.self_device_time_total / 10 / 1e3, e.count // 10) for e in prof.key_averages()
+                   if e.self_device_time_total > 0), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"#   kernels in one graph replay (profiled, {total:.2f} ms in all):")
+    print("| kernel | ms per step | share | launches per step |")
+    print("|---|---:|---:|---:|")
+    for name, ms, count in rows[: args.profile_rows]:
+        print(f"| {name[:70]} | {ms:.3f} | {ms / total:.1%} | {count} |")
+
+
 def bench_transformers(model, prompts, args) -> dict:
     import transformers
 
@@ -246,6 +334,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="profile a deterministic run of STEPS output tokens instead of benchmarking")
     ap.add_argument("--profile-rows", type=int, default=30)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time a steady-state decode step's parts (CUDA): execute, graph replay, sampler, kernels")
     args = ap.parse_args(argv)
     if not args.tiny and not args.model:
         args.qwen3_8b_shape = True
@@ -262,6 +352,9 @@ def main(argv=None) -> None:
 
     if args.profile:
         profile_engine(model, prompts, args)
+        return
+    if args.breakdown:
+        decode_breakdown(model, prompts, args)
         return
     results = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:

@@ -38,7 +38,7 @@ add_step env 60 '
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   $PY -c "import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0)); print(\"triton\", triton.__version__)"
   $PY -m pytest --version'
-add_step gpu_tests 300 '$PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_PATHS:-tests/}'
+add_step gpu_tests 300 'kit && $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_PATHS:-tests/}'
 add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'
 add_step grpo 560 'kit && GRPO_SET=one bash scripts/gpu_grpo.sh'
 add_step grpo_two 560 'kit && GRPO_SET=two bash scripts/gpu_grpo.sh'
@@ -46,6 +46,12 @@ add_step grpo_two 560 'kit && GRPO_SET=two bash scripts/gpu_grpo.sh'
 add_step bench_engine 560 '
   $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_64.json"
   $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 256 --no-hf ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_256.json"'
+# where a steady-state decode step's time goes (64 requests, context ~P+O), per kernel
+add_step breakdown_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 256 --breakdown ${ENGINE_BENCH_ARGS:-}'
+# the same with the decode-friendly attention pipelines (same tile and KV order: the same bits)
+add_step breakdown_attn 300 'for c in small3 small4; do echo "== RLREPRO_ATTENTION_CONFIG=$c"; RLREPRO_ATTENTION_CONFIG=$c $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 256 --breakdown --profile-rows 4 2>&1 | grep -v Warn; done'
+# one GRPO train step at the Qwen3-8B width: time, phases, MFU, and the top kernels
+add_step bench_trainer 300 '$PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --profile --json "$OUT/bench_trainer.json"'
 add_step profile_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 128 --no-hf --modes deterministic --profile 20'
 
 

@@ -9,7 +9,8 @@
 #                 checkpoint, = a?)
 #   GRPO_SET=two  (2 GPUs): g and h (data-parallel trainer on 2 GPUs, 2 colocated engines, CUDA IPC; g = h?),
 #                 s (separate placement: trainer on GPU 0, engine on GPU 1, NCCL broadcast), m1 and m2
-#                 (trainer.backend=megatron, TP=2; m1 = m2?), f2 (g in fast mode, with GRPO_FAST=1)
+#                 (trainer.backend=megatron, TP=2; m1 = m2?), m0 (megatron TP=1, data parallel: = g?),
+#                 f2 (g in fast mode, with GRPO_FAST=1)
 # CPU smoke test of the same script: GRPO_SMALL=1 GRPO_DEVICE=cpu GRPO_DTYPE=float32 GRPO_MAX_TOKENS=8 ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,8 +61,10 @@ else
   # megatron backend, TP=2 over the 2 GPUs; the engines emulate its reduction (docs/MEGATRON.md)
   train m1 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2
   train m2 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2; diffrun m1 m2 "two runs, megatron TP=2"
+  # megatron TP=1 (data parallel over the 2 GPUs): the same math as the default backend, so the same run as g
+  train m0 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=1; diffrun g m0 "megatron TP=1 vs default"
   [ -n "${GRPO_FAST:-}" ] && train f2 "${TWO[@]}" run.deterministic=false
-  RUNS="g h s m1 m2 ${GRPO_FAST:+f2}"
+  RUNS="g h s m1 m2 m0 ${GRPO_FAST:+f2}"
 fi
 
 $PY - "$W" $RUNS <<'PYEOF' | tee -a "$R/summary.txt"

@@ -118,6 +118,12 @@ def check_pretrained(path: str | os.PathLike) -> Qwen3Config:
     return config
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a copy when it is a view into a larger storage (e.g. fused projections on the CPU):
+    safetensors refuses tensors that share memory."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
 def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None,
                     tokenizer_from: str | os.PathLike | None = None) -> Path:
     """Write config.json + safetensors (sharded with an index when ``max_shard_bytes`` is exceeded).
@@ -129,7 +135,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
     config = model.config.to_dict()
     config["torch_dtype"] = str(model.dtype).replace("torch.", "")
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    state = {k: _own_storage(v.detach().to("cpu").contiguous()) for k, v in model.state_dict().items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(state):

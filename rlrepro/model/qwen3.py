@@ -48,6 +48,47 @@ def _tp_linear(x: torch.Tensor, weight: torch.Tensor, split: tuple[str, int]) ->
     return (tp.linear_row_split if kind == "row" else tp.linear_column_split)(x, weight, parts)
 
 
+class FusedWeight:
+    """Several linears' weights stored as the row blocks of one tensor, so one product computes them all.
+
+    The linears keep their ``Parameter`` objects (names, identities, optimizer references); only their storage is
+    moved into ``weight``, so in-place updates (``copy_``, ``load_weights``, a broadcast into ``.data``) reach the
+    fused tensor. ``usable()`` is False, and callers fall back to one product per linear, whenever that no longer
+    holds (a ``.to()`` moved a weight, a weight was re-assigned, tensor-parallel emulation is on) or gradients are
+    wanted (autograd would not reach the separate parameters through the fused tensor).
+
+    Bits: on CUDA the batch-invariant matmul computes every output element as one fixed chain over K whatever N
+    and the tile config are (rlrepro.kernels.triton_matmul), so the fused columns equal the separate products bit
+    for bit (tests/test_fused_projections.py; on the GPU, tests/test_triton_kernels.py). The CPU kernels give no
+    such guarantee, which is why the engine fuses on CUDA only.
+    """
+
+    def __init__(self, linears: list["Linear"]) -> None:
+        self.linears = linears
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight.detach() for lin in linears])
+            row = 0
+            for lin in linears:
+                rows = lin.weight.shape[0]
+                lin.weight.data = self.weight[row:row + rows]
+                row += rows
+        self.sizes = [lin.weight.shape[0] for lin in linears]
+
+    def usable(self) -> bool:
+        w = self.weight
+        if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in self.linears):
+            return False
+        step = w.shape[1] * w.element_size()
+        ptr = w.data_ptr()
+        for lin, rows in zip(self.linears, self.sizes):
+            t = lin.weight
+            if (lin.tp_split is not None or t.data_ptr() != ptr or t.dtype != w.dtype or t.device != w.device
+                    or tuple(t.shape) != (rows, w.shape[1])):
+                return False
+            ptr += rows * step
+        return True
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -68,6 +109,8 @@ class Embedding(nn.Module):
 
 
 class Qwen3Attention(nn.Module):
+    qkv: FusedWeight | None = None  # set by Qwen3ForCausalLM.fuse_projections
+
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -81,9 +124,16 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta, kv_cache):
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        fused = getattr(self, "qkv", None)  # (the megatron backend's TP layers borrow this forward, unfused)
+        if fused is not None and fused.usable():
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            qkv = kernels.linear(x, fused.weight)
+            q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q = kernels.apply_rope(q, cos, sin)
         k = kernels.apply_rope(k, cos, sin)
         o = kernels.attention(q, k, v, meta, self.scale, kv_cache)
@@ -91,6 +141,8 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
+    gate_up: FusedWeight | None = None  # set by Qwen3ForCausalLM.fuse_projections
+
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
@@ -98,7 +150,12 @@ class Qwen3MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
-        return self.down_proj(kernels.silu_and_mul(torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)))
+        fused = getattr(self, "gate_up", None)
+        if fused is not None and fused.usable():
+            gate_up = kernels.linear(x, fused.weight)
+        else:
+            gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+        return self.down_proj(kernels.silu_and_mul(gate_up))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -163,6 +220,22 @@ class Qwen3ForCausalLM(nn.Module):
         if self.lm_head is not None:
             self.lm_head.tp_split = None if tp == 1 else ("column", tp)
         self.tensor_parallel_emulation = tp
+        return self
+
+    def fuse_projections(self) -> "Qwen3ForCausalLM":
+        """Store each layer's q/k/v weights as one tensor and its gate/up weights as another, so inference runs
+        two products per layer instead of five (decode reads the same bytes in fewer, fuller launches).
+
+        Parameter names, objects and values stay as they were (see :class:`FusedWeight`); the fused product is
+        used only without gradients and without tensor-parallel emulation, and it is undone by nothing: a later
+        ``.to()`` or re-assigned weight just makes the layers fall back to separate products. The engine calls
+        this on CUDA, where it is bitwise neutral; calling it twice is a no-op."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv is None or not attn.qkv.usable():
+                attn.qkv = FusedWeight([attn.q_proj, attn.k_proj, attn.v_proj])
+            if mlp.gate_up is None or not mlp.gate_up.usable():
+                mlp.gate_up = FusedWeight([mlp.gate_proj, mlp.up_proj])
         return self
 
     @property

@@ -290,16 +290,18 @@ def _memory_stats() -> dict:
 def train_flops(config, samples: list[dict], train_config) -> float:
     """Model FLOPs of one train step on ``samples`` (all ranks together): a forward pass for the on-policy check,
     one for the KL reference when kl_coef > 0, and forward + backward (3 forwards) per PPO epoch. A forward costs
-    2 FLOPs per matmul weight per token (every linear, lm_head included; the embedding lookup is free) plus causal
-    attention, 2 * 2 * layers * heads * head_dim * (i + 1) for the token at position i."""
+    2 FLOPs per matmul weight per token for the layers' linears (the embedding lookup is free), 2 per lm_head
+    weight for each completion token only (the trainer computes logits where a completion token is predicted, not
+    at prompt positions), plus causal attention, 2 * 2 * layers * heads * head_dim * (i + 1) for the token at
+    position i."""
     h, L = config.hidden_size, config.num_hidden_layers
     hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
-    matmul_weights = L * per_layer + h * config.vocab_size
     fwd = 0.0
     for s in samples:
-        n = len(s["prompt_token_ids"]) + len(s["completion_token_ids"])
-        fwd += 2.0 * matmul_weights * n + 4.0 * L * q * n * (n + 1) / 2
+        c = len(s["completion_token_ids"])
+        n = len(s["prompt_token_ids"]) + c
+        fwd += 2.0 * L * per_layer * n + 2.0 * h * config.vocab_size * c + 4.0 * L * q * n * (n + 1) / 2
     passes = 1 + (1 if train_config.kl_coef > 0 else 0) + 3 * train_config.ppo_epochs
     return fwd * passes

@@ -61,13 +61,16 @@ class Engine:
     as fit in ``kv_cache_memory_bytes``; by default on CUDA what is free after loading minus a reserve, on CPU
     enough for ``max_num_seqs`` full-length sequences up to 512 MiB. ``max_model_len`` defaults to the model's
     ``max_position_embeddings``. ``enable_cuda_graphs`` (default: on for CUDA) captures decode steps.
+    ``fuse_projections`` (default: on for CUDA) stores each layer's q/k/v and gate/up weights as one tensor each
+    (``Qwen3ForCausalLM.fuse_projections``: same parameters and values, bitwise the same results on CUDA).
     """
 
     def __init__(self, model_or_path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                  deterministic: bool = True, seed: int = 0, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, enable_prefix_cache: bool = True, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 max_model_len: int | None = None, enable_cuda_graphs: bool | None = None) -> None:
+                 max_model_len: int | None = None, enable_cuda_graphs: bool | None = None,
+                 fuse_projections: bool | None = None) -> None:
         if isinstance(model_or_path, (str, os.PathLike)):
             from rlrepro.model import load_pretrained
 
@@ -106,6 +109,10 @@ class Engine:
                                    self.max_model_len, self.eos_token_ids)
         if enable_cuda_graphs is None:
             enable_cuda_graphs = self.device.type == "cuda"
+        if fuse_projections is None:
+            fuse_projections = self.device.type == "cuda"
+        if fuse_projections and hasattr(model, "fuse_projections"):
+            model.fuse_projections()
         with self._mode():
             self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=self.block_size,
                                       max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,

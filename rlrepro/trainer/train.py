@@ -239,18 +239,20 @@ class Trainer:
         # 1. on-policy check and reference logprobs, no grad
         max_diff = 0.0
         ref_lps: dict[int, list[torch.Tensor]] = {}
+        current_all: list[torch.Tensor] = []
+        rollout_all: list[float] = []
         with torch.no_grad():
             for k, chunk in enumerate(chunks):
                 part = [batch[i] for i in chunk]
                 prompts = [s.prompt_token_ids for s in part]
                 completions = [s.completion_token_ids for s in part]
-                current = token_logprobs(self.model, prompts, completions, cfg.temperature)
-                for s, lp in zip(part, current):
-                    if lp.numel():
-                        old = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=device)
-                        max_diff = max(max_diff, float((lp - old).abs().max()))
+                current_all.extend(token_logprobs(self.model, prompts, completions, cfg.temperature))
+                rollout_all.extend(lp for s in part for lp in s.rollout_logprobs)
                 if self.ref_model is not None:
                     ref_lps[k] = token_logprobs(self.ref_model, prompts, completions, cfg.temperature)
+            if rollout_all:  # one device->host transfer for the whole batch
+                old = torch.tensor(rollout_all, dtype=torch.float32, device=device)
+                max_diff = float((torch.cat(current_all) - old).abs().max())
         if dp is not None:
             max_diff = dp.max_float(max_diff)
 
