@@ -48,10 +48,8 @@ add_step bench_engine 560 '
   $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 256 --no-hf ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_256.json"'
 # where a steady-state decode step's time goes (64 requests, context ~P+O), per kernel
 add_step breakdown_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 256 --breakdown ${ENGINE_BENCH_ARGS:-}'
-# the same with the decode-friendly attention pipelines (same tile and KV order: the same bits)
-add_step breakdown_attn 300 'for c in small3 small4; do echo "== RLREPRO_ATTENTION_CONFIG=$c"; RLREPRO_ATTENTION_CONFIG=$c $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 256 --breakdown --profile-rows 4 2>&1 | grep -v Warn; done'
 # one GRPO train step at the Qwen3-8B width: time, phases, MFU, and the top kernels
-add_step bench_trainer 300 '$PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --profile --json "$OUT/bench_trainer.json"'
+add_step bench_trainer 300 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --profile --json "$OUT/bench_trainer.json"'
 add_step profile_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 128 --no-hf --modes deterministic --profile 20'
 
 
