@@ -3,10 +3,14 @@
 Signatures are those of :mod:`rlrepro.kernels.cpu`. Forward passes are Triton kernels whose per-row results do
 not depend on the rows sharing the call (see ``triton_matmul``, ``triton_rowwise``, ``triton_attention``).
 Backward passes are deterministic torch computations (fixed-shape cuBLAS products, torch reductions, a sorted
-segment sum for the embedding): reproducible run to run, though not batch-invariant, which training does not need.
+segment sum for the embedding) and, for attention, two Triton kernels without atomics
+(``triton_attention.attention_bwd_packed_triton``; ``RLREPRO_ATTENTION_BWD=torch`` selects the float32 torch
+recomputation instead): reproducible run to run, though not batch-invariant, which training does not need.
 The paged-cache path of ``attention`` is inference only and has no backward.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -162,18 +166,32 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- attention
+def _attention_bwd_impl(q: torch.Tensor) -> str:
+    """"triton" (CUDA default) or "torch" (CPU default); RLREPRO_ATTENTION_BWD=torch|triton forces one."""
+    forced = os.environ.get("RLREPRO_ATTENTION_BWD", "").strip().lower()
+    if forced in ("torch", "triton"):
+        return forced
+    if forced:
+        raise ValueError(f"RLREPRO_ATTENTION_BWD must be 'torch' or 'triton', not {forced!r}")
+    return "triton" if q.is_cuda else "torch"
+
+
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta, scale):
-        ctx.save_for_backward(q, k, v)
+        out = _attn.attention_fwd(q, k, v, meta, scale)
+        ctx.save_for_backward(q, k, v, out)  # out: for the Triton backward's delta = rowsum(dO * O)
         ctx.meta = meta
         ctx.scale = scale
-        return _attn.attention_fwd(q, k, v, meta, scale)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
-        dq, dk, dv = _attn.attention_bwd_packed(q, k, v, grad, ctx.meta, ctx.scale)
+        q, k, v, out = ctx.saved_tensors
+        if _attention_bwd_impl(q) == "triton":
+            dq, dk, dv = _attn.attention_bwd_packed_triton(q, k, v, grad, ctx.meta, ctx.scale, out=out)
+        else:
+            dq, dk, dv = _attn.attention_bwd_packed(q, k, v, grad, ctx.meta, ctx.scale)
         return dq, dk, dv, None, None
 
 
