@@ -72,11 +72,11 @@ class MasterWeightAdamW:
         for p, m in zip(self.params, self.masters):
             if m is p or p.grad is None:
                 continue
-            g = p.grad.float()
             if m.grad is None:
+                g = p.grad.float()
                 m.grad = g.clone() if g.data_ptr() == p.grad.data_ptr() else g
             else:
-                m.grad.add_(g)
+                m.grad.add_(p.grad)  # promotes to float32 elementwise (exact), without a float32 temporary
             p.grad = None
 
     def grads(self) -> list[torch.Tensor]:

@@ -273,8 +273,9 @@ class Trainer:
                 lps, ents = logprobs_and_entropy(self.model, [s.prompt_token_ids for s in part],
                                                  [s.completion_token_ids for s in part], cfg.temperature)
                 logp, mask = pad_sequences(lps)
-                old, _ = pad_sequences([torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=device)
-                                        for s in part])
+                flat_old = torch.tensor([x for s in part for x in s.rollout_logprobs], dtype=torch.float32,
+                                        device=device)  # one host->device copy per micro-batch
+                old, _ = pad_sequences(list(torch.split(flat_old, [len(s.rollout_logprobs) for s in part])))
                 entropy, _ = pad_sequences(ents)
                 ref = pad_sequences(ref_lps[k])[0] if self.ref_model is not None else None
                 adv = torch.tensor([s.advantage for s in part], dtype=torch.float32, device=device)
