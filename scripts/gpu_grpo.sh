@@ -8,9 +8,10 @@
 #                 batch settings, = a?), f (fast kernels: the cost of determinism), d (resumed from a's step-2
 #                 checkpoint, = a?)
 #   GRPO_SET=two  (2 GPUs): g and h (data-parallel trainer on 2 GPUs, 2 colocated engines, CUDA IPC; g = h?),
-#                 s (separate placement: trainer on GPU 0, engine on GPU 1, NCCL broadcast), m1 and m2
+#                 s (the recipe's layout at 2 GPUs: megatron TP=1 trainer on GPU 0, engine on GPU 1, NCCL broadcast), m1 and m2
 #                 (trainer.backend=megatron, TP=2; m1 = m2?), m0 (megatron TP=1, data parallel: = g?),
 #                 f2 (g in fast mode, with GRPO_FAST=1)
+# GRPO_ONLY="g h m0" (set two) runs only the named runs (g always: it creates the weights).
 # CPU smoke test of the same script: GRPO_SMALL=1 GRPO_DEVICE=cpu GRPO_DTYPE=float32 GRPO_MAX_TOKENS=8 ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,7 @@ ONE=(train.num_gpus=1 rollout.num_workers=1 ray.colocate=true "${DEF[@]}")
 TWO_GPUS=(train.num_gpus=2 rollout.num_workers=2 ray.colocate=true)
 TWO=("${TWO_GPUS[@]}" "${DEF[@]}")
 rc=0
+want() { [ -z "${GRPO_ONLY:-}" ] || [[ " $GRPO_ONLY " == *" $1 "* ]]; }  # GRPO_ONLY="g h m0": only these runs
 log() { echo "$*" | tee -a "$R/summary.txt"; }
 # the first run creates the seeded random weights (model.init=random); the others load them as a checkpoint
 first() { local name=$1; shift
@@ -56,15 +58,20 @@ if [ "$SET" = one ]; then
   RUNS="a b c f d"
 else
   first g "${TWO[@]}"
-  train h "${TWO[@]}"; diffrun g h "two runs, 2 GPUs"
-  train s train.num_gpus=1 rollout.num_workers=1 ray.colocate=false "${DEF[@]}"
+  want h && { train h "${TWO[@]}"; diffrun g h "two runs, 2 GPUs"; }
+  # the recipe's 8-GPU layout (engines on GPUs of their own, megatron trainer) scaled down to 2 GPUs: TP=1 trainer
+  # on GPU 0, one engine on GPU 1, weights by NCCL broadcast
+  want s && train s train.num_gpus=1 rollout.num_workers=1 ray.colocate=false trainer.backend=megatron \
+    trainer.tensor_parallel=1
   # megatron backend, TP=2 over the 2 GPUs; the engines emulate its reduction (docs/MEGATRON.md)
-  train m1 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2
-  train m2 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2; diffrun m1 m2 "two runs, megatron TP=2"
+  want m1 && train m1 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2
+  want m2 && { train m2 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2
+               diffrun m1 m2 "two runs, megatron TP=2"; }
   # megatron TP=1 (data parallel over the 2 GPUs): the same math as the default backend, so the same run as g
-  train m0 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=1; diffrun g m0 "megatron TP=1 vs default"
+  want m0 && { train m0 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=1
+               diffrun g m0 "megatron TP=1 vs default"; }
   [ -n "${GRPO_FAST:-}" ] && train f2 "${TWO[@]}" run.deterministic=false
-  RUNS="g h s m1 m2 m0 ${GRPO_FAST:+f2}"
+  RUNS=$(for n in g h s m1 m2 m0 f2; do [ -d "$W/$n" ] && echo "$n"; done)
 fi
 
 $PY - "$W" $RUNS <<'PYEOF' | tee -a "$R/summary.txt"
