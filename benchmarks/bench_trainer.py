@@ -6,16 +6,15 @@ weights, Adam state and grads), ``train_step`` under ``kernels.mode(--mode)``, n
 
 The batch is synthetic: N samples of P random prompt and O random completion tokens (fixed seed), rollout logprobs
 all -1.0 (so ``train/rollout_logprob_abs_diff`` is large; the step's work does not depend on it), advantages from a
-seeded normal. Model FLOPs are ``workers.train_flops`` (what ``perf/train_flops`` reports: one no-grad forward
-plus forward+backward = 3 forwards, lm_head counted at completion tokens only) and MFU is FLOPs / (seconds * the bf16 peak of
+seeded normal. Model FLOPs are ``workers.train_flops`` (what ``perf/train_flops`` reports: forward+backward = 3
+forwards, lm_head counted at completion tokens only; the on-policy check reuses the loss pass's forward) and MFU is FLOPs / (seconds * the bf16 peak of
 ``workers.PEAK_BF16_FLOPS`` for this GPU). Tokens/s counts prompt + completion tokens of all samples.
 
 After the timed steps, one more step runs with synchronised timing wrappers monkeypatched (in this process only)
-around what ``train_step`` calls: the no-grad on-policy logprob pass (``train.token_logprobs``), the loss pass's
+around what ``train_step`` calls: the no-grad logprob pass (``train.token_logprobs``, the KL reference's only), the loss pass's
 forward (``train.logprobs_and_entropy``), ``train.policy_loss``, ``Tensor.backward``, the float32 grad accumulation
 (``optimizer.accumulate_grads`` / ``grads``), grad norm + clip, and ``optimizer.step``; "rest" is the step's time
-outside them, also broken down by the phase it follows (e.g. the per-sample on-policy comparison after each
-no-grad pass). The wrappers synchronise, so the split step is a little slower than the timed ones. ``--profile``
+outside them, also broken down by the phase it follows. The wrappers synchronise, so the split step is a little slower than the timed ones. ``--profile``
 runs one more step under ``torch.profiler`` (phases appear as ``bench.*`` ranges, without the extra syncs).
 
 A benchmark reports, it asserts nothing.
@@ -108,7 +107,7 @@ class PhaseTimer:
         return inner
 
 
-PHASES = ("on-policy logprobs (no grad)", "loss forward (logprobs + entropy)", "policy_loss", "backward",
+PHASES = ("reference logprobs (no grad)", "loss forward (logprobs + entropy)", "policy_loss", "backward",
           "grad accumulate (fp32 masters)", "grad norm + clip", "optimizer step")
 
 
@@ -176,7 +175,7 @@ def main(argv=None) -> None:
     samples = synthetic_samples(args.num_samples, args.prompt_len, args.completion_len, cfg.vocab_size, args.seed)
     tokens = sum(len(s["prompt_token_ids"]) + len(s["completion_token_ids"]) for s in samples)
     flops = train_flops(cfg, samples, train_config)
-    passes = 1 + 3 * train_config.ppo_epochs
+    passes = 3 * train_config.ppo_epochs
     lm_head = 2.0 * cfg.hidden_size * cfg.vocab_size * sum(len(s["completion_token_ids"]) for s in samples) * passes
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None) if device.type == "cuda" else None

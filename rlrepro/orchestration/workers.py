@@ -288,8 +288,9 @@ def _memory_stats() -> dict:
 
 
 def train_flops(config, samples: list[dict], train_config) -> float:
-    """Model FLOPs of one train step on ``samples`` (all ranks together): a forward pass for the on-policy check,
-    one for the KL reference when kl_coef > 0, and forward + backward (3 forwards) per PPO epoch. A forward costs
+    """Model FLOPs of one train step on ``samples`` (all ranks together): a forward pass for the KL reference when
+    kl_coef > 0, and forward + backward (3 forwards) per PPO epoch (the on-policy check reuses the first epoch's
+    forward). A forward costs
     2 FLOPs per matmul weight per token for the layers' linears (the embedding lookup is free), 2 per lm_head
     weight for each completion token only (the trainer computes logits where a completion token is predicted, not
     at prompt positions), plus causal attention, 2 * 2 * layers * heads * head_dim * (i + 1) for the token at
@@ -303,5 +304,5 @@ def train_flops(config, samples: list[dict], train_config) -> float:
         c = len(s["completion_token_ids"])
         n = len(s["prompt_token_ids"]) + c
         fwd += 2.0 * L * per_layer * n + 2.0 * h * config.vocab_size * c + 4.0 * L * q * n * (n + 1) / 2
-    passes = 1 + (1 if train_config.kl_coef > 0 else 0) + 3 * train_config.ppo_epochs
+    passes = (1 if train_config.kl_coef > 0 else 0) + 3 * train_config.ppo_epochs
     return fwd * passes

@@ -236,25 +236,19 @@ class Trainer:
         num_seqs = len(batch)
         lr = self.scheduler.get_last_lr()
 
-        # 1. on-policy check and reference logprobs, no grad
-        max_diff = 0.0
+        # 1. reference logprobs (no grad). The on-policy check needs no pass of its own: the first epoch's loss
+        # forward (before any update) computes the current policy's logprobs with the same kernels and the same
+        # expression as kernels.token_logprob, hence the same bits (tests/test_trainer_logprobs.py)
         ref_lps: dict[int, list[torch.Tensor]] = {}
-        current_all: list[torch.Tensor] = []
-        rollout_all: list[float] = []
-        with torch.no_grad():
-            for k, chunk in enumerate(chunks):
-                part = [batch[i] for i in chunk]
-                prompts = [s.prompt_token_ids for s in part]
-                completions = [s.completion_token_ids for s in part]
-                current_all.extend(token_logprobs(self.model, prompts, completions, cfg.temperature))
-                rollout_all.extend(lp for s in part for lp in s.rollout_logprobs)
-                if self.ref_model is not None:
-                    ref_lps[k] = token_logprobs(self.ref_model, prompts, completions, cfg.temperature)
-            if rollout_all:  # one device->host transfer for the whole batch
-                old = torch.tensor(rollout_all, dtype=torch.float32, device=device)
-                max_diff = float((torch.cat(current_all) - old).abs().max())
-        if dp is not None:
-            max_diff = dp.max_float(max_diff)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                for k, chunk in enumerate(chunks):
+                    part = [batch[i] for i in chunk]
+                    ref_lps[k] = token_logprobs(self.ref_model, [s.prompt_token_ids for s in part],
+                                                [s.completion_token_ids for s in part], cfg.temperature)
+        max_diff = 0.0
+        current_all: list[torch.Tensor] = []  # epoch 0: the policy's logprobs and the rollout's, per micro-batch
+        rollout_all: list[torch.Tensor] = []
 
         # 2. ppo_epochs optimizer steps over the whole batch. A non-finite loss or gradient norm stops the step
         # before the optimizer moves (with several epochs, the state from before the first epoch is put back).
@@ -275,6 +269,9 @@ class Trainer:
                 logp, mask = pad_sequences(lps)
                 flat_old = torch.tensor([x for s in part for x in s.rollout_logprobs], dtype=torch.float32,
                                         device=device)  # one host->device copy per micro-batch
+                if epoch == 0:
+                    current_all.extend(lp.detach() for lp in lps)
+                    rollout_all.append(flat_old)
                 old, _ = pad_sequences(list(torch.split(flat_old, [len(s.rollout_logprobs) for s in part])))
                 entropy, _ = pad_sequences(ents)
                 ref = pad_sequences(ref_lps[k])[0] if self.ref_model is not None else None
@@ -289,6 +286,13 @@ class Trainer:
                 n = out.num_tokens
                 for j, v in enumerate((out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)):
                     sums[j] += v
+            if epoch == 0:  # the on-policy check (one device->host transfer for the batch)
+                if rollout_all:
+                    max_diff = float((torch.cat(current_all) - torch.cat(rollout_all)).abs().max())
+                if dp is not None:
+                    max_diff = dp.max_float(max_diff)
+                current_all.clear()
+                rollout_all.clear()
             grads = self.optimizer.grads()
             self._reduce_grads(grads)
             if dp is not None:
