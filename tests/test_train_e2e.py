@@ -138,7 +138,7 @@ def test_weight_sync_path_does_not_change_the_run(tmp_path):
         assert m["train/rollout_logprob_abs_diff"] == 0.0 and m["train/grad_norm"] > 0
 
 
-def test_megatron_tensor_parallel_runs_are_identical_and_on_policy(tmp_path):
+def test_megatron_tensor_parallel_runs_are_identical_and_on_policy(tmp_path, capsys):
     """trainer.backend=megatron with TP=2: the engines emulate the trainer's reduction, so trainer logprobs equal
     rollout logprobs exactly; two runs are identical."""
     tp = ["trainer.backend=megatron", "trainer.tensor_parallel=2", "train.steps=3"]
@@ -158,3 +158,20 @@ def test_megatron_tensor_parallel_runs_are_identical_and_on_policy(tmp_path):
     assert manifest["layout"] == "megatron-dist"
     assert main(["train", *LAYOUT, *tp, f"run.dir={d}", "checkpoint.format=dist", "run.resume=true"]) == 0
     assert main(["diff", str(tmp_path / "m1"), str(d)]) == 0
+    # bisect reads a dist checkpoint as the step's weights (the digest recorded at step 2) and replays a megatron
+    # run with its engines' TP emulation
+    from rlrepro.repro import bisect
+    from rlrepro.repro.diff import load_config
+    from rlrepro.repro.fingerprint import weights_digest
+
+    policy = bisect._load_policy(d, load_config(d), 2)
+    step2 = [json.loads(x) for x in (d / "fingerprints.jsonl").read_text().splitlines()][1]
+    assert weights_digest(dict(policy.named_parameters())) == step2["weights"]
+    assert policy.tensor_parallel_emulation == 2
+    # a TP=2 run against the same run on the default backend: they differ in the forward pass (the reduction
+    # order), which bisect finds in the first layer instead of calling the forward passes identical
+    assert main(["train", *LAYOUT, "train.steps=1", f"run.dir={tmp_path / 'p1'}"]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "m1"), str(tmp_path / "p1"), "--bisect", "--json"]) == 1
+    found = json.loads(capsys.readouterr().out)["bisect"]
+    assert found["kind"] == "activation" and found["where"].startswith("model.layers.0."), found

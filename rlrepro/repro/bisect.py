@@ -3,7 +3,9 @@
 Both runs' policies are restored from their newest common checkpoint before the divergent step (or from their
 starting weights when the divergence is at step 1). If the weights already differ, the first differing tensor
 is the answer. Otherwise the first divergent sample's tokens (from run A's rollout file) are replayed through
-both policies, each in its own run's kernel mode, with a forward hook on every module; the first module in
+both policies, each in its own run's kernel mode and tensor-parallel reduction order (``trainer.backend=megatron``
+runs replay with ``set_tensor_parallel_emulation(trainer.tensor_parallel)``, as their engines sampled; their
+``checkpoint.format=dist`` checkpoints are read into full tensors), with a forward hook on every module; the first module in
 execution order whose output differs is reported. Identical activations mean the forward pass is not the
 cause (look at sampling or scheduling settings, which the config diff lists).
 """
@@ -60,9 +62,21 @@ def _load_policy(run: Path, cfg: dict, ckpt_step: int):
 
     model = load_pretrained(_policy_dir(run, cfg), device="cpu", dtype=torch.float32)
     if ckpt_step > 0:
-        state = load_file(str(run / CHECKPOINTS_DIR / step_dirname(ckpt_step) / "model.safetensors"))
+        ckpt_dir = run / CHECKPOINTS_DIR / step_dirname(ckpt_step)
+        if (ckpt_dir / "model.safetensors").is_file():
+            state = load_file(str(ckpt_dir / "model.safetensors"))
+        else:  # checkpoint.format=dist (megatron backend): every rank's shards, read into full tensors
+            from rlrepro.trainer.megatron.dist_checkpoint import read_dist_model_state
+
+            state = read_dist_model_state(ckpt_dir)
         model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    return model.eval()
+    # a run whose trainer was tensor parallel sampled with the engine emulating its reduction order: replay it so
+    return model.set_tensor_parallel_emulation(_tensor_parallel(cfg)).eval()
+
+
+def _tensor_parallel(cfg: dict) -> int:
+    trainer = (cfg or {}).get("trainer") or {}
+    return int(trainer.get("tensor_parallel") or 1) if trainer.get("backend") == "megatron" else 1
 
 
 def _kernel_mode(cfg: dict) -> str:

@@ -413,17 +413,23 @@ def dist_to_full(path, ckpt_root) -> Path:
                                 extra_state=load("extra_state.pt"), rng_state=load("rng/rank_00000.pt"))
 
 
+def read_dist_model_state(path) -> dict[str, torch.Tensor]:
+    """The full model tensors (name -> tensor, in the saved compute dtype) of a megatron-dist checkpoint, read in
+    this process without a process group or megatron-core (hashes verified first)."""
+    path = Path(path)
+    ckpt.verify_checkpoint(path, check_hashes=True)
+    tensors = _read_full_tensors(path, read_dist_meta(path), ("model",))
+    return {key[len("model."):]: t for key, t in tensors.items()}
+
+
 def dist_to_hf(path, hf_dir, **kwargs) -> Path:
     """Write the policy of a megatron-dist checkpoint as an HF directory (config.json + safetensors, in the saved
     compute dtype) through ``rlrepro.model.save_pretrained``; one process, no process group."""
     from rlrepro.model import Qwen3Config, Qwen3ForCausalLM, save_pretrained
 
     path = Path(path)
-    ckpt.verify_checkpoint(path, check_hashes=True)
-    meta = read_dist_meta(path)
-    tensors = _read_full_tensors(path, meta, ("model",))
-    state = {key[len("model."):]: t for key, t in tensors.items()}
-    config = Qwen3Config.from_dict(meta["model_config"])
+    state = read_dist_model_state(path)
+    config = Qwen3Config.from_dict(read_dist_meta(path)["model_config"])
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     dtype = next(iter(state.values())).dtype
