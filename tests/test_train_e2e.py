@@ -136,6 +136,12 @@ def test_weight_sync_path_does_not_change_the_run(tmp_path):
     assert main(["diff", str(tmp_path / "obj"), str(tmp_path / "coll")]) == 0
     for m in _metrics(tmp_path / "coll"):
         assert m["train/rollout_logprob_abs_diff"] == 0.0 and m["train/grad_norm"] > 0
+    # the optimizer state sharded over the two ranks (ZeRO-1), with a checkpoint at every step (a collective):
+    # the same run
+    zero = tmp_path / "zero"
+    assert main(["train", *LAYOUT, f"run.dir={zero}", "train.distributed_optimizer=true", "checkpoint.every=1"]) == 0
+    assert main(["diff", str(tmp_path / "obj"), str(zero)]) == 0
+    assert sorted(p.name for p in (zero / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
 
 
 def test_megatron_tensor_parallel_runs_are_identical_and_on_policy(tmp_path, capsys):

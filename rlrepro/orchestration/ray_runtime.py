@@ -97,7 +97,8 @@ class Cluster:
         extra = {"fault_plan": self.fault_plan} if self.fault_plan.has_trainer_faults() else {}
         self.trainers = [trainer_cls.options(**trainer_options[g]).remote(
             model_dir, train_kwargs=train_kwargs, rank=g, world_size=nt, backend=cfg.trainer.backend,
-            tensor_parallel=cfg.trainer.tensor_parallel, checkpoint_format=cfg.checkpoint.format, **common,
+            tensor_parallel=cfg.trainer.tensor_parallel, checkpoint_format=cfg.checkpoint.format,
+            distributed_optimizer=cfg.train.distributed_optimizer, **common,
             **extra) for g in range(nt)]
         self.trainer = self.trainers[0]  # rank 0: weights, digests and checkpoints come from it
         if nt > 1 or self.megatron:
@@ -276,7 +277,8 @@ class Cluster:
     def save_checkpoint(self, ckpt_root: str, step: int, extra: dict, keep_last: int) -> str:
         # default backend: every rank holds the same state, rank 0 writes it; megatron: a collective (the
         # shards are gathered and one rank writes)
-        savers = self.trainers if self.megatron else [self.trainer]
+        # (distributed_optimizer: the optimizer state is gathered from every rank, rank 0 writes)
+        savers = self.trainers if self.megatron or self.cfg.train.distributed_optimizer else [self.trainer]
         return self.get([t.save_checkpoint.remote(ckpt_root, step, extra, keep_last) for t in savers])[0]
 
     def load_checkpoint(self, path: str) -> dict:

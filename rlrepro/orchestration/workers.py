@@ -99,8 +99,14 @@ class TrainerWorker:
 
     def __init__(self, model_dir: str, *, device: str, dtype: str | None, deterministic: bool,
                  train_kwargs: dict, torch_threads: int = 1, rank: int = 0, world_size: int = 1,
-                 backend: str = "default", tensor_parallel: int = 1, checkpoint_format: str = "full") -> None:
+                 backend: str = "default", tensor_parallel: int = 1, checkpoint_format: str = "full",
+                 distributed_optimizer: bool = False) -> None:
         _setup_process(device, torch_threads)
+        if distributed_optimizer and backend == "megatron":
+            raise ValueError("train.distributed_optimizer=true is not supported with trainer.backend=megatron; set "
+                             "train.distributed_optimizer=false or trainer.backend=default")
+        # shard the optimizer state over the data-parallel ranks (train.num_gpus > 1; a no-op with one rank)
+        self.distributed_optimizer = distributed_optimizer
         self.device, self.rank, self.world_size = device, rank, world_size
         self.model_dir, self.dtype_name = model_dir, dtype
         self.backend, self.tensor_parallel, self.checkpoint_format = backend, tensor_parallel, checkpoint_format
@@ -164,7 +170,7 @@ class TrainerWorker:
             return self.rank
         self.data_parallel = DataParallel()
         self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model,
-                               data_parallel=self.data_parallel)
+                               data_parallel=self.data_parallel, distributed_optimizer=self.distributed_optimizer)
         return self.rank
 
     def _gather_weights(self) -> None:
@@ -205,7 +211,8 @@ class TrainerWorker:
         if self.ref_model is not None:
             self.ref_model = self._frozen_copy()
         self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model,
-                               data_parallel=self.data_parallel)  # fresh optimizer state
+                               data_parallel=self.data_parallel,
+                               distributed_optimizer=self.distributed_optimizer)  # fresh optimizer state
         return losses
 
     def _frozen_copy(self):
@@ -248,6 +255,7 @@ class TrainerWorker:
         return weights_digest(self._weights())
 
     def save_checkpoint(self, ckpt_root: str, step: int, extra_state: dict, keep_last: int) -> str:
+        # with distributed_optimizer a collective: every trainer rank must be called (rank 0 writes)
         return str(self.trainer.save_checkpoint(ckpt_root, step, extra_state=extra_state, keep_last=keep_last))
 
     def load_checkpoint(self, path: str) -> dict:

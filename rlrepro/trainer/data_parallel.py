@@ -12,14 +12,21 @@ samples and micro-batch ``k`` goes to rank ``k % world_size``. Every rank receiv
 token and sequence counts that scale the loss are known everywhere) and computes only its micro-batches.
 
 Works with gloo (CPU tensors) and nccl (CUDA tensors). All ranks must start from identical weights (same seed
-or the same checkpoint); nothing is broadcast.
+or the same checkpoint); nothing is broadcast (except by the sharded optimizer, below).
+
+Optimizer-state sharding (``Trainer(..., distributed_optimizer=True)``, ZeRO-1): :func:`assign_owners` gives each
+parameter tensor one owner rank, a pure function of the names, their sizes and the world size; only the owner
+holds its float32 master and AdamW moments (:class:`rlrepro.trainer.optim.ShardedMasterWeightAdamW`) and
+broadcasts the updated weight (:meth:`DataParallel.broadcast_`: a byte copy) to the other ranks.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["assign_micro_batches", "DataParallel"]
+__all__ = ["assign_micro_batches", "assign_owners", "DataParallel"]
 
 
 def assign_micro_batches(num_micro_batches: int, world_size: int, rank: int) -> list[int]:
@@ -27,6 +34,24 @@ def assign_micro_batches(num_micro_batches: int, world_size: int, rank: int) -> 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
     return list(range(rank, num_micro_batches, world_size))
+
+
+def assign_owners(numels: Mapping[str, int] | Iterable[tuple[str, int]], world_size: int) -> dict[str, int]:
+    """The owner rank of each parameter tensor for optimizer-state sharding: in name order, each tensor goes to the
+    rank with the fewest elements so far (ties: the lowest rank). A pure function of the names, their sizes and
+    ``world_size`` (not of the input order); the ranks' loads differ by at most the largest tensor's size."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    items = sorted(dict(numels).items())
+    load = [0] * world_size
+    owners = {}
+    for name, numel in items:
+        if numel < 0:
+            raise ValueError(f"parameter {name!r} has numel {numel}; sizes must be >= 0")
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += int(numel)
+    return owners
 
 
 class DataParallel:
@@ -81,6 +106,28 @@ class DataParallel:
         """Sum over ranks (in rank order, in float64) of a list of Python floats."""
         flat = torch.tensor(values, dtype=torch.float64, device=self.device)
         return [float(v) for v in self._gather_sum(flat)]
+
+    @torch.no_grad()
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s (a rank of this group): a byte copy, so every rank
+        ends with the same bits. A tensor on another device than the group's (a CPU tensor with NCCL) or not
+        contiguous travels through a temporary copy."""
+        if tensor.device == self.device and tensor.is_contiguous():
+            dist.broadcast(tensor, group=self.group, group_src=src)
+            return tensor
+        buf = tensor.detach().to(self.device).contiguous()
+        dist.broadcast(buf, group=self.group, group_src=src)
+        tensor.copy_(buf)
+        return tensor
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable ``obj``, in rank order (small metadata only)."""
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
 
     def max_float(self, value: float) -> float:
         flat = torch.tensor([value], dtype=torch.float64, device=self.device)

@@ -13,6 +13,12 @@ Mixed precision: when the model computes in bf16/fp16, the optimizer holds a flo
 parameter. Gradients are moved into the masters' float32 ``.grad`` after each micro-batch (so accumulation
 happens in float32), AdamW updates the masters, and the masters are cast back into the model's parameters.
 Float32 parameters are their own masters (no copy).
+
+Optimizer-state sharding (ZeRO-1, :class:`ShardedMasterWeightAdamW`): over data-parallel ranks, each parameter's
+master and AdamW moments live only on its owner rank (``data_parallel.assign_owners``); every rank still holds the
+full float32 gradients, reduces and clips them as above, the owner alone runs AdamW on its masters, and every
+weight is then broadcast from its owner. AdamW is elementwise per tensor, so the update is the same bits as the
+unsharded optimizer's.
 """
 from __future__ import annotations
 
@@ -21,7 +27,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = ["MasterWeightAdamW", "WarmupCosineLR", "lr_at", "clip_grad_norm_", "grad_norm"]
+from .data_parallel import DataParallel, assign_owners
+
+__all__ = ["MasterWeightAdamW", "ShardedMasterWeightAdamW", "WarmupCosineLR", "lr_at", "clip_grad_norm_",
+           "grad_norm"]
 
 
 class MasterWeightAdamW:
@@ -111,13 +120,16 @@ class MasterWeightAdamW:
                                if m is not p},
         }
 
-    @torch.no_grad()
-    def load_state_dict(self, state: Mapping) -> None:
+    def _check_names(self, state: Mapping) -> None:
         if list(state["names"]) != self.names:
             missing = sorted(set(self.names) - set(state["names"]))
             extra = sorted(set(state["names"]) - set(self.names))
             raise ValueError(f"optimizer state is for other parameters (missing {missing[:5]}, extra {extra[:5]}); "
                              "load it into a trainer built for the same model")
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping) -> None:
+        self._check_names(state)
         masters = state["master_weights"]
         for n, m, p in zip(self.names, self.masters, self.params):
             if m is p:
@@ -127,6 +139,259 @@ class MasterWeightAdamW:
                                  "without master copies; use the same param_dtype as the saving run")
             m.copy_(masters[n])
         self.inner.load_state_dict(state["adamw"])
+        self._copy_masters_to_params()
+
+    # this rank's state, for snapshots within a train step (the same as state_dict() here; a sharded optimizer
+    # returns only its share, without a collective)
+    def local_state_dict(self) -> dict:
+        return self.state_dict()
+
+    def load_local_state_dict(self, state: Mapping) -> None:
+        self.load_state_dict(state)
+
+
+def _master_init(name: str, p: torch.Tensor, master_init: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+    init = p.detach() if master_init is None or name not in master_init else master_init[name]
+    if tuple(init.shape) != tuple(p.shape):
+        raise ValueError(f"master_init[{name!r}] has shape {tuple(init.shape)}, parameter has {tuple(p.shape)}")
+    return init
+
+
+class ShardedMasterWeightAdamW(MasterWeightAdamW):
+    """:class:`MasterWeightAdamW` with the float32 masters and AdamW state sharded over the data-parallel ranks of
+    ``data_parallel`` (ZeRO-1), bitwise equal to the unsharded optimizer on every rank.
+
+    * Ownership: :func:`~rlrepro.trainer.data_parallel.assign_owners` over the trainable parameters' names and
+      sizes — whole tensors, a pure function of the names, sizes and world size. ``owners[i]`` is parameter
+      ``names[i]``'s rank; ``masters[i]`` is None for a parameter this rank does not own.
+    * Gradients are not sharded: every rank accumulates float32 grads for every parameter (a float32 grad buffer,
+      not a master, for a low-precision parameter it does not own), so the order-fixed data-parallel sum, the
+      global norm and the clip are exactly those of the unsharded path.
+    * ``step()``: AdamW (single-tensor path) on the owned masters only, each owner casts its masters into the
+      model's parameters, then every parameter is broadcast from its owner in name order (byte copies: every rank
+      ends with the same weights). A collective: every rank calls it.
+    * ``gather_state_dict(dst)`` (a collective) gives rank ``dst`` the unsharded optimizer's ``state_dict()``
+      (same format and contents), moved to CPU tensor by tensor; ``load_state_dict`` takes that full format (from
+      a sharded or an unsharded run) and keeps what this rank owns. ``state_dict()`` refuses (it would need every
+      rank); ``local_state_dict()`` is this rank's share (snapshots).
+
+    Memory per rank: the float32 masters (when separate) and both moments of the owned tensors only, i.e. about
+    ``1/world_size`` of the unsharded 12 bytes per parameter (8 for float32 parameters, their own masters).
+    """
+
+    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], data_parallel: DataParallel, *,
+                 lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 master_init: Mapping[str, torch.Tensor] | None = None) -> None:
+        pairs = sorted(((n, p) for n, p in named_params if p.requires_grad), key=lambda kv: kv[0])
+        if not pairs:
+            raise ValueError("ShardedMasterWeightAdamW got no trainable parameters")
+        self.data_parallel = dp = data_parallel
+        self.names = [n for n, _ in pairs]
+        self.params = [p for _, p in pairs]
+        owner_of = assign_owners([(n, p.numel()) for n, p in pairs], dp.world_size)
+        self.owners = [owner_of[n] for n in self.names]
+        self.owned = [o == dp.rank for o in self.owners]
+        # a separate float32 master (on the owner); else the float32 parameter is its own master
+        self.has_copy = [not (p.dtype == torch.float32 and (master_init is None or n not in master_init))
+                         for n, p in pairs]
+        self.masters: list[torch.Tensor | None] = []
+        self._grad_bufs: list[torch.Tensor | None] = [None] * len(pairs)  # float32 grads of non-owned copies
+        for i, (name, p) in enumerate(pairs):
+            init = _master_init(name, p, master_init) if self.has_copy[i] else None  # checked on every rank
+            if not self.owned[i]:
+                self.masters.append(None)
+            elif not self.has_copy[i]:
+                self.masters.append(p)
+            else:
+                self.masters.append(init.detach().to(device=p.device, dtype=torch.float32).clone()
+                                    .requires_grad_(True))
+        self._local = [i for i, own in enumerate(self.owned) if own]  # global index of local AdamW param j
+        self.inner = torch.optim.AdamW([{"params": [self.masters[i] for i in self._local]}], lr=lr,
+                                       betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                       foreach=False, fused=False)
+        self._copy_masters_to_params()
+        self._broadcast_params()
+
+    @property
+    def has_master_copies(self) -> bool:
+        return any(self.has_copy)
+
+    def _grad(self, i: int) -> torch.Tensor | None:
+        if not self.has_copy[i]:
+            return self.params[i].grad
+        return self.masters[i].grad if self.owned[i] else self._grad_bufs[i]
+
+    def _set_grad(self, i: int, g: torch.Tensor) -> None:
+        if not self.has_copy[i]:
+            self.params[i].grad = g
+        elif self.owned[i]:
+            self.masters[i].grad = g
+        else:
+            self._grad_bufs[i] = g
+
+    def zero_grad(self) -> None:
+        for i, p in enumerate(self.params):
+            p.grad = None
+            if self.masters[i] is not None:
+                self.masters[i].grad = None
+            self._grad_bufs[i] = None
+
+    @torch.no_grad()
+    def accumulate_grads(self) -> None:
+        """As :meth:`MasterWeightAdamW.accumulate_grads` (the same operations), into the master's grad for an owned
+        parameter and into a float32 grad buffer for one owned by another rank."""
+        for i, p in enumerate(self.params):
+            if not self.has_copy[i] or p.grad is None:
+                continue
+            acc = self._grad(i)
+            if acc is None:
+                g = p.grad.float()
+                self._set_grad(i, g.clone() if g.data_ptr() == p.grad.data_ptr() else g)
+            else:
+                acc.add_(p.grad)
+            p.grad = None
+
+    def grads(self) -> list[torch.Tensor]:
+        """The float32 grads of **every** parameter in name order (owned or not); zeros where there is none."""
+        self.accumulate_grads()
+        out = []
+        for i, p in enumerate(self.params):
+            g = self._grad(i)
+            if g is None:
+                g = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                self._set_grad(i, g)
+            out.append(g)
+        return out
+
+    @torch.no_grad()
+    def _copy_masters_to_params(self) -> None:
+        for i in self._local:
+            if self.has_copy[i]:
+                self.params[i].copy_(self.masters[i])
+
+    @torch.no_grad()
+    def _broadcast_params(self) -> None:
+        if self.data_parallel.world_size == 1:
+            return
+        for p, owner in zip(self.params, self.owners):
+            self.data_parallel.broadcast_(p.detach(), owner)
+
+    def step(self) -> None:
+        """AdamW on this rank's masters, cast into their parameters, then every parameter broadcast from its owner
+        (a collective)."""
+        self.grads()
+        self.inner.step()
+        self._copy_masters_to_params()
+        self._broadcast_params()
+
+    def named_master_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's (owned) masters, in name order."""
+        return [(self.names[i], self.masters[i].detach()) for i in self._local]
+
+    def owned_names(self) -> list[str]:
+        return [self.names[i] for i in self._local]
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("the optimizer state is sharded over the data-parallel ranks (distributed_optimizer): "
+                           "call gather_state_dict(dst) on every rank for the full state, or local_state_dict() "
+                           "for this rank's share")
+
+    def local_state_dict(self) -> dict:
+        """This rank's share: its AdamW state (local indices) and its separate masters; no collective."""
+        return {
+            "names": list(self.names),
+            "owned": self.owned_names(),
+            "adamw": self.inner.state_dict(),
+            "master_weights": {self.names[i]: self.masters[i].detach().clone() for i in self._local
+                               if self.has_copy[i]},
+        }
+
+    @torch.no_grad()
+    def load_local_state_dict(self, state: Mapping) -> None:
+        if list(state["names"]) != self.names or list(state["owned"]) != self.owned_names():
+            raise ValueError("local optimizer state is for other parameters or another sharding; load it into the "
+                             "trainer (and rank) that took it")
+        for i in self._local:
+            if self.has_copy[i]:
+                self.masters[i].copy_(state["master_weights"][self.names[i]])
+        self.inner.load_state_dict(state["adamw"])
+        self._copy_masters_to_params()
+
+    @torch.no_grad()
+    def gather_state_dict(self, dst: int = 0) -> dict | None:
+        """The unsharded optimizer's ``state_dict()`` (same format and values; tensors on CPU) on rank ``dst`` of the
+        data-parallel group, None on the others. A collective: every rank calls it. Each tensor another rank owns
+        travels alone (a broadcast from its owner), so no rank holds more than one of them in flight; ``dst``
+        accumulates the full state (as every rank of an unsharded run holds it)."""
+        dp = self.data_parallel
+        local = self.inner.state_dict()
+        # which state entries each owned parameter has (AdamW creates them at its first step), with shapes/dtypes
+        meta = {}
+        for j, per in local["state"].items():
+            meta[self._local[j]] = [(k, ("tensor", tuple(v.shape), v.dtype) if torch.is_tensor(v) else ("value", v))
+                                    for k, v in per.items()]
+        entries: dict[int, list] = {}
+        for part in (dp.all_gather_object(meta) if dp.world_size > 1 else [meta]):
+            entries.update(part)
+        here = dp.rank == dst
+        local_index = {i: j for j, i in enumerate(self._local)}
+
+        def fetch(i: int, value: torch.Tensor | None, shape, dtype) -> torch.Tensor | None:
+            owner = self.owners[i]
+            if owner == dst:
+                return value.detach().to("cpu", copy=True) if here else None
+            if dp.rank == owner:
+                buf = value.detach().to(dp.device).contiguous()
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=dp.device)
+            dp.broadcast_(buf, owner)
+            return buf.to("cpu", copy=True) if here else None
+
+        state: dict[int, dict] = {}
+        masters: dict[str, torch.Tensor] = {}
+        for i, name in enumerate(self.names):
+            if i in entries:
+                own = local["state"][local_index[i]] if self.owned[i] else None
+                per = {}
+                for key, (kind, *rest) in entries[i]:
+                    per[key] = rest[0] if kind == "value" else fetch(i, own[key] if own is not None else None, *rest)
+                if here:
+                    state[i] = per
+            if self.has_copy[i]:
+                t = fetch(i, self.masters[i], tuple(self.params[i].shape), torch.float32)
+                if here:
+                    masters[name] = t
+        if not here:
+            return None
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(self.names)))}
+                  for g in local["param_groups"]]
+        return {"names": list(self.names), "adamw": {"state": state, "param_groups": groups},
+                "master_weights": masters}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping) -> None:
+        """Load the full (unsharded-format) state — from a sharded or an unsharded run — keeping this rank's share.
+        No collective: the weights are the model's (loaded from the same checkpoint on every rank)."""
+        self._check_names(state)
+        masters = state["master_weights"]
+        for i, name in enumerate(self.names):  # every rank checks every name: the same error everywhere
+            if self.has_copy[i] and name not in masters:
+                raise ValueError(f"optimizer state lacks the float32 master weight {name!r}: it was saved by a "
+                                 "trainer without master copies; use the same param_dtype as the saving run")
+        adamw = state["adamw"]
+        groups = adamw["param_groups"]
+        if len(groups) != 1 or len(groups[0]["params"]) != len(self.names):
+            raise ValueError(f"optimizer state has {len(groups)} parameter groups with "
+                             f"{[len(g['params']) for g in groups]} parameters; expected one group of "
+                             f"{len(self.names)} (an rlrepro MasterWeightAdamW state)")
+        for i in self._local:
+            if self.has_copy[i]:
+                self.masters[i].copy_(masters[self.names[i]])
+        full = adamw["state"]
+        self.inner.load_state_dict({
+            "state": {j: full[i] for j, i in enumerate(self._local) if i in full},
+            "param_groups": [{**{k: v for k, v in groups[0].items() if k != "params"},
+                              "params": list(range(len(self._local)))}]})
         self._copy_masters_to_params()
 
 

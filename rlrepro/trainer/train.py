@@ -18,15 +18,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .advantages import ADVANTAGE_MODES
-from .checkpoint import capture_rng_state, load_checkpoint, save_checkpoint
+from .checkpoint import capture_rng_state, checkpoint_dir_name, load_checkpoint, save_checkpoint
 from .data_parallel import DataParallel
 from .logprobs import logprobs_and_entropy, token_logprobs
 from .losses import KL_ESTIMATORS, LOSS_AGG_MODES, pad_sequences, policy_loss
-from .optim import MasterWeightAdamW, WarmupCosineLR, clip_grad_norm_, grad_norm
+from .optim import MasterWeightAdamW, ShardedMasterWeightAdamW, WarmupCosineLR, clip_grad_norm_, grad_norm
 
 __all__ = ["TrainConfig", "TrainSample", "Trainer", "micro_batches"]
 
@@ -135,6 +136,16 @@ def micro_batches(num_samples: int, micro_batch_size: int) -> list[range]:
     return [range(a, min(a + micro_batch_size, num_samples)) for a in range(0, num_samples, micro_batch_size)]
 
 
+class _FixedState:
+    """What ``save_checkpoint`` needs of an optimizer: an already gathered state dict."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
 class Trainer:
     """Owns the policy, its optimizer and LR schedule; ``train_step`` runs one GRPO update.
 
@@ -143,12 +154,16 @@ class Trainer:
     model's weights *before* the cast; when the model is float32 and ``param_dtype`` is None the parameters are
     their own masters. ``ref_model``: frozen reference for the KL term (required when ``kl_coef > 0``; with
     ``kl_coef == 0`` its KL is still reported). ``data_parallel``: see :mod:`rlrepro.trainer.data_parallel`.
+    ``distributed_optimizer`` (with ``data_parallel``): shard the float32 masters and AdamW state over the ranks
+    (ZeRO-1, :class:`~rlrepro.trainer.optim.ShardedMasterWeightAdamW`); the same bits as without. Then
+    construction, ``train_step`` and ``save_checkpoint`` are collectives (every rank calls them); without
+    ``data_parallel`` it changes nothing.
 
     Determinism: call :func:`enable_determinism` first; every rank/run must use the same CPU thread count.
     """
 
     def __init__(self, model, config: TrainConfig, ref_model=None, *, param_dtype: torch.dtype | None = None,
-                 data_parallel: DataParallel | None = None) -> None:
+                 data_parallel: DataParallel | None = None, distributed_optimizer: bool = False) -> None:
         if config.kl_coef > 0 and ref_model is None:
             raise ValueError(f"train.kl_coef={config.kl_coef} needs a reference model: pass ref_model= "
                              "(a frozen copy of the initial policy) or set kl_coef=0")
@@ -162,8 +177,13 @@ class Trainer:
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.requires_grad_(False)
-        self.optimizer = MasterWeightAdamW(model.named_parameters(), lr=config.lr, betas=config.betas,
-                                           eps=config.eps, weight_decay=config.weight_decay, master_init=master_init)
+        optim_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+                            master_init=master_init)
+        self.distributed_optimizer = bool(distributed_optimizer) and data_parallel is not None
+        if self.distributed_optimizer:
+            self.optimizer = ShardedMasterWeightAdamW(model.named_parameters(), data_parallel, **optim_kwargs)
+        else:
+            self.optimizer = MasterWeightAdamW(model.named_parameters(), **optim_kwargs)
         self.scheduler = WarmupCosineLR(self.optimizer, base_lr=config.lr, warmup_steps=config.warmup_steps,
                                         total_steps=config.total_steps, min_lr_ratio=config.min_lr_ratio)
 
@@ -176,12 +196,35 @@ class Trainer:
                         keep_last: int | None = None, generators: Mapping | None = None):
         """:func:`~rlrepro.trainer.checkpoint.save_checkpoint` of the policy, optimizer (with master weights),
         schedule and every RNG (plus ``generators``); returns the checkpoint's path. The reference model is not
-        saved: it is the frozen initial policy, rebuilt by the caller."""
-        return save_checkpoint(ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                               extra_state=extra_state, rng_state=capture_rng_state(generators), keep_last=keep_last)
+        saved: it is the frozen initial policy, rebuilt by the caller.
+
+        With ``distributed_optimizer`` it is a collective: every rank calls it, the optimizer state is gathered
+        (tensor by tensor) onto data-parallel rank 0, which writes the checkpoint (the unsharded format: it resumes
+        a sharded or an unsharded trainer); every rank returns the path."""
+        if not self.distributed_optimizer:
+            return save_checkpoint(ckpt_root, step, model=self.model, optimizer=self.optimizer,
+                                   scheduler=self.scheduler, extra_state=extra_state,
+                                   rng_state=capture_rng_state(generators), keep_last=keep_last)
+        dp = self.data_parallel
+        optim_state = self.optimizer.gather_state_dict(dst=0)
+        path = Path(ckpt_root) / checkpoint_dir_name(step)
+        error = None
+        if dp.rank == 0:
+            try:
+                path = save_checkpoint(ckpt_root, step, model=self.model, optimizer=_FixedState(optim_state),
+                                       scheduler=self.scheduler, extra_state=extra_state,
+                                       rng_state=capture_rng_state(generators), keep_last=keep_last)
+            except BaseException as e:  # still reach the barrier, so the other ranks do not hang
+                error = e
+        optim_state = None
+        dp.barrier()
+        if error is not None:
+            raise error
+        return path
 
     def load_checkpoint(self, path, *, generators: Mapping | None = None, restore_rng: bool = True) -> dict:
-        """Verify and load a checkpoint written by :meth:`save_checkpoint`, restore the RNGs, return its extra_state."""
+        """Verify and load a checkpoint written by :meth:`save_checkpoint`, restore the RNGs, return its extra_state.
+        With ``distributed_optimizer`` every rank reads the full optimizer state and keeps its share."""
         return load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                restore_rng=restore_rng, generators=generators).extra_state
 
@@ -201,13 +244,13 @@ class Trainer:
         import copy
 
         return ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                copy.deepcopy(self.optimizer.state_dict()))
+                copy.deepcopy(self.optimizer.local_state_dict()))
 
     @torch.no_grad()
     def _restore(self, snapshot: tuple[dict, dict]) -> None:
         model_state, optim_state = snapshot
         self.model.load_state_dict(model_state, strict=True)
-        self.optimizer.load_state_dict(optim_state)
+        self.optimizer.load_local_state_dict(optim_state)
 
     # --- hooks of the train step (a sharded trainer overrides them; rlrepro.trainer.megatron) ------------------
     @torch.no_grad()
