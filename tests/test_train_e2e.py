@@ -142,6 +142,11 @@ def test_weight_sync_path_does_not_change_the_run(tmp_path):
     assert main(["train", *LAYOUT, f"run.dir={zero}", "train.distributed_optimizer=true", "checkpoint.every=1"]) == 0
     assert main(["diff", str(tmp_path / "obj"), str(zero)]) == 0
     assert sorted(p.name for p in (zero / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    # the same with the megatron backend at TP=1 (its DP replicas share the optimizer state): still the same run
+    mz = tmp_path / "megatron_zero"
+    assert main(["train", *LAYOUT, f"run.dir={mz}", "trainer.backend=megatron", "trainer.tensor_parallel=1",
+                 "train.distributed_optimizer=true", "checkpoint.every=1"]) == 0
+    assert main(["diff", str(tmp_path / "obj"), str(mz)]) == 0
 
 
 def test_megatron_tensor_parallel_runs_are_identical_and_on_policy(tmp_path, capsys):

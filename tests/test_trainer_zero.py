@@ -2,6 +2,7 @@
 unsharded data-parallel trainer (metrics, weights, optimizer state, checkpoints), with each rank holding the
 masters and AdamW moments of its own parameters only."""
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,21 +210,81 @@ def test_sharded_checkpoint_is_the_unsharded_checkpoint_and_resumes_both(ranks, 
 
 # ------------------------------------------------------------------------------------------------------ config
 
-def test_megatron_with_distributed_optimizer_fails_before_work(tmp_path, capsys):
+def test_megatron_with_distributed_optimizer_needs_full_checkpoints(tmp_path, capsys):
     from rlrepro.cli import compose_config, main
     from rlrepro.orchestration.config import ConfigError
 
     run_dir = tmp_path / "run"
     assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", "trainer.backend=megatron",
-                 "train.distributed_optimizer=true"]) == 2
+                 "train.distributed_optimizer=true", "checkpoint.format=dist"]) == 2
     err = capsys.readouterr().err
-    assert "train.distributed_optimizer=true" in err and "trainer.backend=megatron" in err
-    assert "train.distributed_optimizer=false" in err  # the fix
+    assert "train.distributed_optimizer=true" in err and "checkpoint.format=full" in err  # the key and the fix
     assert not run_dir.exists()
     with pytest.raises(ConfigError, match="distributed_optimizer"):
         compose_config(["recipe=grpo_tiny", "trainer.backend=megatron", "trainer.tensor_parallel=2",
-                        "train.num_gpus=2", "train.distributed_optimizer=true"])
+                        "train.num_gpus=2", "train.distributed_optimizer=true", "checkpoint.format=dist"])
+    cfg = compose_config(["recipe=grpo_tiny", "trainer.backend=megatron", "trainer.tensor_parallel=1",
+                          "train.num_gpus=2", "train.distributed_optimizer=true"])
+    assert cfg.train.distributed_optimizer is True
     for num_gpus in (1, 2):  # allowed with the default backend (one rank: a no-op)
         cfg = compose_config(["recipe=grpo_tiny", f"train.num_gpus={num_gpus}", "train.distributed_optimizer=true"])
         assert cfg.train.distributed_optimizer is True
     assert compose_config(["recipe=grpo_tiny"]).train.distributed_optimizer is False
+
+
+# --------------------------------------------------------------------------------- megatron: TP=2 x DP=2, 4 ranks
+
+MCONFIG = dict(lr=3e-3, total_steps=5, warmup_steps=1, micro_batch_size=2, ppo_epochs=2, clip_high=0.28,
+               max_grad_norm=0.5)
+
+
+def fixed_batch(vocab: int, step: int):
+    """Off-policy on purpose (rollout logprobs all -1): only equality between the two optimizers matters here."""
+    gen = torch.Generator().manual_seed(900 + step)
+    prompts = [torch.randint(vocab, (1 + i % 3,), generator=gen).tolist() for i in range(8)]
+    completions = [torch.randint(vocab, (1 + (i * 5) % 6,), generator=gen).tolist() for i in range(8)]
+    return [dict(prompt_token_ids=p, completion_token_ids=c, rollout_logprobs=[-1.0] * len(c), advantage=(-1.0) ** i)
+            for i, (p, c) in enumerate(zip(prompts, completions))]
+
+
+def _megatron_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    with gloo_process_group(rank, world, port):
+        from rlrepro.trainer.megatron import build_megatron_trainer
+
+        res = {}
+        for sharded in (False, True):
+            trainer = build_megatron_trainer(model_dir, TrainConfig(**MCONFIG), tensor_parallel=2, num_gpus=world,
+                                             use_megatron_parallel_state=False, distributed_optimizer=sharded)
+            vocab = trainer.model.config.vocab_size
+            metrics = [trainer.train_step(fixed_batch(vocab, step)) for step in range(3)]
+            ckpt = trainer.save_checkpoint(f"{out}_ckpt_{int(sharded)}", 3)
+            res[sharded] = dict(metrics=metrics, ckpt=str(ckpt), distributed=trainer.distributed_optimizer,
+                                weights={n: w.clone() for n, w in trainer.named_weights()},
+                                owned=len(trainer.optimizer.inner.state_dict()["state"]))
+        torch.save(res, f"{out}.rank{rank}")
+
+
+@pytest.mark.slow
+def test_megatron_tp2_dp2_sharded_optimizer_is_bitwise_the_unsharded_one(tmp_path):
+    from rlrepro.model import write_tiny_checkpoint
+
+    model_dir = str(write_tiny_checkpoint(tmp_path / "model", seed=3))
+    ranks = spawn_ranks(_megatron_worker, 4, model_dir, out=str(tmp_path / "mz"))
+    for r in ranks:
+        plain, zero = r[False], r[True]
+        assert zero["distributed"] and not plain["distributed"]
+        assert zero["metrics"] == plain["metrics"]
+        assert plain["weights"].keys() == zero["weights"].keys()
+        assert all(torch.equal(plain["weights"][n], zero["weights"][n]) for n in plain["weights"])
+        assert 0 < zero["owned"] < plain["owned"]  # each DP replica keeps AdamW state for its share only
+    # TP ranks 0/1 of DP replica 0 and 1 own complementary shares
+    assert ranks[0][True]["owned"] + ranks[2][True]["owned"] == ranks[0][False]["owned"]
+    # the full checkpoint gathers the DP owners' state, then the TP shards: the same optimizer.pt
+    a = torch.load(Path(ranks[0][False]["ckpt"]) / "optimizer.pt", weights_only=True)
+    b = torch.load(Path(ranks[0][True]["ckpt"]) / "optimizer.pt", weights_only=True)
+    assert a["names"] == b["names"] and a["master_weights"].keys() == b["master_weights"].keys()
+    assert all(torch.equal(a["master_weights"][n], b["master_weights"][n]) for n in a["master_weights"])
+    assert a["adamw"]["state"].keys() == b["adamw"]["state"].keys()
+    for i, per in a["adamw"]["state"].items():
+        for k, v in per.items():
+            assert torch.equal(v, b["adamw"]["state"][i][k]) if torch.is_tensor(v) else v == b["adamw"]["state"][i][k]

@@ -115,7 +115,8 @@ class TrainConfig:
     kl_estimator: str = "k3"
     # data-parallel trainer ranks (order-fixed gradient sum): one GPU each on CUDA, one process each on CPU
     num_gpus: int = 1
-    # shard the float32 master weights and AdamW moments over those ranks (ZeRO-1; same bits; default backend only)
+    # shard the float32 master weights and AdamW moments over the data-parallel ranks (ZeRO-1; the same bits;
+    # with trainer.backend=megatron over its DP replicas, checkpoint.format=full only)
     distributed_optimizer: bool = False
     # a non-finite loss or gradient norm: error (stop before the weights change; a checkpoint of the last
     # completed step is kept) | skip (weights and optimizer state untouched, LR schedule advances, step recorded)
@@ -303,11 +304,10 @@ def _validate_trainer_layout(cfg: Any, model_config: Any = None) -> None:
     """trainer.backend / trainer.tensor_parallel against train.num_gpus (and the model's shape when given)."""
     from rlrepro.trainer.megatron import validate_megatron_config
 
-    if cfg.train.distributed_optimizer and cfg.trainer.backend == "megatron":
-        raise ConfigError("train.distributed_optimizer=true is not supported with trainer.backend=megatron (its "
-                          "optimizer state is already sharded over the tensor-parallel ranks); set "
-                          "train.distributed_optimizer=false, or trainer.backend=default to shard the optimizer "
-                          "state over the data-parallel ranks")
+    if cfg.train.distributed_optimizer and cfg.trainer.backend == "megatron" and cfg.checkpoint.format == "dist":
+        raise ConfigError("train.distributed_optimizer=true with trainer.backend=megatron needs checkpoint.format=full "
+                          "(the sharded dist checkpoint does not split the optimizer state over the data-parallel "
+                          "owners yet); set checkpoint.format=full or train.distributed_optimizer=false")
     try:
         validate_megatron_config(cfg.trainer.backend, cfg.trainer.tensor_parallel, cfg.train.num_gpus,
                                  cfg.run.device, model_config)

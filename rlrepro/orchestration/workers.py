@@ -102,9 +102,6 @@ class TrainerWorker:
                  backend: str = "default", tensor_parallel: int = 1, checkpoint_format: str = "full",
                  distributed_optimizer: bool = False) -> None:
         _setup_process(device, torch_threads)
-        if distributed_optimizer and backend == "megatron":
-            raise ValueError("train.distributed_optimizer=true is not supported with trainer.backend=megatron; set "
-                             "train.distributed_optimizer=false or trainer.backend=default")
         # shard the optimizer state over the data-parallel ranks (train.num_gpus > 1; a no-op with one rank)
         self.distributed_optimizer = distributed_optimizer
         self.device, self.rank, self.world_size = device, rank, world_size
@@ -164,7 +161,8 @@ class TrainerWorker:
             self.trainer = build_megatron_trainer(self.model_dir, self.train_config,
                                                   tensor_parallel=self.tensor_parallel, num_gpus=self.world_size,
                                                   device=self.device, dtype=_dtype(self.dtype_name),
-                                                  checkpoint_format=self.checkpoint_format)
+                                                  checkpoint_format=self.checkpoint_format,
+                                                  distributed_optimizer=self.distributed_optimizer)
             self.model = self.trainer.model
             self._gather_weights()
             return self.rank

@@ -18,12 +18,13 @@ __all__ = ["BACKENDS", "MegatronLayout", "validate_megatron_config", "megatron_c
 
 def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int, num_gpus: int, device: str = "cpu",
                            dtype=None, param_dtype=None, use_megatron_parallel_state: bool | None = None,
-                           with_ref_model: bool | None = None, checkpoint_format: str = "full"):
+                           with_ref_model: bool | None = None, checkpoint_format: str = "full",
+                           distributed_optimizer: bool = False):
     """What a trainer rank runs after ``torch.distributed.init_process_group`` (world = ``num_gpus`` ranks):
     validate, build the TP/DP groups, load this rank's shard of ``model_dir``, and return a :class:`MegatronTrainer`
     (with a frozen reference copy when ``train_config.kl_coef > 0`` or ``with_ref_model``).
     ``use_megatron_parallel_state``: default True when megatron-core is installed. ``checkpoint_format``: see
-    :class:`MegatronTrainer`."""
+    :class:`MegatronTrainer`; ``distributed_optimizer``: shard the optimizer state over the DP replicas."""
     from rlrepro.model import Qwen3Config
 
     config = Qwen3Config.from_file(model_dir)
@@ -43,4 +44,5 @@ def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int, num
         import copy
 
         ref = copy.deepcopy(model).requires_grad_(False).eval()
-    return MegatronTrainer(model, train_config, ref, param_dtype=param_dtype, checkpoint_format=checkpoint_format)
+    return MegatronTrainer(model, train_config, ref, param_dtype=param_dtype, checkpoint_format=checkpoint_format,
+                           distributed_optimizer=distributed_optimizer)

@@ -102,14 +102,20 @@ class MegatronTrainer(Trainer):
     """
 
     def __init__(self, model: TPQwen3ForCausalLM, config: TrainConfig, ref_model=None, *,
-                 param_dtype: torch.dtype | None = None, checkpoint_format: str = "full") -> None:
+                 param_dtype: torch.dtype | None = None, checkpoint_format: str = "full",
+                 distributed_optimizer: bool = False) -> None:
         if not isinstance(model, TPQwen3ForCausalLM):
             raise TypeError(f"MegatronTrainer takes a TPQwen3ForCausalLM (rlrepro.trainer.megatron), got "
                             f"{type(model).__name__}; build it with TPQwen3ForCausalLM.from_pretrained(path, groups)")
         self.groups = model.groups
         self.checkpoint_format = _check_format(checkpoint_format)
+        if distributed_optimizer and self.checkpoint_format == "dist":
+            raise ValueError("distributed_optimizer=True with checkpoint_format='dist' is not supported (the sharded "
+                             "checkpoint writes each rank's TP shard of the optimizer state, which the DP owners "
+                             "would have to split); use checkpoint_format='full' or distributed_optimizer=False")
         dp = DataParallel(group=self.groups.dp_group) if self.groups.dp_size > 1 else None
-        super().__init__(model, config, ref_model, param_dtype=param_dtype, data_parallel=dp)
+        super().__init__(model, config, ref_model, param_dtype=param_dtype, data_parallel=dp,
+                         distributed_optimizer=distributed_optimizer)
         self._specs = [shard_spec(n) for n in self.optimizer.names]
 
     # --- gradients: the hooks of Trainer.train_step --------------------------------------------------------------
@@ -136,9 +142,16 @@ class MegatronTrainer(Trainer):
         yield from self.model.named_full_parameters()
 
     # --- checkpoints ----------------------------------------------------------------------------------------
-    def _full_optimizer_state(self) -> dict:
-        """The optimizer state a single-process Trainer of the full model would hold; a collective."""
-        local = self.optimizer.state_dict()
+    def _full_optimizer_state(self) -> dict | None:
+        """The optimizer state a single-process Trainer of the full model would hold; a collective. With the
+        optimizer sharded over the DP replicas, replica 0 first gathers its TP shard's full state from the DP owners,
+        then its TP group gathers the shards; the other replicas return None (only replica 0 holds the writer)."""
+        if self.distributed_optimizer:
+            local = self.optimizer.gather_state_dict(dst=0)
+            if local is None:
+                return None
+        else:
+            local = self.optimizer.state_dict()
         names = local["names"]
         adamw = local["adamw"]
         state = {}
@@ -175,6 +188,9 @@ class MegatronTrainer(Trainer):
         ``dist_checkpointing`` (:func:`.dist_checkpoint.save_dist_checkpoint`). Every rank calls it; all get the
         path."""
         fmt = _check_format(checkpoint_format or self.checkpoint_format)
+        if fmt == "dist" and self.distributed_optimizer:
+            raise ValueError("checkpoint_format='dist' is not supported with distributed_optimizer=True; save with "
+                             "checkpoint_format='full'")
         if fmt == "dist":
             return save_dist_checkpoint(self, ckpt_root, step, extra_state=extra_state, keep_last=keep_last,
                                         generators=generators)
@@ -200,6 +216,10 @@ class MegatronTrainer(Trainer):
         by every rank, which keeps its shards (RNG states are the writer's); a dist one is read shard by shard
         (:func:`.dist_checkpoint.load_dist_checkpoint`). Returns ``extra_state``."""
         if is_dist_checkpoint(path):
+            if self.distributed_optimizer:
+                raise ValueError(f"{path} is a dist checkpoint; a trainer with distributed_optimizer=True loads "
+                                 "full checkpoints only (convert it with dist_to_full, or build the trainer with "
+                                 "distributed_optimizer=False)")
             return load_dist_checkpoint(self, path, generators=generators, restore_rng=restore_rng)
         loaded = load_checkpoint(path, model=_FullModelView(self.model), optimizer=_FullOptimizerView(self),
                                  scheduler=self.scheduler, restore_rng=restore_rng, generators=generators)
