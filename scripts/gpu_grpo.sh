@@ -11,6 +11,8 @@
 #                 s (the recipe's layout at 2 GPUs: megatron TP=1 trainer on GPU 0, engine on GPU 1, NCCL broadcast), m1 and m2
 #                 (trainer.backend=megatron, TP=2; m1 = m2?), m0 (megatron TP=1, data parallel: = g?),
 #                 f2 (g in fast mode, with GRPO_FAST=1)
+#   GRPO_SET=eight (8 GPUs): x1 and x2, the recipe's own layout (megatron TP=4 trainer, 4 engines on their own
+#                 GPUs; x1 = x2?)
 # GRPO_ONLY="g h m0" (set two) runs only the named runs (g always: it creates the weights).
 # CPU smoke test of the same script: GRPO_SMALL=1 GRPO_DEVICE=cpu GRPO_DTYPE=float32 GRPO_MAX_TOKENS=8 ...
 set -uo pipefail
@@ -56,6 +58,12 @@ if [ "$SET" = one ]; then
   mkdir -p $W/d/checkpoints && cp -r $W/a/checkpoints/step_000002 $W/d/checkpoints/
   train d "${ONE[@]}" run.resume=true; diffrun a d "resumed at step 2"
   RUNS="a b c f d"
+elif [ "$SET" = eight ]; then
+  # the recipe's own layout for one 8-GPU node (nvidia-h200-x8): 4 engines on GPUs of their own, the trainer
+  # megatron TP=4 on the other 4, NCCL broadcast; GRPO_LAYERS=36 for the full model, 2 to compare with set two
+  first x1
+  want x2 && { train x2; diffrun x1 x2 "two runs, the recipe's 8-GPU layout"; }
+  RUNS=$(for n in x1 x2; do [ -d "$W/$n" ] && echo "$n"; done)
 else
   first g "${TWO[@]}"
   want h && { train h "${TWO[@]}"; diffrun g h "two runs, 2 GPUs"; }
@@ -98,7 +106,7 @@ for name in names:
           + ", ".join(f"{v:.1f} ({k})" for k, v in mem.items()) + f" | {lp:.3g} |")
 PYEOF
 # the two-run overlay (reward, loss, KL, entropy, length, grad norm): the curves lie on top of each other
-if [ "$SET" = one ]; then PAIR="a b"; else PAIR="g h"; fi
+case $SET in one) PAIR="a b" ;; eight) PAIR="x1 x2" ;; *) PAIR="g h" ;; esac
 $PY -m rlrepro.cli plot $(for n in $PAIR; do echo "$W/$n"; done) --out "$R/plots" > /dev/null 2>&1 || log "plot failed"
 for n in $RUNS; do  # records only: diff-able anywhere with `rlrepro diff`
   [ -d "$W/$n" ] && mkdir -p "$R/runs/$n" && cp "$W/$n"/*.jsonl "$W/$n/config.yaml" "$R/runs/$n/" 2>/dev/null

@@ -33,7 +33,8 @@ def main() -> None:
     tok.add_tokens([AddedToken(f"<t{i}>", normalized=False) for i in range(tok.get_vocab_size(), QWEN3_8B["vocab_size"])])
     cfg = dict(QWEN3_8B, num_hidden_layers=ns.layers, eos_token_id=tok.token_to_id("<|im_end|>"))
     if ns.small:
-        cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        # 4 KV heads: the recipe's tensor parallel size (4) must divide them (GRPO_SET=eight smoke test)
+        cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
                    torch_dtype="float32")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save(str(out / "tokenizer.json"))
