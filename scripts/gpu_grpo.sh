@@ -10,7 +10,7 @@
 #   GRPO_SET=two  (2 GPUs): g and h (data-parallel trainer on 2 GPUs, 2 colocated engines, CUDA IPC; g = h?),
 #                 s (the recipe's layout at 2 GPUs: megatron TP=1 trainer on GPU 0, engine on GPU 1, NCCL broadcast), m1 and m2
 #                 (trainer.backend=megatron, TP=2; m1 = m2?), m0 (megatron TP=1, data parallel: = g?),
-#                 f2 (g in fast mode, with GRPO_FAST=1)
+#                 z (g with train.distributed_optimizer=true: = g?), f2 (g in fast mode, with GRPO_FAST=1)
 #   GRPO_SET=eight (8 GPUs): x1 and x2, the recipe's own layout (megatron TP=4 trainer, 4 engines on their own
 #                 GPUs; x1 = x2?)
 # GRPO_ONLY="g h m0" (set two) runs only the named runs (g always: it creates the weights).
@@ -78,8 +78,10 @@ else
   # megatron TP=1 (data parallel over the 2 GPUs): the same math as the default backend, so the same run as g
   want m0 && { train m0 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=1
                diffrun g m0 "megatron TP=1 vs default"; }
+  # the optimizer state sharded over the 2 data-parallel ranks (ZeRO-1, NCCL broadcasts): the same run as g
+  want z && { train z "${TWO[@]}" train.distributed_optimizer=true; diffrun g z "distributed optimizer vs g"; }
   [ -n "${GRPO_FAST:-}" ] && train f2 "${TWO[@]}" run.deterministic=false
-  RUNS=$(for n in g h s m1 m2 m0 f2; do [ -d "$W/$n" ] && echo "$n"; done)
+  RUNS=$(for n in g h s m1 m2 m0 z f2; do [ -d "$W/$n" ] && echo "$n"; done)
 fi
 
 $PY - "$W" $RUNS <<'PYEOF' | tee -a "$R/summary.txt"
