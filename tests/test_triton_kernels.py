@@ -15,40 +15,18 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
+from _triton_helpers import gpu, needs_cuda, rel_err, run_interpreter  # noqa: E402,F401
 from rlrepro.kernels import reference as ref  # noqa: E402
 from rlrepro.kernels.metadata import AttentionMetadata  # noqa: E402
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
-
-HAS_CUDA = torch.cuda.is_available()
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA device and Triton")
-
 
 # ============================================================================================ shared helpers
-def rel_err(out: torch.Tensor, expect: torch.Tensor) -> float:
-    out, expect = out.double().cpu(), expect.double().cpu()
-    assert not torch.isnan(out).any(), "NaN in output"
-    return float((out - expect).norm() / expect.norm().clamp_min(1e-30))
-
-
 def fresh_seed() -> int:
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
@@ -338,18 +316,7 @@ def run_interp_checks(names) -> dict:
 
 @pytest.fixture(scope="module")
 def interp_results():
-    if not HAS_TRITON:
-        pytest.skip("Triton is not installed")
-    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip(f"Triton {triton.__version__}'s interpreter breaks on these kernels with numpy 2 "
-                    "(seen with 3.6: 'only 0-dimensional arrays can be converted'); the CPU checks need Triton >= 3.9")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1])
+    return run_interpreter(__file__)
 
 
 @pytest.mark.parametrize("name", sorted(INTERP_CHECKS))

@@ -1,0 +1,56 @@
+"""What the Triton kernel tests share (tests/test_triton_kernels.py, tests/test_attention_bwd.py): the repo on
+``sys.path``, CUDA/Triton availability marks, the relative error, and the interpreter run.
+
+Imported as ``from _triton_helpers import ...`` (``tests/`` is on ``sys.path`` under pytest, and is the script's
+directory when a test file runs itself with ``--interpret``)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+try:
+    import triton
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    HAS_TRITON = False
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA device and Triton")
+
+
+def rel_err(out: torch.Tensor, expect: torch.Tensor) -> float:
+    out, expect = out.double().cpu(), expect.double().cpu()
+    assert not torch.isnan(out).any(), "NaN in output"
+    return float((out - expect).norm() / expect.norm().clamp_min(1e-30))
+
+
+def run_interpreter(test_file: str, drop_env: tuple[str, ...] = ()) -> dict:
+    """Run ``python test_file --interpret`` with ``TRITON_INTERPRET=1`` (the variable must be set before Triton is
+    imported, hence the subprocess) and return the JSON object its last ``{...}`` line prints: check name ->
+    "ok" or the failure. Skips without Triton >= 3.9 (3.6's interpreter breaks on these kernels with numpy 2:
+    'only 0-dimensional arrays can be converted')."""
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter breaks on these kernels with numpy 2; the CPU "
+                    "checks need Triton >= 3.9")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    for name in drop_env:
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, str(Path(test_file).resolve()), "--interpret"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])
