@@ -53,6 +53,8 @@ add_step bench_engine 560 '
 add_step breakdown_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 256 --breakdown ${ENGINE_BENCH_ARGS:-}'
 # one GRPO train step at the Qwen3-8B width: time, phases, MFU, and the top kernels
 add_step bench_trainer 300 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --profile --json "$OUT/bench_trainer.json"'
+# nvidia-h200-x2 (2 GPUs): the full 36-layer Qwen3-8B trainer, megatron backend at TP=2 (~74 GB + activations per GPU)
+add_step bench_trainer_tp2 400 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 36 --tensor-parallel 2 --json "$OUT/bench_trainer_tp2.json"'
 add_step profile_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 128 --no-hf --modes deterministic --profile 20'
 
 
