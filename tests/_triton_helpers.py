@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,31 @@ def run_interpreter(test_file: str, drop_env: tuple[str, ...] = ()) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1])
+
+
+def run_checks(checks: dict, names) -> dict:
+    """Run the named check functions; name -> "ok" or the traceback (every check reports, not only the first)."""
+    torch.set_num_threads(1)
+    results = {}
+    for name in names:
+        try:
+            checks[name]()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+def main(checks: dict, test_file: str) -> None:
+    """A test file run as a script: ``--interpret [NAME ...]`` runs its interpreter checks and prints the JSON line
+    :func:`run_interpreter` reads; anything else runs pytest on the file."""
+    if len(sys.argv) > 1 and sys.argv[1] == "--interpret":
+        if os.environ.get("TRITON_INTERPRET") != "1":  # too late to set here: Triton is imported already
+            sys.exit("set TRITON_INTERPRET=1 in the environment: TRITON_INTERPRET=1 python " + test_file + " --interpret")
+        res = run_checks(checks, sys.argv[2:] or sorted(checks))
+        for name, r in res.items():
+            if r != "ok":
+                print(f"--- {name} FAILED\n{r}", file=sys.stderr)
+        print(json.dumps(res))
+        sys.exit(0)
+    sys.exit(pytest.main([test_file, *sys.argv[1:]]))

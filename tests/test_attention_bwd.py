@@ -3,23 +3,20 @@
 Two tiers, as in tests/test_triton_kernels.py:
 
 * CPU: the kernels' logic through Triton's interpreter (``TRITON_INTERPRET=1``, float32 only), in one subprocess
-  with the variable set; ``python tests/test_attention_bwd.py --interpret [NAME ...]`` runs the checks directly.
+  with the variable set; ``TRITON_INTERPRET=1 python tests/test_attention_bwd.py --interpret [NAME ...]`` runs the checks directly.
 * GPU (``-m gpu``): the compiled kernels in bf16/fp16/fp32 against the torch path ``attention_bwd_packed``.
 
 Reproducibility is asserted bitwise (``torch.equal``); closeness by a relative norm ``|out - ref| / |ref|``.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
-import sys
-import traceback
 
 import pytest
 import torch
 
-from _triton_helpers import HAS_CUDA, gpu, needs_cuda, rel_err, run_interpreter  # noqa: E402,F401
+from _triton_helpers import main, HAS_CUDA, gpu, needs_cuda, rel_err, run_interpreter  # noqa: E402,F401
 from rlrepro.kernels import reference as ref  # noqa: E402
 from rlrepro.kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -178,18 +175,6 @@ def check_autograd_wiring_fp32():
     check_autograd_wiring("cpu", torch.float32, 1e-5)
 
 
-def run_interp_checks(names) -> dict:
-    torch.set_num_threads(1)
-    results = {}
-    for name in names:
-        try:
-            INTERP_CHECKS[name]()
-            results[name] = "ok"
-        except Exception:  # report every check, not just the first failure
-            results[name] = traceback.format_exc()
-    return results
-
-
 @pytest.fixture(scope="module")
 def interp_results():
     return run_interpreter(__file__, drop_env=("RLREPRO_ATTENTION_BWD",))
@@ -254,13 +239,4 @@ def test_gpu_autograd_wiring(dtype):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--interpret":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        names = sys.argv[2:] or sorted(INTERP_CHECKS)
-        res = run_interp_checks(names)
-        for name, r in res.items():
-            if r != "ok":
-                print(f"--- {name} FAILED\n{r}", file=sys.stderr)
-        print(json.dumps(res))
-        sys.exit(0)
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    main(INTERP_CHECKS, __file__)

@@ -4,7 +4,7 @@ Two tiers:
 
 * CPU: the kernels' logic through Triton's interpreter (``TRITON_INTERPRET=1``, float32 only: the interpreter
   computes bf16 wrongly). The checks run in one subprocess with the variable set, since it must be set before
-  Triton compiles anything; ``python tests/test_triton_kernels.py --interpret [NAME ...]`` runs them directly.
+  Triton compiles anything; ``TRITON_INTERPRET=1 python tests/test_triton_kernels.py --interpret [NAME ...]`` runs them directly.
 * GPU (``-m gpu``, run by ``scripts/gpu_check.sh`` on the H200): the compiled kernels in bf16/fp16/fp32.
 
 Invariance is asserted bitwise (``torch.equal``) on fresh random inputs; closeness to the float64 references
@@ -12,16 +12,12 @@ of ``rlrepro.kernels.reference`` by a relative norm ``|out - ref| / |ref|``.
 """
 from __future__ import annotations
 
-import json
-import os
 import random
-import sys
-import traceback
 
 import pytest
 import torch
 
-from _triton_helpers import gpu, needs_cuda, rel_err, run_interpreter  # noqa: E402,F401
+from _triton_helpers import main, gpu, needs_cuda, rel_err, run_interpreter  # noqa: E402,F401
 from rlrepro.kernels import reference as ref  # noqa: E402
 from rlrepro.kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -302,18 +298,6 @@ def check_grads_fp32():
     check_grads("cpu", torch.float32, 1e-5)
 
 
-def run_interp_checks(names) -> dict:
-    torch.set_num_threads(1)
-    results = {}
-    for name in names:
-        try:
-            INTERP_CHECKS[name]()
-            results[name] = "ok"
-        except Exception:  # report every check, not just the first failure
-            results[name] = traceback.format_exc()
-    return results
-
-
 @pytest.fixture(scope="module")
 def interp_results():
     return run_interpreter(__file__)
@@ -481,13 +465,4 @@ def test_gpu_grads():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--interpret":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        names = sys.argv[2:] or sorted(INTERP_CHECKS)
-        res = run_interp_checks(names)
-        for name, r in res.items():
-            if r != "ok":
-                print(f"--- {name} FAILED\n{r}", file=sys.stderr)
-        print(json.dumps(res))
-        sys.exit(0)
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    main(INTERP_CHECKS, __file__)
