@@ -147,6 +147,17 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+def _device_schedule(cu: torch.Tensor, s_count: int, n: int, block: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``_schedule_kernel``'s slot table for tiles of ``block`` tokens: (slots, slot -> sequence, -> first token)."""
+    g_slots = triton.cdiv(n, block) + s_count  # >= sum over sequences of ceil(len / block)
+    prog_seq = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
+    prog_t0 = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
+    s_p = triton.next_power_of_2(s_count)
+    _schedule_kernel[(1,)](cu, s_count, g_slots, prog_seq, prog_t0, BLOCK_Q=block, S_P=s_p,
+                           G_CHUNK=max(16, 2048 // s_p), num_warps=4)
+    return g_slots, prog_seq, prog_t0
+
+
 def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata,
                   scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
     """q [N, H, D]; k_flat/v_flat [rows, Hkv, D]: the packed tokens, or the cache viewed as [blocks*bs, Hkv, D].
@@ -167,13 +178,8 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
     for name, t in (("q", q), ("k", k_flat), ("v", v_flat)):
         if t.stride(-1) != 1:
             raise ValueError(f"attention: {name} must have a contiguous last dim")
-    g_slots = triton.cdiv(n, block_q) + s_count  # >= sum over sequences of ceil(q_len / BLOCK_Q)
-    prog_seq = torch.empty(g_slots, device=q.device, dtype=torch.int32)
-    prog_q0 = torch.empty(g_slots, device=q.device, dtype=torch.int32)
     cu = meta.cu_seqlens_q
-    _schedule_kernel[(1,)](cu, s_count, g_slots, prog_seq, prog_q0, BLOCK_Q=block_q,
-                           S_P=triton.next_power_of_2(s_count), G_CHUNK=max(16, 2048 // triton.next_power_of_2(s_count)),
-                           num_warps=4)
+    g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q)
     paged = meta.block_table is not None
     bt = meta.block_table if paged else cu
     _attn_fwd_kernel[(g_slots, hkv)](
@@ -404,17 +410,6 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, 
                  (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(dv_ptr + kv_row[:, None] * stride_dvn + kv_head * stride_dvh + d[None, :],
                  dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
-
-
-def _device_schedule(cu: torch.Tensor, s_count: int, n: int, block: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """``_schedule_kernel``'s slot table for tiles of ``block`` tokens: (slots, slot -> sequence, -> first token)."""
-    g_slots = triton.cdiv(n, block) + s_count  # >= sum over sequences of ceil(len / block)
-    prog_seq = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
-    prog_t0 = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
-    s_p = triton.next_power_of_2(s_count)
-    _schedule_kernel[(1,)](cu, s_count, g_slots, prog_seq, prog_t0, BLOCK_Q=block, S_P=s_p,
-                           G_CHUNK=max(16, 2048 // s_p), num_warps=4)
-    return g_slots, prog_seq, prog_t0
 
 
 def attention_bwd_packed_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
