@@ -161,6 +161,21 @@ def _model_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
 
 
+def write_on_one_rank(is_writer: bool, write: Callable[[], object], barrier: Callable[[], None]):
+    """``write()`` on the writer rank, then ``barrier()`` on every rank; the writer's exception, if any, is raised
+    after the barrier, so the other ranks never hang waiting for it. Returns ``write()``'s result (None elsewhere)."""
+    result, error = None, None
+    if is_writer:
+        try:
+            result = write()
+        except BaseException as e:  # still reach the barrier
+            error = e
+    barrier()
+    if error is not None:
+        raise error
+    return result
+
+
 def commit_checkpoint_dir(tmp: Path, final: Path) -> None:
     """Rename the complete, fsynced ``tmp`` directory to ``final`` (atomic on POSIX) and fsync the parent. An
     existing ``final`` (the same step saved again) is moved aside first and deleted after."""

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from .advantages import ADVANTAGE_MODES
-from .checkpoint import capture_rng_state, checkpoint_dir_name, load_checkpoint, save_checkpoint
+from .checkpoint import (capture_rng_state, checkpoint_dir_name, load_checkpoint, save_checkpoint,
+                         write_on_one_rank)
 from .data_parallel import DataParallel
 from .logprobs import logprobs_and_entropy, token_logprobs
 from .losses import KL_ESTIMATORS, LOSS_AGG_MODES, pad_sequences, policy_loss
@@ -207,20 +208,10 @@ class Trainer:
                                    rng_state=capture_rng_state(generators), keep_last=keep_last)
         dp = self.data_parallel
         optim_state = self.optimizer.gather_state_dict(dst=0)
-        path = Path(ckpt_root) / checkpoint_dir_name(step)
-        error = None
-        if dp.rank == 0:
-            try:
-                path = save_checkpoint(ckpt_root, step, model=self.model, optimizer=_FixedState(optim_state),
-                                       scheduler=self.scheduler, extra_state=extra_state,
-                                       rng_state=capture_rng_state(generators), keep_last=keep_last)
-            except BaseException as e:  # still reach the barrier, so the other ranks do not hang
-                error = e
-        optim_state = None
-        dp.barrier()
-        if error is not None:
-            raise error
-        return path
+        write_on_one_rank(dp.rank == 0, lambda: save_checkpoint(
+            ckpt_root, step, model=self.model, optimizer=_FixedState(optim_state), scheduler=self.scheduler,
+            extra_state=extra_state, rng_state=capture_rng_state(generators), keep_last=keep_last), dp.barrier)
+        return Path(ckpt_root) / checkpoint_dir_name(step)
 
     def load_checkpoint(self, path, *, generators: Mapping | None = None, restore_rng: bool = True) -> dict:
         """Verify and load a checkpoint written by :meth:`save_checkpoint`, restore the RNGs, return its extra_state.

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import capture_rng_state, checkpoint_dir_name, load_checkpoint, save_checkpoint
+from ..checkpoint import (capture_rng_state, checkpoint_dir_name, load_checkpoint, save_checkpoint,
+                          write_on_one_rank)
 from .dist_checkpoint import is_dist_checkpoint, load_dist_checkpoint, save_dist_checkpoint
 from ..data_parallel import DataParallel
 from rlrepro.kernels.tp import ordered_sum
@@ -196,20 +197,11 @@ class MegatronTrainer(Trainer):
                                         generators=generators)
         model_state = self.model.full_state_dict()
         optim_state = self._full_optimizer_state()
-        path = Path(ckpt_root) / checkpoint_dir_name(step)
-        error = None
-        if self.groups.is_writer:
-            try:
-                path = save_checkpoint(ckpt_root, step, model=_FullModelView(self.model, model_state),
-                                       optimizer=_FullOptimizerView(self, optim_state), scheduler=self.scheduler,
-                                       extra_state=extra_state, rng_state=capture_rng_state(generators),
-                                       keep_last=keep_last)
-            except BaseException as e:  # still reach the barrier, so the other ranks do not hang
-                error = e
-        self._barrier()
-        if error is not None:
-            raise error
-        return path
+        write_on_one_rank(self.groups.is_writer, lambda: save_checkpoint(
+            ckpt_root, step, model=_FullModelView(self.model, model_state),
+            optimizer=_FullOptimizerView(self, optim_state), scheduler=self.scheduler, extra_state=extra_state,
+            rng_state=capture_rng_state(generators), keep_last=keep_last), self._barrier)
+        return Path(ckpt_root) / checkpoint_dir_name(step)
 
     def load_checkpoint(self, path, *, generators: Mapping | None = None, restore_rng: bool = True) -> dict:
         """Verify and load a checkpoint (from this class or from a plain ``Trainer``, at any TP): a full one is read
@@ -231,13 +223,5 @@ class MegatronTrainer(Trainer):
         from rlrepro.model import save_pretrained
 
         full = self.model.to_full_model()
-        error = None
-        if self.groups.is_writer:
-            try:
-                save_pretrained(full, path, **kwargs)
-            except BaseException as e:
-                error = e
-        self._barrier()
-        if error is not None:
-            raise error
+        write_on_one_rank(self.groups.is_writer, lambda: save_pretrained(full, path, **kwargs), self._barrier)
         return Path(path)
