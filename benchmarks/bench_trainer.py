@@ -78,7 +78,7 @@ from rlrepro.orchestration.workers import PEAK_BF16_FLOPS, train_flops  # noqa: 
 from rlrepro.trainer import TrainConfig, Trainer, enable_determinism  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import DTYPES, build_model, sync  # noqa: E402  (the same model builder and weights)
+from bench_engine import DTYPES, build_model, random_weights_, sync  # noqa: E402  (the same model builder and weights)
 
 def synthetic_samples(n: int, prompt_len: int, completion_len: int, vocab: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
@@ -223,23 +223,14 @@ def compute_dtype(args) -> torch.dtype | None:
 def _random_weights(model_dir: str, device: str, dtype_name: str, seed: int) -> None:
     """Seeded random weights of ``model_dir``/config.json's shape, saved there as safetensors in ``dtype_name``:
     ``init_random_weights`` (what ``model.init=random`` runs) on the CPU; on CUDA a seeded CUDA generator fills them
-    on the GPU (as ``bench_engine.build_model`` does: seconds instead of ~80 s for the 8B)."""
-    from rlrepro.model import Qwen3Config, Qwen3ForCausalLM, init_random_weights, save_pretrained
+    on the GPU (``bench_engine.random_weights_``: seconds instead of ~80 s for the 8B)."""
+    from rlrepro.model import Qwen3Config, Qwen3ForCausalLM, save_pretrained
 
     config = Qwen3Config.from_file(model_dir)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     model = model.to_empty(device=device).to(DTYPES[dtype_name])
-    if torch.device(device).type == "cuda":
-        gen = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, config.initializer_range, generator=gen)
-    else:
-        init_random_weights(model, seed)
+    random_weights_(model, seed)
     save_pretrained(model, model_dir, max_shard_bytes=5 << 30)  # the tokenizer files are there already
 
 
