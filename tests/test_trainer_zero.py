@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from rlrepro.model import tiny_model
-from rlrepro.trainer import TrainConfig, Trainer, token_logprobs
+from rlrepro.trainer import TrainConfig, Trainer
 from rlrepro.trainer.data_parallel import DataParallel, assign_owners
 from rlrepro.trainer.optim import MasterWeightAdamW, ShardedMasterWeightAdamW
 
 from _dist import gloo_process_group, spawn_ranks
+from test_trainer_data_parallel import make_batch  # the same self-consistent batches
 
 CONFIG = dict(lr=3e-3, total_steps=5, warmup_steps=1, micro_batch_size=2, ppo_epochs=2, clip_high=0.28,
               weight_decay=0.01)
@@ -53,17 +54,6 @@ def test_without_data_parallel_the_flag_is_a_no_op():
 
 
 # ------------------------------------------------------------------------------------------ two gloo ranks
-
-def make_batch(model, step: int):
-    gen = torch.Generator().manual_seed(700 + step)
-    vocab = model.config.vocab_size
-    prompts = [torch.randint(vocab, (1 + i % 3,), generator=gen).tolist() for i in range(7)]
-    completions = [torch.randint(vocab, (1 + (i * 5) % 6,), generator=gen).tolist() for i in range(7)]
-    with torch.no_grad():
-        lps = token_logprobs(model, prompts, completions)
-    return [dict(prompt_token_ids=p, completion_token_ids=c, rollout_logprobs=lp.tolist(), advantage=(-1.0) ** i)
-            for i, (p, c, lp) in enumerate(zip(prompts, completions, lps))]
-
 
 def _trainer(dtype, dp, sharded: bool) -> Trainer:
     return Trainer(tiny_model(seed=1), TrainConfig(**CONFIG), param_dtype=dtype, data_parallel=dp,
