@@ -1,6 +1,6 @@
 """Benchmark of the deterministic (batch-invariant) Triton kernels against stock torch / cuBLAS, on one GPU.
 
-    python benchmarks/bench_kernels.py [--out FILE] [--sweep] [--only matmul,rowwise,attention] [--quick]
+    python benchmarks/bench_kernels.py [--out FILE] [--sweep] [--only matmul,rowwise,attention,attention_bwd] [--quick]
 
 Times are medians of ``triton.testing.do_bench`` (which clears the L2 cache before every repetition), taken in
 the same run for both sides, bf16 unless noted. The matmul table reports ``speed = t_cuBLAS / t_ours`` (1.0 =
@@ -247,11 +247,38 @@ def bench_attention() -> None:
     emit()
 
 
+def bench_attention_bwd() -> None:
+    emit("### Attention backward: Triton (training default on CUDA) vs the float32 torch path (H=32, Hkv=8, D=128, "
+         "bf16)")
+    emit()
+    emit("32 packed sequences of mixed lengths; `attention_bwd_packed_triton` (timed as a CUDA-graph replay) vs "
+         "`attention_bwd_packed` (`RLREPRO_ATTENTION_BWD=torch`: a Python loop over sequences, host-synchronising, "
+         "so timed eagerly); median ms, L2 cleared before each.")
+    emit()
+    h, hkv, d = 32, 8, 128
+    scale = d ** -0.5
+    gen = torch.Generator().manual_seed(0)
+    lens = [int(x) for x in torch.randint(64, 2400, (32,), generator=gen)]
+    n = sum(lens)
+    q, k, v, g = rnd(n, h, d), rnd(n, hkv, d), rnd(n, hkv, d), rnd(n, h, d)
+    meta = AttentionMetadata.packed(lens, device="cuda")
+    out = _attn.attention_fwd(q, k, v, meta, scale)
+    t_triton = timed(lambda: _attn.attention_bwd_packed_triton(q, k, v, g, meta, scale, out=out))
+    torch.cuda.synchronize()
+    t_torch = bench(lambda: _attn.attention_bwd_packed(q, k, v, g, meta, scale), rep=20)
+    flops = 2.5 * 4.0 * sum(x * x for x in lens) * d * h / 2  # causal; backward ~2.5x the forward's FLOPs
+    emit("| case | torch path ms | Triton ms | speedup | Triton TFLOP/s (2.5x forward) |")
+    emit("|---|---|---|---|---|")
+    emit(f"| {len(lens)} sequences, {n:,} tokens | {t_torch:.3f} | {t_triton:.3f} | {t_torch / t_triton:.1f}x | "
+         f"{flops / t_triton / 1e9:.0f} |")
+    emit()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="time every candidate matmul config too")
-    ap.add_argument("--only", default="matmul,rowwise,attention")
+    ap.add_argument("--only", default="matmul,rowwise,attention,attention_bwd")
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -269,7 +296,7 @@ def main() -> int:
     sections = [("matmul", lambda: bench_matmul(MATMUL_MS if not args.quick else [1, 64, 1024, 4096],
                                                 MATMUL_SHAPES, args.sweep)),
                 ("rowwise", lambda: bench_rowwise(args.quick)),
-                ("attention", bench_attention)]
+                ("attention", bench_attention), ("attention_bwd", bench_attention_bwd)]
     for name, fn in sections:
         if name not in only:
             continue
