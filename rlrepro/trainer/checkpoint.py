@@ -161,6 +161,17 @@ def _model_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
 
 
+class StateHolder:
+    """A ready state dict in the shape ``save_checkpoint`` reads (``obj.state_dict()``): a gathered or converted
+    state that no live module or optimizer holds."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+
 def write_on_one_rank(is_writer: bool, write: Callable[[], object], barrier: Callable[[], None]):
     """``write()`` on the writer rank, then ``barrier()`` on every rank; the writer's exception, if any, is raised
     after the barrier, so the other ranks never hang waiting for it. Returns ``write()``'s result (None elsewhere)."""

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from .advantages import ADVANTAGE_MODES
-from .checkpoint import (capture_rng_state, checkpoint_dir_name, load_checkpoint, save_checkpoint,
-                         write_on_one_rank)
+from .checkpoint import (StateHolder, capture_rng_state, checkpoint_dir_name, load_checkpoint,
+                         save_checkpoint, write_on_one_rank)
 from .data_parallel import DataParallel
 from .logprobs import logprobs_and_entropy, token_logprobs
 from .losses import KL_ESTIMATORS, LOSS_AGG_MODES, pad_sequences, policy_loss
@@ -137,16 +137,6 @@ def micro_batches(num_samples: int, micro_batch_size: int) -> list[range]:
     return [range(a, min(a + micro_batch_size, num_samples)) for a in range(0, num_samples, micro_batch_size)]
 
 
-class _FixedState:
-    """What ``save_checkpoint`` needs of an optimizer: an already gathered state dict."""
-
-    def __init__(self, state: dict) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return self.state
-
-
 class Trainer:
     """Owns the policy, its optimizer and LR schedule; ``train_step`` runs one GRPO update.
 
@@ -209,7 +199,7 @@ class Trainer:
         dp = self.data_parallel
         optim_state = self.optimizer.gather_state_dict(dst=0)
         write_on_one_rank(dp.rank == 0, lambda: save_checkpoint(
-            ckpt_root, step, model=self.model, optimizer=_FixedState(optim_state), scheduler=self.scheduler,
+            ckpt_root, step, model=self.model, optimizer=StateHolder(optim_state), scheduler=self.scheduler,
             extra_state=extra_state, rng_state=capture_rng_state(generators), keep_last=keep_last), dp.barrier)
         return Path(ckpt_root) / checkpoint_dir_name(step)
 

@@ -374,14 +374,6 @@ def _read_full_tensors(path: Path, meta: dict, kinds: tuple[str, ...]) -> dict[s
     return state
 
 
-class _Holder:
-    def __init__(self, state) -> None:
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-
 def dist_to_full(path, ckpt_root) -> Path:
     """Convert a megatron-dist checkpoint into a full rlrepro checkpoint ``ckpt_root/step_NNNNNN`` (the format of
     ``Trainer.save_checkpoint``: full model, optimizer with full AdamW moments and masters, schedule, rank 0's RNG
@@ -408,8 +400,9 @@ def dist_to_full(path, ckpt_root) -> Path:
     optimizer = {"names": names, "adamw": {"state": state, "param_groups": common["param_groups"]},
                  "master_weights": dict(sorted(masters.items()))}
     load = lambda name: torch.load(path / name, map_location="cpu", weights_only=True)  # noqa: E731
-    return ckpt.save_checkpoint(ckpt_root, int(manifest["step"]), model=_Holder(model_state),
-                                optimizer=_Holder(optimizer), scheduler=_Holder(load("scheduler.pt")),
+    hold = ckpt.StateHolder
+    return ckpt.save_checkpoint(ckpt_root, int(manifest["step"]), model=hold(model_state),
+                                optimizer=hold(optimizer), scheduler=hold(load("scheduler.pt")),
                                 extra_state=load("extra_state.pt"), rng_state=load("rng/rank_00000.pt"))
 
 
