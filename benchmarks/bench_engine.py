@@ -172,18 +172,14 @@ def profile_engine(model, prompts, args) -> None:
                     enable_cuda_graphs=not args.no_cuda_graphs)
     engine.generate(prompts[: min(n, 4)], [sampling(args, 4, i) for i in range(min(n, 4))])
     engine.reset_prefix_cache()
-    times: list[tuple[int, float]] = []
-    real = engine.runner.execute
+    launches: list[tuple[int, float]] = []  # (tokens in the step, launch time): steps overlap, so no sync here
+    real = engine.runner.launch
 
     def timed(scheduled):
-        sync(device)
-        t0 = time.perf_counter()
-        out = real(scheduled)
-        sync(device)
-        times.append((sum(s.num_new_tokens for s in scheduled), time.perf_counter() - t0))
-        return out
+        launches.append((sum(s.num_new_tokens for s in scheduled), time.perf_counter()))
+        return real(scheduled)
 
-    engine.runner.execute = timed
+    engine.runner.launch = timed
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -192,21 +188,21 @@ def profile_engine(model, prompts, args) -> None:
         engine.generate(prompts, [sampling(args, steps, i) for i in range(n)])
         sync(device)
         total = time.perf_counter() - t0
-    decode = [t for tokens, t in times if tokens == n]
-    print(f"# profile: {len(times)} steps in {total:.3f} s; execute() of the {len(decode)} full decode steps: "
-          f"mean {1e3 * sum(decode) / max(len(decode), 1):.2f} ms (synchronised)")
+    decode = [t1 - t0 for (k, t0), (_, t1) in zip(launches, launches[1:]) if k == n]
+    print(f"# profile: {len(launches)} steps in {total:.3f} s; launch to next launch over the {len(decode)} full "
+          f"decode steps: mean {1e3 * sum(decode) / max(len(decode), 1):.2f} ms")
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.profile_rows, max_name_column_width=60))
-    names = ("rlrepro.schedule", "rlrepro.execute", "rlrepro.update", "rlrepro.sample")
+    names = ("rlrepro.schedule", "rlrepro.launch", "rlrepro.resolve", "rlrepro.sample")
     for evt in prof.key_averages():
         if evt.key in names:
             print(f"# {evt.key}: {evt.count} calls, CPU total {evt.cpu_time_total / 1e3:.1f} ms")
 
 
 def decode_breakdown(model, prompts, args) -> None:
-    """Where a steady-state decode step's time goes: whole step, execute(), graph replay, sampler, kernels.
+    """Where a steady-state decode step's time goes: whole step, launch(), graph replay, sampler, kernels.
 
-    Runs a deterministic generate of O tokens with execute() timed (synchronised), then replays the decode graph
+    Runs a deterministic generate of O tokens with each launch() timed (no sync: steps overlap), then replays the decode graph
     on the last step's inputs (context ~P+O) timed with CUDA events, times the sampler alone on the same logits,
     and profiles the graph's kernels over a few replays (per-step milliseconds per kernel)."""
     device = model.device
@@ -220,23 +216,23 @@ def decode_breakdown(model, prompts, args) -> None:
     engine.generate(prompts[: min(n, 4)], [sampling(args, 4, i) for i in range(min(n, 4))])
     engine.reset_prefix_cache()
     runner = engine.runner
-    execs: list[float] = []
-    real = runner.execute
+    launches: list[tuple[bool, float, float]] = []  # (full decode step?, launch start, launch end)
+    real = runner.launch
 
     def timed(scheduled):
-        if len(scheduled) != n or any(s.num_new_tokens != 1 for s in scheduled):
-            return real(scheduled)
-        sync(device)
+        full = len(scheduled) == n and all(s.num_new_tokens == 1 for s in scheduled)
         t0 = time.perf_counter()
         out = real(scheduled)
-        sync(device)
-        execs.append(time.perf_counter() - t0)
+        launches.append((full, t0, time.perf_counter()))
         return out
 
-    runner.execute = timed
+    runner.launch = timed
     engine.generate(prompts, [sampling(args, o_len, i) for i in range(n)])
     sync(device)
-    runner.execute = real
+    runner.launch = real
+    # wall time of a decode step in the overlapped loop: from its launch to the next one
+    execs = [b[1] - a[1] for a, b in zip(launches, launches[1:]) if a[0] and b[0]]
+    host = [t1 - t0 for full, t0, t1 in launches if full]
     steps = len(execs)
     b = next(g for g in sorted(runner.graphs) if g >= n)
     graph, out = runner.graphs[b]
@@ -260,8 +256,10 @@ def decode_breakdown(model, prompts, args) -> None:
         sample(logits, reqs)
     sample_ms = (time.perf_counter() - t1) / 20 * 1e3
     print(f"# decode breakdown, {n} requests, P={p_len} O={o_len}, graph batch {b}:")
-    print(f"#   execute() synchronised, mean of {steps} decode steps: {1e3 * sum(execs) / max(steps, 1):.2f} ms "
-          f"(first {1e3 * execs[0]:.2f}, last {1e3 * execs[-1]:.2f})")
+    print(f"#   decode step, launch to next launch (the engine overlaps host and device), mean of {steps} steps: "
+          f"{1e3 * sum(execs) / max(steps, 1):.2f} ms (first {1e3 * execs[0]:.2f}, last {1e3 * execs[-1]:.2f})")
+    print(f"#   host time inside launch() per decode step (inputs, graph replay call, sampler launches): "
+          f"{1e3 * sum(host) / max(len(host), 1):.2f} ms")
     print(f"#   graph replay alone at the last step's context (~{p_len + o_len}): {graph_ms:.2f} ms")
     print(f"#   sample() alone (host + GPU, synchronised by its .tolist()): {sample_ms:.2f} ms")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

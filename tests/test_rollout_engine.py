@@ -246,7 +246,7 @@ def test_error_mid_generation_leaves_the_engine_usable(model, monkeypatch):
     p = SamplingParams(temperature=0.0, max_tokens=6)
     good = key(engine.generate([[1, 2, 3], [4, 5]], p))
     calls = {"n": 0}
-    real = engine.runner.execute
+    real = engine.runner.launch
 
     def flaky(scheduled):
         calls["n"] += 1
@@ -254,11 +254,12 @@ def test_error_mid_generation_leaves_the_engine_usable(model, monkeypatch):
             raise KeyboardInterrupt
         return real(scheduled)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.runner, "launch", flaky)
     with pytest.raises(KeyboardInterrupt):
         engine.generate([[1, 2, 3], [4, 5]], p)
-    monkeypatch.setattr(engine.runner, "execute", real)
+    monkeypatch.setattr(engine.runner, "launch", real)
     assert engine.block_manager.num_free_blocks == 64 and not engine.scheduler.has_unfinished()
+    assert engine.scheduler.num_pending == 0
     assert key(engine.generate([[1, 2, 3], [4, 5]], p)) == good
 
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from rlrepro.rollout.block_manager import BlockManager
 from rlrepro.rollout.params import SamplingParams
 from rlrepro.rollout.scheduler import Scheduler
-from rlrepro.rollout.sequence import Sequence, SequenceStatus
+from rlrepro.rollout.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 VOCAB = 50
 
@@ -25,17 +25,32 @@ def digest(*parts) -> int:
 
 
 class FakeRunner:
+    """``execute``: run a step and return its samples. ``launch``: the same, as the engine overlaps steps: a
+    sequence's last token may still be a placeholder, whose value comes from the previous step's output (as the
+    real runner feeds it from the device)."""
+
     def __init__(self, num_blocks, block_size):
         self.bs = block_size
         self.slots = {}  # (block, offset) -> (position, prefix digest)
+        self.last = []  # the previous launch's output: the "device" values of pending placeholders
+
+    def launch(self, scheduled):
+        self.last = self.execute(scheduled)
+        return self.last
 
     def execute(self, scheduled):
         out = []
         bs = self.bs
         for s in scheduled:
             seq = s.seq
+            tokens = list(seq.token_ids)
+            if seq.pending_row is not None:
+                assert tokens[-1] == PLACEHOLDER and s.num_new_tokens == 1, "a placeholder outside a decode"
+                tokens[-1] = self.last[seq.pending_row][0]
+            else:
+                assert PLACEHOLDER not in tokens
             for pos in range(s.start, s.end):
-                self.slots[seq.block_table[pos // bs], pos % bs] = (pos, digest(tuple(seq.token_ids[: pos + 1])))
+                self.slots[seq.block_table[pos // bs], pos % bs] = (pos, digest(tuple(tokens[: pos + 1])))
             if s.samples:
                 kv = [self.slots[seq.block_table[p // bs], p % bs] for p in range(s.end)]
                 assert [p for p, _ in kv] == list(range(s.end)), "KV read back from the wrong slots"
@@ -45,22 +60,36 @@ class FakeRunner:
 
 
 def run(requests, *, num_blocks=200, block_size=4, max_num_seqs=64, budget=10_000, prefix=True,
-        max_model_len=10_000, eos=(), check=None):
+        max_model_len=10_000, eos=(), check=None, overlap=False, stats=None):
+    """Drive the scheduler to the end. ``overlap``: as the engine does, launch step t+1 before resolving step t
+    (``launched`` then ``resolve`` one step late) instead of ``update`` after each step. ``stats["late_rows"]``
+    counts sampled rows discarded because their sequence had stopped by the time the step was recorded."""
     bm = BlockManager(num_blocks, block_size, prefix)
     sch = Scheduler(bm, max_num_seqs, budget, max_model_len, eos)
     runner = FakeRunner(num_blocks, block_size)
     seqs = [Sequence(i, prompt, params, seed=len(prompt)) for i, (prompt, params) in enumerate(requests)]
     for s in seqs:
         sch.add(s)
-    while sch.has_unfinished():
+    pending = None
+    while sch.has_unfinished() or pending is not None:
         scheduled = sch.schedule()
-        assert 0 < sum(x.num_new_tokens for x in scheduled) <= budget
+        assert sum(x.num_new_tokens for x in scheduled) <= budget
+        assert scheduled or (overlap and pending), "an empty step without a step in flight"
         assert len(sch.running) <= max_num_seqs
         assert [x.seq.seq_id for x in scheduled] == sorted(x.seq.seq_id for x in scheduled)
-        if check:
+        if check and scheduled:
             check(sch, scheduled)
-        sch.update(scheduled, runner.execute(scheduled))
+        if not overlap:
+            sch.update(scheduled, runner.execute(scheduled))
+        else:
+            out = runner.launch(scheduled) if scheduled else None
+            if pending is not None:
+                sch.resolve(*pending)
+            pending = (sch.launched(scheduled), out) if scheduled else None
+            if stats is not None and pending:
+                stats["late_rows"] = stats.get("late_rows", 0) + pending[0].count(None)
         bm.check_consistency()
+    assert pending is None and sch.num_pending == 0
     assert bm.num_free_blocks == num_blocks
     return [(s.output_token_ids, s.output_logprobs, s.finish_reason) for s in seqs], sch
 
@@ -81,16 +110,41 @@ def make_requests(rng, n, shared_prefix_len=0):
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 10), max_num_seqs=st.integers(1, 6),
        budget=st.integers(1, 20), block_size=st.sampled_from([1, 2, 4, 16]), prefix=st.booleans(),
-       extra_blocks=st.integers(0, 12))
+       extra_blocks=st.integers(0, 12), overlap=st.booleans(), eos=st.sampled_from([(), (7,), (3, 11, 19)]))
 def test_any_schedule_gives_the_outputs_of_running_alone(seed, n, max_num_seqs, budget, block_size, prefix,
-                                                         extra_blocks):
+                                                         extra_blocks, overlap, eos):
     rng = random.Random(seed)
     reqs = make_requests(rng, n, shared_prefix_len=10)
     # The smallest legal cache: the largest single request's need, plus a few (so preemption is common).
     need = max(-(-(len(p) + sp.max_tokens - 1) // block_size) for p, sp in reqs)
     got, _ = run(reqs, num_blocks=need + extra_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                 budget=budget, prefix=prefix)
-    assert got == alone(reqs, block_size=block_size)
+                 budget=budget, prefix=prefix, overlap=overlap, eos=eos)
+    assert got == alone(reqs, block_size=block_size, eos=eos)
+
+
+@pytest.mark.parametrize("with_eos", [False, True])
+def test_overlapped_steps_with_preemption_and_late_stops(with_eos):
+    """Steps launched one ahead of their results: preemption of a sequence whose token is still in flight,
+    stop tokens found one step late, and length ends never scheduled past max_tokens."""
+    rng = random.Random(1)
+    reqs = [([rng.randrange(VOCAB) for _ in range(6)], SamplingParams(max_tokens=rng.randint(1, 12)))
+            for _ in range(8)]
+    eos = ()
+    if with_eos:  # a token some request samples before its last one, so its sequence stops early
+        early = [t for out, _, _ in alone(reqs) for t in out[:-1]]
+        eos = (max(set(early), key=early.count),)
+    stats = {"draining": 0}
+
+    def check(sch, scheduled):
+        stats["draining"] += bool(sch.draining)
+        for x in scheduled:
+            assert x.seq.num_output_tokens <= x.seq.params.max_tokens
+
+    got, sch = run(reqs, num_blocks=6, block_size=4, max_num_seqs=8, budget=9, eos=eos, overlap=True, check=check,
+                   stats=stats)
+    assert sch.num_preemptions > 0 and stats["draining"] > 0
+    assert (stats.get("late_rows", 0) > 0) == bool(eos)  # a stopped sequence still ran in the step after its stop token
+    assert got == alone(reqs, eos=eos)
 
 
 def test_tiny_cache_forces_preemption_and_recompute():

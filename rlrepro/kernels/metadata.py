@@ -13,6 +13,23 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without making the host wait for the device's queue.
+
+    A plain ``.to("cuda")`` synchronises with the stream, which would stall an engine that launches its next step
+    while the current one runs. To CUDA the tensor goes through pinned memory (torch's caching host allocator keeps
+    the pinned block until the copy has run) with ``non_blocking=True``; elsewhere it is a plain ``.to``."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def tensor_to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on ``device``, through ``to_device`` (no host-device sync)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [S+1] int64: queries of sequence s are rows cu[s]:cu[s+1] of the batch
@@ -43,8 +60,8 @@ class AttentionMetadata:
         seq_idx = torch.repeat_interleave(torch.arange(len(seq_lens)), lens)
         positions = torch.arange(int(cu[-1])) - cu[:-1][seq_idx]
         return AttentionMetadata(
-            cu_seqlens_q=cu.to(device), seq_lens=lens.to(device), positions=positions.to(device),
-            seq_idx=seq_idx.to(device), max_seq_len=max(seq_lens))
+            cu_seqlens_q=to_device(cu, device), seq_lens=to_device(lens, device),
+            positions=to_device(positions, device), seq_idx=to_device(seq_idx, device), max_seq_len=max(seq_lens))
 
     @staticmethod
     def paged(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -68,6 +85,6 @@ class AttentionMetadata:
             table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         slots = table[seq_idx, positions // block_size] * block_size + positions % block_size
         return AttentionMetadata(
-            cu_seqlens_q=cu.to(device), seq_lens=sl.to(device), positions=positions.to(device),
-            seq_idx=seq_idx.to(device), max_seq_len=max(seq_lens), slot_mapping=slots.to(device),
-            block_table=table.to(device), block_size=block_size)
+            cu_seqlens_q=to_device(cu, device), seq_lens=to_device(sl, device),
+            positions=to_device(positions, device), seq_idx=to_device(seq_idx, device), max_seq_len=max(seq_lens),
+            slot_mapping=to_device(slots, device), block_table=to_device(table, device), block_size=block_size)

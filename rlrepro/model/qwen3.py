@@ -249,21 +249,30 @@ class Qwen3ForCausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for ``positions``; the table grows (in whole powers of two) and is only gathered from."""
-        need = int(positions.max()) + 1 if positions.numel() else 1
+    def rope(self, positions: torch.Tensor, max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for ``positions``; the table grows (in whole powers of two) and is only gathered from.
+
+        ``max_len`` (> every position), when known on the host, spares reading ``positions.max()`` back from the
+        device. The table's rows do not depend on its size, so how it grew never changes a value."""
+        if max_len is not None:
+            need = max(int(max_len), 1)
+        else:
+            need = int(positions.max()) + 1 if positions.numel() else 1
         if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].device != positions.device:
             size = max(4096, 1 << (need - 1).bit_length())
             self._rope = rope_tables(self.config.head_dim, self.config.rope_theta, size, positions.device)
         return self._rope[0][positions], self._rope[1][positions]
 
     def forward_tokens(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None, *,
+                       check_ids: bool = True) -> torch.Tensor:
+        """Hidden states of a packed or paged token batch. ``check_ids=False`` skips the token-range check, which
+        reads the ids back to the host (the engine validates ids itself and must not wait for the device)."""
         vocab = self.config.vocab_size
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        if check_ids and input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"token ids must lie in [0, {vocab}); got min {int(input_ids.min())}, "
                              f"max {int(input_ids.max())}")
-        cos, sin = self.rope(meta.positions)
+        cos, sin = self.rope(meta.positions, meta.max_seq_len)
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, meta, None if kv_caches is None else kv_caches[i])

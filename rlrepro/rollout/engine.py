@@ -161,19 +161,32 @@ class Engine:
             self.scheduler.add(seq)
         try:
             with self._mode():
-                while self.scheduler.has_unfinished():
-                    with record_function("rlrepro.schedule"):
-                        scheduled = self.scheduler.schedule()
-                    with record_function("rlrepro.execute"):
-                        sampled = self.runner.execute(scheduled)
-                    with record_function("rlrepro.update"):
-                        self.scheduler.update(scheduled, sampled)
+                self._run()
         finally:
             if self.scheduler.has_unfinished():  # an exception (or interrupt) mid-run: free everything
                 self.scheduler.abort_all()
         return [RequestOutput(prompt_token_ids=s.prompt_token_ids, token_ids=s.output_token_ids,
                               logprobs=list(s.output_logprobs), finish_reason=s.finish_reason, seed=s.seed,
                               weight_version=self.weight_version) for s in seqs]
+
+    def _run(self) -> None:
+        """Step until every request has finished, one step ahead of the host: step t+1 is scheduled and launched
+        before step t's sampled tokens are read back, so on CUDA the host's work overlaps the device's. Tokens the
+        host has not seen yet are placeholders that the runner feeds from the device (``Scheduler.launched`` /
+        ``resolve``); a request that samples a stop token is noticed one step late and its extra row discarded.
+        Which step a token is computed in never changes it (see docs/ENGINE.md), so this is invisible in the
+        outputs."""
+        sch = self.scheduler
+        pending = None  # (rows, StepOutput) of the step in flight
+        while sch.has_unfinished() or pending is not None:
+            with record_function("rlrepro.schedule"):
+                scheduled = sch.schedule()
+            with record_function("rlrepro.launch"):
+                step = self.runner.launch(scheduled) if scheduled else None
+            if pending is not None:
+                with record_function("rlrepro.resolve"):
+                    sch.resolve(pending[0], pending[1].result())
+            pending = (sch.launched(scheduled), step) if step is not None else None
 
     def _validate(self, prompt_token_ids, sampling_params) -> tuple[list[list[int]], list[SamplingParams]]:
         if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Iterable):

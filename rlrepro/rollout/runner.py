@@ -11,6 +11,12 @@ is captured with ``max_seq_len = max_model_len`` and a block table as wide as ``
 attention kernel must give the same result for any ``max_seq_len`` >= the true one (the deterministic kernels
 reduce over positions ``0..p`` only) and must not synchronise with the host. A capture that fails (e.g. a kernel
 that reads a tensor value on the host) falls back to eager decoding with a warning.
+
+Overlap: ``launch`` only enqueues a step (inputs copied through pinned memory, no host-device synchronisation on
+the decode path) and returns a :class:`StepOutput` whose values are read back later, so the host schedules and
+prepares step t+1 while the device runs step t. A sequence whose last token was sampled by the step still in
+flight carries a placeholder (``Sequence.pending_row``); its input id is gathered on the device from that step's
+sampled tokens. ``execute`` is ``launch(...).result()``.
 """
 from __future__ import annotations
 
@@ -20,9 +26,11 @@ import torch
 from torch.profiler import record_function
 
 from rlrepro.kernels import AttentionMetadata
+from rlrepro.kernels.metadata import tensor_to_device
 
-from .sampler import SampleRequest, sample
+from .sampler import SampleRequest, sample_on_device
 from .scheduler import ScheduledSeq
+from .sequence import PLACEHOLDER
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 513, 16))
 
@@ -50,6 +58,7 @@ class ModelRunner:
                           for _ in range(cfg.num_hidden_layers)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_graph_steps = 0
+        self._prev_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
         if enable_cuda_graphs and self.device.type == "cuda":
             try:
                 self._capture_decode_graphs(max_num_seqs)
@@ -60,37 +69,62 @@ class ModelRunner:
                               RuntimeWarning, stacklevel=2)
 
     # ---- one step -----------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, float]]:
         """Run one step; returns (token, logprob) for each sampling entry, in order."""
+        return self.launch(scheduled).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledSeq]) -> "StepOutput":
+        """Enqueue one step on the device; its sampled (token, logprob) pairs come from ``.result()``."""
         ids: list[int] = []
         sample_rows: list[int] = []
         requests: list[SampleRequest] = []
+        patch_rows: list[int] = []  # rows whose input id is a token still on the device
+        patch_src: list[int] = []  # ... and its row in the previous launch's sampled tokens
         for s in scheduled:
             seq = s.seq
             ids.extend(seq.token_ids[s.start:s.end])
+            if seq.pending_row is not None and s.end == len(seq):
+                patch_rows.append(len(ids) - 1)
+                patch_src.append(seq.pending_row)
+                ids[-1] = 0
             if s.samples:
                 sample_rows.append(len(ids) - 1)
                 p = seq.params
                 requests.append(SampleRequest(p.temperature, p.top_k, p.top_p, seq.seed, s.end))
+        if PLACEHOLDER in ids:
+            raise RuntimeError("runner: a step feeds a placeholder token that is not the previous step's output")
+        if patch_rows and self._prev_tokens is None:
+            raise RuntimeError("runner: a placeholder token but no previous step to take it from")
         graph_size = self._graph_size(scheduled)
         if graph_size is not None:
-            logits = self._replay_decode_graph(scheduled, ids, graph_size)
+            logits = self._replay_decode_graph(scheduled, ids, graph_size, patch_rows, patch_src)
             rows = [i for i, s in enumerate(scheduled) if s.samples]
-            logits = logits[rows] if len(rows) != len(scheduled) else logits
+            if len(rows) != len(scheduled):
+                logits = logits.index_select(0, tensor_to_device(rows, torch.int64, self.device))
         else:
             meta = AttentionMetadata.paged(
                 [s.num_new_tokens for s in scheduled], [s.end for s in scheduled],
                 [s.seq.block_table for s in scheduled], self.block_size, self.device)
-            hidden = self.model.forward_tokens(torch.tensor(ids, dtype=torch.int64, device=self.device), meta,
-                                               self.kv_caches)
+            input_ids = tensor_to_device(ids, torch.int64, self.device)
+            self._patch_ids(input_ids, patch_rows, patch_src)
+            hidden = self.model.forward_tokens(input_ids, meta, self.kv_caches, check_ids=False)
             if not sample_rows:
-                return []
-            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+                self._prev_tokens = None
+                return StepOutput(None, None)
+            rows = tensor_to_device(sample_rows, torch.int64, self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
         with record_function("rlrepro.sample"):
-            tokens, logprobs = sample(logits, requests)
-        return list(zip(tokens, logprobs))
+            tokens, logprobs = sample_on_device(logits, requests)
+        self._prev_tokens = tokens
+        return StepOutput(tokens, logprobs)
+
+    def _patch_ids(self, input_ids: torch.Tensor, rows: list[int], src: list[int]) -> None:
+        """Put the previous step's sampled tokens into the rows that feed them (on the device, no sync)."""
+        if rows:
+            src_t = tensor_to_device(src, torch.int64, self.device)
+            rows_t = tensor_to_device(rows, torch.int64, self.device)
+            input_ids.index_copy_(0, rows_t, self._prev_tokens.index_select(0, src_t))
 
     # ---- CUDA graphs for decode ---------------------------------------------------------------------------
     def _graph_size(self, scheduled: list[ScheduledSeq]) -> int | None:
@@ -138,7 +172,6 @@ class ModelRunner:
         self._block_table = torch.zeros(max_b, width, dtype=torch.int64, device=dev)
         self._cu = torch.arange(max_b + 1, dtype=torch.int64, device=dev)
         self._seq_idx = torch.arange(max_b, dtype=torch.int64, device=dev)
-        self._host = torch.empty(4, max_b, dtype=torch.int64, pin_memory=True)
         cos, sin = self.model.rope(torch.arange(self.max_model_len, device=dev))  # grows the model's table
         self._rope_cos, self._rope_sin = cos.contiguous(), sin.contiguous()
         self._reset_graph_inputs()
@@ -155,10 +188,9 @@ class ModelRunner:
             torch.cuda.synchronize(dev)
         self._reset_graph_inputs()
 
-    def _replay_decode_graph(self, scheduled: list[ScheduledSeq], ids: list[int], b: int) -> torch.Tensor:
+    def _replay_decode_graph(self, scheduled: list[ScheduledSeq], ids: list[int], b: int, patch_rows: list[int],
+                             patch_src: list[int]) -> torch.Tensor:
         n, bs = len(scheduled), self.block_size
-        host = self._host  # pinned; safe to overwrite: the previous step's sampler synchronised on its results
-        host[:, n:b] = torch.tensor([[0], [0], [1], [self.scratch_block * bs]], dtype=torch.int64)  # padding
         width = max(len(s.seq.block_table) for s in scheduled)
         pad = [self.scratch_block] * width
         rows, positions, slots = [], [], []
@@ -168,15 +200,48 @@ class ModelRunner:
             slots.append(blocks[pos // bs] * bs + pos % bs)
             rows.append(blocks + pad[len(blocks):])
         rows += [pad] * (b - n)
-        host[:, :n] = torch.tensor([ids, positions, [p + 1 for p in positions], slots], dtype=torch.int64)
-        table = torch.tensor(rows, dtype=torch.int64)
-        self._ids[:b].copy_(host[0, :b], non_blocking=True)
-        self._positions[:b].copy_(host[1, :b], non_blocking=True)
-        self._seq_lens[:b].copy_(host[2, :b], non_blocking=True)
-        self._slots[:b].copy_(host[3, :b], non_blocking=True)
+        scratch = self.scratch_block * bs
+        # padding rows: token 0 at position 0 of the scratch block
+        inputs = [ids + [0] * (b - n), positions + [0] * (b - n), [p + 1 for p in positions] + [1] * (b - n),
+                  slots + [scratch] * (b - n)]
+        # one pinned host-to-device copy for the four vectors and the block table, then device-side copies
+        staged = tensor_to_device([v for row in inputs for v in row] + [v for row in rows for v in row],
+                                  torch.int64, self.device)
+        vectors = staged[: 4 * b].view(4, b)
+        self._ids[:b].copy_(vectors[0])
+        self._patch_ids(self._ids[:b], patch_rows, patch_src)
+        self._positions[:b].copy_(vectors[1])
+        self._seq_lens[:b].copy_(vectors[2])
+        self._slots[:b].copy_(vectors[3])
         # Columns past a row's blocks keep stale but valid block ids; the kernels mask positions >= seq_len.
-        self._block_table[:b, :width].copy_(table)
+        self._block_table[:b, :width].copy_(staged[4 * b:].view(b, width))
         graph, out = self.graphs[b]
         graph.replay()
         self.num_graph_steps += 1
         return out[:n]
+
+
+class StepOutput:
+    """A launched step's sampled tokens and logprobs: copied to pinned host memory without waiting, read by
+    ``result()`` (which waits for that copy only)."""
+
+    def __init__(self, tokens: torch.Tensor | None, logprobs: torch.Tensor | None) -> None:
+        self._event = None
+        if tokens is None:
+            self._host = None
+        elif tokens.is_cuda:
+            self._host = (torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True),
+                          torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True))
+            self._host[0].copy_(tokens, non_blocking=True)
+            self._host[1].copy_(logprobs, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = (tokens, logprobs)
+
+    def result(self) -> list[tuple[int, float]]:
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        return list(zip(self._host[0].tolist(), self._host[1].tolist()))

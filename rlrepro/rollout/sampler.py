@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from rlrepro import kernels
+from rlrepro.kernels.metadata import tensor_to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -150,29 +151,40 @@ def sample(logits: torch.Tensor, requests: Seq[SampleRequest], fused: bool | Non
 
     ``fused`` (default: on for CUDA) uses the fused Triton Gumbel-max, which gives the same tokens as the eager
     definition; ``fused=False`` forces the eager path."""
+    tokens, logprobs = sample_on_device(logits, requests, fused)
+    return tokens.tolist(), logprobs.tolist()
+
+
+def sample_on_device(logits: torch.Tensor, requests: Seq[SampleRequest], fused: bool | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` without reading the results back: int64 tokens and float32 logprobs [R] on the logits' device.
+
+    Host values go to the device through pinned memory, so on CUDA nothing here waits for the device."""
     r, v = logits.shape
     if r != len(requests):
         raise ValueError(f"{r} logits rows for {len(requests)} sample requests")
-    if r == 0:
-        return [], []
     device = logits.device
+    tokens = torch.empty(r, dtype=torch.int64, device=device)
+    logprobs = torch.empty(r, dtype=torch.float32, device=device)
+    if r == 0:
+        return tokens, logprobs
     fused_argmax = _fused_gumbel_argmax(device) if fused is not False else None
     if fused and fused_argmax is None:
         raise ValueError(f"fused=True needs a CUDA tensor and Triton; logits are on {device}")
-    tokens = torch.empty(r, dtype=torch.int64, device=device)
-    logprobs = torch.empty(r, dtype=torch.float32, device=device)
     by_temperature: dict[float, list[int]] = {}
     for i, req in enumerate(requests):
         by_temperature.setdefault(req.temperature, []).append(i)
     for t, rows in sorted(by_temperature.items()):
-        idx = torch.tensor(rows, dtype=torch.int64, device=device)
-        group = logits.index_select(0, idx)
+        whole = len(rows) == r  # one temperature for the whole batch: no gather or scatter
+        idx = None if whole else tensor_to_device(rows, torch.int64, device)
+        group = logits if whole else logits.index_select(0, idx)
         if t == 0.0:
             chosen = torch.argmax(group.float(), dim=-1)
         else:
             scaled = group.float() / t  # the same expression token_logprob evaluates
-            seeds = torch.tensor([requests[i].seed for i in rows], dtype=torch.int64, device=device)
-            positions = torch.tensor([requests[i].position for i in rows], dtype=torch.int64, device=device)
+            keys = tensor_to_device([[requests[i].seed for i in rows], [requests[i].position for i in rows]],
+                                    torch.int64, device)
+            seeds, positions = keys[0], keys[1]
             kept = scaled
             for j, i in enumerate(rows):
                 req = requests[i]
@@ -183,6 +195,11 @@ def sample(logits: torch.Tensor, requests: Seq[SampleRequest], fused: bool | Non
                 chosen = fused_argmax(kept, seeds, positions)
             else:
                 chosen = torch.argmax(kept.double() + gumbel_noise(seeds, positions, v), dim=-1)
-        tokens[idx] = chosen
-        logprobs[idx] = kernels.token_logprob(group, chosen, t)
-    return tokens.tolist(), logprobs.tolist()
+        lp = kernels.token_logprob(group, chosen, t)
+        if whole:
+            tokens.copy_(chosen)
+            logprobs.copy_(lp)
+        else:
+            tokens[idx] = chosen
+            logprobs[idx] = lp
+    return tokens, logprobs

@@ -13,6 +13,14 @@ never wall-clock time:
    sequence's tokens at once, reusing prefix-cache hits; a waiting sequence that does not fit blocks the ones
    behind it (strict FCFS).
 
+Overlap (``launched`` / ``resolve``): the engine launches step t+1 before it reads step t's sampled tokens back.
+``launched(step)`` records a step as soon as it is on the device (computed counts advance; every sampling
+sequence gets a placeholder token, whose value the runner feeds from the device); ``resolve(rows, sampled)``
+fills the placeholders in once the values are on the host, and finishes sequences. A sequence that will end by
+length whatever it samples moves to ``draining`` at launch, so it is never scheduled past ``max_tokens``; one that
+samples a stop token is found one step late, and its row in the step in flight is discarded. ``update`` is the
+two back to back (no overlap).
+
 None of these choices can change a token: a token's logits depend only on the tokens before it (batch-invariant
 kernels, canonical KV order), and its sampling noise only on (seed, position, token id). See docs/ENGINE.md.
 """
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
@@ -28,21 +36,20 @@ from .sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # compute positions num_computed_tokens .. num_computed_tokens + num_new_tokens - 1
+    """One sequence's share of a step: positions ``start .. end - 1``, fixed when the step is scheduled."""
 
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
+    seq: Sequence
+    num_new_tokens: int
+    start: int = field(init=False)  # the sequence's num_computed_tokens when the step was scheduled
+    samples: bool = field(init=False)  # the step brings the sequence to its end: its last row gives the next token
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == len(self.seq)
 
     @property
     def end(self) -> int:
-        return self.seq.num_computed_tokens + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step brings the sequence to its end, so its last row's logits give the next token."""
-        return self.end == len(self.seq)
+        return self.start + self.num_new_tokens
 
 
 class Scheduler:
@@ -58,6 +65,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []  # sorted by seq_id
         self.running: list[Sequence] = []  # sorted by seq_id
+        self.draining: list[Sequence] = []  # end by length at their pending token: hold blocks, never scheduled
+        self.num_pending = 0  # placeholder tokens not yet resolved
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -67,16 +76,18 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.seq_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.draining)
 
     def abort_all(self) -> None:
         """Drop every request and free its blocks (after an error mid-generation)."""
-        for seq in self.running:
+        for seq in self.running + self.draining:
             self.block_manager.deallocate(seq)
-        for seq in self.running + self.waiting:
+        for seq in self.running + self.draining + self.waiting:
+            seq.drop_placeholder()
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
-        self.running, self.waiting = [], []
+        self.running, self.waiting, self.draining = [], [], []
+        self.num_pending = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
@@ -109,7 +120,7 @@ class Scheduler:
             budget -= n
             i += 1
         while (self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs
-               and bm.can_allocate(self.waiting[0])):
+               and self.waiting[0].pending_row is None and bm.can_allocate(self.waiting[0])):
             seq = self.waiting.pop(0)
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
@@ -122,37 +133,76 @@ class Scheduler:
             if not bm.is_writable(s.seq, s.start, s.end):  # the prefix-cache contract; cheap, so always checked
                 raise RuntimeError(f"scheduler bug: sequence {s.seq.seq_id} would write positions "
                                    f"{s.start}..{s.end - 1} into a shared or cached block")
-        if not scheduled and self.has_unfinished():
+        if scheduled:
+            self.num_steps += 1
+        elif (self.waiting or self.running) and not self.draining and not self.num_pending:
             raise RuntimeError(f"scheduler made no progress with {len(self.waiting)} waiting and "
                                f"{len(self.running)} running sequences; the KV cache is too small for the head "
                                "request (the engine checks this up front, so this is a bug)")
-        self.num_steps += 1
         return scheduled
 
     def update(self, scheduled: list[ScheduledSeq], sampled: Seq[tuple[int, float]]) -> list[Sequence]:
-        """Record a step: advance ``num_computed_tokens``, append the sampled tokens (one per sampling entry,
-        in order), finish sequences. Returns the sequences that finished."""
+        """Record a finished step: ``launched`` and ``resolve`` back to back. ``sampled`` holds one (token,
+        logprob) per sampling entry, in order. Returns the sequences that finished."""
+        return self.resolve(self.launched(scheduled), sampled)
+
+    def launched(self, scheduled: list[ScheduledSeq]) -> list[Sequence | None]:
+        """Record a step that is on the device but whose sampled tokens are not known yet.
+
+        Advances ``num_computed_tokens``, registers newly full blocks with the prefix cache, and gives every
+        sampling sequence a placeholder token. Returns the step's sampled rows in order: the sequence of each,
+        or None for a sequence that finished (a stop token read back late) since the step was scheduled; pass
+        the list to ``resolve`` with the sampled values."""
         bm = self.block_manager
-        sampled_iter = iter(sampled)
-        finished = []
+        rows: list[Sequence | None] = []
         for s in scheduled:
             seq = s.seq
-            samples = s.samples
-            seq.num_computed_tokens += s.num_new_tokens
-            bm.cache_computed_blocks(seq)
-            if not samples:
+            if seq.status is SequenceStatus.FINISHED:
+                if s.samples:
+                    rows.append(None)
                 continue
-            token, logprob = next(sampled_iter)
-            seq.append_token(token, logprob)
+            if seq.num_computed_tokens != s.start or seq.status is not SequenceStatus.RUNNING:
+                raise RuntimeError(f"scheduler bug: sequence {seq.seq_id} changed between scheduling and launch")
+            seq.num_computed_tokens = s.end
+            bm.cache_computed_blocks(seq)  # full blocks hold computed positions only: never a placeholder
+            if not s.samples:
+                continue
+            seq.append_placeholder(len(rows))
+            rows.append(seq)
+            self.num_pending += 1
+            if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+                self.running.remove(seq)  # ends by length whatever the token is: schedule it no more
+                self.draining.append(seq)
+        return rows
+
+    def resolve(self, rows: Seq[Sequence | None], sampled: Seq[tuple[int, float]]) -> list[Sequence]:
+        """Fill in a launched step's sampled tokens (``rows`` from ``launched``) and finish sequences.
+
+        Returns the sequences that finished."""
+        if len(sampled) != len(rows):
+            more = "more" if len(sampled) > len(rows) else "fewer"
+            raise RuntimeError(f"{more} sampled tokens ({len(sampled)}) than sampling sequences in the step "
+                               f"({len(rows)})")
+        bm = self.block_manager
+        finished = []
+        for seq, (token, logprob) in zip(rows, sampled):
+            if seq is None:
+                continue
+            seq.resolve_placeholder(token, logprob)
+            self.num_pending -= 1
             reason = self.finish_reason(seq, token)
-            if reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason
+            if reason is None:
+                if seq in self.draining:
+                    raise RuntimeError(f"scheduler bug: draining sequence {seq.seq_id} did not finish")
+                continue
+            if seq.status is SequenceStatus.WAITING:  # preempted since its step was launched: holds no blocks
+                self.waiting.remove(seq)
+            else:
+                (self.draining if seq in self.draining else self.running).remove(seq)
                 bm.deallocate(seq)
-                self.running.remove(seq)
-                finished.append(seq)
-        if next(sampled_iter, None) is not None:
-            raise RuntimeError("more sampled tokens than sampling sequences in the step")
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            finished.append(seq)
         return finished
 
     def finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -5,6 +5,8 @@ import enum
 
 from .params import SamplingParams
 
+PLACEHOLDER = -1  # the token id a sequence carries for a sampled token the host has not read back yet
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted, or preempted: holds no KV blocks
@@ -35,6 +37,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        # While the engine overlaps steps, the token sampled in the step in flight is not on the host yet: the
+        # sequence carries PLACEHOLDER as its last token and this is its row in that step's sampled output (the
+        # runner feeds the real token from the device). None when every token is known.
+        self.pending_row: int | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -66,3 +72,25 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
+
+    def append_placeholder(self, row: int) -> None:
+        """Append the token sampled in the step just launched, before its value is known (see ``pending_row``)."""
+        if self.pending_row is not None:
+            raise RuntimeError(f"sequence {self.seq_id} already waits for the token of row {self.pending_row}")
+        self.append_token(PLACEHOLDER, float("nan"))
+        self.pending_row = row
+
+    def resolve_placeholder(self, token_id: int, logprob: float) -> None:
+        """Replace the placeholder appended by ``append_placeholder`` with the sampled token and its logprob."""
+        if self.pending_row is None:
+            raise RuntimeError(f"sequence {self.seq_id} has no placeholder token to resolve")
+        self.token_ids[-1] = token_id
+        self.output_logprobs[-1] = logprob
+        self.pending_row = None
+
+    def drop_placeholder(self) -> None:
+        """Remove an unresolved placeholder (an aborted generation)."""
+        if self.pending_row is not None:
+            self.token_ids.pop()
+            self.output_logprobs.pop()
+            self.pending_row = None
