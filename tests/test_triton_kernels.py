@@ -249,6 +249,33 @@ def check_attention_mha_fp32():
         assert rel_err(A.attention_fwd(q, k, v, meta, 0.3, config=cfg), expect) < 1e-5, name
 
 
+@interp_check
+def check_write_kv_cache_and_schedule_cache_fp32():
+    from rlrepro.kernels import cpu as C
+    from rlrepro.kernels import triton_attention as A
+    from rlrepro.kernels import triton_ops as T
+    # the one-launch KV write equals the two index_copy_ calls, also from a non-contiguous (fused q/k/v) view
+    fresh_seed()
+    nb, bs, hkv, d = 6, 4, 3, 20
+    qkv = torch.randn(7, 2 + 2 * hkv, d)
+    k, v = qkv[:, 2:2 + hkv], qkv[:, 2 + hkv:]
+    meta = AttentionMetadata.paged([3, 4], [5, 4], [[2, 0], [5]], bs)
+    caches = [(torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d)) for _ in range(2)]
+    caches[1] = (caches[0][0].clone(), caches[0][1].clone())
+    A.write_kv_cache(k, v, caches[0], meta)
+    C.write_kv_cache(k, v, caches[1], meta)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    # layers sharing one metadata compute the attention schedule once, with the same result as without
+    q = torch.randn(7, 2 * hkv, d)
+    first = T.attention(q, k, v, meta, 0.3, caches[0])
+    assert any(key[0] == "attention_schedule" for key in meta.cache)
+    cached = dict(meta.cache)
+    again = T.attention(q, k, v, meta, 0.3, caches[0])
+    assert meta.cache.keys() == cached.keys() and all(meta.cache[key] is cached[key] for key in cached)
+    fresh = AttentionMetadata.paged([3, 4], [5, 4], [[2, 0], [5]], bs)
+    assert torch.equal(first, again) and torch.equal(first, T.attention(q, k, v, fresh, 0.3, caches[0]))
+
+
 def _grad_pairs(device, dtype):
     """(name, fn under test, float64 reference fn, inputs) for every differentiable op."""
     from rlrepro.kernels import triton_ops as T

@@ -8,7 +8,7 @@ which is why a token's output does not depend on which caller computed it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [N] int64: flat cache slot (block * block_size + offset) per new token
     block_table: torch.Tensor | None = None  # [S, max_blocks] int64: cache blocks of each sequence, in order
     block_size: int = 0
+    # Derived device tensors that every layer's kernels would otherwise recompute from the same metadata (e.g.
+    # the attention kernels' program schedule), keyed by their maker; filled lazily, never part of equality.
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

@@ -147,8 +147,17 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _device_schedule(cu: torch.Tensor, s_count: int, n: int, block: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """``_schedule_kernel``'s slot table for tiles of ``block`` tokens: (slots, slot -> sequence, -> first token)."""
+def _device_schedule(cu: torch.Tensor, s_count: int, n: int, block: int,
+                     meta: AttentionMetadata | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``_schedule_kernel``'s slot table for tiles of ``block`` tokens: (slots, slot -> sequence, -> first token).
+
+    With ``meta`` the table is kept in ``meta.cache``, so the layers of one forward (and its backward) that share
+    the metadata compute it once."""
+    if meta is not None:
+        key = ("attention_schedule", block)
+        if key not in meta.cache:
+            meta.cache[key] = _device_schedule(cu, s_count, n, block)
+        return meta.cache[key]
     g_slots = triton.cdiv(n, block) + s_count  # >= sum over sequences of ceil(len / block)
     prog_seq = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
     prog_t0 = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
@@ -156,6 +165,39 @@ def _device_schedule(cu: torch.Tensor, s_count: int, n: int, block: int) -> tupl
     _schedule_kernel[(1,)](cu, s_count, g_slots, prog_seq, prog_t0, BLOCK_Q=block, S_P=s_p,
                            G_CHUNK=max(16, 2048 // s_p), num_warps=4)
     return g_slots, prog_seq, prog_t0
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kn, stride_kh, stride_vn, stride_vh,
+                     stride_cs, stride_ch, HKV, D, HKV_P: tl.constexpr, D_P: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    h = tl.arange(0, HKV_P)
+    d = tl.arange(0, D_P)
+    ok = (h < HKV)[:, None] & (d < D)[None, :]
+    dst = slot * stride_cs + h[:, None] * stride_ch + d[None, :]
+    k = tl.load(k_ptr + i * stride_kn + h[:, None] * stride_kh + d[None, :], mask=ok)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=ok)
+    v = tl.load(v_ptr + i * stride_vn + h[:, None] * stride_vh + d[None, :], mask=ok)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=ok)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   meta: AttentionMetadata) -> None:
+    """``cache[slot_mapping[i]] = k[i]`` (and v) for the paged cache [blocks, bs, Hkv, D], in one launch: the
+    same bytes as ``cpu.write_kv_cache``'s two ``index_copy_`` (a copy; casts only if the dtypes differ)."""
+    k_cache, v_cache = kv_cache
+    n, hkv, d = k.shape
+    if n == 0:
+        return
+    k = k.detach() if k.stride(-1) == 1 else k.detach().contiguous()
+    v = v.detach() if v.stride(-1) == 1 else v.detach().contiguous()
+    for name, c in (("k", k_cache), ("v", v_cache)):
+        if not c.is_contiguous():
+            raise ValueError(f"write_kv_cache: the {name} cache must be contiguous")
+    _write_kv_kernel[(n,)](k, v, k_cache, v_cache, meta.slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+                           v.stride(1), hkv * d, d, hkv, d, HKV_P=triton.next_power_of_2(hkv),
+                           D_P=triton.next_power_of_2(d), num_warps=4)
 
 
 def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata,
@@ -179,7 +221,7 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         if t.stride(-1) != 1:
             raise ValueError(f"attention: {name} must have a contiguous last dim")
     cu = meta.cu_seqlens_q
-    g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q)
+    g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q, meta)
     paged = meta.block_table is not None
     bt = meta.block_table if paged else cu
     _attn_fwd_kernel[(g_slots, hkv)](
@@ -452,7 +494,7 @@ def attention_bwd_packed_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     cu = meta.cu_seqlens_q
 
     block_q = cfg.dq_rows // group_p
-    g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q)
+    g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q, meta)
     _attn_bwd_dq_kernel[(g_slots, hkv)](
         q, k, v, out, grad_out, dq, lse, delta, prog_seq, prog_q0, cu,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -461,7 +503,7 @@ def attention_bwd_packed_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=cfg.dq_rows, BLOCK_N=cfg.dq_kv, D_P=d_p,
         PRECISION=precision, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
 
-    g_slots, prog_seq, prog_n0 = _device_schedule(cu, s_count, n, cfg.kv_block)
+    g_slots, prog_seq, prog_n0 = _device_schedule(cu, s_count, n, cfg.kv_block, meta)
     _attn_bwd_dkdv_kernel[(g_slots, hkv)](
         q, k, v, grad_out, dk, dv, lse, delta, prog_seq, prog_n0, cu, g_slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

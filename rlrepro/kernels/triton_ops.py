@@ -17,7 +17,6 @@ import torch
 from . import triton_attention as _attn
 from . import triton_matmul as _mm
 from . import triton_rowwise as _rw
-from .cpu import write_kv_cache
 from .metadata import AttentionMetadata
 
 __all__ = ["linear", "rms_norm", "log_softmax", "silu_and_mul", "apply_rope", "embedding", "attention"]
@@ -207,7 +206,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     k_cache, v_cache = kv_cache
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"attention: KV cache is {k_cache.dtype}/{v_cache.dtype} but q is {q.dtype}")
-    write_kv_cache(k, v, kv_cache, meta)
+    _attn.write_kv_cache(k, v, kv_cache, meta)
     nb, bs, hkv, d = k_cache.shape
     with torch.no_grad():  # inference path: the cache is state, not part of a graph
         return _attn.attention_fwd(q.detach(), k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d),
