@@ -20,7 +20,7 @@ from .metadata import AttentionMetadata
 
 __all__ = [
     "MODES", "mode", "current_mode", "AttentionMetadata", "linear", "rms_norm", "log_softmax", "token_logprob",
-    "silu_and_mul", "apply_rope", "embedding", "attention",
+    "silu_and_mul", "apply_rope", "embedding", "attention", "scaled_token_logprob",
 ]
 
 _triton_impl: types.ModuleType | None = None
@@ -69,7 +69,13 @@ def token_logprob(logits: torch.Tensor, token_ids: torch.Tensor, temperature: fl
     (greedy decoding reports the untempered distribution). Float32, shape ``token_ids.shape``.
     """
     t = float(temperature) if temperature > 0 else 1.0
-    lp = log_softmax(logits.float() / t)
+    return scaled_token_logprob(logits.float() / t, token_ids)
+
+
+def scaled_token_logprob(scaled: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``token_logprob``'s second half, for a caller that already holds ``logits.float() / t`` (the sampler):
+    ``log_softmax(scaled)`` at ``token_ids``."""
+    lp = log_softmax(scaled)
     return lp.gather(-1, token_ids.unsqueeze(-1).long()).squeeze(-1)
 
 

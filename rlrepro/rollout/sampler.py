@@ -195,7 +195,8 @@ def sample_on_device(logits: torch.Tensor, requests: Seq[SampleRequest], fused: 
                 chosen = fused_argmax(kept, seeds, positions)
             else:
                 chosen = torch.argmax(kept.double() + gumbel_noise(seeds, positions, v), dim=-1)
-        lp = kernels.token_logprob(group, chosen, t)
+        # token_logprob(group, chosen, t) is scaled_token_logprob(group.float() / t, chosen): reuse `scaled`
+        lp = kernels.token_logprob(group, chosen, t) if t == 0.0 else kernels.scaled_token_logprob(scaled, chosen)
         if whole:
             tokens.copy_(chosen)
             logprobs.copy_(lp)
