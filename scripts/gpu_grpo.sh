@@ -109,7 +109,12 @@ for name in names:
 PYEOF
 # the two-run overlay (reward, loss, KL, entropy, length, grad norm): the curves lie on top of each other
 case $SET in one) PAIR="a b" ;; eight) PAIR="x1 x2" ;; *) PAIR="g h" ;; esac
-$PY -m rlrepro.cli plot $(for n in $PAIR; do echo "$W/$n"; done) --out "$R/plots" > /dev/null 2>&1 || log "plot failed"
+PLOT_RUNS=$(for n in $PAIR; do [ -d "$W/$n" ] && echo "$W/$n"; done)
+if [ "$(echo "$PLOT_RUNS" | wc -w)" -eq 2 ]; then  # GRPO_ONLY may have left one of the pair out
+  $PY -m rlrepro.cli plot $PLOT_RUNS --out "$R/plots" > /dev/null 2>&1 || log "plot failed"
+else
+  log "plot skipped: the pair ($PAIR) did not both run"
+fi
 for n in $RUNS; do  # records only: diff-able anywhere with `rlrepro diff`
   [ -d "$W/$n" ] && mkdir -p "$R/runs/$n" && cp "$W/$n"/*.jsonl "$W/$n/config.yaml" "$R/runs/$n/" 2>/dev/null
 done
