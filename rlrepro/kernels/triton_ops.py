@@ -2,8 +2,9 @@
 
 Signatures are those of :mod:`rlrepro.kernels.cpu`. Forward passes are Triton kernels whose per-row results do
 not depend on the rows sharing the call (see ``triton_matmul``, ``triton_rowwise``, ``triton_attention``).
-Backward passes are deterministic torch computations (fixed-shape cuBLAS products, torch reductions, a sorted
-segment sum for the embedding) and, for attention, two Triton kernels without atomics
+Backward passes are deterministic: Triton kernels for RMSNorm, SwiGLU and rotary (``triton_rowwise``;
+``RLREPRO_ROWWISE_BWD=torch`` selects the float32 torch compositions instead), fixed-shape cuBLAS products, torch
+reductions, a sorted segment sum for the embedding and, for attention, two Triton kernels without atomics
 (``triton_attention.attention_bwd_packed_triton``; ``RLREPRO_ATTENTION_BWD=torch`` selects the float32 torch
 recomputation instead): reproducible run to run, though not batch-invariant, which training does not need.
 The paged-cache path of ``attention`` is inference only and has no backward.
@@ -50,6 +51,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _Linear.apply(x, weight, bias)
 
 
+def _rowwise_bwd_impl() -> str:
+    """"triton" (default) or "torch" (the float32 torch compositions): RLREPRO_ROWWISE_BWD=torch|triton selects the
+    backward of RMSNorm, SwiGLU and rotary."""
+    forced = os.environ.get("RLREPRO_ROWWISE_BWD", "").strip().lower()
+    if forced and forced not in ("torch", "triton"):
+        raise ValueError(f"RLREPRO_ROWWISE_BWD must be 'torch' or 'triton', not {forced!r}")
+    return forced or "triton"
+
+
 # ----------------------------------------------------------------------------------------------- RMSNorm
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
@@ -61,6 +71,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        if _rowwise_bwd_impl() == "triton" and _rw.rms_norm_bwd_supported(x.shape[-1]):
+            gx, gw = _rw.rms_norm_bwd(x, weight, grad, ctx.eps, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            return gx, gw, None
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
         y = xf * rstd
@@ -109,6 +122,8 @@ class _SiluAndMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
+        if _rowwise_bwd_impl() == "triton":
+            return _rw.silu_and_mul_bwd(x, grad)
         d = x.shape[-1] // 2
         gate, up = x[..., :d].float(), x[..., d:].float()
         gf = grad.float()
@@ -133,6 +148,8 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
+        if _rowwise_bwd_impl() == "triton":
+            return _rw.apply_rope_bwd(grad.to(ctx.x_dtype), cos, sin), None, None
         d = grad.shape[-1] // 2
         c = cos.to(ctx.x_dtype).float().unsqueeze(1)
         s = sin.to(ctx.x_dtype).float().unsqueeze(1)

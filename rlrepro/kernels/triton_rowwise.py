@@ -2,8 +2,12 @@
 
 Reductions run one program per row, over the row in chunks of a block size that depends only on the row length,
 in a fixed order, so a row's result is the same whatever else is in the call. Element-wise kernels compute each
-element with the same instructions wherever it falls. These are forward kernels; ``triton_ops`` adds the
-backward passes in torch.
+element with the same instructions wherever it falls.
+
+Backward kernels (training): ``rms_norm_bwd`` and ``silu_and_mul_bwd`` compute in one pass what the float32 torch
+compositions in ``triton_ops`` compute in five to ten (the rotary backward is the forward kernel with ``-sin``).
+They are reproducible run to run: no atomics; RMSNorm's weight gradient is summed per block of rows into a
+[blocks, D] float32 buffer (rows in order), then over the blocks by one fixed-shape torch sum.
 """
 from __future__ import annotations
 
@@ -59,6 +63,57 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
             y = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
             w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(o_row + start + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, gx_ptr, gwp_ptr, R, D, stride_x, stride_g, stride_gx, eps,
+                         rows_per_prog, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    cmask = cols < D
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    gw = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, rows_per_prog):
+        row = (pid * rows_per_prog + i).to(tl.int64)
+        mask = cmask & ((cols * 0 + row) < R)  # a past-the-end row (the last block) loads zeros, adds 0 to gw
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / D
+        rstd = 1.0 / tl.sqrt_rn(var + eps)  # as the forward
+        y = xf * rstd
+        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        gw += g * y.to(x.dtype).to(tl.float32)  # the forward multiplies the weight by y rounded to x's dtype
+        gy = g * w
+        dot = tl.sum(gy * y, axis=0) / D
+        gx = rstd * (gy - y * dot)
+        tl.store(gx_ptr + row * stride_gx + cols, gx.to(gx_ptr.dtype.element_ty), mask=mask)
+    tl.store(gwp_ptr + pid.to(tl.int64) * D + cols, gw, mask=cmask)
+
+
+def rms_norm_bwd_supported(d: int) -> bool:
+    return d <= MAX_ROW_BLOCK
+
+
+def rms_norm_bwd(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float, need_gx: bool = True,
+                 need_gw: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of ``rms_norm_fwd`` (rows of at most MAX_ROW_BLOCK): (grad of x in x's dtype, grad of the weight
+    in its dtype). One program per block of rows, a fixed number of rows each, rows in order."""
+    d = x.shape[-1]
+    x2, g2 = _rows(x), _rows(grad)
+    r = x2.shape[0]
+    gx = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    if r == 0:
+        return (gx.reshape(x.shape) if need_gx else None,
+                torch.zeros_like(weight) if need_gw else None)
+    rows_per_prog = triton.cdiv(r, 1024)  # a function of the shape only: the same split every run
+    progs = triton.cdiv(r, rows_per_prog)
+    partial = torch.empty((progs, d), device=x.device, dtype=torch.float32)
+    block = _row_block(d)
+    _rms_norm_bwd_kernel[(progs,)](x2, weight.contiguous(), g2, gx, partial, r, d, x2.stride(0), g2.stride(0),
+                                   gx.stride(0), float(eps), rows_per_prog, BLOCK=block,
+                                   num_warps=_row_warps(block))
+    gw = partial.sum(0).to(weight.dtype) if need_gw else None
+    return (gx.reshape(x.shape) if need_gx else None), gw
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -137,6 +192,33 @@ def silu_and_mul_fwd(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], d)
 
 
+@triton.jit
+def _silu_mul_bwd_kernel(x_ptr, g_ptr, out_ptr, d, stride_x, stride_g, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    d_up = g * gate * sig
+    d_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
+    tl.store(out_ptr + row * stride_o + cols, d_gate.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + d + cols, d_up.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_bwd(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``silu_and_mul_fwd`` w.r.t. x [..., 2d] (gate | up), in x's dtype, float32 inside."""
+    d = x.shape[-1] // 2
+    x2, g2 = _rows(x), _rows(grad)
+    out = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    if x2.shape[0] > 0 and d > 0:
+        block = min(triton.next_power_of_2(d), 2048)
+        _silu_mul_bwd_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, g2, out, d, x2.stride(0), g2.stride(0),
+                                                                   out.stride(0), BLOCK=block, num_warps=4)
+    return out.reshape(x.shape)
+
+
 # ----------------------------------------------------------------------------------------------- rotary
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, half, stride_xn, stride_xh, stride_cn, stride_sn,
@@ -178,6 +260,12 @@ def apply_rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
             x, cos, sin, out, h, half, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
             out.stride(0), out.stride(1), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
     return out
+
+
+def apply_rope_bwd(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``apply_rope_fwd`` w.r.t. x: the same rotation by -angle, i.e. the forward kernel with -sin
+    (``x1 c - x2 (-s) = x1 c + x2 s`` exactly: negation is exact and commutes with the rounding to x's dtype)."""
+    return apply_rope_fwd(grad, cos, -sin)
 
 
 # ----------------------------------------------------------------------------------------------- embedding
