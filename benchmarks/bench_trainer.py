@@ -29,7 +29,8 @@ The full 36-layer Qwen3-8B does not fit one H200 this way (bf16 weights + fp32 m
 
 ``--tensor-parallel N`` (N > 1) runs the megatron backend's trainer (``rlrepro.trainer.megatron``) over N processes
 (``torch.multiprocessing`` spawn): each initialises ``torch.distributed`` (NCCL with one GPU per rank on CUDA, gloo
-on CPU; 127.0.0.1 and a free port), then ``build_megatron_trainer(model_dir, ..., tensor_parallel=N, num_gpus=N)``
+on CPU; 127.0.0.1 and a free port), then ``build_megatron_trainer(model_dir, ..., tensor_parallel=N, num_gpus=G)``
+(``--num-gpus G``, default N: data parallel G / N; ``--distributed-optimizer`` shards the optimizer state over it)
 (megatron-core's ``parallel_state`` when it is installed) loads its shards of a model directory. For the Qwen3-8B
 shape (and ``--tiny``) that directory is written once by the parent into a temporary directory and deleted at the
 end: ``scripts/make_qwen3_shape.py`` (config.json + tokenizer; ``--small-shape`` passes ``--small``), then seeded
@@ -182,6 +183,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="N > 1: the megatron backend's trainer over N processes (one GPU each on CUDA, NCCL; gloo "
                          "on CPU) on a model directory written once to a temp dir (module doc); MFU counts N GPUs; "
                          "the phase split and --profile are rank 0's only (the other ranks run the step plain)")
+    ap.add_argument("--num-gpus", type=int, default=None, metavar="G",
+                    help="ranks of the megatron backend (default: --tensor-parallel): data parallel G / N")
+    ap.add_argument("--distributed-optimizer", action="store_true",
+                    help="with data parallel: shard the fp32 masters and AdamW state over the DP ranks (ZeRO-1)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="compute dtype of the policy (default: bfloat16 for the 8B shape, float32 for --tiny and "
@@ -208,6 +213,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--small-shape goes with the Qwen3-8B shape (not --tiny or --model)")
     if args.tensor_parallel < 1:
         ap.error(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if args.num_gpus is None:
+        args.num_gpus = args.tensor_parallel
+    if args.num_gpus < 1 or args.num_gpus % args.tensor_parallel:
+        ap.error(f"--num-gpus {args.num_gpus} must be a positive multiple of --tensor-parallel {args.tensor_parallel}")
+    if args.distributed_optimizer and args.num_gpus == args.tensor_parallel:
+        ap.error("--distributed-optimizer needs data parallel: --num-gpus larger than --tensor-parallel")
     return args
 
 
@@ -361,7 +372,7 @@ def benchmark(args, trainer: Trainer, device: torch.device, *, rank: int = 0, wo
                         step_seconds=times, peak_allocated_gib=peak_mem,
                         last_metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))})
     if world > 1:
-        result.update(tensor_parallel=world, num_gpus=world if device.type == "cuda" else None,
+        result.update(tensor_parallel=args.tensor_parallel, num_gpus=world if device.type == "cuda" else None,
                       params_per_rank=per_rank, peak_allocated_gib=max(peak_mems) if peak_mem is not None else None,
                       peak_allocated_gib_per_rank=peak_mems, **(extra or {}))
     if times:
@@ -447,7 +458,7 @@ def _tp_rank(rank: int, args, model_dir: str, port: int, extra: dict) -> None:
 
     from rlrepro.trainer.megatron import build_megatron_trainer, destroy_parallel, megatron_core_version
 
-    world = args.tensor_parallel
+    world, tp = args.num_gpus, args.tensor_parallel
     cuda = torch.device(args.device).type == "cuda"
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -462,18 +473,23 @@ def _tp_rank(rank: int, args, model_dir: str, port: int, extra: dict) -> None:
         use_megatron = megatron_core_version() is not None
         train_config = TrainConfig(lr=1e-6, kl_coef=0.0, micro_batch_size=args.micro_batch_size)
         t0 = time.perf_counter()
-        trainer = build_megatron_trainer(model_dir, train_config, tensor_parallel=world, num_gpus=world,
+        trainer = build_megatron_trainer(model_dir, train_config, tensor_parallel=tp, num_gpus=world,
                                          device="cuda" if cuda else "cpu", dtype=compute_dtype(args),
-                                         use_megatron_parallel_state=use_megatron)
+                                         use_megatron_parallel_state=use_megatron,
+                                         distributed_optimizer=args.distributed_optimizer)
         device = trainer.model.device
         load_s = time.perf_counter() - t0
         if rank == 0:
-            print(f"# rank trainers built (megatron backend, TP={world}, parallel_state: "
+            print(f"# rank trainers built (megatron backend, TP={tp}, DP={world // tp}"
+                  f"{', ZeRO-1' if args.distributed_optimizer else ''}, parallel_state: "
                   f"{'megatron-core ' + megatron_core_version() if use_megatron else 'torch.distributed groups'}) "
                   f"in {load_s:.1f} s", flush=True)
         extra = dict(extra, parallel_state="megatron-core" if use_megatron else "torch", build_trainer_s=load_s)
+        extra.update(data_parallel=world // tp, distributed_optimizer=args.distributed_optimizer)
         benchmark(args, trainer, device, rank=rank, world=world,
-                  header=f", tensor parallel {world} ({'NCCL' if cuda else 'gloo'})", extra=extra)
+                  header=f", tensor parallel {tp} x data parallel {world // tp}"
+                         f"{' (ZeRO-1)' if args.distributed_optimizer else ''} ({'NCCL' if cuda else 'gloo'})",
+                  extra=extra)
     finally:
         if trainer is not None:
             destroy_parallel(trainer.groups)
@@ -489,10 +505,10 @@ def _free_port() -> int:
 def run_tensor_parallel(args) -> None:
     import torch.multiprocessing as mp
 
-    n = args.tensor_parallel
+    n = args.num_gpus
     cuda = torch.device(args.device).type == "cuda"
     if cuda and torch.cuda.device_count() < n:
-        raise SystemExit(f"--tensor-parallel {n} needs {n} GPUs (one per rank); {torch.cuda.device_count()} visible")
+        raise SystemExit(f"{n} ranks need {n} GPUs (one per rank); {torch.cuda.device_count()} visible")
     if not cuda and not args.torch_threads:
         args.torch_threads = max(1, torch.get_num_threads() // n)  # the ranks share the cores
     tmp = None
@@ -515,7 +531,7 @@ def run_tensor_parallel(args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.tensor_parallel > 1:
+    if args.num_gpus > 1:
         return run_tensor_parallel(args)
     tmp = None
     if args.small_shape:  # one process on the --small shape: write the directory as for TP, then load it

@@ -55,6 +55,8 @@ add_step breakdown_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape -
 add_step bench_trainer 300 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --profile --json "$OUT/bench_trainer.json"'
 # nvidia-h200-x2 (2 GPUs): the full 36-layer Qwen3-8B trainer, megatron backend at TP=2 (~74 GB + activations per GPU)
 add_step bench_trainer_tp2 400 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 36 --tensor-parallel 2 --json "$OUT/bench_trainer_tp2.json"'
+# nvidia-h200-x2: the full 36-layer trainer, data parallel over 2 GPUs with ZeRO-1 (~115 GB of state per GPU)
+add_step bench_trainer_dp2 300 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 36 --num-gpus 2 --distributed-optimizer --no-phases --json "$OUT/bench_trainer_dp2.json"'
 add_step profile_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 128 --no-hf --modes deterministic --profile 20'
 
 
