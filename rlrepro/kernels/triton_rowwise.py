@@ -4,12 +4,16 @@ Reductions run one program per row, over the row in chunks of a block size that 
 in a fixed order, so a row's result is the same whatever else is in the call. Element-wise kernels compute each
 element with the same instructions wherever it falls.
 
-Backward kernels (training): ``rms_norm_bwd`` and ``silu_and_mul_bwd`` compute in one pass what the float32 torch
-compositions in ``triton_ops`` compute in five to ten (the rotary backward is the forward kernel with ``-sin``).
-They are reproducible run to run: no atomics; RMSNorm's weight gradient is summed per block of rows into a
-[blocks, D] float32 buffer (rows in order), then over the blocks by one fixed-shape torch sum.
+Backward kernels (training): ``rms_norm_bwd``, ``silu_and_mul_bwd`` and ``apply_rope_bwd`` compute in one pass
+what the float32 torch compositions in ``triton_ops`` compute in five to ten (the rotary backward is the forward
+kernel rotating by -angle). They are reproducible run to run: no atomics, and every split depends on the shape
+only. RMSNorm's backward runs at most 1024 programs, each over a fixed run of rows in order ([rows, D] tiles when
+D is small, e.g. the per-head q/k norms), writing its share of the weight gradient to a [programs, D] float32
+buffer, which one fixed-shape torch sum then reduces over the programs.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -28,7 +32,7 @@ def _row_warps(block: int) -> int:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x viewed as [rows, last] with a contiguous last dim (a copy only when needed)."""
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # not -1: a last dim of 0 leaves -1 undefined
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
@@ -67,52 +71,81 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
 
 @triton.jit
 def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, gx_ptr, gwp_ptr, R, D, stride_x, stride_g, stride_gx, eps,
-                         rows_per_prog, BLOCK: tl.constexpr):
+                         rows_per_prog, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, NEED_GX: tl.constexpr,
+                         NEED_GW: tl.constexpr):
+    """Program p owns rows [p * rows_per_prog, (p + 1) * rows_per_prog) and walks them in order, BLOCK_R rows
+    (a [BLOCK_R, BLOCK] tile) at a time; it writes those rows' gx and row p of the [programs, D] partial sums of
+    the weight gradient. rows_per_prog is a multiple of BLOCK_R."""
     pid = tl.program_id(0)
+    rr = tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK)
     cmask = cols < D
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    gw = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(0, rows_per_prog):
-        row = (pid * rows_per_prog + i).to(tl.int64)
-        mask = cmask & ((cols * 0 + row) < R)  # a past-the-end row (the last block) loads zeros, adds 0 to gw
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    gw = tl.zeros((BLOCK_R, BLOCK), dtype=tl.float32)
+    first = pid.to(tl.int64) * rows_per_prog
+    for i in range(0, rows_per_prog, BLOCK_R):
+        rows = first + i + rr
+        mask = (rows < R)[:, None] & cmask[None, :]  # rows past the end load zeros: gx not stored, gw += 0
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         xf = x.to(tl.float32)
-        var = tl.sum(xf * xf, axis=0) / D
-        rstd = 1.0 / tl.sqrt_rn(var + eps)  # as the forward
+        var = tl.sum(xf * xf, axis=1) / D
+        rstd = (1.0 / tl.sqrt_rn(var + eps))[:, None]  # as the forward: float32 mean of squares + eps, 1 / sqrt
         y = xf * rstd
-        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-        gw += g * y.to(x.dtype).to(tl.float32)  # the forward multiplies the weight by y rounded to x's dtype
-        gy = g * w
-        dot = tl.sum(gy * y, axis=0) / D
-        gx = rstd * (gy - y * dot)
-        tl.store(gx_ptr + row * stride_gx + cols, gx.to(gx_ptr.dtype.element_ty), mask=mask)
-    tl.store(gwp_ptr + pid.to(tl.int64) * D + cols, gw, mask=cmask)
+        g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if NEED_GW:
+            gw += g * y.to(x.dtype).to(tl.float32)  # the forward multiplies the weight by y rounded to x's dtype
+        if NEED_GX:
+            gy = g * w
+            dot = (tl.sum(gy * y, axis=1) / D)[:, None]
+            gx = rstd * (gy - y * dot)
+            tl.store(gx_ptr + rows[:, None] * stride_gx + cols[None, :], gx.to(gx_ptr.dtype.element_ty), mask=mask)
+    if NEED_GW:
+        tl.store(gwp_ptr + pid.to(tl.int64) * D + cols, tl.sum(gw, axis=0), mask=cmask)
+
+
+RMS_BWD_MAX_PROGRAMS = 1024  # programs of the RMSNorm backward (and rows of its weight-gradient partials), at most
+RMS_BWD_TILE = 4096  # elements of the [rows, D] tile a program holds at once (rows = 1 for D >= this)
 
 
 def rms_norm_bwd_supported(d: int) -> bool:
     return d <= MAX_ROW_BLOCK
 
 
+def _rms_norm_bwd_split(r: int, d: int) -> tuple[int, int, int, int]:
+    """(block, block_r, rows_per_prog, programs): a function of the shape only, so every run splits the rows
+    the same way and sums the weight gradient in the same order."""
+    block = _row_block(d)
+    per = triton.cdiv(r, RMS_BWD_MAX_PROGRAMS)
+    block_r = max(1, min(RMS_BWD_TILE // block, triton.next_power_of_2(per)))
+    rows_per_prog = triton.cdiv(per, block_r) * block_r
+    return block, block_r, rows_per_prog, triton.cdiv(r, rows_per_prog)
+
+
 def rms_norm_bwd(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float, need_gx: bool = True,
                  need_gw: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of ``rms_norm_fwd`` (rows of at most MAX_ROW_BLOCK): (grad of x in x's dtype, grad of the weight
-    in its dtype). One program per block of rows, a fixed number of rows each, rows in order."""
+    """Gradients of ``rms_norm_fwd`` for rows of at most MAX_ROW_BLOCK: (grad of x in x's dtype, grad of the weight
+    in its dtype), float32 inside, the math of the torch composition in ``triton_ops._RMSNorm.backward``. At most
+    RMS_BWD_MAX_PROGRAMS programs, each a fixed run of rows in order; the weight gradient's per-program float32
+    partials [programs, D] are then summed over programs by one fixed-shape torch sum. No atomics."""
     d = x.shape[-1]
+    if not rms_norm_bwd_supported(d):
+        raise ValueError(f"rms_norm_bwd: rows of {d} > {MAX_ROW_BLOCK} elements are not supported")
+    if grad.shape != x.shape:
+        raise ValueError(f"rms_norm_bwd: grad has shape {tuple(grad.shape)}, x {tuple(x.shape)}")
     x2, g2 = _rows(x), _rows(grad)
     r = x2.shape[0]
-    gx = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
-    if r == 0:
-        return (gx.reshape(x.shape) if need_gx else None,
-                torch.zeros_like(weight) if need_gw else None)
-    rows_per_prog = triton.cdiv(r, 1024)  # a function of the shape only: the same split every run
-    progs = triton.cdiv(r, rows_per_prog)
-    partial = torch.empty((progs, d), device=x.device, dtype=torch.float32)
-    block = _row_block(d)
-    _rms_norm_bwd_kernel[(progs,)](x2, weight.contiguous(), g2, gx, partial, r, d, x2.stride(0), g2.stride(0),
-                                   gx.stride(0), float(eps), rows_per_prog, BLOCK=block,
-                                   num_warps=_row_warps(block))
-    gw = partial.sum(0).to(weight.dtype) if need_gw else None
+    gx = torch.empty(x2.shape, device=x.device, dtype=x.dtype) if need_gx else None
+    gw = None
+    if r == 0 or d == 0:
+        gw = torch.zeros_like(weight) if need_gw else None
+    elif need_gx or need_gw:
+        block, block_r, rows_per_prog, progs = _rms_norm_bwd_split(r, d)
+        partial = torch.empty((progs, d), device=x.device, dtype=torch.float32) if need_gw else None
+        _rms_norm_bwd_kernel[(progs,)](  # an output not needed is not written: x2 stands in for its pointer
+            x2, weight.contiguous(), g2, gx if need_gx else x2, partial if need_gw else x2, r, d, x2.stride(0),
+            g2.stride(0), gx.stride(0) if need_gx else 0, float(eps), rows_per_prog, BLOCK_R=block_r, BLOCK=block,
+            NEED_GX=need_gx, NEED_GW=need_gw, num_warps=_row_warps(block_r * block))
+        gw = partial.sum(0).to(weight.dtype) if need_gw else None
     return (gx.reshape(x.shape) if need_gx else None), gw
 
 
@@ -210,6 +243,8 @@ def _silu_mul_bwd_kernel(x_ptr, g_ptr, out_ptr, d, stride_x, stride_g, stride_o,
 def silu_and_mul_bwd(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """Gradient of ``silu_and_mul_fwd`` w.r.t. x [..., 2d] (gate | up), in x's dtype, float32 inside."""
     d = x.shape[-1] // 2
+    if grad.shape != (*x.shape[:-1], d):
+        raise ValueError(f"silu_and_mul_bwd: grad has shape {tuple(grad.shape)}, expected {(*x.shape[:-1], d)}")
     x2, g2 = _rows(x), _rows(grad)
     out = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
     if x2.shape[0] > 0 and d > 0:
@@ -222,7 +257,8 @@ def silu_and_mul_bwd(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- rotary
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, half, stride_xn, stride_xh, stride_cn, stride_sn,
-                 stride_on, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                 stride_on, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NEG_SIN: tl.constexpr):
+    """Rotates each (x1, x2) half-pair by the angle (cos, sin), or by -angle with NEG_SIN (the backward)."""
     n = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_D)
@@ -234,6 +270,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, half, stride_xn, stride_xh
     # cos/sin rounded to x's dtype first, as the torch version does
     c = tl.load(cos_ptr + n * stride_cn + cols, mask=cmask, other=0.0).to(x1.dtype).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + n * stride_sn + cols, mask=cmask, other=0.0).to(x1.dtype).to(tl.float32)[None, :]
+    if NEG_SIN:  # exact: negation commutes with the rounding to x's dtype
+        s = -s
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     o_base = out_ptr + n * stride_on + heads.to(tl.int64)[:, None] * stride_oh + cols[None, :]
@@ -241,31 +279,35 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, half, stride_xn, stride_xh
     tl.store(o_base + half, (x2f * c + x1f * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def apply_rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neg_sin: bool, what: str) -> torch.Tensor:
     if x.dim() != 3 or x.shape[-1] % 2:
-        raise ValueError(f"apply_rope: x must be [N, H, D] with D even; got {tuple(x.shape)}")
+        raise ValueError(f"{what}: x must be [N, H, D] with D even; got {tuple(x.shape)}")
     n, h, dd = x.shape
     half = dd // 2
     if cos.shape != (n, half) or sin.shape != (n, half):
-        raise ValueError(f"apply_rope: cos/sin must be [{n}, {half}]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+        raise ValueError(f"{what}: cos/sin must be [{n}, {half}]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     out = torch.empty((n, h, dd), device=x.device, dtype=x.dtype)
-    if n > 0 and h > 0:
+    if n > 0 and h > 0 and half > 0:
         block_d = triton.next_power_of_2(half)
         block_h = max(1, min(triton.next_power_of_2(h), 4096 // block_d))
         _rope_kernel[(n, triton.cdiv(h, block_h))](
             x, cos, sin, out, h, half, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-            out.stride(0), out.stride(1), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+            out.stride(0), out.stride(1), BLOCK_H=block_h, BLOCK_D=block_d, NEG_SIN=neg_sin, num_warps=4)
     return out
 
 
+def apply_rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _rope(x, cos, sin, False, "apply_rope")
+
+
 def apply_rope_bwd(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Gradient of ``apply_rope_fwd`` w.r.t. x: the same rotation by -angle, i.e. the forward kernel with -sin
-    (``x1 c - x2 (-s) = x1 c + x2 s`` exactly: negation is exact and commutes with the rounding to x's dtype)."""
-    return apply_rope_fwd(grad, cos, -sin)
+    """Gradient of ``apply_rope_fwd`` w.r.t. x (in grad's dtype, x's in ``triton_ops``): the rotation by -angle,
+    i.e. the forward kernel with sin negated inside (``x1 c - x2 (-s) = x1 c + x2 s`` exactly), one pass."""
+    return _rope(grad, cos, sin, True, "apply_rope_bwd")
 
 
 # ----------------------------------------------------------------------------------------------- embedding
