@@ -11,8 +11,8 @@
 #                 s (the recipe's layout at 2 GPUs: megatron TP=1 trainer on GPU 0, engine on GPU 1, NCCL broadcast), m1 and m2
 #                 (trainer.backend=megatron, TP=2; m1 = m2?), m0 (megatron TP=1, data parallel: = g?),
 #                 z (g with train.distributed_optimizer=true: = g?), f2 (g in fast mode, with GRPO_FAST=1)
-#   GRPO_SET=eight (8 GPUs): x1 and x2, the recipe's own layout (megatron TP=4 trainer, 4 engines on their own
-#                 GPUs; x1 = x2?)
+#   GRPO_SET=eight (8 GPUs): x1 and x2, the recipe's own layout (megatron TP=1 trainer data parallel over 4 GPUs
+#                 with ZeRO-1, 4 engines on their own GPUs; x1 = x2?)
 # GRPO_ONLY="g h m0" (set two) runs only the named runs (g always: it creates the weights).
 # CPU smoke test of the same script: GRPO_SMALL=1 GRPO_DEVICE=cpu GRPO_DTYPE=float32 GRPO_MAX_TOKENS=8 ...
 set -uo pipefail
@@ -35,7 +35,8 @@ COMMON=(recipe=grpo_qwen3_8b "run.device=${GRPO_DEVICE:-cuda}" "model.dtype=${GR
         "rollout.max_tokens=${GRPO_MAX_TOKENS:-128}" rollout.max_model_len=512 rollout.gpu_memory_fraction=0.2
         "train.steps=$STEPS" train.warmup_steps=1 train.micro_batch_size=16
         logger.wandb=false checkpoint.every=0 checkpoint.save_last=false logger.progress=true)
-DEF=(trainer.backend=default trainer.tensor_parallel=1)  # the recipe's own: megatron TP=4, for 8 GPUs
+DEF=(trainer.backend=default trainer.tensor_parallel=1 train.distributed_optimizer=false)  # the recipe's own:
+# megatron TP=1, data parallel over 4 GPUs with ZeRO-1, for 8 GPUs
 ONE=(train.num_gpus=1 rollout.num_workers=1 ray.colocate=true "${DEF[@]}")
 TWO_GPUS=(train.num_gpus=2 rollout.num_workers=2 ray.colocate=true)
 TWO=("${TWO_GPUS[@]}" "${DEF[@]}")
@@ -60,7 +61,8 @@ if [ "$SET" = one ]; then
   RUNS="a b c f d"
 elif [ "$SET" = eight ]; then
   # the recipe's own layout for one 8-GPU node (nvidia-h200-x8): 4 engines on GPUs of their own, the trainer
-  # megatron TP=4 on the other 4, NCCL broadcast; GRPO_LAYERS=36 for the full model, 2 to compare with set two
+  # (megatron TP=1, DP=4, ZeRO-1) on the other 4, NCCL broadcast; GRPO_LAYERS=36 for the full model, 2 to compare
+  # with set two
   first x1
   want x2 && { train x2; diffrun x1 x2 "two runs, the recipe's 8-GPU layout"; }
   RUNS=$(for n in x1 x2; do [ -d "$W/$n" ] && echo "$n"; done)
