@@ -70,6 +70,23 @@ def run_checks(checks: dict, names) -> dict:
     return results
 
 
+def interpreter_test_items(test_file: str, checks: dict, drop_env: tuple[str, ...] = ()):
+    """The pytest side of a file's interpreter checks, made once its checks are all registered: a module-scoped
+    fixture running them in one interpreter subprocess, and a test per check. Assign both at module level:
+    ``interp_results, test_interpreter = interpreter_test_items(__file__, INTERP_CHECKS)``."""
+
+    @pytest.fixture(scope="module")
+    def interp_results():
+        return run_interpreter(test_file, drop_env)
+
+    @pytest.mark.parametrize("name", sorted(checks))
+    def test_interpreter(interp_results, name):
+        result = interp_results.get(name, "missing")
+        assert result == "ok", result
+
+    return interp_results, test_interpreter
+
+
 def main(checks: dict, test_file: str) -> None:
     """A test file run as a script: ``--interpret [NAME ...]`` runs its interpreter checks and prints the JSON line
     :func:`run_interpreter` reads; anything else runs pytest on the file."""

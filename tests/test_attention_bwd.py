@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from _triton_helpers import main, HAS_CUDA, gpu, needs_cuda, rel_err, run_interpreter  # noqa: E402,F401
+from _triton_helpers import HAS_CUDA, gpu, interpreter_test_items, main, needs_cuda, rel_err  # noqa: E402,F401
 from rlrepro.kernels import reference as ref  # noqa: E402
 from rlrepro.kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -175,15 +175,7 @@ def check_autograd_wiring_fp32():
     check_autograd_wiring("cpu", torch.float32, 1e-5)
 
 
-@pytest.fixture(scope="module")
-def interp_results():
-    return run_interpreter(__file__, drop_env=("RLREPRO_ATTENTION_BWD",))
-
-
-@pytest.mark.parametrize("name", sorted(INTERP_CHECKS))
-def test_interpreter(interp_results, name):
-    result = interp_results.get(name, "missing")
-    assert result == "ok", result
+interp_results, test_interpreter = interpreter_test_items(__file__, INTERP_CHECKS, drop_env=("RLREPRO_ATTENTION_BWD",))
 
 
 def test_backward_choice(monkeypatch):

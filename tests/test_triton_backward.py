@@ -22,7 +22,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from _triton_helpers import main, HAS_CUDA, HAS_TRITON, gpu, needs_cuda, rel_err, run_interpreter  # noqa: E402,F401
+from _triton_helpers import (  # noqa: E402,F401
+    HAS_CUDA, HAS_TRITON, gpu, interpreter_test_items, main, needs_cuda, rel_err)
 from rlrepro.kernels import reference as ref  # noqa: E402
 
 EPS = 1e-6
@@ -217,15 +218,7 @@ def check_empty_inputs():
     assert rw.silu_and_mul_bwd(x, torch.randn(3, 0)).shape == (3, 0)
 
 
-@pytest.fixture(scope="module")
-def interp_results():
-    return run_interpreter(__file__, drop_env=("RLREPRO_ROWWISE_BWD",))
-
-
-@pytest.mark.parametrize("name", sorted(INTERP_CHECKS))
-def test_interpreter(interp_results, name):
-    result = interp_results.get(name, "missing")
-    assert result == "ok", result
+interp_results, test_interpreter = interpreter_test_items(__file__, INTERP_CHECKS, drop_env=("RLREPRO_ROWWISE_BWD",))
 
 
 # ============================================================================================ CPU: plain

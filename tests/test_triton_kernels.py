@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from _triton_helpers import main, gpu, needs_cuda, rel_err, run_interpreter  # noqa: E402,F401
+from _triton_helpers import gpu, interpreter_test_items, main, needs_cuda, rel_err  # noqa: E402,F401
 from rlrepro.kernels import reference as ref  # noqa: E402
 from rlrepro.kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -358,15 +358,7 @@ def check_grads_fp32():
     check_grads("cpu", torch.float32, 1e-5)
 
 
-@pytest.fixture(scope="module")
-def interp_results():
-    return run_interpreter(__file__)
-
-
-@pytest.mark.parametrize("name", sorted(INTERP_CHECKS))
-def test_interpreter(interp_results, name):
-    result = interp_results.get(name, "missing")
-    assert result == "ok", result
+interp_results, test_interpreter = interpreter_test_items(__file__, INTERP_CHECKS)
 
 
 def test_attention_backward_matches_reference_cpu():
