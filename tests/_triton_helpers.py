@@ -5,6 +5,7 @@ Imported as ``from _triton_helpers import ...`` (``tests/`` is on ``sys.path`` u
 directory when a test file runs itself with ``--interpret``)."""
 import json
 import os
+import random
 import subprocess
 import sys
 import traceback
@@ -28,6 +29,15 @@ except ImportError:  # pragma: no cover
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA device and Triton")
+
+
+def fresh_seed() -> int:
+    """Seed torch (and CUDA, where present) with a random seed and return it, for the failure message."""
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    if HAS_CUDA:
+        torch.cuda.manual_seed(seed)
+    return seed
 
 
 def rel_err(out: torch.Tensor, expect: torch.Tensor) -> float:

@@ -11,22 +11,14 @@ Reproducibility is asserted bitwise (``torch.equal``); closeness by a relative n
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
 
-from _triton_helpers import HAS_CUDA, gpu, interpreter_test_items, main, needs_cuda, rel_err  # noqa: E402,F401
+from _triton_helpers import (  # noqa: E402,F401
+    HAS_CUDA, fresh_seed, gpu, interpreter_test_items, main, needs_cuda, rel_err)
 from rlrepro.kernels import reference as ref  # noqa: E402
 from rlrepro.kernels.metadata import AttentionMetadata  # noqa: E402
-
-
-def fresh_seed() -> int:
-    seed = random.randrange(1 << 30)
-    torch.manual_seed(seed)
-    if HAS_CUDA:
-        torch.cuda.manual_seed(seed)
-    return seed
 
 
 def make_case(lens, h, hkv, d, dtype, device):

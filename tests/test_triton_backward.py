@@ -16,25 +16,16 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from contextlib import contextmanager
 
 import pytest
 import torch
 
 from _triton_helpers import (  # noqa: E402,F401
-    HAS_CUDA, HAS_TRITON, gpu, interpreter_test_items, main, needs_cuda, rel_err)
+    HAS_TRITON, fresh_seed, gpu, interpreter_test_items, main, needs_cuda, rel_err)
 from rlrepro.kernels import reference as ref  # noqa: E402
 
 EPS = 1e-6
-
-
-def fresh_seed() -> int:
-    seed = random.randrange(1 << 30)
-    torch.manual_seed(seed)
-    if HAS_CUDA:
-        torch.cuda.manual_seed(seed)
-    return seed
 
 
 @contextmanager

@@ -18,18 +18,12 @@ import random
 import pytest
 import torch
 
-from _triton_helpers import gpu, interpreter_test_items, main, needs_cuda, rel_err  # noqa: E402,F401
+from _triton_helpers import fresh_seed, gpu, interpreter_test_items, main, needs_cuda, rel_err  # noqa: E402,F401
 from rlrepro.kernels import reference as ref  # noqa: E402
 from rlrepro.kernels.metadata import AttentionMetadata  # noqa: E402
 
 
 # ============================================================================================ shared helpers
-def fresh_seed() -> int:
-    seed = random.randrange(1 << 30)
-    torch.manual_seed(seed)
-    return seed
-
-
 def assert_rows_invariant(fn, full: torch.Tensor, ms, offsets=(0, 1, 5, 64, 127), what: str = "") -> int:
     """fn(full[off:off+m]) must equal fn(full)[off:off+m] bit for bit, for every m and row offset."""
     expect = fn(full)
@@ -379,9 +373,7 @@ def test_attention_backward_matches_reference_cpu():
 
 # ============================================================================================ GPU
 def _cuda_seed():
-    seed = fresh_seed()
-    torch.cuda.manual_seed(seed)
-    return seed
+    return fresh_seed()  # (seeds CUDA too)
 
 
 MATMUL_MS = list(range(1, 300)) + [383, 384, 385, 511, 512, 513, 767, 768, 769, 1023, 1024, 1025, 2047, 2048,
