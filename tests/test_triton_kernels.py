@@ -201,6 +201,16 @@ def check_rowwise_fp32():
         assert rel_err(T.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6)) < 1e-6
         assert_rows_invariant(lambda t: T.rms_norm(t, w, 1e-6), x, (1, 2, rows - 2), offsets=(0, 2),
                               what=f"rms_norm d={d}")
+    # per-head RMSNorm on [N, H, D] column slices of a fused q/k/v product, read in place: the same bits as the
+    # contiguous copy it used to make (and as the 2-D call), for single-block and chunked rows
+    for d in (24, rw.MAX_ROW_BLOCK + 8):
+        qkv = torch.randn(5, 7, d) * 2
+        w = torch.randn(d)
+        for view in (qkv[:, 1:4], qkv[:, 4:6], qkv.transpose(0, 1)[2:5]):
+            out = T.rms_norm(view, w, 1e-6)
+            assert out.shape == view.shape and out.is_contiguous()
+            assert torch.equal(out, T.rms_norm(view.contiguous(), w, 1e-6))
+            assert torch.equal(out.reshape(-1, d), T.rms_norm(view.reshape(-1, d), w, 1e-6))
     # log-softmax: several chunks of 4096 and a tail
     x = torch.randn(6, 9000) * 4
     x[1, 5] = 60.0

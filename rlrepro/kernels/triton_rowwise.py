@@ -38,10 +38,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, H, stride_h,
                      BLOCK: tl.constexpr, SINGLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
+    x_row = x_ptr + (row // H) * stride_x + (row % H) * stride_h  # rows of [N, H, D] with any N/H strides
     o_row = out_ptr + row * stride_o
     cols = tl.arange(0, BLOCK)
     if SINGLE:
@@ -153,13 +153,19 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     d = x.shape[-1]
     if weight.shape != (d,):
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({d},)")
-    x2 = _rows(x)
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    out = torch.empty(x2.shape, device=x.device, dtype=out_dtype)
-    if x2.shape[0] > 0:
+    if x.dim() == 3 and x.stride(-1) == 1 and x.shape[1] > 0:
+        # [N, H, D] read in place (e.g. the per-head q/k norms on column slices of the fused q/k/v product), rows
+        # in (n, h) order: the same values as reading a contiguous copy, without the copy
+        src, rows, h, stride_n, stride_h = x, x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
+    else:
+        src = _rows(x)
+        rows, h, stride_n, stride_h = src.shape[0], 1, src.stride(0), 0
+    out = torch.empty((rows, d), device=x.device, dtype=out_dtype)
+    if rows > 0:
         block = _row_block(d)
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), out, d, x2.stride(0), out.stride(0), float(eps),
-                                         BLOCK=block, SINGLE=block >= d, num_warps=_row_warps(block))
+        _rms_norm_kernel[(rows,)](src, weight.contiguous(), out, d, stride_n, out.stride(0), float(eps), h, stride_h,
+                                  BLOCK=block, SINGLE=block >= d, num_warps=_row_warps(block))
     return out.reshape(x.shape)
 
 
