@@ -11,6 +11,8 @@
 #                 s (the recipe's layout at 2 GPUs: megatron TP=1 trainer on GPU 0, engine on GPU 1, NCCL broadcast), m1 and m2
 #                 (trainer.backend=megatron, TP=2; m1 = m2?), m0 (megatron TP=1, data parallel: = g?),
 #                 z (g with train.distributed_optimizer=true: = g?), f2 (g in fast mode, with GRPO_FAST=1)
+#   GRPO_SET=full (2 GPUs, GRPO_LAYERS=36): p1 and p2, the whole model at megatron TP=2 with 2 colocated engines
+#                 (CUDA IPC weight sync of the full 8B policy; p1 = p2?)
 #   GRPO_SET=eight (8 GPUs): x1 and x2, the recipe's own layout (megatron TP=1 trainer data parallel over 4 GPUs
 #                 with ZeRO-1, 4 engines on their own GPUs; x1 = x2?)
 # GRPO_ONLY="g h m0" (set two) runs only the named runs (g always: it creates the weights).
@@ -66,6 +68,13 @@ elif [ "$SET" = eight ]; then
   first x1
   want x2 && { train x2; diffrun x1 x2 "two runs, the recipe's 8-GPU layout"; }
   RUNS=$(for n in x1 x2; do [ -d "$W/$n" ] && echo "$n"; done)
+elif [ "$SET" = full ]; then
+  # the whole model (GRPO_LAYERS=36) on 2 GPUs with colocated engines: only megatron TP=2 fits beside an engine
+  # (~84 GiB of trainer state a GPU; DP=2 + ZeRO-1 needs ~133 GiB). p1 creates the weights; p2 = p1?
+  first p1 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2
+  want p2 && { train p2 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2
+               diffrun p1 p2 "two runs, full model, megatron TP=2"; }
+  RUNS=$(for n in p1 p2; do [ -d "$W/$n" ] && echo "$n"; done)
 else
   first g "${TWO[@]}"
   want h && { train h "${TWO[@]}"; diffrun g h "two runs, 2 GPUs"; }
@@ -110,7 +119,7 @@ for name in names:
           + ", ".join(f"{v:.1f} ({k})" for k, v in mem.items()) + f" | {lp:.3g} |")
 PYEOF
 # the two-run overlay (reward, loss, KL, entropy, length, grad norm): the curves lie on top of each other
-case $SET in one) PAIR="a b" ;; eight) PAIR="x1 x2" ;; *) PAIR="g h" ;; esac
+case $SET in one) PAIR="a b" ;; eight) PAIR="x1 x2" ;; full) PAIR="p1 p2" ;; *) PAIR="g h" ;; esac
 PLOT_RUNS=$(for n in $PAIR; do [ -d "$W/$n" ] && echo "$W/$n"; done)
 if [ "$(echo "$PLOT_RUNS" | wc -w)" -eq 2 ]; then  # GRPO_ONLY may have left one of the pair out
   $PY -m rlrepro.cli plot $PLOT_RUNS --out "$R/plots" > /dev/null 2>&1 || log "plot failed"
