@@ -1,6 +1,6 @@
 """Benchmark of the deterministic (batch-invariant) Triton kernels against stock torch / cuBLAS, on one GPU.
 
-    python benchmarks/bench_kernels.py [--out FILE] [--sweep] [--only matmul,rowwise,attention,attention_bwd] [--quick]
+    python benchmarks/bench_kernels.py [--out FILE] [--sweep] [--only matmul,rowwise,rowwise_bwd,attention,attention_bwd] [--quick]
 
 Times are medians of ``triton.testing.do_bench`` (which clears the L2 cache before every repetition), taken in
 the same run for both sides, bf16 unless noted. The matmul table reports ``speed = t_cuBLAS / t_ours`` (1.0 =
@@ -274,11 +274,51 @@ def bench_attention_bwd() -> None:
     emit()
 
 
+def bench_rowwise_bwd() -> None:
+    emit("### RMSNorm / SwiGLU / rotary backward: Triton (training default) vs the float32 torch compositions (bf16)")
+    emit()
+    emit("One `torch.autograd.grad` through the op at Qwen3-8B sizes of a 3072-token micro-batch, under "
+         "`RLREPRO_ROWWISE_BWD=triton` and `=torch`; median ms (do_bench, eager: both sides pay the same autograd "
+         "overhead).")
+    emit()
+    emit("| op | x shape | torch ms | Triton ms | speedup |")
+    emit("|---|---|---|---|---|")
+    eps = 1e-6
+    cases = [("rms_norm", (3072, 4096)), ("rms_norm", (3072, 32, 128)), ("silu_and_mul", (3072, 2 * 12288)),
+             ("apply_rope", (3072, 32, 128))]
+    for name, shape in cases:
+        x = rnd(*shape, scale=2.0).requires_grad_(True)
+        if name == "rms_norm":
+            w = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(torch.bfloat16).requires_grad_(True)
+            out, wrt = T.rms_norm(x, w, eps), [x, w]
+        elif name == "silu_and_mul":
+            out, wrt = T.silu_and_mul(x), [x]
+        else:
+            cos, sin = torch.randn(shape[0], shape[2] // 2, device="cuda"), torch.randn(shape[0], shape[2] // 2,
+                                                                                        device="cuda")
+            out, wrt = T.apply_rope(x, cos, sin), [x]
+        g = rnd(*out.shape)
+        times = {}
+        before = os.environ.get("RLREPRO_ROWWISE_BWD")
+        try:
+            for impl in ("torch", "triton"):
+                os.environ["RLREPRO_ROWWISE_BWD"] = impl
+                times[impl] = bench(lambda: torch.autograd.grad(out, wrt, g, retain_graph=True), rep=50)
+        finally:
+            if before is None:
+                os.environ.pop("RLREPRO_ROWWISE_BWD", None)
+            else:
+                os.environ["RLREPRO_ROWWISE_BWD"] = before
+        emit(f"| {name} | {' x '.join(map(str, shape))} | {times['torch']:.3f} | {times['triton']:.3f} | "
+             f"{times['torch'] / times['triton']:.1f}x |")
+    emit()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="time every candidate matmul config too")
-    ap.add_argument("--only", default="matmul,rowwise,attention,attention_bwd")
+    ap.add_argument("--only", default="matmul,rowwise,rowwise_bwd,attention,attention_bwd")
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -295,7 +335,7 @@ def main() -> int:
     only = set(args.only.split(","))
     sections = [("matmul", lambda: bench_matmul(MATMUL_MS if not args.quick else [1, 64, 1024, 4096],
                                                 MATMUL_SHAPES, args.sweep)),
-                ("rowwise", lambda: bench_rowwise(args.quick)),
+                ("rowwise", lambda: bench_rowwise(args.quick)), ("rowwise_bwd", bench_rowwise_bwd),
                 ("attention", bench_attention), ("attention_bwd", bench_attention_bwd)]
     for name, fn in sections:
         if name not in only:

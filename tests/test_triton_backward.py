@@ -272,35 +272,5 @@ def test_gpu_backward_bf16(name, shape):
         assert err_ref < 1.5 * err_torch_ref + 1e-3, (name, shape, i, err_ref, err_torch_ref)
 
 
-@gpu
-@needs_cuda
-def test_gpu_backward_timing(capsys):
-    """Not a check: prints the Triton and torch backward times at the sizes above (``-s`` to see them)."""
-    lines = []
-    for name, shape in GPU_SHAPES:
-        fresh_seed()
-        inputs = make_inputs(name, shape, torch.bfloat16, "cuda")
-        fn, _, n_diff = _ops("cuda")[name]
-        g_out = torch.randn(fn(*inputs).shape, device="cuda").to(torch.bfloat16)
-        times = {}
-        for impl in ("triton", "torch"):
-            xs = [t.detach().clone().requires_grad_(i < n_diff) for i, t in enumerate(inputs)]
-            out = fn(*xs)
-            with rowwise_bwd(impl):
-                for _ in range(3):
-                    torch.autograd.grad(out, xs[:n_diff], g_out, retain_graph=True)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(20):
-                    torch.autograd.grad(out, xs[:n_diff], g_out, retain_graph=True)
-                end.record()
-                torch.cuda.synchronize()
-            times[impl] = start.elapsed_time(end) / 20
-        lines.append(f"{name} {shape}: triton {times['triton']:.3f} ms, torch {times['torch']:.3f} ms "
-                     f"per backward")
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
-
-
 if __name__ == "__main__":
     main(INTERP_CHECKS, __file__)
