@@ -12,7 +12,6 @@ of ``rlrepro.kernels.reference`` by a relative norm ``|out - ref| / |ref|``.
 """
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -279,38 +278,6 @@ def check_write_kv_cache_and_schedule_cache_fp32():
     assert meta.cache.keys() == cached.keys() and all(meta.cache[key] is cached[key] for key in cached)
     fresh = AttentionMetadata.paged([3, 4], [5, 4], [[2, 0], [5]], bs)
     assert torch.equal(first, again) and torch.equal(first, T.attention(q, k, v, fresh, 0.3, caches[0]))
-
-
-@interp_check
-def check_rowwise_backward_kernels_fp32():
-    """The Triton backward kernels of RMSNorm (several rows per program, D not a power of two), SwiGLU and rotary
-    against the float32 torch compositions they replace (RLREPRO_ROWWISE_BWD=torch), and run to run."""
-    from rlrepro.kernels import triton_ops as T
-    fresh_seed()
-    cases = [
-        ("rms_norm", lambda x, w: T.rms_norm(x, w, 1e-6), [torch.randn(3, 700, 24), torch.randn(24)]),
-        ("rms_norm_wide", lambda x, w: T.rms_norm(x, w, 1e-6), [torch.randn(5, 1100), torch.randn(1100)]),
-        ("silu_and_mul", T.silu_and_mul, [torch.randn(4, 3, 2 * 37)]),
-        ("apply_rope", lambda x: T.apply_rope(x, cos, sin), [torch.randn(9, 3, 20)]),
-    ]
-    cos, sin = torch.randn(9, 10), torch.randn(9, 10)
-
-    def grads(fn, inputs, impl):
-        os.environ["RLREPRO_ROWWISE_BWD"] = impl
-        try:
-            xs = [t.clone().requires_grad_(True) for t in inputs]
-            out = fn(*xs)
-            return torch.autograd.grad(out, xs, g_out[out.shape])
-        finally:
-            del os.environ["RLREPRO_ROWWISE_BWD"]
-    g_out = {}
-    for name, fn, inputs in cases:
-        shape = fn(*inputs).shape
-        g_out[shape] = torch.randn(shape)
-        new, again, old = grads(fn, inputs, "triton"), grads(fn, inputs, "triton"), grads(fn, inputs, "torch")
-        for i, (a, b, c) in enumerate(zip(new, again, old)):
-            assert torch.equal(a, b), f"{name}: gradient {i} differs between two runs"
-            assert rel_err(a, c) < 1e-5, f"{name}: gradient {i} rel err {rel_err(a, c)} against the torch path"
 
 
 def _grad_pairs(device, dtype):
