@@ -336,7 +336,8 @@ def main(argv=None) -> None:
                     help="profile a deterministic run of STEPS output tokens instead of benchmarking")
     ap.add_argument("--profile-rows", type=int, default=30)
     ap.add_argument("--breakdown", action="store_true",
-                    help="time a steady-state decode step's parts (CUDA): execute, graph replay, sampler, kernels")
+                    help="time a steady-state decode step's parts (CUDA): launch to launch, graph replay, "
+                         "sampler, kernels")
     args = ap.parse_args(argv)
     if not args.tiny and not args.model:
         args.qwen3_8b_shape = True
