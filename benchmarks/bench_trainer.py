@@ -450,8 +450,9 @@ def benchmark(args, trainer: Trainer, device: torch.device, *, rank: int = 0, wo
     return result if lead else None
 
 
-def _tp_rank(rank: int, args, model_dir: str, port: int, extra: dict) -> None:
-    """One tensor-parallel rank (a spawned process): process group, megatron trainer, the benchmark."""
+def _rank_main(rank: int, args, model_dir: str, port: int, extra: dict) -> None:
+    """One rank of the megatron backend (a spawned process; TP and DP groups): process group, trainer,
+    the benchmark."""
     import datetime
 
     import torch.distributed as dist
@@ -502,7 +503,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_tensor_parallel(args) -> None:
+def run_ranks(args) -> None:
     import torch.multiprocessing as mp
 
     n = args.num_gpus
@@ -523,7 +524,7 @@ def run_tensor_parallel(args) -> None:
             extra["write_model_dir_s"] = time.perf_counter() - t0
             print(f"# {what} written to {tmp} in {extra['write_model_dir_s']:.0f} s", flush=True)
             model_dir = tmp
-        mp.start_processes(_tp_rank, args=(args, model_dir, _free_port(), extra), nprocs=n, start_method="spawn")
+        mp.start_processes(_rank_main, args=(args, model_dir, _free_port(), extra), nprocs=n, start_method="spawn")
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -532,7 +533,7 @@ def run_tensor_parallel(args) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.num_gpus > 1:
-        return run_tensor_parallel(args)
+        return run_ranks(args)
     tmp = None
     if args.small_shape:  # one process on the --small shape: write the directory as for TP, then load it
         tmp = tempfile.mkdtemp(prefix="bench_trainer_")
