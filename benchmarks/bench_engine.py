@@ -217,13 +217,20 @@ def decode_breakdown(model, prompts, args) -> None:
     engine.reset_prefix_cache()
     runner = engine.runner
     launches: list[tuple[bool, float, float]] = []  # (full decode step?, launch start, launch end)
+    # CUDA events at each launch's start and end, as the device reaches them: a step's device time, and the
+    # device's idle time between one step's last kernel and the next step's first
+    events: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = []
     real = runner.launch
 
     def timed(scheduled):
         full = len(scheduled) == n and all(s.num_new_tokens == 1 for s in scheduled)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
+        e0.record()
         out = real(scheduled)
+        e1.record()
         launches.append((full, t0, time.perf_counter()))
+        events.append((full, e0, e1))
         return out
 
     runner.launch = timed
@@ -234,6 +241,8 @@ def decode_breakdown(model, prompts, args) -> None:
     execs = [b[1] - a[1] for a, b in zip(launches, launches[1:]) if a[0] and b[0]]
     host = [t1 - t0 for full, t0, t1 in launches if full]
     steps = len(execs)
+    dev_ms = [e0.elapsed_time(e1) for full, e0, e1 in events if full]
+    idle_ms = [a[2].elapsed_time(b[1]) for a, b in zip(events, events[1:]) if a[0] and b[0]]
     b = next(g for g in sorted(runner.graphs) if g >= n)
     graph, out = runner.graphs[b]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -258,6 +267,9 @@ def decode_breakdown(model, prompts, args) -> None:
     print(f"# decode breakdown, {n} requests, P={p_len} O={o_len}, graph batch {b}:")
     print(f"#   decode step, launch to next launch (the engine overlaps host and device), mean of {steps} steps: "
           f"{1e3 * sum(execs) / max(steps, 1):.2f} ms (first {1e3 * execs[0]:.2f}, last {1e3 * execs[-1]:.2f})")
+    print(f"#   device time per decode step (launch's first to last enqueued op; events): "
+          f"{sum(dev_ms) / max(len(dev_ms), 1):.2f} ms (last {dev_ms[-1] if dev_ms else 0:.2f}); device idle "
+          f"between steps: {sum(idle_ms) / max(len(idle_ms), 1):.3f} ms (max {max(idle_ms, default=0):.3f})")
     print(f"#   host time inside launch() per decode step (inputs, graph replay call, sampler launches): "
           f"{1e3 * sum(host) / max(len(host), 1):.2f} ms")
     print(f"#   graph replay alone at the last step's context (~{p_len + o_len}): {graph_ms:.2f} ms")

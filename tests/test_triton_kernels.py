@@ -348,6 +348,25 @@ def test_attention_backward_matches_reference_cpu():
         assert rel_err(got, e) < 1e-5
 
 
+def test_attention_config_choice(monkeypatch):
+    """Which tile config a call gets (speed only; the GPU test below checks that all give the same bits)."""
+    from rlrepro.kernels import triton_attention as A
+    monkeypatch.delenv("RLREPRO_ATTENTION_CONFIG", raising=False)
+    pick = A.pick_attention_config
+    assert pick(64, 64, 4) is A.ATTENTION_CONFIGS["decode"]  # a decode step: one query per sequence
+    assert pick(256, 64, 4) is A.ATTENTION_CONFIGS["decode"]  # up to 16 rows / 4 heads = 4 queries each
+    assert pick(257, 64, 4) is A.ATTENTION_CONFIGS["small"]  # a mixed step
+    assert pick(64, 64, 32) is A.ATTENTION_CONFIGS["small"]  # 32 heads per KV head do not fit 16 rows
+    assert pick(64) is A.ATTENTION_CONFIGS["small"]  # sequence count unknown
+    assert pick(64, 64, 4, torch.float32) is A.ATTENTION_CONFIGS["small"]  # decode's bits are proven for 16-bit
+    assert pick(A.LARGE_MIN_TOKENS, A.LARGE_MIN_TOKENS, 4) is A.ATTENTION_CONFIGS["large"]
+    monkeypatch.setenv("RLREPRO_ATTENTION_CONFIG", "large3")
+    assert pick(1, 1, 4) is A.ATTENTION_CONFIGS["large3"]
+    monkeypatch.setenv("RLREPRO_ATTENTION_CONFIG", "huge")
+    with pytest.raises(ValueError, match="RLREPRO_ATTENTION_CONFIG='huge'.*decode"):
+        pick(1, 1, 4)
+
+
 # ============================================================================================ GPU
 def _cuda_seed():
     return fresh_seed()  # (seeds CUDA too)
@@ -446,18 +465,19 @@ def test_gpu_attention_packed_paged_chunked_equal(dtype):
 @gpu
 @needs_cuda
 def test_gpu_attention_configs_agree(monkeypatch):
-    """The 64-row and 128-row attention tiles give the same bits, so the tile may follow the call's size: with a
+    """The 16-, 64- and 128-row attention tiles give the same bits, so the tile may follow the call's size: with a
     low switch-over, packed / chunked / decode calls mix both configs and still agree bitwise."""
     from rlrepro.kernels import triton_attention as A
     from rlrepro.kernels import triton_ops as T
     seed = _cuda_seed()
     lens = [300, 129, 1, 77]
-    q, k, v = make_paged_case(lens, 8, 2, 128, torch.bfloat16, "cuda")
-    meta = AttentionMetadata.packed(lens, device="cuda")
-    outs = {name: A.attention_fwd(q, k, v, meta, 0.09, config=cfg) for name, cfg in A.ATTENTION_CONFIGS.items()}
-    first = next(iter(outs.values()))
-    for name, out in outs.items():
-        assert torch.equal(out, first), f"attention config {name} differs (seed {seed})"
+    for h, hkv in ((8, 2), (32, 8), (16, 16)):  # GQA groups of 4 (Qwen3-8B) and 1
+        q, k, v = make_paged_case(lens, h, hkv, 128, torch.bfloat16, "cuda")
+        meta = AttentionMetadata.packed(lens, device="cuda")
+        outs = {name: A.attention_fwd(q, k, v, meta, 0.09, config=cfg) for name, cfg in A.ATTENTION_CONFIGS.items()}
+        first = next(iter(outs.values()))
+        for name, out in outs.items():
+            assert torch.equal(out, first), f"attention config {name} differs (h={h}, hkv={hkv}; seed {seed})"
     monkeypatch.setattr(A, "LARGE_MIN_TOKENS", 64)
     check_attention_invariance(T.attention, lens, h=8, hkv=2, d=128, dtype=torch.bfloat16, device="cuda",
                                block_sizes=(16,), tol=2e-2)

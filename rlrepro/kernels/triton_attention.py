@@ -1,7 +1,7 @@
 """Batch-invariant causal attention in Triton, for packed sequences and the paged KV cache alike.
 
 One program owns ``BLOCK_Q`` consecutive queries of one sequence and the ``GROUP`` query heads that share one KV
-head (GQA), so its tile has ``BLOCK_M = BLOCK_Q * GROUP_P`` rows (64 or 128, see ``ATTENTION_CONFIGS``). It walks KV positions 0, 64, 128, ... in tiles
+head (GQA), so its tile has ``BLOCK_M = BLOCK_Q * GROUP_P`` rows (16, 64 or 128, see ``ATTENTION_CONFIGS``). It walks KV positions 0, 64, 128, ... in tiles
 of ``BLOCK_KV``, in that order, with an online softmax in float32, up to the block's last query position. A row
 whose position lies before a tile gets exactly zero weight there (``alpha == 1``, ``p == 0``), so it leaves the
 row's state bitwise unchanged: a query's result depends only on its sequence's K/V at positions ``0..p``.
@@ -34,22 +34,39 @@ class AttentionConfig:
     num_stages: int
 
 
-# "small" serves decode-heavy calls (few queries per sequence: fewer wasted rows); "large" serves prefill.
-# Both keep BLOCK_KV, the KV order and the instructions, with one warp per 16 rows, so a row's softmax state
-# evolves identically; tests/test_triton_kernels.py checks bitwise that the two give the same output.
+# "decode" serves calls of a few queries per sequence (decode steps: one): 16 rows, one warp, so a decode step
+# wastes 12 of 16 rows instead of 60 of 64 (H200, 64 x 2048 context: 0.160 vs 0.235 ms a layer). "small" serves
+# mixed steps and short prefills; "large" long prefills and training. All keep BLOCK_KV, the KV order and one warp
+# per 16 rows (the 1-warp tile runs mma.sync where the 4- and 8-warp tiles run wgmma), so a row's softmax state
+# evolves identically; tests/test_triton_kernels.py checks bitwise on the GPU that every config gives the same
+# output. (A 2-warp, 32-row tile does not: it splits the KV columns across warps.)
 ATTENTION_CONFIGS = {
     "small": AttentionConfig(rows=64, num_warps=4, num_stages=2),
     "large": AttentionConfig(rows=128, num_warps=8, num_stages=2),
     "large3": AttentionConfig(rows=128, num_warps=8, num_stages=3),
+    "decode": AttentionConfig(rows=16, num_warps=1, num_stages=2),
 }
 LARGE_MIN_TOKENS = 1024  # calls with at least this many query tokens use "large" (H200: prefill 13% faster)
 
 
-def pick_attention_config(num_tokens: int) -> AttentionConfig:
+def pick_attention_config(num_tokens: int, num_seqs: int = 0, group: int = 1,
+                          dtype: torch.dtype = torch.bfloat16) -> AttentionConfig:
+    """The tile config for a call of ``num_tokens`` queries over ``num_seqs`` sequences with ``group`` query heads
+    per KV head (``RLREPRO_ATTENTION_CONFIG`` forces one by name). Speed only: every config gives the same bits.
+
+    "decode" is taken for 16-bit inputs only: that is where the GPU test proves it equal to the others. float32
+    runs ``ieee`` dots whose order may follow the tile (the interpreter's numpy dots do change with it)."""
     forced = os.environ.get("RLREPRO_ATTENTION_CONFIG")
     if forced:
+        if forced not in ATTENTION_CONFIGS:
+            raise ValueError(f"RLREPRO_ATTENTION_CONFIG={forced!r} is not one of {sorted(ATTENTION_CONFIGS)}")
         return ATTENTION_CONFIGS[forced]
-    return ATTENTION_CONFIGS["large" if num_tokens >= LARGE_MIN_TOKENS else "small"]
+    if num_tokens >= LARGE_MIN_TOKENS:
+        return ATTENTION_CONFIGS["large"]
+    per_program = ATTENTION_CONFIGS["decode"].rows // triton.next_power_of_2(group)
+    if dtype != torch.float32 and num_seqs and per_program >= 1 and num_tokens <= num_seqs * per_program:
+        return ATTENTION_CONFIGS["decode"]  # every sequence's queries fit one 16-row tile
+    return ATTENTION_CONFIGS["small"]
 
 
 def tile_shape(group: int, rows: int = 64) -> tuple[int, int]:
@@ -211,10 +228,10 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
     if h % hkv:
         raise ValueError(f"attention: {h} query heads is not a multiple of {hkv} KV heads")
     group = h // hkv
-    cfg = config or pick_attention_config(n)
+    s_count = meta.num_seqs
+    cfg = config or pick_attention_config(n, s_count, group, q.dtype)
     block_q, group_p = tile_shape(group, cfg.rows)
     out = torch.empty((n, h, d), device=q.device, dtype=q.dtype)
-    s_count = meta.num_seqs
     if n == 0 or s_count == 0:
         return out
     for name, t in (("q", q), ("k", k_flat), ("v", v_flat)):
