@@ -1,6 +1,6 @@
 """Benchmark of the deterministic (batch-invariant) Triton kernels against stock torch / cuBLAS, on one GPU.
 
-    python benchmarks/bench_kernels.py [--out FILE] [--sweep] [--only matmul,rowwise,rowwise_bwd,attention,attention_bwd] [--quick]
+    python benchmarks/bench_kernels.py [--out FILE] [--sweep] [--only matmul,rowwise,rowwise_bwd,attention,attention_bwd,sampler] [--quick]
 
 Times are medians of ``triton.testing.do_bench`` (which clears the L2 cache before every repetition), taken in
 the same run for both sides, bf16 unless noted. The matmul table reports ``speed = t_cuBLAS / t_ours`` (1.0 =
@@ -314,11 +314,33 @@ def bench_rowwise_bwd() -> None:
     emit()
 
 
+def bench_sampler() -> None:
+    from rlrepro.rollout.sampler_triton import default_splits, gumbel_argmax
+    emit("### Sampler: the fused Gumbel argmax, one program per row vs the vocabulary cut into ranges")
+    emit()
+    emit("float32 scaled logits [rows, 151936]; CUDA-graph replays of one call (median, L2 cleared before each); "
+         "the tokens are checked equal.")
+    emit()
+    emit("| rows | 1 range ms | default ranges | default ms | speedup |")
+    emit("|---|---|---|---|---|")
+    v = 151936
+    for rows in (64, 256):
+        x = torch.randn(rows, v, device="cuda") * 3
+        seeds = torch.arange(rows, device="cuda", dtype=torch.int64)
+        pos = torch.full((rows,), 700, device="cuda", dtype=torch.int64)
+        k = default_splits(rows, v, x.device)
+        same = torch.equal(gumbel_argmax(x, seeds, pos, splits=1), gumbel_argmax(x, seeds, pos))
+        t1 = timed(lambda: gumbel_argmax(x, seeds, pos, splits=1))
+        tk = timed(lambda: gumbel_argmax(x, seeds, pos))
+        emit(f"| {rows}{'' if same else ' **tokens differ**'} | {t1:.4f} | {k} | {tk:.4f} | {t1 / tk:.2f}x |")
+    emit()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="time every candidate matmul config too")
-    ap.add_argument("--only", default="matmul,rowwise,rowwise_bwd,attention,attention_bwd")
+    ap.add_argument("--only", default="matmul,rowwise,rowwise_bwd,attention,attention_bwd,sampler")
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -336,7 +358,8 @@ def main() -> int:
     sections = [("matmul", lambda: bench_matmul(MATMUL_MS if not args.quick else [1, 64, 1024, 4096],
                                                 MATMUL_SHAPES, args.sweep)),
                 ("rowwise", lambda: bench_rowwise(args.quick)), ("rowwise_bwd", bench_rowwise_bwd),
-                ("attention", bench_attention), ("attention_bwd", bench_attention_bwd)]
+                ("attention", bench_attention), ("attention_bwd", bench_attention_bwd),
+                ("sampler", bench_sampler)]
     for name, fn in sections:
         if name not in only:
             continue

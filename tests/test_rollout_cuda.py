@@ -92,7 +92,10 @@ def test_fused_sampler_equals_the_eager_definition():
     idx, noise = gumbel_argmax(scaled, seeds, positions, return_noise=True)
     want_noise = gumbel_noise(seeds, positions, vocab)
     assert torch.equal(noise, want_noise)
-    assert torch.equal(idx, torch.argmax(scaled.double() + want_noise, -1))
+    expect = torch.argmax(scaled.double() + want_noise, -1)
+    assert torch.equal(idx, expect)
+    for splits in (1, 2, 7, 75, 500):  # vocabulary ranges per row: speed only, never the token
+        assert torch.equal(gumbel_argmax(scaled, seeds, positions, splits=splits), expect), splits
     logits = torch.randn(40, 5000, device="cuda", dtype=torch.bfloat16) * 3
     reqs = [SampleRequest([1.0, 0.7, 0.0, 1.3][r % 4], [-1, 7, -1, 50][r % 4], [1.0, 1.0, 0.8, 0.9][r % 4],
                           seed=r, position=r * 3) for r in range(40)]

@@ -5,8 +5,11 @@ scaled logits once and writes one index. It must give the same bits as the eager
 operation for operation: the same wrapping int64 hash, ``frexp`` done on the bit pattern (exact for the normal
 numbers that occur), the same float64 ``+ - * /`` sequence with the polynomial's constants loaded as float64
 (Triton literals would be float32), and fp fusion off (no FMA contraction). ``tests/test_rollout_cuda.py``
-compares the two paths with ``torch.equal``. One program per row walks the vocabulary in fixed chunks and keeps
-the first maximum, so a row's result does not depend on the other rows.
+compares the two paths with ``torch.equal``. Each row's vocabulary is cut into ``splits`` equal ranges of whole
+chunks, one program each (a decode step has few rows: one program per row left most SMs idle); a program keeps its
+range's first maximum, and the ranges' results are then taken in order, the first maximum again. The maximum of
+exact float64 scores with the lowest index on ties does not depend on how the row is cut, so neither the split
+count nor the other rows can change a token.
 """
 from __future__ import annotations
 
@@ -53,17 +56,21 @@ def _exact_log(x, c_ptr, TERMS: tl.constexpr):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, out_ptr, noise_ptr, c_ptr, V,
+def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, val_ptr, idx_ptr, noise_ptr, c_ptr, V, span,
                           salt, gamma, mix1, mix2, BLOCK: tl.constexpr, TERMS: tl.constexpr,
                           WRITE_NOISE: tl.constexpr):
+    """Program (r, s): row r's vocabulary range [s * span, (s + 1) * span) (span a multiple of BLOCK); writes its
+    first maximum's score and index to val/idx[r, s] (-inf and the range's start when all of it is -inf)."""
     r = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1).to(tl.int64)
     seed = tl.load(seed_ptr + r)
     pos = tl.load(pos_ptr + r)
     row = _mix64(_mix64(seed ^ salt, mix1, mix2) + pos * gamma, mix1, mix2)
+    lo = part * span
     best = tl.full([], float("-inf"), tl.float64)
-    best_idx = tl.full([], 0, tl.int64)
+    best_idx = lo + tl.full([], 0, tl.int64)
     offs = tl.arange(0, BLOCK).to(tl.int64)
-    for start in range(0, V, BLOCK):
+    for start in range(lo, tl.minimum(lo + span, V), BLOCK):
         v = start + offs
         ok = v < V
         x = tl.load(x_ptr + r * stride_x + v, mask=ok, other=float("-inf")).to(tl.float64)
@@ -78,7 +85,8 @@ def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, out_ptr, noise_ptr
         take = chunk_max > best  # strict: an earlier chunk keeps a tie
         best_idx = tl.where(take, start + chunk_idx, best_idx)
         best = tl.where(take, chunk_max, best)
-    tl.store(out_ptr + r, best_idx)
+    tl.store(val_ptr + r * tl.num_programs(1) + part, best)
+    tl.store(idx_ptr + r * tl.num_programs(1) + part, best_idx)
 
 
 _CONSTANTS: dict[torch.device, torch.Tensor] = {}
@@ -91,17 +99,37 @@ def _constants(device: torch.device) -> torch.Tensor:
     return _CONSTANTS[device]
 
 
+def default_splits(rows: int, vocab: int, device: torch.device, block: int = BLOCK) -> int:
+    """Ranges per row: enough programs for ~4 per SM, at most one chunk each (speed only; the tokens do not
+    depend on it)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(triton.cdiv(vocab, block), triton.cdiv(4 * sms, max(rows, 1))))
+
+
 def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                  return_noise: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  return_noise: bool = False, splits: int | None = None,
+                  block: int = BLOCK) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``argmax(scaled.double() + gumbel_noise(seeds, positions, V), -1)``; scaled: float32 [R, V], with -inf
-    for tokens a filter removed. ``return_noise`` also returns the noise (for tests)."""
+    for tokens a filter removed. ``splits``: vocabulary ranges per row, one program each (default
+    ``default_splits``); any value gives the same tokens. ``return_noise`` also returns the noise (for tests)."""
     r, v = scaled.shape
     scaled = scaled if scaled.stride(-1) == 1 else scaled.contiguous()
-    out = torch.empty(r, dtype=torch.int64, device=scaled.device)
     noise = torch.empty((r, v) if return_noise else (1,), dtype=torch.float64, device=scaled.device)
-    if r:
-        _gumbel_argmax_kernel[(r,)](
-            scaled, scaled.stride(0), seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
-            out, noise, _constants(scaled.device), v, ref.ROW_SALT, ref.GAMMA, ref.MIX1, ref.MIX2,
-            BLOCK=BLOCK, TERMS=ref._LOG_TERMS, WRITE_NOISE=return_noise, num_warps=8, enable_fp_fusion=False)
+    if not r:
+        out = torch.empty(0, dtype=torch.int64, device=scaled.device)
+        return (out, noise) if return_noise else out
+    chunks = triton.cdiv(v, block)
+    splits = default_splits(r, v, scaled.device, block) if splits is None else splits
+    if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"gumbel_argmax: splits must be a positive int, got {splits!r}")
+    span = triton.cdiv(chunks, min(splits, chunks)) * block
+    parts = triton.cdiv(v, span)
+    vals = torch.empty((r, parts), dtype=torch.float64, device=scaled.device)
+    idxs = torch.empty((r, parts), dtype=torch.int64, device=scaled.device)
+    _gumbel_argmax_kernel[(r, parts)](
+        scaled, scaled.stride(0), seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
+        vals, idxs, noise, _constants(scaled.device), v, span, ref.ROW_SALT, ref.GAMMA, ref.MIX1, ref.MIX2,
+        BLOCK=block, TERMS=ref._LOG_TERMS, WRITE_NOISE=return_noise, num_warps=8, enable_fp_fusion=False)
+    # the ranges in order, the first maximum (torch.argmax returns the first of equal maxima)
+    out = idxs.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1) if parts > 1 else idxs[:, 0]
     return (out, noise) if return_noise else out
