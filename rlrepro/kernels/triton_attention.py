@@ -54,8 +54,9 @@ def pick_attention_config(num_tokens: int, num_seqs: int = 0, group: int = 1,
     """The tile config for a call of ``num_tokens`` queries over ``num_seqs`` sequences with ``group`` query heads
     per KV head (``RLREPRO_ATTENTION_CONFIG`` forces one by name). Speed only: every config gives the same bits.
 
-    "decode" is taken for 16-bit inputs only: that is where the GPU test proves it equal to the others. float32
-    runs ``ieee`` dots whose order may follow the tile (the interpreter's numpy dots do change with it)."""
+    "decode" is taken for bf16 inputs only: that is where the GPU test proves it equal to the others (float16 is
+    likely the same but unproven; float32 runs ``ieee`` dots whose order may follow the tile, and the
+    interpreter's numpy dots do change with it)."""
     forced = os.environ.get("RLREPRO_ATTENTION_CONFIG")
     if forced:
         if forced not in ATTENTION_CONFIGS:
@@ -64,7 +65,7 @@ def pick_attention_config(num_tokens: int, num_seqs: int = 0, group: int = 1,
     if num_tokens >= LARGE_MIN_TOKENS:
         return ATTENTION_CONFIGS["large"]
     per_program = ATTENTION_CONFIGS["decode"].rows // triton.next_power_of_2(group)
-    if dtype != torch.float32 and num_seqs and per_program >= 1 and num_tokens <= num_seqs * per_program:
+    if dtype == torch.bfloat16 and num_seqs and per_program >= 1 and num_tokens <= num_seqs * per_program:
         return ATTENTION_CONFIGS["decode"]  # every sequence's queries fit one 16-row tile
     return ATTENTION_CONFIGS["small"]
 
