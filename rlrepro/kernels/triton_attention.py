@@ -1,15 +1,16 @@
 """Batch-invariant causal attention in Triton, for packed sequences and the paged KV cache alike.
 
 One program owns ``BLOCK_Q`` consecutive queries of one sequence and the ``GROUP`` query heads that share one KV
-head (GQA), so its tile has ``BLOCK_M = BLOCK_Q * GROUP_P`` rows (16, 64 or 128, see ``ATTENTION_CONFIGS``). It walks KV positions 0, 64, 128, ... in tiles
-of ``BLOCK_KV``, in that order, with an online softmax in float32, up to the block's last query position. A row
-whose position lies before a tile gets exactly zero weight there (``alpha == 1``, ``p == 0``), so it leaves the
-row's state bitwise unchanged: a query's result depends only on its sequence's K/V at positions ``0..p``.
+head (GQA), so its tile has ``BLOCK_M = BLOCK_Q * GROUP_P`` rows (16, 64 or 128, see ``ATTENTION_CONFIGS``). It
+walks KV positions 0, 64, 128, ... in tiles of ``BLOCK_KV``, in that order, with an online softmax in float32, up
+to the block's last query position. A row whose position lies before a tile gets exactly zero weight there
+(``alpha == 1``, ``p == 0``), so it leaves the row's state bitwise unchanged: a query's result depends only on its
+sequence's K/V at positions ``0..p``.
 
 Packed (no cache) and paged inputs differ only in where KV position ``j`` of sequence ``s`` is read:
 ``cu_seqlens_q[s] + j`` or ``block_table[s, j // bs] * bs + j % bs``. Both run the same compiled kernel (the
-choice is a run-time flag), with one fixed tile config, so prefill, chunked prefill, decode and the trainer's
-full-sequence forward give identical bits.
+choice is a run-time flag), and the tile configs, chosen by the call's shape, give the same bits (GPU test), so
+prefill, chunked prefill, decode and the trainer's full-sequence forward give identical bits.
 """
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, val_ptr, idx_ptr, 
     row = _mix64(_mix64(seed ^ salt, mix1, mix2) + pos * gamma, mix1, mix2)
     lo = part * span
     best = tl.full([], float("-inf"), tl.float64)
-    best_idx = lo + tl.full([], 0, tl.int64)
+    best_idx = lo
     offs = tl.arange(0, BLOCK).to(tl.int64)
     for start in range(lo, tl.minimum(lo + span, V), BLOCK):
         v = start + offs
@@ -100,8 +100,8 @@ def _constants(device: torch.device) -> torch.Tensor:
 
 
 def default_splits(rows: int, vocab: int, device: torch.device, block: int = BLOCK) -> int:
-    """Ranges per row: enough programs for ~4 per SM, at most one chunk each (speed only; the tokens do not
-    depend on it)."""
+    """Ranges per row: enough programs for ~4 per SM, no more ranges than BLOCK-wide chunks (speed only; the
+    tokens do not depend on it)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     return max(1, min(triton.cdiv(vocab, block), triton.cdiv(4 * sms, max(rows, 1))))
 
@@ -131,5 +131,5 @@ def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
         vals, idxs, noise, _constants(scaled.device), v, span, ref.ROW_SALT, ref.GAMMA, ref.MIX1, ref.MIX2,
         BLOCK=block, TERMS=ref._LOG_TERMS, WRITE_NOISE=return_noise, num_warps=8, enable_fp_fusion=False)
     # the ranges in order, the first maximum (torch.argmax returns the first of equal maxima)
-    out = idxs.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1) if parts > 1 else idxs[:, 0]
+    out = idxs.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
     return (out, noise) if return_noise else out
