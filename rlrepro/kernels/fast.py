@@ -1,4 +1,11 @@
-"""Stock torch kernels (cuBLAS/MKL GEMMs, SDPA): the ``fast`` mode, kept for comparison. Not batch-invariant."""
+"""The ``fast`` mode, kept for comparison: stock torch kernels (cuBLAS/MKL GEMMs, torch RMSNorm/softmax/SwiGLU).
+Not batch-invariant.
+
+Attention: torch has no paged-KV attention kernel, so on CUDA with a KV cache the fast mode runs rlrepro's paged
+Triton kernel (the deterministic one; any correct paged kernel would do). Without it the engine's fast mode
+measured a slow gather-then-SDPA, not stock GEMMs, and "deterministic vs fast" compared attention kernels instead
+of what batch invariance costs (the GEMM and norm kernels). On CPU, and without a cache, attention is SDPA.
+"""
 from __future__ import annotations
 
 import torch
@@ -30,7 +37,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
               kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Per sequence ``F.scaled_dot_product_attention`` over its KV (gathered from the cache when paged)."""
+    """Paged on CUDA: the Triton paged kernel (module docstring). Otherwise per sequence
+    ``F.scaled_dot_product_attention`` over its KV (gathered from the cache when paged)."""
+    if kv_cache is not None and q.is_cuda:
+        from . import triton_ops
+        return triton_ops.attention(q, k, v, meta, scale, kv_cache)
     if kv_cache is not None:
         write_kv_cache(k, v, kv_cache, meta)
     h, hkv = q.shape[1], (kv_cache[0].shape[2] if kv_cache is not None else k.shape[1])
