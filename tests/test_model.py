@@ -94,6 +94,21 @@ def test_full_sequence_equals_chunked_cached_decode():
     assert torch.equal(torch.cat(rows), full)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_path_equals_the_training_path(dtype):
+    """Without autograd, forward_tokens folds each residual add into the norm after it (Qwen3DecoderLayer.
+    forward_pending + kernels.add_rms_norm); with autograd it runs the plain adds and norms. Same bits."""
+    model = tiny_model(seed=5, dtype=dtype)
+    ids = torch.randint(0, 60, (37,))
+    meta = AttentionMetadata.packed([20, 17])
+    with torch.no_grad():
+        fused = model.forward_tokens(ids, meta)
+    with torch.enable_grad():
+        plain = model.forward_tokens(ids, meta)
+    assert plain.requires_grad and not fused.requires_grad
+    assert torch.equal(fused, plain.detach())
+
+
 def test_fast_mode_close_to_deterministic():
     model = tiny_model(seed=4)
     ids = torch.randint(0, 60, (3, 20))

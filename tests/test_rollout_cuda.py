@@ -31,6 +31,20 @@ def model(request):
     return tiny_model(seed=7, dtype=request.param, initializer_range=0.3).cuda()
 
 
+def test_inference_forward_equals_training_forward(model):
+    """On CUDA the no-grad forward fuses each residual add into the following norm (one Triton pass); with
+    autograd it runs the add and the norm apart. The engine samples with the first, the trainer trains with the
+    second: they must give the same bits."""
+    from rlrepro.kernels import AttentionMetadata
+    ids = torch.randint(0, model.config.vocab_size, (300,), device="cuda")
+    meta = AttentionMetadata.packed([120, 1, 179], device="cuda")
+    with torch.no_grad():
+        fused = model.forward_tokens(ids, meta)
+    with torch.enable_grad():
+        plain = model.forward_tokens(ids, meta)  # the plain path: chosen by grad mode, not by requires_grad
+    assert torch.equal(fused, plain.detach())
+
+
 def test_graph_decode_equals_eager_decode(model):
     prompts, params = workload(37)
     eager = Engine(model, device="cuda", enable_cuda_graphs=False, max_num_seqs=48, num_kv_blocks=512)

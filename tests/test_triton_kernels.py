@@ -210,6 +210,28 @@ def check_rowwise_fp32():
             assert out.shape == view.shape and out.is_contiguous()
             assert torch.equal(out, T.rms_norm(view.contiguous(), w, 1e-6))
             assert torch.equal(out.reshape(-1, d), T.rms_norm(view.reshape(-1, d), w, 1e-6))
+    # residual add fused into the norm (inference): the same bits as the add then the norm, sum and norm, with a
+    # weight of the same or another dtype (bf16 inputs only on the GPU: the interpreter's float32 -> bf16 cast
+    # does not round as the GPU's does); unsupported calls are refused with the reason
+    for dtype, wdtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16)):
+        for shape in ((5, 96), (2, 3, 100)):
+            x, r = (torch.randn(*shape) * 3).to(dtype), (torch.randn(*shape) * 3).to(dtype)
+            w = torch.randn(shape[-1]).to(wdtype)
+            total, normed = rw.add_rms_norm_fwd(x, r, w, 1e-6)
+            assert torch.equal(total, x + r) and total.dtype == dtype
+            assert torch.equal(normed, T.rms_norm(x + r, w, 1e-6)), (dtype, wdtype, shape)
+            s2, n2 = T.add_rms_norm(x, r, w, 1e-6)
+            assert torch.equal(s2, total) and torch.equal(n2, normed)
+    x = torch.randn(4, rw.MAX_ROW_BLOCK + 8)
+    assert not rw.add_rms_norm_supported(x, x) and not rw.add_rms_norm_supported(x[:, :96], x[:, :96])
+    try:
+        rw.add_rms_norm_fwd(x, x, torch.randn(x.shape[-1]), 1e-6)
+        raise AssertionError("a row longer than one block was accepted")
+    except ValueError as e:
+        assert "rows of at most" in str(e)
+    xg = torch.randn(3, 96, requires_grad=True)  # with autograd: the two ops, so gradients flow
+    sg, ng = T.add_rms_norm(xg, torch.randn(3, 96), torch.randn(96), 1e-6)
+    assert sg.requires_grad and ng.requires_grad
     # log-softmax: several chunks of 4096 and a tail
     x = torch.randn(6, 9000) * 4
     x[1, 5] = 60.0
@@ -430,6 +452,9 @@ def test_gpu_rowwise_batch_invariant():
     w = (1 + 0.1 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
     assert rel_err(T.rms_norm(x[:64], w, 1e-6), ref.rms_norm(x[:64].cpu(), w.cpu(), 1e-6)) < 1e-2
     assert_rows_invariant(lambda t: T.rms_norm(t, w, 1e-6), x, ms, what=f"rms_norm seed={seed}")
+    r = torch.randn(1100, 4096, device="cuda").to(torch.bfloat16)
+    total, normed = T.add_rms_norm(x, r, w, 1e-6)  # the inference-fused add + norm == the add, then the norm
+    assert torch.equal(total, x + r) and torch.equal(normed, T.rms_norm(x + r, w, 1e-6)), f"seed={seed}"
     xs = torch.randn(1100, 2 * 3072, device="cuda").to(torch.bfloat16)
     assert rel_err(T.silu_and_mul(xs[:64]), ref.silu_and_mul(xs[:64].cpu())) < 1e-2
     assert_rows_invariant(T.silu_and_mul, xs, ms, what="silu_and_mul")

@@ -19,8 +19,8 @@ from ._mode import MODES, current_mode, mode
 from .metadata import AttentionMetadata
 
 __all__ = [
-    "MODES", "mode", "current_mode", "AttentionMetadata", "linear", "rms_norm", "log_softmax", "token_logprob",
-    "silu_and_mul", "apply_rope", "embedding", "attention", "scaled_token_logprob",
+    "MODES", "mode", "current_mode", "AttentionMetadata", "linear", "rms_norm", "add_rms_norm", "log_softmax",
+    "token_logprob", "silu_and_mul", "apply_rope", "embedding", "attention", "scaled_token_logprob",
 ]
 
 _triton_impl: types.ModuleType | None = None
@@ -55,6 +55,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, statistics in float32 (as transformers' Qwen3)."""
     return _impl(x).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, rms_norm(s, weight, eps))`` with ``s = x + residual``: bit for bit the add then the norm. The Triton
+    implementation does both in one pass when no gradient is needed (inference); with autograd it runs the two."""
+    return _impl(x).add_rms_norm(x, residual, weight, eps)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x + residual
+    return s, rms_norm(s, weight, eps)
+
+
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(x.float(), dim=-1)
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from .cpu import apply_rope, embedding, write_kv_cache  # elementwise / gather ops: one implementation serves both
 from .metadata import AttentionMetadata
 
-__all__ = ["linear", "rms_norm", "log_softmax", "silu_and_mul", "apply_rope", "embedding", "attention"]
+__all__ = ["linear", "rms_norm", "add_rms_norm", "log_softmax", "silu_and_mul", "apply_rope", "embedding",
+           "attention"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -24,6 +25,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x + residual
+    return s, rms_norm(s, weight, eps)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ from . import triton_matmul as _mm
 from . import triton_rowwise as _rw
 from .metadata import AttentionMetadata
 
-__all__ = ["linear", "rms_norm", "log_softmax", "silu_and_mul", "apply_rope", "embedding", "attention"]
+__all__ = ["linear", "rms_norm", "add_rms_norm", "log_softmax", "silu_and_mul", "apply_rope", "embedding",
+           "attention"]
 
 
 # ----------------------------------------------------------------------------------------------- linear
@@ -90,6 +91,15 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    grad = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad)
+    if not grad and _rw.add_rms_norm_supported(x, residual):
+        return _rw.add_rms_norm_fwd(x, residual, weight, eps)
+    s = x + residual
+    return s, rms_norm(s, weight, eps)
 
 
 # ----------------------------------------------------------------------------------------------- log-softmax

@@ -38,8 +38,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, H, stride_h,
-                     BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, H, stride_h, res_ptr, sum_ptr,
+                     BLOCK: tl.constexpr, SINGLE: tl.constexpr, HAS_RES: tl.constexpr = False):
+    """Row-wise RMSNorm. HAS_RES (single-block rows, contiguous [rows, D] x/res/sum): the row is first
+    ``x + res`` rounded to x's dtype, as torch's add gives it, and that sum is also written to ``sum``."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + (row // H) * stride_x + (row % H) * stride_h  # rows of [N, H, D] with any N/H strides
     o_row = out_ptr + row * stride_o
@@ -47,6 +49,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, H, strid
     if SINGLE:
         mask = cols < D
         x = tl.load(x_row + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + row * stride_x + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + row * stride_x + cols, x, mask=mask)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / D
         rstd = 1.0 / tl.sqrt_rn(var + eps)
@@ -165,8 +171,36 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     if rows > 0:
         block = _row_block(d)
         _rms_norm_kernel[(rows,)](src, weight.contiguous(), out, d, stride_n, out.stride(0), float(eps), h, stride_h,
-                                  BLOCK=block, SINGLE=block >= d, num_warps=_row_warps(block))
+                                  src, src, BLOCK=block, SINGLE=block >= d, num_warps=_row_warps(block))
     return out.reshape(x.shape)
+
+
+def add_rms_norm_supported(x: torch.Tensor, res: torch.Tensor) -> bool:
+    """Whether ``add_rms_norm_fwd`` fuses this call: equal shapes and dtypes, contiguous, a row in one block."""
+    d = x.shape[-1]
+    return (x.shape == res.shape and x.dtype == res.dtype and x.is_contiguous() and res.is_contiguous()
+            and _row_block(d) >= d)
+
+
+def add_rms_norm_fwd(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, rms_norm_fwd(s, weight, eps))`` with ``s = x + res`` in one pass: the same bits as the two calls
+    (the add rounds as torch's does, and the norm runs the same per-row code on the rounded sum)."""
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({d},)")
+    if not add_rms_norm_supported(x, res):
+        raise ValueError("add_rms_norm_fwd: x and res must be contiguous, of one shape and dtype, rows of at most "
+                         f"{_row_block(d)} values; got {tuple(x.shape)} {x.dtype} and {tuple(res.shape)} {res.dtype}")
+    src, r = _rows(x), _rows(res)
+    rows = src.shape[0]
+    total = torch.empty_like(src)
+    out = torch.empty((rows, d), device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    if rows > 0:
+        block = _row_block(d)
+        _rms_norm_kernel[(rows,)](src, weight.contiguous(), out, d, src.stride(0), out.stride(0), float(eps), 1, 0,
+                                  r, total, BLOCK=block, SINGLE=True, HAS_RES=True, num_warps=_row_warps(block))
+    return total.reshape(x.shape), out.reshape(x.shape)
 
 
 # ----------------------------------------------------------------------------------------------- log-softmax

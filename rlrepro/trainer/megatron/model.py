@@ -164,6 +164,7 @@ class TPDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     forward = Qwen3DecoderLayer.forward
+    forward_pending = Qwen3DecoderLayer.forward_pending
 
 
 class TPQwen3Model(nn.Module):
