@@ -334,6 +334,40 @@ def bench_sampler() -> None:
         tk = timed(lambda: gumbel_argmax(x, seeds, pos))
         emit(f"| {rows}{'' if same else ' **tokens differ**'} | {t1:.4f} | {k} | {tk:.4f} | {t1 / tk:.2f}x |")
     emit()
+    bench_top_p(v)
+
+
+def bench_top_p(v: int) -> None:
+    """Top-k / top-p masks: one row at a time (the engine before the sixth session) vs all rows in one sort."""
+    from rlrepro.rollout.sampler import SampleRequest, _filtered, keep_mask, sample_on_device
+    emit("### Sampler: top-k / top-p masks, row by row vs batched")
+    emit()
+    emit(f"float32 scaled logits [rows, {v}]; eager calls timed by `do_bench` (median) (launches included: "
+         "the sampler runs outside the decode graph). `row by row` = one `keep_mask` per row, as the engine did "
+         "before; `batched` = `keep_masks` on all rows; `sample` = the whole `sample_on_device` (filters, fused "
+         "Gumbel argmax, logprob). The masked logits are checked equal.")
+    emit()
+    emit("| rows | top_k | top_p | row by row ms | batched ms | speedup | sample ms (filtered) | sample ms (no filter) |")
+    emit("|---|---|---|---|---|---|---|---|")
+    for rows, top_k, top_p in ((64, -1, 0.9), (64, 50, 0.95), (256, -1, 0.9)):
+        x = torch.randn(rows, v, device="cuda") * 3
+        reqs = [SampleRequest(1.0, top_k, top_p, seed=r, position=700) for r in range(rows)]
+        plain = [SampleRequest(1.0, -1, 1.0, seed=r, position=700) for r in range(rows)]
+
+        def row_by_row():
+            out = x.clone()
+            for i in range(rows):
+                out[i].masked_fill_(~keep_mask(x[i], top_k, top_p), float("-inf"))
+            return out
+
+        same = torch.equal(row_by_row(), _filtered(x, reqs))
+        t_row = do_bench(row_by_row, warmup=5, rep=50, return_mode="median")
+        t_batch = do_bench(lambda: _filtered(x, reqs), warmup=5, rep=50, return_mode="median")
+        t_sample = do_bench(lambda: sample_on_device(x, reqs), warmup=5, rep=50, return_mode="median")
+        t_plain = do_bench(lambda: sample_on_device(x, plain), warmup=5, rep=50, return_mode="median")
+        emit(f"| {rows}{'' if same else ' **masks differ**'} | {top_k} | {top_p} | {t_row:.3f} | {t_batch:.3f} | "
+             f"{t_row / t_batch:.1f}x | {t_sample:.3f} | {t_plain:.3f} |")
+    emit()
 
 
 def main() -> int:

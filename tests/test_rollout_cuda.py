@@ -117,3 +117,19 @@ def test_fused_sampler_equals_the_eager_definition():
     reqs = [SampleRequest([1.0, 0.7, 0.0, 1.3][r % 4], [-1, 7, -1, 50][r % 4], [1.0, 1.0, 0.8, 0.9][r % 4],
                           seed=r, position=r * 3) for r in range(40)]
     assert sample(logits, reqs, fused=True) == sample(logits, reqs, fused=False)
+
+
+def test_gpu_batched_keep_masks_equal_one_row_masks():
+    """torch's CUDA sort / softmax / cumsum give a row the same top-k/top-p mask in a batch of 64 as alone
+    (the batched filter relies on it; see rollout/sampler.py), at the full Qwen3 vocabulary."""
+    from rlrepro.rollout.sampler import keep_mask, keep_masks
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    v, rows = 151936, 64
+    scaled = (torch.randn(rows, v, device="cuda", generator=gen) * 3).round(decimals=2)  # ties too
+    ks = [[-1, 50, 1, 1000][i % 4] for i in range(rows)]
+    ps = [[0.9, 1.0, 0.95, 0.5, 0.123456789][i % 5] for i in range(rows)]
+    masks = keep_masks(scaled, ks, ps)
+    for i in range(rows):
+        assert torch.equal(masks[i], keep_mask(scaled[i], ks[i], ps[i])), (i, ks[i], ps[i])
+    half = keep_masks(scaled[::2].contiguous(), ks[::2], ps[::2])
+    assert torch.equal(half, masks[::2])

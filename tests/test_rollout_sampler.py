@@ -7,7 +7,7 @@ import torch
 from rlrepro import kernels
 from rlrepro.rollout import derive_seed, request_seed
 from rlrepro.rollout.sampler import (GAMMA, MIX1, MIX2, ROW_SALT, SampleRequest, exact_log, gumbel_noise,
-                                     keep_mask, noise_bits, sample)
+                                     keep_mask, keep_masks, noise_bits, sample)
 
 M64 = (1 << 64) - 1
 
@@ -91,6 +91,43 @@ def test_keep_mask_tie_handling():
     assert keep_mask(row, -1, 0.01).tolist() == [False, True, False, False, False]  # first always kept
     # top-k then top-p over the survivors' renormalised mass
     assert keep_mask(row, 3, 0.7).tolist() == [False, True, True, True, False]
+
+
+def one_row_reference_mask(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The definition written out for one row, independently of ``keep_masks`` (the pre-batching code)."""
+    v = row.shape[-1]
+    vals, order = torch.sort(row.reshape(1, v), dim=-1, descending=True, stable=True)
+    keep = torch.ones_like(vals, dtype=torch.bool)
+    if 0 < top_k < v:
+        keep[:, top_k:] = False
+    if top_p < 1.0:
+        probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
+        keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p
+        keep[:, 0] = True
+    return torch.empty_like(keep).scatter_(1, order, keep).reshape(v)
+
+
+def test_batched_keep_masks_equal_one_row_masks():
+    """Filtering many rows at once gives each row the mask it gets alone (bitwise: ``torch.equal``), whatever
+    the other rows and their filters; ties (values rounded to a coarse grid) break toward the lower token id."""
+    gen = torch.Generator().manual_seed(7)
+    v = 3001
+    for trial in range(6):
+        r = [1, 3, 16, 5, 64, 2][trial]
+        scaled = (torch.randn(r, v, generator=gen) * 4).round(decimals=1) / [1.0, 0.7, 1.3][trial % 3]
+        ks = [int(x) for x in torch.randint(-1, 40, (r,), generator=gen)]
+        ks = [k if k != 0 else -1 for k in ks]
+        ps = [[1.0, 0.9, 0.95, 0.3, 0.123456789][int(i)] for i in torch.randint(0, 5, (r,), generator=gen)]
+        masks = keep_masks(scaled, ks, ps)
+        assert masks.shape == (r, v) and masks.dtype == torch.bool
+        for i in range(r):
+            want = one_row_reference_mask(scaled[i], ks[i], ps[i])
+            assert torch.equal(masks[i], want), (trial, i, ks[i], ps[i])
+            assert torch.equal(keep_mask(scaled[i], ks[i], ps[i]), want)
+            if ks[i] > 0:
+                assert int(masks[i].sum()) <= ks[i]
+    with pytest.raises(ValueError, match="2 rows but 1 top_k"):
+        keep_masks(torch.zeros(2, 5), [1], [1.0, 1.0])
 
 
 def test_sampled_tokens_respect_top_k_and_top_p():

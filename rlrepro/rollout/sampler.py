@@ -21,8 +21,10 @@ Top-k / top-p (nucleus). Sort ``x`` descending with a stable sort, so equal valu
 are broken toward the lower token id. top-k keeps the first ``k`` of that order (exactly ``k`` tokens, even if
 the k-th value is tied with later ones). top-p then takes float32 ``softmax`` over the top-k survivors (in
 sorted order) and keeps sorted position ``j`` while the probability mass *before* it is ``< top_p`` (the first
-token is always kept). The filters run row by row on a ``[1, V]`` tensor, so their kernels see the same shape
-whatever the batch; rows without filters stay batched (their ops are elementwise or exact argmaxes).
+token is always kept). The rows that set a filter are filtered together (``keep_masks``): the stable sort is a
+permutation (exact whatever the batch), and torch's last-dim softmax and cumsum reduce each row in an order set
+by the row length alone, so a row's mask is the same with or without other rows; ``tests/test_rollout_engine.py``
+(CPU) and ``tests/test_rollout_cuda.py`` (CUDA) check batched masks == one-row masks with ``torch.equal``.
 
 On CUDA the noise, the sum and the argmax run as one fused Triton kernel (``sampler_triton``) that repeats
 this arithmetic operation for operation; it returns the same tokens as the eager path (tested on the GPU).
@@ -105,22 +107,41 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     return -exact_log(-exact_log(u))
 
 
-def keep_mask(scaled_row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """bool [V]: the tokens top-k / top-p keep for one row of ``logits / T`` (see the module docstring)."""
-    v = scaled_row.shape[-1]
-    row = scaled_row.reshape(1, v)
-    sorted_vals, order = torch.sort(row, dim=-1, descending=True, stable=True)
-    keep_sorted = torch.ones_like(row, dtype=torch.bool)
-    if 0 < top_k < v:
-        keep_sorted[:, top_k:] = False
-    if top_p < 1.0:
-        probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+def keep_masks(scaled: torch.Tensor, top_k: Seq[int], top_p: Seq[float]) -> torch.Tensor:
+    """bool [R, V]: the tokens top-k / top-p keep, row ``i`` of ``logits / T`` with ``top_k[i]``, ``top_p[i]``
+    (see the module docstring; ``top_k <= 0`` and ``top_p >= 1`` disable a filter)."""
+    r, v = scaled.shape
+    if len(top_k) != r or len(top_p) != r:
+        raise ValueError(f"keep_masks: {r} rows but {len(top_k)} top_k and {len(top_p)} top_p values")
+    device = scaled.device
+    sorted_vals, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    limits = tensor_to_device([k if 0 < k < v else v for k in top_k], torch.int64, device)
+    keep_sorted = torch.arange(v, device=device).unsqueeze(0) < limits.unsqueeze(1)
+    nucleus = [i for i, p in enumerate(top_p) if p < 1.0]
+    if nucleus:
+        whole = len(nucleus) == r
+        idx = None if whole else tensor_to_device(nucleus, torch.int64, device)
+        vals = sorted_vals if whole else sorted_vals.index_select(0, idx)
+        kept = keep_sorted if whole else keep_sorted.index_select(0, idx)
+        probs = torch.softmax(vals.masked_fill(~kept, float("-inf")), dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        keep_sorted &= mass_before < top_p
-        keep_sorted[:, 0] = True
+        # float32 thresholds: the rounding `mass_before < top_p` applies to a Python float
+        limit_p = tensor_to_device([top_p[i] for i in nucleus], torch.float32, device)
+        in_nucleus = mass_before < limit_p.unsqueeze(1)
+        in_nucleus[:, 0] = True
+        if whole:
+            keep_sorted &= in_nucleus
+        else:
+            keep_sorted[idx] = kept & in_nucleus
     mask = torch.empty_like(keep_sorted)
     mask.scatter_(1, order, keep_sorted)
-    return mask.reshape(v)
+    return mask
+
+
+def keep_mask(scaled_row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """bool [V]: ``keep_masks`` for one row (the definition's one-row form)."""
+    v = scaled_row.shape[-1]
+    return keep_masks(scaled_row.reshape(1, v), [top_k], [top_p]).reshape(v)
 
 
 @dataclass(frozen=True)
@@ -143,6 +164,21 @@ def _fused_gumbel_argmax(device: torch.device) -> Callable | None:
     except ImportError:  # pragma: no cover - no Triton
         return None
     return gumbel_argmax
+
+
+def _filtered(scaled: torch.Tensor, reqs: Seq[SampleRequest]) -> torch.Tensor:
+    """``scaled`` with -inf outside each row's top-k / top-p set (the same tensor when no row sets a filter)."""
+    rows = [j for j, q in enumerate(reqs) if q.top_k > 0 or q.top_p < 1.0]
+    if not rows:
+        return scaled
+    ks, ps = [reqs[j].top_k for j in rows], [reqs[j].top_p for j in rows]
+    if len(rows) == len(reqs):
+        return scaled.masked_fill(~keep_masks(scaled, ks, ps), float("-inf"))
+    idx = tensor_to_device(rows, torch.int64, scaled.device)
+    part = scaled.index_select(0, idx)
+    kept = scaled.clone()
+    kept[idx] = part.masked_fill(~keep_masks(part, ks, ps), float("-inf"))
+    return kept
 
 
 def sample(logits: torch.Tensor, requests: Seq[SampleRequest], fused: bool | None = None,
@@ -185,12 +221,7 @@ def sample_on_device(logits: torch.Tensor, requests: Seq[SampleRequest], fused: 
             keys = tensor_to_device([[requests[i].seed for i in rows], [requests[i].position for i in rows]],
                                     torch.int64, device)
             seeds, positions = keys[0], keys[1]
-            kept = scaled
-            for j, i in enumerate(rows):
-                req = requests[i]
-                if req.top_k > 0 or req.top_p < 1.0:
-                    kept = scaled.clone() if kept is scaled else kept
-                    kept[j].masked_fill_(~keep_mask(scaled[j], req.top_k, req.top_p), float("-inf"))
+            kept = _filtered(scaled, [requests[i] for i in rows])
             if fused_argmax is not None:
                 chosen = fused_argmax(kept, seeds, positions)
             else:
