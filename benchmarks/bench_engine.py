@@ -233,9 +233,25 @@ def decode_breakdown(model, prompts, args) -> None:
         events.append((full, e0, e1))
         return out
 
-    runner.launch = timed
-    engine.generate(prompts, [sampling(args, o_len, i) for i in range(n)])
-    sync(device)
+    # the profiler records the device's kernels over PROFILED full decode steps near the end of the run (steps
+    # o_len - PROFILED - 5 .. o_len - 5): the whole step, graph and sampler, as the loop runs it
+    profiled = 10
+    first = max(o_len - profiled - 5, 1)
+    counter = [0]
+
+    def stepped(scheduled):
+        out = timed(scheduled)
+        counter[0] += 1
+        step_prof.step()
+        return out
+
+    step_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                       schedule=torch.profiler.schedule(wait=first, warmup=1, active=profiled,
+                                                                        repeat=1))
+    runner.launch = stepped
+    with step_prof:
+        engine.generate(prompts, [sampling(args, o_len, i) for i in range(n)])
+        sync(device)
     runner.launch = real
     # wall time of a decode step in the overlapped loop: from its launch to the next one
     execs = [b[1] - a[1] for a, b in zip(launches, launches[1:]) if a[0] and b[0]]
@@ -286,6 +302,21 @@ def decode_breakdown(model, prompts, args) -> None:
     print("|---|---:|---:|---:|")
     for name, ms, count in rows[: args.profile_rows]:
         print(f"| {name[:70]} | {ms:.3f} | {ms / total:.1%} | {count} |")
+    # the loop's own steps: every kernel and copy on the device per step, and what is not in the graph
+    graph_ms = {name: ms for name, ms, _ in rows}
+    loop = sorted(((e.key, e.self_device_time_total / profiled / 1e3, e.count / profiled)
+                   for e in step_prof.key_averages() if e.self_device_time_total > 0), key=lambda r: -r[1])
+    loop_total = sum(r[1] for r in loop)
+    print(f"#   the loop's decode steps {first + 1}-{first + profiled} (context ~{p_len + first}), profiled: device "
+          f"busy {loop_total:.2f} ms per step in all kernels and copies (events put the step at "
+          f"{sum(dev_ms[first:first + profiled]) / max(len(dev_ms[first:first + profiled]), 1):.2f} ms: the rest "
+          "is gaps between ops)")
+    print("| op (outside the graph, or more than in one replay) | ms per step | calls per step |")
+    print("|---|---:|---:|")
+    for name, ms, count in loop:
+        extra = ms - graph_ms.get(name, 0.0)
+        if extra > 0.002:
+            print(f"| {name[:70]} | {extra:.3f} | {count:g} |")
 
 
 def bench_transformers(model, prompts, args) -> dict:
