@@ -120,16 +120,22 @@ def test_fused_sampler_equals_the_eager_definition():
 
 
 def test_gpu_batched_keep_masks_equal_one_row_masks():
-    """torch's CUDA sort / softmax / cumsum give a row the same top-k/top-p mask in a batch of 64 as alone
-    (the batched filter relies on it; see rollout/sampler.py), at the full Qwen3 vocabulary."""
+    """A row's top-k/top-p mask is the same in a batch of 64 as alone, and equals the rule written out with
+    Python integers (``_sampler_reference``), at the full Qwen3 vocabulary; logits with and without ties."""
+    from _sampler_reference import one_row_reference_mask
     from rlrepro.rollout.sampler import keep_mask, keep_masks
     gen = torch.Generator(device="cuda").manual_seed(3)
     v, rows = 151936, 64
-    scaled = (torch.randn(rows, v, device="cuda", generator=gen) * 3).round(decimals=2)  # ties too
     ks = [[-1, 50, 1, 1000][i % 4] for i in range(rows)]
     ps = [[0.9, 1.0, 0.95, 0.5, 0.123456789][i % 5] for i in range(rows)]
-    masks = keep_masks(scaled, ks, ps)
-    for i in range(rows):
-        assert torch.equal(masks[i], keep_mask(scaled[i], ks[i], ps[i])), (i, ks[i], ps[i])
-    half = keep_masks(scaled[::2].contiguous(), ks[::2], ps[::2])
-    assert torch.equal(half, masks[::2])
+    for decimals in (None, 2):
+        scaled = torch.randn(rows, v, device="cuda", generator=gen) * 3
+        if decimals is not None:
+            scaled = scaled.round(decimals=decimals)  # many ties
+        masks = keep_masks(scaled, ks, ps)
+        for i in range(rows):
+            assert torch.equal(masks[i], keep_mask(scaled[i], ks[i], ps[i])), (decimals, i, ks[i], ps[i])
+        for i in (0, 3, 5, 20, 21):  # top-p only (0, 20), top-k then top-p (3, 5), top-k only (21)
+            assert torch.equal(masks[i].cpu(), one_row_reference_mask(scaled[i], ks[i], ps[i])), (decimals, i)
+        half = keep_masks(scaled[::2].contiguous(), ks[::2], ps[::2])
+        assert torch.equal(half, masks[::2])

@@ -6,6 +6,7 @@ import torch
 
 from rlrepro import kernels
 from rlrepro.rollout import derive_seed, request_seed
+from _sampler_reference import one_row_reference_mask
 from rlrepro.rollout.sampler import (GAMMA, MIX1, MIX2, ROW_SALT, SampleRequest, exact_log, gumbel_noise,
                                      keep_mask, keep_masks, noise_bits, sample)
 
@@ -91,20 +92,6 @@ def test_keep_mask_tie_handling():
     assert keep_mask(row, -1, 0.01).tolist() == [False, True, False, False, False]  # first always kept
     # top-k then top-p over the survivors' renormalised mass
     assert keep_mask(row, 3, 0.7).tolist() == [False, True, True, True, False]
-
-
-def one_row_reference_mask(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The definition written out for one row, independently of ``keep_masks`` (the pre-batching code)."""
-    v = row.shape[-1]
-    vals, order = torch.sort(row.reshape(1, v), dim=-1, descending=True, stable=True)
-    keep = torch.ones_like(vals, dtype=torch.bool)
-    if 0 < top_k < v:
-        keep[:, top_k:] = False
-    if top_p < 1.0:
-        probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
-        keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p
-        keep[:, 0] = True
-    return torch.empty_like(keep).scatter_(1, order, keep).reshape(v)
 
 
 def test_batched_keep_masks_equal_one_row_masks():

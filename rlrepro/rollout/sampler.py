@@ -18,13 +18,15 @@ differently), evaluated op by op in float64, so every element's noise is the sam
 vector width, thread count or device.
 
 Top-k / top-p (nucleus). Sort ``x`` descending with a stable sort, so equal values keep token-id order: ties
-are broken toward the lower token id. top-k keeps the first ``k`` of that order (exactly ``k`` tokens, even if
-the k-th value is tied with later ones). top-p then takes float32 ``softmax`` over the top-k survivors (in
-sorted order) and keeps sorted position ``j`` while the probability mass *before* it is ``< top_p`` (the first
-token is always kept). The rows that set a filter are filtered together (``keep_masks``): the stable sort is a
-permutation (exact whatever the batch), and torch's last-dim softmax and cumsum reduce each row in an order set
-by the row length alone, so a row's mask is the same with or without other rows; ``tests/test_rollout_engine.py``
-(CPU) and ``tests/test_rollout_cuda.py`` (CUDA) check batched masks == one-row masks with ``torch.equal``.
+are broken toward the lower token id. top-k keeps the first ``k`` of that order (exactly ``k``, even if the k-th
+value is tied with later ones). top-p then gives each top-k survivor ``j`` (in sorted order) the integer mass
+``m_j = floor(exp(x_j - x_0) * 2**32)`` (float32 ``exp``; tokens outside the top-k get 0) and keeps it while
+``M_before_j / M_total < top_p`` in float64, ``M`` being integer sums (the first token is always kept). Integer
+sums are exact in any order, so no reduction order enters the mask. (A float32 softmax + cumsum, the rule
+before 2026-11-30, gave a row another mask alone than among 64 rows on the H200: near the ``top_p`` boundary one
+rounding flips a token.) On CUDA the filtered rows of a step go through one sort (``keep_masks``); on CPU one row
+at a time, as the CPU's elementwise ``exp`` rounds its SIMD body and its scalar tail differently and where the
+tail falls follows the tensor's size. Tests: batched masks == one-row masks (``torch.equal``, CPU and CUDA).
 
 On CUDA the noise, the sum and the argmax run as one fused Triton kernel (``sampler_triton``) that repeats
 this arithmetic operation for operation; it returns the same tokens as the eager path (tested on the GPU).
@@ -107,14 +109,27 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     return -exact_log(-exact_log(u))
 
 
+MASS_BITS = 32  # top-p's fixed-point unit: a token's mass is floor(exp(x - max) * 2**MASS_BITS), an integer
+
+
 def keep_masks(scaled: torch.Tensor, top_k: Seq[int], top_p: Seq[float]) -> torch.Tensor:
     """bool [R, V]: the tokens top-k / top-p keep, row ``i`` of ``logits / T`` with ``top_k[i]``, ``top_p[i]``
-    (see the module docstring; ``top_k <= 0`` and ``top_p >= 1`` disable a filter)."""
+    (see the module docstring; ``top_k <= 0`` and ``top_p >= 1`` disable a filter).
+
+    On CUDA all rows go through one sort; on CPU one row at a time, because the CPU's elementwise ``exp`` takes
+    a SIMD path and a scalar path whose split follows the tensor's size (module docstring)."""
     r, v = scaled.shape
     if len(top_k) != r or len(top_p) != r:
         raise ValueError(f"keep_masks: {r} rows but {len(top_k)} top_k and {len(top_p)} top_p values")
+    if scaled.is_cuda or r <= 1:
+        return _keep_masks(scaled, top_k, top_p)
+    return torch.cat([_keep_masks(scaled[i:i + 1], top_k[i:i + 1], top_p[i:i + 1]) for i in range(r)])
+
+
+def _keep_masks(scaled: torch.Tensor, top_k: Seq[int], top_p: Seq[float]) -> torch.Tensor:
+    r, v = scaled.shape
     device = scaled.device
-    sorted_vals, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    sorted_vals, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # a permutation: exact
     limits = tensor_to_device([k if 0 < k < v else v for k in top_k], torch.int64, device)
     keep_sorted = torch.arange(v, device=device).unsqueeze(0) < limits.unsqueeze(1)
     nucleus = [i for i, p in enumerate(top_p) if p < 1.0]
@@ -123,11 +138,13 @@ def keep_masks(scaled: torch.Tensor, top_k: Seq[int], top_p: Seq[float]) -> torc
         idx = None if whole else tensor_to_device(nucleus, torch.int64, device)
         vals = sorted_vals if whole else sorted_vals.index_select(0, idx)
         kept = keep_sorted if whole else keep_sorted.index_select(0, idx)
-        probs = torch.softmax(vals.masked_fill(~kept, float("-inf")), dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        # float32 thresholds: the rounding `mass_before < top_p` applies to a Python float
-        limit_p = tensor_to_device([top_p[i] for i in nucleus], torch.float32, device)
-        in_nucleus = mass_before < limit_p.unsqueeze(1)
+        # integer masses: exact sums in any order (no float reduction whose order a kernel picks)
+        weight = torch.exp(vals - vals[:, :1])  # float32, elementwise; the first is exp(0) = 1
+        mass = torch.floor(weight.double() * 2.0 ** MASS_BITS).to(torch.int64).masked_fill_(~kept, 0)
+        before = torch.cumsum(mass, dim=-1) - mass  # < V * 2**32 < 2**53: exact as float64 below
+        total = before[:, -1:] + mass[:, -1:]
+        limit_p = tensor_to_device([top_p[i] for i in nucleus], torch.float64, device)
+        in_nucleus = before.double() / total.double() < limit_p.unsqueeze(1)  # correctly rounded division
         in_nucleus[:, 0] = True
         if whole:
             keep_sorted &= in_nucleus
