@@ -233,18 +233,19 @@ def decode_breakdown(model, prompts, args) -> None:
         events.append((full, e0, e1))
         return out
 
-    # the profiler records the device's kernels over PROFILED full decode steps near the end of the run (steps
-    # o_len - PROFILED - 5 .. o_len - 5): the whole step, graph and sampler, as the loop runs it
+    runner.launch = timed
+    engine.generate(prompts, [sampling(args, o_len, i) for i in range(n)])
+    sync(device)
+    # the same generate again, its device ops profiled over PROFILED full decode steps near the end (context
+    # ~P+O-15): the whole step as the loop runs it, graph and sampler (kept out of the timed run above)
     profiled = 10
-    first = max(o_len - profiled - 5, 1)
-    counter = [0]
-
+    engine.reset_prefix_cache()
     def stepped(scheduled):
-        out = timed(scheduled)
-        counter[0] += 1
+        out = real(scheduled)
         step_prof.step()
         return out
 
+    first = max(len(launches) - profiled - 5, 1)
     step_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
                                        schedule=torch.profiler.schedule(wait=first, warmup=1, active=profiled,
                                                                         repeat=1))
@@ -304,19 +305,22 @@ def decode_breakdown(model, prompts, args) -> None:
         print(f"| {name[:70]} | {ms:.3f} | {ms / total:.1%} | {count} |")
     # the loop's own steps: every kernel and copy on the device per step, and what is not in the graph
     graph_ms = {name: ms for name, ms, _ in rows}
-    loop = sorted(((e.key, e.self_device_time_total / profiled / 1e3, e.count / profiled)
-                   for e in step_prof.key_averages() if e.self_device_time_total > 0), key=lambda r: -r[1])
+    loop_events = [e for e in step_prof.key_averages() if e.self_device_time_total > 0]
+    n_steps = next((e.count for e in loop_events if "_schedule_kernel" in e.key), 0)  # one per decode step
+    if not n_steps:
+        print("#   the loop's profiled steps: no decode step found")
+        return
+    loop = sorted(((e.key, e.self_device_time_total / n_steps / 1e3, e.count / n_steps) for e in loop_events),
+                  key=lambda r: -r[1])
     loop_total = sum(r[1] for r in loop)
-    print(f"#   the loop's decode steps {first + 1}-{first + profiled} (context ~{p_len + first}), profiled: device "
-          f"busy {loop_total:.2f} ms per step in all kernels and copies (events put the step at "
-          f"{sum(dev_ms[first:first + profiled]) / max(len(dev_ms[first:first + profiled]), 1):.2f} ms: the rest "
-          "is gaps between ops)")
-    print("| op (outside the graph, or more than in one replay) | ms per step | calls per step |")
-    print("|---|---:|---:|")
-    for name, ms, count in loop:
-        extra = ms - graph_ms.get(name, 0.0)
-        if extra > 0.002:
-            print(f"| {name[:70]} | {extra:.3f} | {count:g} |")
+    print(f"#   a second identical generate, {n_steps} of its decode steps near the end profiled (context "
+          f"~{p_len + o_len - 15}): device busy {loop_total:.2f} ms per step in all kernels and copies (graph alone "
+          f"{total:.2f} ms)")
+    print("| op in the loop's step | ms per step | graph alone ms | difference | calls per step |")
+    print("|---|---:|---:|---:|---:|")
+    for name, ms, count in loop[: args.profile_rows]:
+        g = graph_ms.get(name, 0.0)
+        print(f"| {name[:70]} | {ms:.3f} | {g:.3f} | {ms - g:+.3f} | {count:g} |")
 
 
 def bench_transformers(model, prompts, args) -> dict:
