@@ -1,0 +1,208 @@
+"""Why a decode step's attention runs slower inside the engine's loop than in back-to-back replays of one step.
+
+`bench_engine.py --breakdown` found attention at ~2.2 ms a step in the loop against ~1.9 ms when the captured
+decode graph is replayed alone on the last step's inputs. This probe replays that graph under four conditions and
+reports the graph's time per replay (CUDA events) and the attention kernel's share (profiler), with the SM clock
+and power that nvidia-smi reads meanwhile (read only):
+
+  alone      20 replays back to back (what the breakdown's "graph alone" measures)
+  + sampler  20 x (replay, the engine's sampler on its logits), graph time only
+  sustained  300 replays back to back: the first 20 against the last 20 (clock or power settling)
+  + gap      20 x (replay, 1 ms of host sleep): the device idles between replays
+
+    python benchmarks/probe_decode_loop.py            # on the H200 (CUDA only); a benchmark: it asserts nothing
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_engine import build_model, random_prompts, sampling  # noqa: E402
+from rlrepro.rollout import Engine  # noqa: E402
+from rlrepro.rollout.sampler import SampleRequest, sample_on_device  # noqa: E402
+
+
+class Smi:
+    """nvidia-smi's SM clock (MHz) and power (W), sampled every 50 ms in a thread while a condition runs."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks.mem", "--format=csv,noheader,nounits",
+                                      "-i", "0"], capture_output=True, text=True, timeout=5).stdout.split(",")
+                self.samples.append((float(out[0]), float(out[1]), float(out[2])))
+            except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+                return
+            time.sleep(0.05)
+
+    def __enter__(self) -> "Smi":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> str:
+        if not self.samples:
+            return "no nvidia-smi samples"
+        clocks, power, mem = zip(*self.samples)
+        return (f"SM clock {min(clocks):.0f}-{max(clocks):.0f} MHz, memory clock {min(mem):.0f}-{max(mem):.0f} MHz, "
+                f"power {min(power):.0f}-{max(power):.0f} W")
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    args = ap.parse_args()
+    args.device, args.model, args.tiny, args.layers, args.dtype, args.seed = "cuda", None, False, None, None, 0
+    args.temperature, args.block_size = 1.0, 16
+    model = build_model(args)
+    n, p_len, o_len = args.num_requests, args.prompt_len, args.output_len
+    prompts = random_prompts(n, p_len, model.config.vocab_size, 0)
+    engine = Engine(model, device="cuda", max_num_seqs=n, block_size=16, max_num_batched_tokens=8192,
+                    max_model_len=p_len + o_len, num_kv_blocks=n * math.ceil((p_len + o_len) / 16) + n)
+    engine.generate(prompts, [sampling(args, o_len, i) for i in range(n)])
+    torch.cuda.synchronize()
+    runner = engine.runner
+    b = next(g for g in sorted(runner.graphs) if g >= n)
+    graph, out = runner.graphs[b]
+    reqs = [SampleRequest(1.0, 0, 1.0, i, p_len + o_len - 1) for i in range(n)]
+
+    def run(k: int, between=None) -> list[float]:
+        pairs = []
+        for _ in range(k):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            graph.replay()
+            e1.record()
+            pairs.append((e0, e1))
+            if between is not None:
+                between()
+        torch.cuda.synchronize()
+        return [a.elapsed_time(z) for a, z in pairs]
+
+    def attention_ms(k: int, between=None) -> float:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run(k, between)
+        return sum(e.self_device_time_total for e in prof.key_averages() if "_attn_fwd" in e.key) / k / 1e3
+
+    conditions = [
+        ("alone", 20, None),
+        ("+ sampler", 20, lambda: sample_on_device(out[:n], reqs)),
+        ("+ gap", 20, lambda: time.sleep(0.001)),
+    ]
+    def set_context(c: int) -> None:
+        """Point the graph's static inputs at context ``c`` (position c - 1) in every sequence's own blocks."""
+        rows = torch.arange(b, device="cuda")
+        pos = torch.full((b,), c - 1, dtype=torch.int64, device="cuda")
+        runner._positions[:b].copy_(pos)
+        runner._seq_lens[:b].fill_(c)
+        runner._slots[:b].copy_(runner._block_table[rows, (c - 1) // 16] * 16 + (c - 1) % 16)
+
+    last_ctx = int(runner._seq_lens[0])
+    for c in (last_ctx, last_ctx - 15, last_ctx - 64):
+        set_context(c)
+        fixed = sorted(run(20))
+        print(f"# replays alone at context {c}: {fixed[10]:.3f} ms (median of 20)")
+    stepped = []
+    for c in range(last_ctx - 40, last_ctx + 1):
+        set_context(c)
+        stepped += run(1)
+    print(f"# replays alone, context advanced by one before each (like the loop), {last_ctx - 40}..{last_ctx}: "
+          f"{sorted(stepped)[len(stepped) // 2]:.3f} ms (median)")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for advance in (False, True):
+        varied = []
+        for c in range(last_ctx - 40, last_ctx + 1):
+            set_context(c if advance else last_ctx)
+            runner._ids[:b].copy_(torch.randint(0, model.config.vocab_size, (b,), device="cuda", generator=gen))
+            varied += run(1)
+        print(f"# replays alone, new random token ids before each{', context advanced' if advance else ''}: "
+              f"{sorted(varied)[len(varied) // 2]:.3f} ms (median)")
+    set_context(last_ctx)
+    run(5)
+    print(f"# probe: {n} requests, context ~{p_len + o_len}, graph batch {b}; ms per replay (median, CUDA events)")
+    print("| condition | graph ms (median) | min | max | attention ms (profiled) | nvidia-smi |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, k, between in conditions:
+        with Smi() as smi:
+            times = sorted(run(k, between))
+        att = attention_ms(k, between)
+        print(f"| {name} | {times[len(times) // 2]:.3f} | {times[0]:.3f} | {times[-1]:.3f} | {att:.3f} | "
+              f"{smi.summary()} |")
+    with Smi() as smi:
+        times = run(300)
+    first, last = sorted(times[:20]), sorted(times[-20:])
+    print(f"| sustained, replays 1-20 | {first[10]:.3f} | {first[0]:.3f} | {first[-1]:.3f} | | {smi.summary()} |")
+    print(f"| sustained, replays 281-300 | {last[10]:.3f} | {last[0]:.3f} | {last[-1]:.3f} | | |")
+    # the loop itself again, for the same machine and minute
+    times = []
+    real = runner.launch
+
+    def timed(scheduled):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        res = real(scheduled)
+        e1.record()
+        full = len(scheduled) == n and all(s.num_new_tokens == 1 for s in scheduled)
+        times.append((full, e0, e1))
+        return res
+
+    class EventGraph:
+        """The captured graph with CUDA events recorded just before and after each replay."""
+
+        def __init__(self, g) -> None:
+            self.g, self.marks = g, []
+
+        def replay(self) -> None:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            self.g.replay()
+            e1.record()
+            self.marks.append((e0, e1))
+
+    wrapped = EventGraph(graph)
+    runner.graphs[b] = (wrapped, out)
+    runner.launch = timed
+    with Smi() as smi:
+        engine.generate(prompts, [sampling(args, o_len, i) for i in range(n)])
+        torch.cuda.synchronize()
+    runner.launch = real
+    runner.graphs[b] = (graph, out)
+    full = [(a, z) for f, a, z in times if f]
+    steps = [a.elapsed_time(z) for a, z in full]
+    marks = wrapped.marks[-len(full):]
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    print(f"| the engine's loop, last 20 decode steps (graph + sampler) | {med(steps[-20:]):.3f} | "
+          f"{min(steps[-20:]):.3f} | {max(steps[-20:]):.3f} | | {smi.summary()} |")
+    before = [a.elapsed_time(m0) for (a, _), (m0, _) in zip(full[-20:], marks[-20:])]
+    inside = [m0.elapsed_time(m1) for m0, m1 in marks[-20:]]
+    after = [m1.elapsed_time(z) for (_, z), (_, m1) in zip(full[-20:], marks[-20:])]
+    print(f"| ... of which launch start -> replay (inputs) | {med(before):.3f} | {min(before):.3f} | "
+          f"{max(before):.3f} | | |")
+    print(f"| ... of which the graph replay | {med(inside):.3f} | {min(inside):.3f} | {max(inside):.3f} | | |")
+    print(f"| ... of which replay end -> launch end (sampler) | {med(after):.3f} | {min(after):.3f} | "
+          f"{max(after):.3f} | | |")
+
+
+if __name__ == "__main__":
+    main()
