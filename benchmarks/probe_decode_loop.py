@@ -139,6 +139,13 @@ def main() -> None:
         print(f"# replays alone, new random token ids before each{', context advanced' if advance else ''}: "
               f"{sorted(varied)[len(varied) // 2]:.3f} ms (median)")
     set_context(last_ctx)
+    # a fresh pinned host allocation (a size not seen before, so the caching host allocator calls cudaHostAlloc)
+    # between replays: does mapping new host memory slow the graph?
+    sizes = iter(range(1 << 20, 1 << 30, 4096 * 7))
+    kept = []
+    pinned = sorted(run(20, lambda: kept.append(torch.empty(next(sizes), dtype=torch.uint8, pin_memory=True))))
+    print(f"# replays alone, a new pinned host allocation between replays: {pinned[10]:.3f} ms (median of 20)")
+    kept.clear()
     run(5)
     print(f"# probe: {n} requests, context ~{p_len + o_len}, graph batch {b}; ms per replay (median, CUDA events)")
     print("| condition | graph ms (median) | min | max | attention ms (profiled) | nvidia-smi |")
@@ -183,11 +190,16 @@ def main() -> None:
     wrapped = EventGraph(graph)
     runner.graphs[b] = (wrapped, out)
     runner.launch = timed
+    stats0 = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
     with Smi() as smi:
         engine.generate(prompts, [sampling(args, o_len, i) for i in range(n)])
         torch.cuda.synchronize()
     runner.launch = real
     runner.graphs[b] = (graph, out)
+    stats1 = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    changed = {k: stats1[k] - stats0.get(k, 0) for k in stats1
+               if isinstance(stats1[k], (int, float)) and stats1[k] != stats0.get(k, 0)}
+    print(f"# host (pinned) allocator counters that changed during the loop's generate: {changed}")
     full = [(a, z) for f, a, z in times if f]
     steps = [a.elapsed_time(z) for a, z in full]
     marks = wrapped.marks[-len(full):]
