@@ -196,6 +196,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--completion-len", type=int, default=128)
     ap.add_argument("--micro-batch-size", type=int, default=16)
+    ap.add_argument("--logits-chunk-size", type=int, default=0, metavar="ROWS",
+                    help="train.logits_chunk_size: logits rows per float32 log-softmax chunk (0: unchunked)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--torch-threads", type=int, default=None,
@@ -367,7 +369,8 @@ def benchmark(args, trainer: Trainer, device: torch.device, *, rank: int = 0, wo
                         layers=cfg.num_hidden_layers, params=n_params, dtype=str(model.dtype),
                         fp32_masters=trainer.optimizer.has_master_copies, kernel_mode=args.mode,
                         num_samples=args.num_samples, prompt_len=args.prompt_len, completion_len=args.completion_len,
-                        micro_batch_size=args.micro_batch_size, tokens_per_step=tokens, model_flops_per_step=flops,
+                        micro_batch_size=args.micro_batch_size, logits_chunk_size=args.logits_chunk_size,
+                        tokens_per_step=tokens, model_flops_per_step=flops,
                         lm_head_flops_share=lm_head / flops, peak_bf16_flops=peak,
                         step_seconds=times, peak_allocated_gib=peak_mem,
                         last_metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))})
@@ -472,7 +475,8 @@ def _rank_main(rank: int, args, model_dir: str, port: int, extra: dict) -> None:
     trainer = None
     try:
         use_megatron = megatron_core_version() is not None
-        train_config = TrainConfig(lr=1e-6, kl_coef=0.0, micro_batch_size=args.micro_batch_size)
+        train_config = TrainConfig(lr=1e-6, kl_coef=0.0, micro_batch_size=args.micro_batch_size,
+                               logits_chunk_size=args.logits_chunk_size)
         t0 = time.perf_counter()
         trainer = build_megatron_trainer(model_dir, train_config, tensor_parallel=tp, num_gpus=world,
                                          device="cuda" if cuda else "cpu", dtype=compute_dtype(args),
@@ -552,7 +556,8 @@ def run_single(args) -> None:
     enable_determinism()  # before the first CUDA op, as TrainerWorker does
     model = build_model(args)
     # param_dtype = the model's dtype: no cast; a bf16 policy still gets float32 masters in MasterWeightAdamW
-    train_config = TrainConfig(lr=1e-6, kl_coef=0.0, micro_batch_size=args.micro_batch_size)
+    train_config = TrainConfig(lr=1e-6, kl_coef=0.0, micro_batch_size=args.micro_batch_size,
+                               logits_chunk_size=args.logits_chunk_size)
     trainer = Trainer(model, train_config, param_dtype=model.dtype)
     benchmark(args, trainer, model.device)
 

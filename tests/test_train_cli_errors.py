@@ -33,6 +33,7 @@ def test_unknown_key_names_close_keys(capsys):
     ("rollout.temperature=-1", "rollout.temperature"),
     ("model.init=pretrained", "model.path"),
     ("train.warmup_steps=500", "train.warmup_steps=500"),
+    ("train.logits_chunk_size=-8", "train.logits_chunk_size"),
     ("rollout.weight_sync=nccl", "rollout.weight_sync"),
     ("rollout.weight_sync=cuda_ipc", "run.device=cpu"),
     ("trainer.backend=deepspeed", "trainer.backend"),

@@ -85,3 +85,42 @@ def test_empty_completions_and_bad_inputs(model):
         token_logprobs(model, [[]], [[1]])
     with pytest.raises(ValueError, match="2 prompts but 1 completions"):
         token_logprobs(model, [[1], [2]], [[1]])
+
+
+def _loss_and_grads(model, prompts, completions, weights, chunk_rows):
+    model.zero_grad(set_to_none=True)
+    lps, ents = logprobs_and_entropy(model, prompts, completions, 0.8, chunk_rows=chunk_rows)
+    loss = sum((lp * w).sum() for lp, w in zip(lps, weights))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return [lp.detach() for lp in lps], ents, grads
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 7, 23])
+def test_chunked_log_softmax_keeps_logprobs_and_the_gradient(model, chunk_rows):
+    """``chunk_rows``: the float32 log-softmax a few logits rows at a time (forward, and again in the backward).
+    Logprobs, entropies and every parameter's gradient are the unchunked bits on CPU (the same ops on the same
+    rows; CUDA: tests/test_trainer_gpu.py, where the entropy's row sum is equal only to rounding)."""
+    prompts, completions = _samples(model.config.vocab_size, 5, seed=21)
+    weights = [torch.linspace(-1.0, 1.0, len(c)) for c in completions]
+    lp0, ent0, g0 = _loss_and_grads(model, prompts, completions, weights, 0)
+    lp1, ent1, g1 = _loss_and_grads(model, prompts, completions, weights, chunk_rows)
+    lp2, ent2, g2 = _loss_and_grads(model, prompts, completions, weights, chunk_rows)
+    assert sum(len(c) for c in completions) > chunk_rows  # the chunked path ran
+    for a, b, c in zip(lp0, lp1, lp2):
+        assert torch.equal(a, b) and torch.equal(b, c)
+    for a, b, c in zip(ent0, ent1, ent2):
+        assert torch.equal(a, b) and torch.equal(b, c)
+    for name in g0:
+        assert torch.equal(g1[name], g0[name]) and torch.equal(g1[name], g2[name]), name
+    assert any(bool(g.abs().sum() > 0) for g in g0.values())
+    with torch.no_grad():
+        chunked = token_logprobs(model, prompts, completions, 0.8, chunk_rows=chunk_rows)
+    assert all(torch.equal(a, b) for a, b in zip(chunked, lp0))
+
+
+def test_token_logprobs_chunked_refuses_a_gradient(model):
+    prompts, completions = _samples(model.config.vocab_size, 2, seed=4)
+    with pytest.raises(ValueError, match="has no backward"):
+        token_logprobs(model, prompts, completions, chunk_rows=1)

@@ -91,6 +91,18 @@ def test_micro_batch_size_changes_only_rounding():
                 torch.testing.assert_close(g, gr, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_logits_chunk_size_changes_no_bit(param_dtype):
+    """``logits_chunk_size``: the loss's log-softmax a few rows at a time (and the reference model's logprobs):
+    the same metrics and weights, bit for bit, as the unchunked train step (kl_coef > 0, 2 PPO epochs)."""
+    a, ma = run(steps=2, param_dtype=param_dtype)
+    b, mb = run(steps=2, param_dtype=param_dtype, logits_chunk_size=3)
+    assert ma == mb
+    for (na, wa), (nb, wb) in zip(a.named_weights(), b.named_weights()):
+        assert na == nb and torch.equal(wa, wb), na
+    assert ma[-1]["train/kl"] > 0
+
+
 def test_bf16_compute_with_float32_master_weights():
     fp32 = dict(tiny_model(seed=1).named_parameters())
     trainer, metrics = run(steps=2, param_dtype=torch.bfloat16)
@@ -120,6 +132,8 @@ def test_named_weights_are_sorted_and_detached():
     ("warmup_steps", 2000, "warmup_steps must be an int in"),
     ("advantage_mode", "ppo", "advantage_mode 'ppo'"),
     ("betas", (0.9, 1.0), "betas must be two numbers"),
+    ("logits_chunk_size", -1, "logits_chunk_size must be an int >= 0"),
+    ("logits_chunk_size", 2.5, "logits_chunk_size must be an int >= 0"),
 ])
 def test_config_errors_name_the_value(field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -106,6 +106,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
+    # logits rows per float32 log-softmax chunk in the loss (0 = the whole micro-batch): less memory, the same bits
+    # on CUDA (rlrepro.trainer.logprobs.logprobs_and_entropy)
+    logits_chunk_size: int = 0
     ppo_epochs: int = 1
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -208,7 +211,8 @@ _POSITIVE = ["rollout.num_workers", "rollout.prompts_per_step", "rollout.group_s
              "checkpoint.keep_last", "warm_start.batch_size", "data.synthetic.num"]
 _NON_NEGATIVE = ["rollout.temperature", "train.lr", "train.warmup_steps", "train.weight_decay", "train.kl_coef",
                  "train.clip_low", "train.clip_high", "checkpoint.every", "warm_start.steps", "train.max_grad_norm",
-                 "rollout.max_restarts", "logger.num_table_samples", "train.adam_eps", "warm_start.lr"]
+                 "rollout.max_restarts", "logger.num_table_samples", "train.adam_eps", "warm_start.lr",
+                 "train.logits_chunk_size"]
 _POSITIVE_OR_NONE = ["rollout.num_kv_blocks", "rollout.max_model_len", "data.limit", "ray.num_cpus"]
 # (key, low, high, low inclusive, high inclusive)
 _RANGES = [("train.min_lr_ratio", 0, 1, True, True), ("train.adam_beta1", 0, 1, True, False),

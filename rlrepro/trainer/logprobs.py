@@ -78,26 +78,87 @@ def _completion_logits(model, prompt_token_ids, completion_token_ids) -> tuple[t
 
 
 def token_logprobs(model, prompt_token_ids: Sequence[Sequence[int]], completion_token_ids: Sequence[Sequence[int]],
-                   temperature: float = 1.0) -> list[torch.Tensor]:
+                   temperature: float = 1.0, chunk_rows: int = 0) -> list[torch.Tensor]:
     """Float32 logprob of every completion token under ``model`` at ``temperature``: one 1-D tensor per sample.
 
     ``temperature <= 0`` means 1 (greedy rollouts report the untempered distribution), as in the engine.
+    ``chunk_rows > 0``: the float32 log-softmax over at most that many rows at a time (the same bits, less memory);
+    without a gradient only (a loss uses :func:`logprobs_and_entropy`).
     """
     logits, targets, lengths = _completion_logits(model, prompt_token_ids, completion_token_ids)
-    lp = kernels.token_logprob(logits, targets, temperature)
+    if chunk_rows and chunk_rows < logits.shape[0]:
+        if torch.is_grad_enabled() and logits.requires_grad:
+            raise ValueError("token_logprobs(chunk_rows=...) has no backward; use logprobs_and_entropy(chunk_rows=...)"
+                             " for a loss, or call it under torch.no_grad()")
+        lp = torch.cat([kernels.token_logprob(logits[r0:r0 + chunk_rows], targets[r0:r0 + chunk_rows], temperature)
+                        for r0 in range(0, logits.shape[0], chunk_rows)])
+    else:
+        lp = kernels.token_logprob(logits, targets, temperature)
     return list(torch.split(lp, lengths))
 
 
 def logprobs_and_entropy(model, prompt_token_ids: Sequence[Sequence[int]],
                          completion_token_ids: Sequence[Sequence[int]], temperature: float = 1.0,
-                         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                         chunk_rows: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """:func:`token_logprobs` plus the entropy of the tempered distribution at each of those positions.
 
     One log-softmax serves both. The logprobs carry grad (when grad is on); the entropy is a detached metric.
+
+    ``chunk_rows > 0``: the float32 log-softmax runs over at most that many logits rows at a time, in the forward
+    and again in the backward (:class:`_ChunkedTokenLogprob`), so the ``[tokens, vocab]`` float32 tensors exist one
+    chunk at a time; only the logits (model dtype) and their gradient are whole. The same ops on the same rows, so
+    the logprobs and the gradient are bit for bit those of ``chunk_rows=0`` (``tests/test_trainer_logprobs.py`` on
+    CPU, ``tests/test_trainer_gpu.py`` on CUDA: the log-softmax is batch-invariant and its backward's row sum adds
+    one nonzero). The entropy, a detached metric, is a float sum over each row whose order torch's CUDA reduction
+    picks by the number of rows: it may differ in the last bits between chunk sizes on CUDA (as it does between
+    micro-batch sizes). The LM head's GEMMs are not chunked. Measured: docs/BENCHMARKS.md ("one train step").
     """
     logits, targets, lengths = _completion_logits(model, prompt_token_ids, completion_token_ids)
-    log_probs = tempered_log_softmax(logits, temperature)
-    lp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if chunk_rows and chunk_rows < logits.shape[0]:
+        lp, ent = _ChunkedTokenLogprob.apply(logits, targets, float(temperature), int(chunk_rows))
+        return list(torch.split(lp, lengths)), list(torch.split(ent, lengths))
+    lp, log_probs = _token_logprob_rows(logits, targets, temperature)
     with torch.no_grad():
-        ent = entropy(log_probs.detach())
+        ent = entropy(log_probs)
     return list(torch.split(lp, lengths)), list(torch.split(ent, lengths))
+
+
+def _token_logprob_rows(logits: torch.Tensor, targets: torch.Tensor,
+                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token logprobs of some logits rows (with their autograd graph) and the detached log-softmax: the one
+    sequence of ops behind both the unchunked and the chunked path."""
+    log_probs = tempered_log_softmax(logits, temperature)
+    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), log_probs.detach()
+
+
+class _ChunkedTokenLogprob(torch.autograd.Function):
+    """Token logprobs and entropies of ``logits`` [M, V], ``chunk`` rows at a time. The backward recomputes each
+    chunk's log-softmax under autograd and takes its gradient: the unchunked path's ops on the same rows."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, chunk):
+        m = logits.shape[0]
+        lp = torch.empty(m, dtype=torch.float32, device=logits.device)
+        ent = torch.empty(m, dtype=torch.float32, device=logits.device)
+        for r0 in range(0, m, chunk):
+            part_lp, log_probs = _token_logprob_rows(logits[r0:r0 + chunk], targets[r0:r0 + chunk], temperature)
+            lp[r0:r0 + chunk] = part_lp
+            ent[r0:r0 + chunk] = entropy(log_probs)
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        logits, targets = ctx.saved_tensors
+        if grad_lp is None:
+            return None, None, None, None
+        grad = torch.empty_like(logits)
+        chunk = ctx.chunk
+        for r0 in range(0, logits.shape[0], chunk):
+            with torch.enable_grad():
+                rows = logits[r0:r0 + chunk].detach().requires_grad_(True)
+                part_lp, _ = _token_logprob_rows(rows, targets[r0:r0 + chunk], ctx.temperature)
+                (grad[r0:r0 + chunk],) = torch.autograd.grad(part_lp, rows, grad_lp[r0:r0 + chunk])
+        return grad, None, None, None

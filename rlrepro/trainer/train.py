@@ -44,6 +44,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
     max_grad_norm: float = 1.0  # <= 0: no clipping (the norm is still reported)
     micro_batch_size: int = 8  # samples per forward/backward
+    # logits rows per float32 log-softmax chunk (0: the whole micro-batch at once). Less memory, the same bits on
+    # CUDA (rlrepro.trainer.logprobs.logprobs_and_entropy); the logits themselves stay whole
+    logits_chunk_size: int = 0
     ppo_epochs: int = 1  # optimizer steps per train step, each over the whole batch
     clip_low: float = 0.2
     clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
@@ -78,6 +81,10 @@ class TrainConfig:
         need(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1,
              f"train.micro_batch_size must be a positive int (samples per forward), got {self.micro_batch_size!r}")
+        need(isinstance(self.logits_chunk_size, int) and not isinstance(self.logits_chunk_size, bool)
+             and self.logits_chunk_size >= 0,
+             f"train.logits_chunk_size must be an int >= 0 (logits rows per log-softmax chunk; 0 = no chunking), "
+             f"got {self.logits_chunk_size!r}")
         need(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1,
              f"train.ppo_epochs must be a positive int, got {self.ppo_epochs!r}")
         need(0 <= self.clip_low < 1, f"train.clip_low must be in [0, 1) (ratio floor 1 - clip_low > 0), "
@@ -269,7 +276,8 @@ class Trainer:
                 for k, chunk in enumerate(chunks):
                     part = [batch[i] for i in chunk]
                     ref_lps[k] = token_logprobs(self.ref_model, [s.prompt_token_ids for s in part],
-                                                [s.completion_token_ids for s in part], cfg.temperature)
+                                                [s.completion_token_ids for s in part], cfg.temperature,
+                                                chunk_rows=cfg.logits_chunk_size)
         max_diff = 0.0
         current_all: list[torch.Tensor] = []  # epoch 0: the policy's logprobs and the rollout's, per micro-batch
         rollout_all: list[torch.Tensor] = []
@@ -289,7 +297,8 @@ class Trainer:
                 if not any(s.completion_token_ids for s in part):
                     continue  # nothing to learn from; contributes 0 to the loss
                 lps, ents = logprobs_and_entropy(self.model, [s.prompt_token_ids for s in part],
-                                                 [s.completion_token_ids for s in part], cfg.temperature)
+                                                 [s.completion_token_ids for s in part], cfg.temperature,
+                                                 chunk_rows=cfg.logits_chunk_size)
                 logp, mask = pad_sequences(lps)
                 flat_old = torch.tensor([x for s in part for x in s.rollout_logprobs], dtype=torch.float32,
                                         device=device)  # one host->device copy per micro-batch
