@@ -115,6 +115,8 @@ def test_batched_keep_masks_equal_one_row_masks():
                 assert int(masks[i].sum()) <= ks[i]
     with pytest.raises(ValueError, match="2 rows but 1 top_k"):
         keep_masks(torch.zeros(2, 5), [1], [1.0, 1.0])
+    with pytest.raises(ValueError, match="exact in float64 up to 2097152"):
+        keep_masks(torch.zeros(1, 2 ** 21 + 1), [-1], [0.9])
 
 
 def test_sampled_tokens_respect_top_k_and_top_p():

@@ -110,20 +110,28 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
 
 
 MASS_BITS = 32  # top-p's fixed-point unit: a token's mass is floor(exp(x - max) * 2**MASS_BITS), an integer
+MAX_FILTER_VOCAB = 2 ** (53 - MASS_BITS)  # the mass totals stay exact in float64
+CUDA_FILTER_ROWS = 64  # rows per batched sort on CUDA
 
 
 def keep_masks(scaled: torch.Tensor, top_k: Seq[int], top_p: Seq[float]) -> torch.Tensor:
     """bool [R, V]: the tokens top-k / top-p keep, row ``i`` of ``logits / T`` with ``top_k[i]``, ``top_p[i]``
     (see the module docstring; ``top_k <= 0`` and ``top_p >= 1`` disable a filter).
 
-    On CUDA all rows go through one sort; on CPU one row at a time, because the CPU's elementwise ``exp`` takes
-    a SIMD path and a scalar path whose split follows the tensor's size (module docstring)."""
+    On CUDA up to ``CUDA_FILTER_ROWS`` rows go through one sort (bounding the int64/float64 temporaries to ~1.5 GB
+    at 151,936 columns); on CPU one row at a time, because the CPU's elementwise ``exp`` takes a SIMD path and a
+    scalar path whose split follows the tensor's size (module docstring). Each row's mask is exact either way."""
     r, v = scaled.shape
     if len(top_k) != r or len(top_p) != r:
         raise ValueError(f"keep_masks: {r} rows but {len(top_k)} top_k and {len(top_p)} top_p values")
-    if scaled.is_cuda or r <= 1:
+    if v > MAX_FILTER_VOCAB:
+        raise ValueError(f"keep_masks: a vocabulary of {v} tokens; top-p's integer masses are exact in float64 up "
+                         f"to {MAX_FILTER_VOCAB} (V * 2**{MASS_BITS} < 2**53)")
+    step = CUDA_FILTER_ROWS if scaled.is_cuda else 1
+    if r <= step:
         return _keep_masks(scaled, top_k, top_p)
-    return torch.cat([_keep_masks(scaled[i:i + 1], top_k[i:i + 1], top_p[i:i + 1]) for i in range(r)])
+    return torch.cat([_keep_masks(scaled[i:i + step], top_k[i:i + step], top_p[i:i + step])
+                      for i in range(0, r, step)])
 
 
 def _keep_masks(scaled: torch.Tensor, top_k: Seq[int], top_p: Seq[float]) -> torch.Tensor:
