@@ -26,11 +26,14 @@ def random_batch(model, step: int):
             for i, (p, c, lp) in enumerate(zip(prompts, completions, lps))]
 
 
-def test_tp1_megatron_trainer_equals_the_default_trainer_bitwise(deterministic_torch):
+@pytest.mark.parametrize("logits_chunk_size", [0, 2])
+def test_tp1_megatron_trainer_equals_the_default_trainer_bitwise(deterministic_torch, logits_chunk_size):
+    """(With ``logits_chunk_size=2`` the megatron trainer chunks its log-softmax, the default trainer does not.)"""
     plain = tiny_model(seed=1)
     trainer = Trainer(plain, TrainConfig(**CONFIG), ref_model=copy.deepcopy(plain))
     tp_model = TPQwen3ForCausalLM.from_full(tiny_model(seed=1), single_process_groups())
-    mtrainer = MegatronTrainer(tp_model, TrainConfig(**CONFIG), ref_model=copy.deepcopy(tp_model))
+    mtrainer = MegatronTrainer(tp_model, TrainConfig(**CONFIG, logits_chunk_size=logits_chunk_size),
+                               ref_model=copy.deepcopy(tp_model))
     for step in range(3):
         batch = random_batch(plain, step)
         assert trainer.train_step(batch) == mtrainer.train_step(batch)
