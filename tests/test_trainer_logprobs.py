@@ -98,7 +98,7 @@ def _loss_and_grads(model, prompts, completions, weights, chunk_rows):
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 4, 7, 23])
-def test_chunked_log_softmax_keeps_logprobs_and_the_gradient(model, chunk_rows):
+def test_chunked_log_softmax_keeps_logprobs_and_the_gradient(model, chunk_rows, deterministic_torch):
     """``chunk_rows``: the float32 log-softmax a few logits rows at a time (forward, and again in the backward).
     Logprobs, entropies and every parameter's gradient are the unchunked bits on CPU (the same ops on the same
     rows; CUDA: tests/test_trainer_gpu.py, where the entropy's row sum is equal only to rounding)."""
