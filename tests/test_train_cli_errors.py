@@ -34,6 +34,8 @@ def test_unknown_key_names_close_keys(capsys):
     ("model.init=pretrained", "model.path"),
     ("train.warmup_steps=500", "train.warmup_steps=500"),
     ("train.logits_chunk_size=-8", "train.logits_chunk_size"),
+    ("train.dual_clip=0.5", "train.dual_clip=0.5"),
+    ("train.entropy_coef=-1", "train.entropy_coef"),
     ("rollout.weight_sync=nccl", "rollout.weight_sync"),
     ("rollout.weight_sync=cuda_ipc", "run.device=cpu"),
     ("trainer.backend=deepspeed", "trainer.backend"),

@@ -7,7 +7,8 @@ import torch
 from rlrepro import kernels
 from rlrepro.model import tiny_model
 from rlrepro.trainer import logprobs_and_entropy, token_logprobs
-from rlrepro.trainer.logprobs import tempered_log_softmax
+from rlrepro.trainer.logprobs import (_ChunkedTokenLogprob, _completion_logits, entropy,
+                                      tempered_log_softmax)
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +125,44 @@ def test_token_logprobs_chunked_refuses_a_gradient(model):
     prompts, completions = _samples(model.config.vocab_size, 2, seed=4)
     with pytest.raises(ValueError, match="has no backward"):
         token_logprobs(model, prompts, completions, chunk_rows=1)
+
+
+@pytest.mark.parametrize("chunk_rows", [0, 3])
+def test_entropy_with_grad_is_the_entropy_and_differentiable(model, chunk_rows, deterministic_torch):
+    """``entropy_grad=True`` (an entropy bonus): the same values as the detached metric, with a gradient that
+    matches a float64 autograd of the definition, chunked or not."""
+    prompts, completions = _samples(model.config.vocab_size, 4, seed=31)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        _, metric = logprobs_and_entropy(model, prompts, completions, 0.8)
+    lps, ents = logprobs_and_entropy(model, prompts, completions, 0.8, chunk_rows=chunk_rows, entropy_grad=True)
+    assert all(e.requires_grad for e in ents)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(ents, metric))
+    logits, _, _ = _completion_logits(model, prompts, completions)
+    leaf = logits.detach().double().requires_grad_(True)
+    lsm = torch.log_softmax(leaf / 0.8, dim=-1)
+    (-(lsm.exp() * lsm).sum(-1)).sum().backward()
+    want = leaf.grad
+    rows = logits.detach().requires_grad_(True)
+    if chunk_rows:
+        _, ent = _ChunkedTokenLogprob.apply(rows, torch.zeros(rows.shape[0], dtype=torch.long), 0.8, chunk_rows, True)
+    else:
+        ent = entropy(tempered_log_softmax(rows, 0.8))
+    ent.sum().backward()
+    torch.testing.assert_close(rows.grad.double(), want, rtol=1e-4, atol=1e-6)
+    torch.stack([e.sum() for e in ents]).sum().backward()
+    assert model.head_weight().grad is not None and bool(model.head_weight().grad.abs().sum() > 0)
+    model.zero_grad(set_to_none=True)
+
+
+def test_entropy_gradient_is_the_same_chunked_or_not(model, deterministic_torch):
+    prompts, completions = _samples(model.config.vocab_size, 5, seed=33)
+    grads = []
+    for chunk_rows in (0, 4):
+        model.zero_grad(set_to_none=True)
+        lps, ents = logprobs_and_entropy(model, prompts, completions, 0.8, chunk_rows=chunk_rows, entropy_grad=True)
+        (sum(lp.sum() for lp in lps) - 0.5 * sum(e.sum() for e in ents)).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name

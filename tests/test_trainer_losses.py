@@ -117,6 +117,43 @@ def test_kl_penalty_in_the_loss_by_hand():
         policy_loss(logp, logp, torch.tensor([0.0]), mask, kl_coef=0.1)
 
 
+def test_dual_clip_by_hand():
+    """Dual clip c = 3: a negative-advantage token whose ratio exceeds c is bounded at -A * c (and gets no
+    gradient); positive advantages and ratios below c are untouched."""
+    logp = torch.tensor([[math.log(5.0), math.log(2.0), math.log(5.0), 0.0]])
+    old = torch.zeros(1, 4)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -2.0]])  # per token
+    pg, no_grad = clipped_surrogate(logp, old, adv, clip_low=0.2, clip_high=0.2, dual_clip=3.0)
+    plain, plain_no_grad = clipped_surrogate(logp, old, adv, clip_low=0.2, clip_high=0.2)
+    # token 0: A=-1, ratio 5 -> max(5, 1.2) = 5 without dual clip, bounded at 3 with it
+    # token 1: A=-1, ratio 2 -> 2 (below 3: untouched); token 2: A=+1, ratio 5 -> -1.2 (clipped as usual)
+    # token 3: A=-2, ratio 1 -> 2 (below the bound 6)
+    torch.testing.assert_close(plain, torch.tensor([[5.0, 2.0, -1.2, 2.0]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(pg, torch.tensor([[3.0, 2.0, -1.2, 2.0]]), rtol=1e-6, atol=0)
+    assert no_grad.tolist() == [[True, False, True, False]] and plain_no_grad.tolist() == [[False, False, True, False]]
+    x = logp.clone().requires_grad_(True)
+    clipped_surrogate(x, old, adv, dual_clip=3.0)[0].sum().backward()
+    assert x.grad[0, 0].item() == 0.0 and x.grad[0, 1].item() != 0.0
+    for bad in (0.5, 1.0, -2.0):
+        with pytest.raises(ValueError, match="dual_clip must be 0"):
+            clipped_surrogate(logp, old, adv, dual_clip=bad)
+    logp_b, old_b, adv_b, mask_b = _batch()  # no ratio above 3 there: the loss is unchanged bit for bit
+    assert torch.equal(policy_loss(logp_b, old_b, adv_b, mask_b, dual_clip=3.0, **CLIP).loss,
+                       policy_loss(logp_b, old_b, adv_b, mask_b, **CLIP).loss)
+
+
+def test_entropy_bonus_by_hand():
+    logp, mask = pad_sequences([torch.tensor([-1.0, -2.0]), torch.tensor([-1.5])])
+    ent = torch.tensor([[2.0, 4.0], [3.0, 0.0]], requires_grad=True)
+    out = policy_loss(logp, logp.clone(), torch.tensor([0.0, 0.0]), mask, entropy=ent, entropy_coef=0.1)
+    torch.testing.assert_close(out.loss, torch.tensor(-0.1 * 3.0))  # pg = 0; token-mean entropy (2 + 4 + 3) / 3
+    out.loss.backward()
+    torch.testing.assert_close(ent.grad, torch.tensor([[-0.1 / 3, -0.1 / 3], [-0.1 / 3, 0.0]]))
+    assert out.entropy == 3.0
+    with pytest.raises(ValueError, match="entropy_coef=0.1 needs entropy"):
+        policy_loss(logp, logp, torch.tensor([0.0, 0.0]), mask, entropy_coef=0.1)
+
+
 def test_group_advantages_by_hand():
     rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 4.0, 0.0, 4.0]])
     # population std: group 0 mean 0.5 std 0.5, group 1 mean 2 std 2

@@ -103,6 +103,23 @@ def test_logits_chunk_size_changes_no_bit(param_dtype):
     assert ma[-1]["train/kl"] > 0
 
 
+def test_entropy_bonus_and_dual_clip_in_the_train_step():
+    """entropy_coef > 0 changes the update (the entropy is in the loss) and stays reproducible, chunked or not;
+    dual_clip changes nothing while no negative-advantage ratio exceeds it (on-policy first epoch: ratio 1)."""
+    base, mbase = run(steps=2)
+    ent, ment = run(steps=2, entropy_coef=0.01)
+    again, magain = run(steps=2, entropy_coef=0.01)
+    chunked, mchunked = run(steps=2, entropy_coef=0.01, logits_chunk_size=3)
+    assert ment == magain == mchunked and ment != mbase
+    for (_, a), (_, b), (_, c), (_, d) in zip(ent.named_weights(), again.named_weights(),
+                                              chunked.named_weights(), base.named_weights()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert any(not torch.equal(a, d) for (_, a), (_, d) in zip(ent.named_weights(), base.named_weights()))
+    dual, mdual = run(steps=2, dual_clip=3.0)
+    assert mdual == mbase
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(dual.named_weights(), base.named_weights()))
+
+
 def test_bf16_compute_with_float32_master_weights():
     fp32 = dict(tiny_model(seed=1).named_parameters())
     trainer, metrics = run(steps=2, param_dtype=torch.bfloat16)
@@ -133,6 +150,8 @@ def test_named_weights_are_sorted_and_detached():
     ("advantage_mode", "ppo", "advantage_mode 'ppo'"),
     ("betas", (0.9, 1.0), "betas must be two numbers"),
     ("logits_chunk_size", -1, "logits_chunk_size must be an int >= 0"),
+    ("dual_clip", 1.0, "dual_clip must be 0 \\(off\\) or > 1"),
+    ("entropy_coef", -0.1, "entropy_coef must be a finite number >= 0"),
     ("logits_chunk_size", 2.5, "logits_chunk_size must be an int >= 0"),
 ])
 def test_config_errors_name_the_value(field, value, message):

@@ -112,6 +112,10 @@ class TrainConfig:
     ppo_epochs: int = 1
     clip_low: float = 0.2
     clip_high: float = 0.28
+    # dual clip (verl's clip_ratio_c): for A < 0 the surrogate is also bounded by -A * dual_clip; 0 = off, else > 1
+    dual_clip: float = 0.0
+    # entropy bonus (verl's entropy_coeff): loss -= entropy_coef * agg(entropy); 0 = off (entropy only reported)
+    entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
     advantage: str = "grpo"  # grpo | dr_grpo
     kl_coef: float = 0.0
@@ -212,7 +216,7 @@ _POSITIVE = ["rollout.num_workers", "rollout.prompts_per_step", "rollout.group_s
 _NON_NEGATIVE = ["rollout.temperature", "train.lr", "train.warmup_steps", "train.weight_decay", "train.kl_coef",
                  "train.clip_low", "train.clip_high", "checkpoint.every", "warm_start.steps", "train.max_grad_norm",
                  "rollout.max_restarts", "logger.num_table_samples", "train.adam_eps", "warm_start.lr",
-                 "train.logits_chunk_size"]
+                 "train.logits_chunk_size", "train.dual_clip", "train.entropy_coef"]
 _POSITIVE_OR_NONE = ["rollout.num_kv_blocks", "rollout.max_model_len", "data.limit", "ray.num_cpus"]
 # (key, low, high, low inclusive, high inclusive)
 _RANGES = [("train.min_lr_ratio", 0, 1, True, True), ("train.adam_beta1", 0, 1, True, False),
@@ -262,6 +266,9 @@ def validate(cfg: Any) -> None:
                           "generated one), or null for the model's max_position_embeddings")
     if cfg.train.lr == 0:
         raise ConfigError("train.lr=0 would never change the weights; give a learning rate > 0 (e.g. train.lr=1e-6)")
+    if cfg.train.dual_clip and not cfg.train.dual_clip > 1:
+        raise ConfigError(f"train.dual_clip={cfg.train.dual_clip!r} must be 0 (off) or > 1 (the surrogate's bound "
+                          "-A * dual_clip for negative advantages; verl uses 3)")
     if cfg.train.adam_eps == 0:
         raise ConfigError("train.adam_eps=0 can divide by zero; give a value > 0 (e.g. train.adam_eps=1e-8)")
     if cfg.warm_start.steps > 0 and cfg.warm_start.lr == 0:

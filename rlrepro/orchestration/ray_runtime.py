@@ -354,7 +354,8 @@ def trainer_kwargs(cfg: DictConfig) -> dict:
                 weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                 max_grad_norm=t.max_grad_norm, micro_batch_size=t.micro_batch_size,
                 logits_chunk_size=t.logits_chunk_size, ppo_epochs=t.ppo_epochs,
-                clip_low=t.clip_low, clip_high=t.clip_high, loss_agg=t.loss_agg, kl_coef=t.kl_coef,
+                clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, entropy_coef=t.entropy_coef,
+                loss_agg=t.loss_agg, kl_coef=t.kl_coef,
                 kl_estimator=t.kl_estimator, temperature=cfg.rollout.temperature,
                 max_response_length=cfg.rollout.max_tokens, on_nonfinite=t.on_nonfinite)
 

@@ -33,9 +33,10 @@ def tempered_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torc
 
 
 def entropy(log_probs: torch.Tensor) -> torch.Tensor:
-    """Entropy ``-sum_v p_v log p_v`` over the last dim, from a (float32) log-softmax. ``0 * -inf`` counts as 0."""
+    """Entropy ``-sum_v p_v log p_v`` over the last dim, from a (float32) log-softmax. ``0 * -inf`` counts as 0, in
+    the value and in the gradient (the log is zeroed where ``p == 0`` before the product, so no ``0 * inf``)."""
     p = log_probs.exp()
-    return -torch.where(p > 0, p * log_probs, torch.zeros_like(log_probs)).sum(dim=-1)
+    return -(p * torch.where(p > 0, log_probs, torch.zeros_like(log_probs))).sum(dim=-1)
 
 
 def _check(prompt_token_ids: Sequence[Sequence[int]], completion_token_ids: Sequence[Sequence[int]]) -> None:
@@ -99,44 +100,51 @@ def token_logprobs(model, prompt_token_ids: Sequence[Sequence[int]], completion_
 
 def logprobs_and_entropy(model, prompt_token_ids: Sequence[Sequence[int]],
                          completion_token_ids: Sequence[Sequence[int]], temperature: float = 1.0,
-                         chunk_rows: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                         chunk_rows: int = 0, entropy_grad: bool = False,
+                         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """:func:`token_logprobs` plus the entropy of the tempered distribution at each of those positions.
 
-    One log-softmax serves both. The logprobs carry grad (when grad is on); the entropy is a detached metric.
+    One log-softmax serves both. The logprobs carry grad (when grad is on); the entropy is a detached metric unless
+    ``entropy_grad`` (an entropy bonus in the loss).
 
     ``chunk_rows > 0``: the float32 log-softmax runs over at most that many logits rows at a time, in the forward
     and again in the backward (:class:`_ChunkedTokenLogprob`), so the ``[tokens, vocab]`` float32 tensors exist one
     chunk at a time; only the logits (model dtype) and their gradient are whole. The same ops on the same rows, so
     the logprobs and the gradient are bit for bit those of ``chunk_rows=0`` (``tests/test_trainer_logprobs.py`` on
     CPU, ``tests/test_trainer_gpu.py`` on CUDA: the log-softmax is batch-invariant and its backward's row sum adds
-    one nonzero). The entropy, a detached metric, is a float sum over each row whose order torch's CUDA reduction
-    picks by the number of rows: it may differ in the last bits between chunk sizes on CUDA (as it does between
-    micro-batch sizes). The LM head's GEMMs are not chunked. Measured: docs/BENCHMARKS.md ("one train step").
+    one nonzero). The entropy is a float sum over each row whose order torch's CUDA reduction picks by the number
+    of rows: it may differ in the last bits between chunk sizes on CUDA (as it does between micro-batch sizes), and
+    so may the gradient when the entropy is in the loss (``entropy_grad``). The LM head's GEMMs are not chunked.
+    Measured: docs/BENCHMARKS.md ("one train step").
     """
     logits, targets, lengths = _completion_logits(model, prompt_token_ids, completion_token_ids)
     if chunk_rows and chunk_rows < logits.shape[0]:
-        lp, ent = _ChunkedTokenLogprob.apply(logits, targets, float(temperature), int(chunk_rows))
+        lp, ent = _ChunkedTokenLogprob.apply(logits, targets, float(temperature), int(chunk_rows), bool(entropy_grad))
         return list(torch.split(lp, lengths)), list(torch.split(ent, lengths))
     lp, log_probs = _token_logprob_rows(logits, targets, temperature)
-    with torch.no_grad():
+    if entropy_grad:
         ent = entropy(log_probs)
+    else:
+        with torch.no_grad():
+            ent = entropy(log_probs.detach())
     return list(torch.split(lp, lengths)), list(torch.split(ent, lengths))
 
 
 def _token_logprob_rows(logits: torch.Tensor, targets: torch.Tensor,
                         temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token logprobs of some logits rows (with their autograd graph) and the detached log-softmax: the one
-    sequence of ops behind both the unchunked and the chunked path."""
+    """Token logprobs of some logits rows and their log-softmax (both with the autograd graph when grad is on):
+    the one sequence of ops behind both the unchunked and the chunked path."""
     log_probs = tempered_log_softmax(logits, temperature)
-    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), log_probs.detach()
+    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), log_probs
 
 
 class _ChunkedTokenLogprob(torch.autograd.Function):
     """Token logprobs and entropies of ``logits`` [M, V], ``chunk`` rows at a time. The backward recomputes each
-    chunk's log-softmax under autograd and takes its gradient: the unchunked path's ops on the same rows."""
+    chunk's log-softmax (and entropy) under autograd and takes its gradient: the unchunked path's ops on the same
+    rows. The entropy is differentiable only with ``entropy_grad``."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk):
+    def forward(ctx, logits, targets, temperature, chunk, entropy_grad):
         m = logits.shape[0]
         lp = torch.empty(m, dtype=torch.float32, device=logits.device)
         ent = torch.empty(m, dtype=torch.float32, device=logits.device)
@@ -145,20 +153,30 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             lp[r0:r0 + chunk] = part_lp
             ent[r0:r0 + chunk] = entropy(log_probs)
         ctx.save_for_backward(logits, targets)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(ent)
+        ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):
         logits, targets = ctx.saved_tensors
-        if grad_lp is None:
-            return None, None, None, None
+        if not ctx.entropy_grad:
+            grad_ent = None
+        if grad_lp is None and grad_ent is None:
+            return None, None, None, None, None
         grad = torch.empty_like(logits)
         chunk = ctx.chunk
         for r0 in range(0, logits.shape[0], chunk):
             with torch.enable_grad():
                 rows = logits[r0:r0 + chunk].detach().requires_grad_(True)
-                part_lp, _ = _token_logprob_rows(rows, targets[r0:r0 + chunk], ctx.temperature)
-                (grad[r0:r0 + chunk],) = torch.autograd.grad(part_lp, rows, grad_lp[r0:r0 + chunk])
-        return grad, None, None, None
+                part_lp, log_probs = _token_logprob_rows(rows, targets[r0:r0 + chunk], ctx.temperature)
+                outputs, grads = [], []
+                if grad_lp is not None:
+                    outputs.append(part_lp)
+                    grads.append(grad_lp[r0:r0 + chunk])
+                if grad_ent is not None:
+                    outputs.append(entropy(log_probs))
+                    grads.append(grad_ent[r0:r0 + chunk])
+                (grad[r0:r0 + chunk],) = torch.autograd.grad(outputs, rows, grads)
+        return grad, None, None, None, None

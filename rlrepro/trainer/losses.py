@@ -5,13 +5,20 @@ Pure functions over padded tensors ``[B, T]`` with a boolean ``mask`` (True at r
 
     ratio     = exp(logp - old_logp)                                   (old_logp: the rollout's logprobs)
     pg        = max(-A_i * ratio, -A_i * clip(ratio, 1 - clip_low, 1 + clip_high))
+    pg        = min(pg, -A_i * dual_clip)  where A_i < 0                 (only with dual_clip > 1)
     kl        = k1 | k2 | k3 (logp, ref_logp)                           (only with ref_logp)
-    loss      = agg(pg) + kl_coef * agg(kl)
+    loss      = agg(pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)
 
 * Clipped surrogate: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7, written as a loss
   (negated), with GRPO's per-sample advantage broadcast over the tokens (Shao et al. 2024, "DeepSeekMath", eq. 3).
 * Separate ``clip_low`` / ``clip_high`` ("clip-higher"): Yu et al. 2025, "DAPO", §3.1 and eq. 10 (they use
   0.2 / 0.28). Equal values give PPO.
+* Dual clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning", §3.3
+  (their ``c``, e.g. 3): for a negative advantage the surrogate is also bounded by ``-A * c``, so a token whose
+  ratio has grown large under a negative advantage cannot dominate the loss (verl's ``clip_ratio_c``).
+* Entropy bonus: ``entropy`` is the per-token entropy of the tempered policy distribution (it carries grad);
+  ``entropy_coef > 0`` rewards it (Mnih et al. 2016, "Asynchronous Methods for Deep RL", §4; verl's
+  ``entropy_coeff``).
 * KL estimators of ``KL(pi || pi_ref)`` from samples of pi, with ``log_r = ref_logp - logp``: Schulman 2020,
   "Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html)::
 
@@ -111,18 +118,26 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
 
 
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float = 0.2,
-                      clip_high: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO loss ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` and where the clipped term won.
+                      clip_high: float = 0.2, dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO loss ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` and where the clipped term won;
+    with ``dual_clip = c > 1``, tokens with ``A < 0`` are also bounded by ``-A c`` (the module docstring).
 
     ``advantages``: per sample ``[B]`` (broadcast over tokens) or per token ``[B, T]``.
-    Returns ``(pg [B, T], clipped [B, T] bool)``; ``clipped`` is True where the clipped term is strictly larger,
-    i.e. where the token gets no gradient.
+    Returns ``(pg [B, T], clipped [B, T] bool)``; ``clipped`` is True where a clip bound is strictly the active
+    term, i.e. where the token gets no gradient.
     """
+    if dual_clip and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be 0 (off) or > 1 (the bound -A * dual_clip for A < 0), got {dual_clip}")
     adv = advantages.unsqueeze(-1) if advantages.dim() == logp.dim() - 1 else advantages
     ratio = torch.exp(logp - old_logp)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
+    pg, no_grad = torch.maximum(unclipped, clipped), clipped > unclipped
+    if dual_clip:
+        bound = -adv * dual_clip
+        dual = (adv < 0) & (bound < pg)
+        pg, no_grad = torch.where(dual, bound.expand_as(pg), pg), no_grad | dual
+    return pg, no_grad
 
 
 @dataclass
@@ -146,20 +161,27 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 clip_low: float = 0.2, clip_high: float = 0.2, loss_agg: str = "token-mean",
                 max_response_length: int | None = None, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None,
                 kl_estimator: str = "k3", entropy: torch.Tensor | None = None, num_tokens: int | None = None,
-                num_seqs: int | None = None) -> LossOutput:
-    """``agg(pg) + kl_coef * agg(kl)`` over padded ``[B, T]`` tensors; see the module docstring for the formulas.
+                num_seqs: int | None = None, dual_clip: float = 0.0, entropy_coef: float = 0.0) -> LossOutput:
+    """``agg(pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)`` over padded ``[B, T]`` tensors; see the module
+    docstring for the formulas.
 
     ``ref_logp`` is needed when ``kl_coef != 0``; given with ``kl_coef == 0`` the KL is still reported.
-    ``entropy`` (``[B, T]``, optional) is only reported. ``num_tokens`` / ``num_seqs``: whole-batch counts for
-    micro-batch shares (see :func:`aggregate`).
+    ``entropy`` (``[B, T]``, optional) is reported, and with ``entropy_coef != 0`` (which needs it, with grad) it
+    enters the loss. ``num_tokens`` / ``num_seqs``: whole-batch counts for micro-batch shares (see
+    :func:`aggregate`).
     """
     _check_mode(loss_agg, max_response_length)
     if kl_coef != 0.0 and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp (the reference policy's logprobs); "
                          "pass ref_logp or set kl_coef=0")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs entropy (per-token entropies with grad); "
+                         "pass entropy or set entropy_coef=0")
     agg = dict(loss_agg=loss_agg, max_response_length=max_response_length, num_tokens=num_tokens, num_seqs=num_seqs)
-    pg, clipped = clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high)
+    pg, clipped = clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high, dual_clip)
     loss = aggregate(pg, mask, **agg)
+    if entropy_coef != 0.0:
+        loss = loss - entropy_coef * aggregate(entropy, mask, **agg)
     n = int(mask.sum())
     kl_value = 0.0
     if ref_logp is not None:

@@ -50,6 +50,8 @@ class TrainConfig:
     ppo_epochs: int = 1  # optimizer steps per train step, each over the whole batch
     clip_low: float = 0.2
     clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
+    dual_clip: float = 0.0  # 0 = off; c > 1 bounds the surrogate by -A * c for A < 0 (rlrepro.trainer.losses)
+    entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * agg(entropy); 0 = entropy only reported
     loss_agg: str = "token-mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -90,6 +92,10 @@ class TrainConfig:
         need(0 <= self.clip_low < 1, f"train.clip_low must be in [0, 1) (ratio floor 1 - clip_low > 0), "
              f"got {self.clip_low}")
         need(self.clip_high >= 0, f"train.clip_high must be >= 0, got {self.clip_high}")
+        need(self.dual_clip == 0 or self.dual_clip > 1,
+             f"train.dual_clip must be 0 (off) or > 1 (verl's clip_ratio_c, e.g. 3), got {self.dual_clip}")
+        need(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0,
+             f"train.entropy_coef must be a finite number >= 0, got {self.entropy_coef}")
         need(self.loss_agg in LOSS_AGG_MODES, f"train.loss_agg {self.loss_agg!r} is not one of {LOSS_AGG_MODES}")
         need(self.kl_coef >= 0, f"train.kl_coef must be >= 0, got {self.kl_coef}")
         need(self.kl_estimator in KL_ESTIMATORS,
@@ -298,7 +304,8 @@ class Trainer:
                     continue  # nothing to learn from; contributes 0 to the loss
                 lps, ents = logprobs_and_entropy(self.model, [s.prompt_token_ids for s in part],
                                                  [s.completion_token_ids for s in part], cfg.temperature,
-                                                 chunk_rows=cfg.logits_chunk_size)
+                                                 chunk_rows=cfg.logits_chunk_size,
+                                                 entropy_grad=cfg.entropy_coef != 0)
                 logp, mask = pad_sequences(lps)
                 flat_old = torch.tensor([x for s in part for x in s.rollout_logprobs], dtype=torch.float32,
                                         device=device)  # one host->device copy per micro-batch
@@ -312,7 +319,8 @@ class Trainer:
                 out = policy_loss(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                   loss_agg=cfg.loss_agg, max_response_length=cfg.max_response_length,
                                   kl_coef=cfg.kl_coef, ref_logp=ref, kl_estimator=cfg.kl_estimator,
-                                  entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs)
+                                  entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
+                                  dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef)
                 out.loss.backward()
                 self.optimizer.accumulate_grads()
                 loss_sum += float(out.loss.detach())
