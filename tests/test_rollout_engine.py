@@ -310,3 +310,72 @@ def test_fast_mode_runs_and_stays_close(model):
         assert len(f.token_ids) == 8
         if f.token_ids == d.token_ids:
             assert torch.allclose(torch.tensor(f.logprobs), torch.tensor(d.logprobs), atol=1e-4)
+
+
+def test_add_request_and_step_give_generates_outputs_whenever_requests_arrive(model):
+    """Requests added one at a time while others run (arrival at different steps, different batches) give the
+    outputs of one generate() of them all: tokens, logprobs, finish reasons, seeds, ids."""
+    want = Engine(model, max_num_batched_tokens=7, block_size=4, num_kv_blocks=64,
+                  max_num_seqs=3).generate(PROMPTS, MIXED_PARAMS)
+    engine = Engine(model, max_num_batched_tokens=7, block_size=4, num_kv_blocks=64, max_num_seqs=3)
+    got, ids, steps = {}, [], 0
+    arrivals = {0: [0, 1], 2: [2], 3: [3, 4], 9: [5]}  # step -> requests added before it
+    while len(got) < len(PROMPTS):
+        for i in arrivals.get(steps, []):
+            ids.append(engine.add_request(PROMPTS[i], MIXED_PARAMS[i]))
+        for out in engine.step():
+            assert out.request_id not in got
+            got[out.request_id] = out
+        steps += 1
+        assert steps < 500
+    assert not engine.has_unfinished() and ids == list(range(len(PROMPTS)))
+    for w in want:
+        g = got[w.request_id]
+        assert (g.token_ids, g.logprobs, g.finish_reason, g.seed) == (w.token_ids, w.logprobs, w.finish_reason,
+                                                                      w.seed)
+    assert [w.request_id for w in want] == list(range(len(PROMPTS)))
+    # generate() keeps working afterwards, and the ids go on counting
+    again = engine.generate(PROMPTS[:1], MIXED_PARAMS[:1])
+    assert again[0].request_id == len(PROMPTS) and again[0].token_ids == want[0].token_ids
+
+
+def test_add_request_errors_and_generate_while_requests_are_in_flight(model):
+    engine = Engine(model, num_kv_blocks=64, max_num_seqs=4)
+    with pytest.raises(ValueError, match="request 0: the prompt is empty"):
+        engine.add_request([], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="one SamplingParams"):
+        engine.add_request([1, 2], [SamplingParams()])
+    assert not engine.has_unfinished() and engine.step() == []
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=3))
+    with pytest.raises(RuntimeError, match="call step"):
+        engine.generate([[4, 5]], SamplingParams(max_tokens=2))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == [rid] and len(outs[0].token_ids) == 3
+    assert engine.generate([[4, 5]], SamplingParams(max_tokens=2))[0].request_id == rid + 1
+
+
+def test_error_in_step_aborts_the_added_requests_and_leaves_the_engine_usable(model, monkeypatch):
+    engine = Engine(model, block_size=4, num_kv_blocks=64)
+    p = SamplingParams(temperature=0.0, max_tokens=6)
+    good = key(engine.generate([[1, 2, 3], [4, 5]], p))
+    real = engine.runner.launch
+    calls = {"n": 0}
+
+    def flaky(scheduled):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return real(scheduled)
+
+    monkeypatch.setattr(engine.runner, "launch", flaky)
+    engine.add_request([1, 2, 3], p)
+    engine.add_request([4, 5], p)
+    with pytest.raises(RuntimeError, match="device lost"):
+        for _ in range(10):
+            engine.step()
+    monkeypatch.setattr(engine.runner, "launch", real)
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == 64
+    assert engine.step() == []
+    assert key(engine.generate([[1, 2, 3], [4, 5]], p)) == good

@@ -119,6 +119,8 @@ class Engine:
                                       enable_cuda_graphs=bool(enable_cuda_graphs))
         self.weight_version = 0
         self.num_requests = 0  # requests accepted so far: the index that derives an unseeded request's seed
+        self._pending = None  # (rows, StepOutput) of the step in flight
+        self._added: dict[int, Sequence] = {}  # requests from add_request() not yet returned by step()
 
     def _num_blocks(self, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None) -> int:
         if num_kv_blocks is not None:
@@ -150,43 +152,89 @@ class Engine:
 
         Every request is validated before any work; a ValueError names the request index and the fix, and
         leaves the engine as it was."""
+        if self._added:
+            raise RuntimeError(f"generate() while {len(self._added)} request(s) from add_request() are unfinished; "
+                               "call step() until has_unfinished() is False first")
         prompts, params = self._validate(prompt_token_ids, sampling_params)
-        seqs = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            index = self.num_requests + i
-            seed = p.seed if p.seed is not None else derive_seed(self.seed, index)
-            seqs.append(Sequence(index, prompt, p, seed))
-        self.num_requests += len(seqs)
+        seqs = [self._new_sequence(prompt, p) for prompt, p in zip(prompts, params)]
         for seq in seqs:
             self.scheduler.add(seq)
         try:
             with self._mode():
-                self._run()
-        finally:
-            if self.scheduler.has_unfinished():  # an exception (or interrupt) mid-run: free everything
-                self.scheduler.abort_all()
-        return [RequestOutput(prompt_token_ids=s.prompt_token_ids, token_ids=s.output_token_ids,
-                              logprobs=list(s.output_logprobs), finish_reason=s.finish_reason, seed=s.seed,
-                              weight_version=self.weight_version) for s in seqs]
+                while self.has_unfinished():
+                    self._step()
+        except BaseException:  # an error or interrupt mid-run: free everything, keep the engine usable
+            self._abort_all()
+            raise
+        return [self._output(s) for s in seqs]
 
-    def _run(self) -> None:
-        """Step until every request has finished, one step ahead of the host: step t+1 is scheduled and launched
-        before step t's sampled tokens are read back, so on CUDA the host's work overlaps the device's. Tokens the
-        host has not seen yet are placeholders that the runner feeds from the device (``Scheduler.launched`` /
+    # ---- incremental use: requests added while others run ---------------------------------------------------
+    def add_request(self, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None = None) -> int:
+        """Queue one request (validated as by :meth:`generate`) and return its id; :meth:`step` runs it along with
+        whatever else is in flight. Its output is the one :meth:`generate` would give: a request's tokens do not
+        depend on the batch or the step it joins (the seed of an unseeded request follows the order requests are
+        accepted in, as for ``generate``)."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"add_request takes one SamplingParams, got {type(sampling_params).__name__}")
+        (prompt,), (params,) = self._validate([prompt_token_ids], [sampling_params or SamplingParams()])
+        seq = self._new_sequence(prompt, params)
+        self.scheduler.add(seq)
+        self._added[seq.seq_id] = seq
+        return seq.seq_id
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step (schedule and launch the next batch, read back the previous one's tokens); return
+        the requests from :meth:`add_request` that finished, in id order. An error aborts every unfinished
+        request (they are not returned) and leaves the engine usable."""
+        try:
+            with self._mode():
+                finished = self._step()
+        except BaseException:
+            self._abort_all()
+            raise
+        done = [self._added.pop(s.seq_id) for s in sorted(finished, key=lambda s: s.seq_id) if s.seq_id in self._added]
+        return [self._output(s) for s in done]
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting, running, or has a step in flight."""
+        return self.scheduler.has_unfinished() or self._pending is not None
+
+    def _new_sequence(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        index = self.num_requests
+        self.num_requests += 1
+        seed = params.seed if params.seed is not None else derive_seed(self.seed, index)
+        return Sequence(index, prompt, params, seed)
+
+    def _output(self, s: Sequence) -> RequestOutput:
+        return RequestOutput(prompt_token_ids=s.prompt_token_ids, token_ids=s.output_token_ids,
+                             logprobs=list(s.output_logprobs), finish_reason=s.finish_reason, seed=s.seed,
+                             weight_version=self.weight_version, request_id=s.seq_id)
+
+    def _abort_all(self) -> None:
+        """After an exception (or interrupt) mid-step: drop the step in flight and free every request."""
+        self._pending = None
+        self._added.clear()
+        if self.scheduler.has_unfinished():
+            self.scheduler.abort_all()
+
+    def _step(self) -> list[Sequence]:
+        """One iteration of the loop, one step ahead of the host: step t+1 is scheduled and launched before step
+        t's sampled tokens are read back, so on CUDA the host's work overlaps the device's. Tokens the host has
+        not seen yet are placeholders that the runner feeds from the device (``Scheduler.launched`` /
         ``resolve``); a request that samples a stop token is noticed one step late and its extra row discarded.
         Which step a token is computed in never changes it (see docs/ENGINE.md), so this is invisible in the
-        outputs."""
+        outputs. Returns the sequences that finished."""
         sch = self.scheduler
-        pending = None  # (rows, StepOutput) of the step in flight
-        while sch.has_unfinished() or pending is not None:
-            with record_function("rlrepro.schedule"):
-                scheduled = sch.schedule()
-            with record_function("rlrepro.launch"):
-                step = self.runner.launch(scheduled) if scheduled else None
-            if pending is not None:
-                with record_function("rlrepro.resolve"):
-                    sch.resolve(pending[0], pending[1].result())
-            pending = (sch.launched(scheduled), step) if step is not None else None
+        with record_function("rlrepro.schedule"):
+            scheduled = sch.schedule()
+        with record_function("rlrepro.launch"):
+            step = self.runner.launch(scheduled) if scheduled else None
+        finished: list[Sequence] = []
+        if self._pending is not None:
+            with record_function("rlrepro.resolve"):
+                finished = sch.resolve(self._pending[0], self._pending[1].result())
+        self._pending = (sch.launched(scheduled), step) if step is not None else None
+        return finished
 
     def _validate(self, prompt_token_ids, sampling_params) -> tuple[list[list[int]], list[SamplingParams]]:
         if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Iterable):

@@ -80,3 +80,4 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length"
     seed: int  # the sampling seed actually used (given or derived)
     weight_version: int  # engine.weight_version when the request ran
+    request_id: int = -1  # the engine's index of the request (what add_request returned; generate's in order)
