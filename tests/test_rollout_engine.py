@@ -349,6 +349,9 @@ def test_add_request_errors_and_generate_while_requests_are_in_flight(model):
     rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=3))
     with pytest.raises(RuntimeError, match="call step"):
         engine.generate([[4, 5]], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="load_weights while requests are unfinished"):
+        engine.load_weights(model.named_parameters(), version=1)
+    assert engine.weight_version == 0
     outs = []
     while engine.has_unfinished():
         outs += engine.step()

@@ -300,6 +300,10 @@ class Engine:
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"load_weights version must be an integer, got {version!r}")
+        if self.has_unfinished():
+            raise RuntimeError("load_weights while requests are unfinished: their tokens so far (and their K/V) "
+                               "come from the old weights, so their logprobs would match neither policy; call "
+                               "step() until has_unfinished() is False first")
         params = dict(self.model.named_parameters())
         tied = getattr(self.config, "tie_word_embeddings", False)
         for name, tensor in named_tensors:
