@@ -382,3 +382,45 @@ def test_error_in_step_aborts_the_added_requests_and_leaves_the_engine_usable(mo
     assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == 64
     assert engine.step() == []
     assert key(engine.generate([[1, 2, 3], [4, 5]], p)) == good
+
+
+def test_abort_stops_one_request_and_changes_no_other(model):
+    """abort(): the request comes back from the next step() with finish_reason "abort" and a prefix of the tokens
+    generate() gives it (waiting: none; running: those it had, plus one in flight); the others are unchanged, the
+    KV blocks all free at the end."""
+    prompts = PROMPTS[:5]
+    params = [SamplingParams(temperature=1.0, max_tokens=16, seed=40 + i) for i in range(5)]
+    want = Engine(model, block_size=4, num_kv_blocks=64, max_num_seqs=2).generate(prompts, params)
+    engine = Engine(model, block_size=4, num_kv_blocks=64, max_num_seqs=2)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    got = {}
+    for n in range(400):
+        if n == 3:
+            engine.abort(ids[0])  # running, a token in flight
+            engine.abort(ids[4])  # still waiting (max_num_seqs=2)
+            engine.abort(ids[4])  # a second abort is a no-op
+        for out in engine.step():
+            got[out.request_id] = out
+        if not engine.has_unfinished():
+            break
+    assert sorted(got) == ids and engine.block_manager.num_free_blocks == 64
+    assert got[ids[0]].finish_reason == "abort" and 0 < len(got[ids[0]].token_ids) < len(want[0].token_ids)
+    assert got[ids[0]].token_ids == want[0].token_ids[:len(got[ids[0]].token_ids)]
+    assert got[ids[0]].logprobs == want[0].logprobs[:len(got[ids[0]].token_ids)]
+    assert got[ids[4]].finish_reason == "abort" and got[ids[4]].token_ids == []
+    for i in (1, 2, 3):
+        assert key([got[ids[i]]]) == key([want[i]])
+    with pytest.raises(ValueError, match="not an unfinished request"):
+        engine.abort(ids[1])
+    with pytest.raises(ValueError, match="not an unfinished request"):
+        engine.abort(12345)
+
+
+def test_abort_the_only_request_before_it_runs(model):
+    engine = Engine(model, block_size=4, num_kv_blocks=64)
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    engine.abort(rid)
+    assert engine.has_unfinished()  # its output is still to be returned
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason, o.token_ids) for o in outs] == [(rid, "abort", [])]
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == 64

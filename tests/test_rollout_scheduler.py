@@ -244,3 +244,69 @@ def test_no_progress_is_an_error_not_a_hang():
     sch.add(Sequence(0, list(range(20)), SamplingParams(max_tokens=2), seed=0))  # needs 5 blocks of 2
     with pytest.raises(RuntimeError, match="no progress"):
         sch.schedule()
+
+
+def run_with_aborts(requests, aborts, *, num_blocks, block_size, max_num_seqs, budget, overlap):
+    """``run`` with ``aborts`` = {step index: [request indexes]} aborted before that step (as ``Engine.abort``
+    between steps); returns each request's (tokens, logprobs, finish reason)."""
+    bm = BlockManager(num_blocks, block_size, True)
+    sch = Scheduler(bm, max_num_seqs, budget, 10_000)
+    runner = FakeRunner(num_blocks, block_size)
+    seqs = [Sequence(i, prompt, params, seed=len(prompt)) for i, (prompt, params) in enumerate(requests)]
+    for s in seqs:
+        sch.add(s)
+    pending, step = None, 0
+    while sch.has_unfinished() or pending is not None:
+        for i in aborts.get(step, []):
+            if not seqs[i].is_finished and not seqs[i].abort_requested:
+                sch.abort(seqs[i])
+        scheduled = sch.schedule()
+        assert not any(x.seq.abort_requested for x in scheduled), "an aborted sequence was scheduled"
+        if not overlap:
+            sch.update(scheduled, runner.execute(scheduled))
+        else:
+            out = runner.launch(scheduled) if scheduled else None
+            if pending is not None:
+                sch.resolve(*pending)
+            pending = (sch.launched(scheduled), out) if scheduled else None
+        bm.check_consistency()
+        step += 1
+        assert step < 10_000
+    assert sch.num_pending == 0 and bm.num_free_blocks == num_blocks
+    return [(s.output_token_ids, s.output_logprobs, s.finish_reason) for s in seqs]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 8), max_num_seqs=st.integers(1, 4), budget=st.integers(1, 16),
+       extra_blocks=st.integers(0, 8), overlap=st.booleans())
+def test_abort_ends_a_request_with_a_prefix_of_its_output_and_changes_no_other(seed, n, max_num_seqs, budget,
+                                                                              extra_blocks, overlap):
+    """Aborts at random steps (waiting, running, preempted, with a token in flight): an aborted request ends with
+    reason "abort" and a prefix of its output alone, or finished before the abort took effect; every other request
+    gives its output alone; every block is free at the end."""
+    rng = random.Random(seed)
+    reqs = make_requests(rng, n, shared_prefix_len=6)
+    need = max(-(-(len(p) + sp.max_tokens - 1) // 4) for p, sp in reqs)
+    aborts: dict[int, list[int]] = {}
+    chosen = rng.sample(range(n), rng.randint(0, n))
+    for i in chosen:
+        aborts.setdefault(rng.randint(0, 12), []).append(i)
+    got = run_with_aborts(reqs, aborts, num_blocks=need + extra_blocks, block_size=4, max_num_seqs=max_num_seqs,
+                          budget=budget, overlap=overlap)
+    want = alone(reqs)
+    for i, ((tokens, lps, reason), (w_tokens, w_lps, w_reason)) in enumerate(zip(got, want)):
+        if i in chosen and reason == "abort":
+            assert tokens == w_tokens[:len(tokens)] and lps == w_lps[:len(tokens)]
+        else:
+            assert (tokens, lps, reason) == (w_tokens, w_lps, w_reason)
+
+
+def test_abort_of_a_finished_sequence_is_an_error():
+    bm = BlockManager(20, 4)
+    sch = Scheduler(bm, 4, 100, 100)
+    seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=1), seed=0)
+    sch.add(seq)
+    sch.update(sch.schedule(), [(5, -1.0)])
+    assert seq.finish_reason == "length"
+    with pytest.raises(ValueError, match="already finished"):
+        sch.abort(seq)

@@ -121,6 +121,7 @@ class Engine:
         self.num_requests = 0  # requests accepted so far: the index that derives an unseeded request's seed
         self._pending = None  # (rows, StepOutput) of the step in flight
         self._added: dict[int, Sequence] = {}  # requests from add_request() not yet returned by step()
+        self._aborted: list[Sequence] = []  # finished by abort() between steps, returned by the next step()
 
     def _num_blocks(self, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None) -> int:
         if num_kv_blocks is not None:
@@ -192,12 +193,27 @@ class Engine:
         except BaseException:
             self._abort_all()
             raise
+        finished += self._aborted
+        self._aborted = []
         done = [self._added.pop(s.seq_id) for s in sorted(finished, key=lambda s: s.seq_id) if s.seq_id in self._added]
         return [self._output(s) for s in done]
 
+    def abort(self, request_id: int) -> None:
+        """Stop a request from :meth:`add_request`: it is scheduled no more and the next :meth:`step` returns it
+        with ``finish_reason="abort"`` and the tokens it had (plus one still in flight, if any). The other
+        requests' outputs do not change (nothing a request gets depends on its batch)."""
+        seq = self._added.get(request_id)
+        if seq is None:
+            raise ValueError(f"abort: {request_id!r} is not an unfinished request from add_request() (finished "
+                             "requests were returned by step())")
+        if seq.abort_requested or seq.is_finished:
+            return  # aborted already, or finished: step() returns it
+        if self.scheduler.abort(seq):
+            self._aborted.append(seq)
+
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting, running, or has a step in flight."""
-        return self.scheduler.has_unfinished() or self._pending is not None
+        """Whether any request is waiting, running, has a step in flight, or was aborted and not yet returned."""
+        return self.scheduler.has_unfinished() or self._pending is not None or bool(self._aborted)
 
     def _new_sequence(self, prompt: list[int], params: SamplingParams) -> Sequence:
         index = self.num_requests
@@ -214,6 +230,7 @@ class Engine:
         """After an exception (or interrupt) mid-step: drop the step in flight and free every request."""
         self._pending = None
         self._added.clear()
+        self._aborted = []
         if self.scheduler.has_unfinished():
             self.scheduler.abort_all()
 

@@ -89,6 +89,27 @@ class Scheduler:
         self.running, self.waiting, self.draining = [], [], []
         self.num_pending = 0
 
+    def abort(self, seq: Sequence) -> bool:
+        """Finish one unfinished sequence with reason ``"abort"``, keeping the tokens it has. Returns True if it is
+        finished now (its blocks freed); False if a token of it is still in flight: it is then never scheduled
+        again and finishes (reason ``"abort"``, that token kept) when ``resolve`` reads the token back."""
+        if seq.status is SequenceStatus.FINISHED:
+            raise ValueError(f"sequence {seq.seq_id} has already finished ({seq.finish_reason})")
+        if seq.pending_row is not None:
+            seq.abort_requested = True
+            if seq in self.running:  # holds its blocks until the token is read back; never scheduled again
+                self.running.remove(seq)
+                self.draining.append(seq)
+            return False  # (a preempted one stays in `waiting`: schedule() skips it while its token is pending)
+        if seq in self.waiting:  # holds no blocks
+            self.waiting.remove(seq)
+        else:
+            (self.draining if seq in self.draining else self.running).remove(seq)
+            self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
         self.running.remove(seq)
@@ -190,7 +211,7 @@ class Scheduler:
                 continue
             seq.resolve_placeholder(token, logprob)
             self.num_pending -= 1
-            reason = self.finish_reason(seq, token)
+            reason = "abort" if seq.abort_requested else self.finish_reason(seq, token)
             if reason is None:
                 if seq in self.draining:
                     raise RuntimeError(f"scheduler bug: draining sequence {seq.seq_id} did not finish")

@@ -41,6 +41,7 @@ class Sequence:
         # sequence carries PLACEHOLDER as its last token and this is its row in that step's sampled output (the
         # runner feeds the real token from the device). None when every token is known.
         self.pending_row: int | None = None
+        self.abort_requested = False  # Scheduler.abort while a token was in flight: finish when it is read back
 
     def __len__(self) -> int:
         return len(self.token_ids)
