@@ -60,19 +60,28 @@ class FakeRunner:
 
 
 def run(requests, *, num_blocks=200, block_size=4, max_num_seqs=64, budget=10_000, prefix=True,
-        max_model_len=10_000, eos=(), check=None, overlap=False, stats=None):
+        max_model_len=10_000, eos=(), check=None, overlap=False, stats=None, aborts=None):
     """Drive the scheduler to the end. ``overlap``: as the engine does, launch step t+1 before resolving step t
     (``launched`` then ``resolve`` one step late) instead of ``update`` after each step. ``stats["late_rows"]``
-    counts sampled rows discarded because their sequence had stopped by the time the step was recorded."""
+    counts sampled rows discarded because their sequence had stopped by the time the step was recorded.
+    ``aborts`` = {step index: [request indexes]}: ``Scheduler.abort`` before that step (as ``Engine.abort``
+    between steps), for requests not finished or aborted by then."""
     bm = BlockManager(num_blocks, block_size, prefix)
     sch = Scheduler(bm, max_num_seqs, budget, max_model_len, eos)
     runner = FakeRunner(num_blocks, block_size)
     seqs = [Sequence(i, prompt, params, seed=len(prompt)) for i, (prompt, params) in enumerate(requests)]
     for s in seqs:
         sch.add(s)
-    pending = None
+    pending, step = None, 0
     while sch.has_unfinished() or pending is not None:
+        for i in (aborts or {}).get(step, []):
+            if not seqs[i].is_finished and not seqs[i].abort_requested:
+                sch.abort(seqs[i])
+        step += 1
+        if not (sch.has_unfinished() or pending is not None):
+            break  # the aborts ended the last requests
         scheduled = sch.schedule()
+        assert not any(x.seq.abort_requested for x in scheduled), "an aborted sequence was scheduled"
         assert sum(x.num_new_tokens for x in scheduled) <= budget
         assert scheduled or (overlap and pending), "an empty step without a step in flight"
         assert len(sch.running) <= max_num_seqs
@@ -246,36 +255,6 @@ def test_no_progress_is_an_error_not_a_hang():
         sch.schedule()
 
 
-def run_with_aborts(requests, aborts, *, num_blocks, block_size, max_num_seqs, budget, overlap):
-    """``run`` with ``aborts`` = {step index: [request indexes]} aborted before that step (as ``Engine.abort``
-    between steps); returns each request's (tokens, logprobs, finish reason)."""
-    bm = BlockManager(num_blocks, block_size, True)
-    sch = Scheduler(bm, max_num_seqs, budget, 10_000)
-    runner = FakeRunner(num_blocks, block_size)
-    seqs = [Sequence(i, prompt, params, seed=len(prompt)) for i, (prompt, params) in enumerate(requests)]
-    for s in seqs:
-        sch.add(s)
-    pending, step = None, 0
-    while sch.has_unfinished() or pending is not None:
-        for i in aborts.get(step, []):
-            if not seqs[i].is_finished and not seqs[i].abort_requested:
-                sch.abort(seqs[i])
-        scheduled = sch.schedule()
-        assert not any(x.seq.abort_requested for x in scheduled), "an aborted sequence was scheduled"
-        if not overlap:
-            sch.update(scheduled, runner.execute(scheduled))
-        else:
-            out = runner.launch(scheduled) if scheduled else None
-            if pending is not None:
-                sch.resolve(*pending)
-            pending = (sch.launched(scheduled), out) if scheduled else None
-        bm.check_consistency()
-        step += 1
-        assert step < 10_000
-    assert sch.num_pending == 0 and bm.num_free_blocks == num_blocks
-    return [(s.output_token_ids, s.output_logprobs, s.finish_reason) for s in seqs]
-
-
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 8), max_num_seqs=st.integers(1, 4), budget=st.integers(1, 16),
        extra_blocks=st.integers(0, 8), overlap=st.booleans())
@@ -291,8 +270,8 @@ def test_abort_ends_a_request_with_a_prefix_of_its_output_and_changes_no_other(s
     chosen = rng.sample(range(n), rng.randint(0, n))
     for i in chosen:
         aborts.setdefault(rng.randint(0, 12), []).append(i)
-    got = run_with_aborts(reqs, aborts, num_blocks=need + extra_blocks, block_size=4, max_num_seqs=max_num_seqs,
-                          budget=budget, overlap=overlap)
+    got, _ = run(reqs, num_blocks=need + extra_blocks, block_size=4, max_num_seqs=max_num_seqs, budget=budget,
+                 overlap=overlap, prefix=True, aborts=aborts)
     want = alone(reqs)
     for i, ((tokens, lps, reason), (w_tokens, w_lps, w_reason)) in enumerate(zip(got, want)):
         if i in chosen and reason == "abort":
