@@ -15,6 +15,7 @@ from rlrepro.data import (
     extract_last_boxed,
     load_reward_fn,
     math_reward,
+    overlong_penalty,
     prefix_match_reward,
 )
 
@@ -224,3 +225,30 @@ def test_importing_the_data_package_does_not_import_ray():
             " 'rlrepro.repro', 'rlrepro.cli') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_overlong_penalty_by_hand():
+    """DAPO eq. 13 with L_max = 100, L_cache = 20: 0 up to 80 tokens, then linear to -factor at 100."""
+    assert [overlong_penalty(n, 100, 20) for n in (0, 50, 80)] == [0.0, 0.0, 0.0]
+    assert overlong_penalty(81, 100, 20) == -0.05
+    assert overlong_penalty(90, 100, 20) == -0.5
+    assert overlong_penalty(100, 100, 20) == -1.0
+    assert overlong_penalty(90, 100, 20, factor=0.5) == -0.25
+    assert overlong_penalty(100, 100, 0) == 0.0  # buffer 0: off
+    for args, needle in [((-1, 100, 20), "length must be an int"), ((10, 100, 100), "buffer=100 must lie"),
+                         ((10, 100, -1), "buffer=-1 must lie"), ((True, 100, 20), "length must be an int")]:
+        with pytest.raises(ValueError, match=needle):
+            overlong_penalty(*args)
+
+
+def test_driver_shaping_adds_the_penalty_only_when_configured():
+    from omegaconf import OmegaConf
+
+    from rlrepro.orchestration.driver import shaped_penalties
+
+    cfg = OmegaConf.create({"reward": {"overlong_buffer": 0, "overlong_penalty_factor": 1.0},
+                            "rollout": {"max_tokens": 16}})
+    assert shaped_penalties([3, 16], cfg) is None
+    cfg.reward.overlong_buffer = 4
+    cfg.reward.overlong_penalty_factor = 2.0
+    assert shaped_penalties([3, 12, 14, 16], cfg) == [0.0, 0.0, -1.0, -2.0]

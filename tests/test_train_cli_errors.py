@@ -35,6 +35,8 @@ def test_unknown_key_names_close_keys(capsys):
     ("train.warmup_steps=500", "train.warmup_steps=500"),
     ("train.logits_chunk_size=-8", "train.logits_chunk_size"),
     ("train.dual_clip=0.5", "train.dual_clip=0.5"),
+    ("reward.overlong_buffer=12", "reward.overlong_buffer=12"),
+    ("reward.overlong_penalty_factor=-1", "reward.overlong_penalty_factor"),
     ("train.entropy_coef=-1", "train.entropy_coef"),
     ("rollout.weight_sync=nccl", "rollout.weight_sync"),
     ("rollout.weight_sync=cuda_ipc", "run.device=cpu"),

@@ -186,3 +186,17 @@ def test_megatron_tensor_parallel_runs_are_identical_and_on_policy(tmp_path, cap
     assert main(["diff", str(tmp_path / "m1"), str(tmp_path / "p1"), "--bisect", "--json"]) == 1
     found = json.loads(capsys.readouterr().out)["bisect"]
     assert found["kind"] == "activation" and found["where"].startswith("model.layers.0."), found
+
+
+def test_overlong_reward_shaping_enters_the_rewards(runs, tmp_path):
+    """reward.overlong_buffer (DAPO's soft overlong punishment): step 1's rollouts are those of run "a" (the same
+    weights), and its rewards are a's plus the length penalties, which completions of 2 or more tokens pay with a
+    buffer of 5 of the 6 tokens."""
+    run_dir = tmp_path / "overlong"
+    _train(run_dir, "train.steps=1", "reward.overlong_buffer=5", "reward.overlong_penalty_factor=0.5")
+    shaped, plain = _metrics(run_dir)[0], _metrics(runs / "a")[0]
+    assert shaped["rollout/response_length_mean"] == plain["rollout/response_length_mean"]
+    assert shaped["rollout/overlong_penalty_mean"] < 0
+    assert "rollout/overlong_penalty_mean" not in plain
+    assert shaped["rollout/reward_mean"] == pytest.approx(plain["rollout/reward_mean"]
+                                                          + shaped["rollout/overlong_penalty_mean"], abs=1e-12)

@@ -22,6 +22,7 @@ from .rewards import (
     extract_last_boxed,
     load_reward_fn,
     math_reward,
+    overlong_penalty,
     prefix_match_reward,
 )
 from .synthetic import SYNTHETIC_CHARSET, SYNTHETIC_KINDS, make_synthetic_records
@@ -34,5 +35,5 @@ __all__ = [
     "EpochOrder",
     "make_synthetic_records", "SYNTHETIC_KINDS", "SYNTHETIC_CHARSET",
     "RewardFn", "RewardError", "exact_match_reward", "prefix_match_reward", "math_reward", "MathReward",
-    "extract_last_boxed", "load_reward_fn", "compute_rewards", "BUILTIN_REWARDS",
+    "extract_last_boxed", "load_reward_fn", "compute_rewards", "BUILTIN_REWARDS", "overlong_penalty",
 ]

@@ -30,7 +30,7 @@ from .records import PromptRecord
 
 __all__ = [
     "RewardFn", "RewardError", "exact_match_reward", "prefix_match_reward", "math_reward", "MathReward",
-    "extract_last_boxed", "hash_reward", "load_reward_fn", "compute_rewards", "BUILTIN_REWARDS",
+    "extract_last_boxed", "hash_reward", "load_reward_fn", "compute_rewards", "BUILTIN_REWARDS", "overlong_penalty",
 ]
 
 logger = logging.getLogger(__name__)
@@ -407,3 +407,20 @@ def compute_rewards(fn: RewardFn, completions: Sequence[str], records: Sequence[
             continue
         rewards.append(float(value) + 0.0)  # + 0.0 turns -0.0 into 0.0, so digests of equal rewards agree
     return rewards, num_errors
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", §3.4, eq. 13), added to a completion's reward:
+    0 up to ``max_tokens - buffer`` tokens, then falling linearly to ``-factor`` at ``max_tokens`` (a completion
+    cut by the length limit gets the whole ``-factor``). ``buffer=0`` disables it. Pure Python float arithmetic
+    on integers: the same value in every run."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ValueError(f"overlong_penalty: length must be an int >= 0, got {length!r}")
+    if not 0 <= buffer < max_tokens:
+        raise ValueError(f"overlong_penalty: buffer={buffer} must lie in [0, max_tokens={max_tokens})")
+    if buffer == 0:
+        return 0.0
+    start = max_tokens - buffer
+    if length <= start:
+        return 0.0
+    return -factor * (min(length, max_tokens) - start) / buffer + 0.0

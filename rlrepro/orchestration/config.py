@@ -68,6 +68,10 @@ class DataConfig:
 class RewardConfig:
     fn: str = "exact_match"  # exact_match | prefix_match | math | package.module:function
     on_error: str = "raise"  # raise | zero
+    # DAPO's soft overlong punishment (rlrepro.data.overlong_penalty): the last overlong_buffer tokens before
+    # rollout.max_tokens cost up to overlong_penalty_factor of reward, linearly; 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
 
 
 @dataclass
@@ -216,7 +220,8 @@ _POSITIVE = ["rollout.num_workers", "rollout.prompts_per_step", "rollout.group_s
 _NON_NEGATIVE = ["rollout.temperature", "train.lr", "train.warmup_steps", "train.weight_decay", "train.kl_coef",
                  "train.clip_low", "train.clip_high", "checkpoint.every", "warm_start.steps", "train.max_grad_norm",
                  "rollout.max_restarts", "logger.num_table_samples", "train.adam_eps", "warm_start.lr",
-                 "train.logits_chunk_size", "train.dual_clip", "train.entropy_coef"]
+                 "train.logits_chunk_size", "train.dual_clip", "train.entropy_coef", "reward.overlong_buffer",
+                 "reward.overlong_penalty_factor"]
 _POSITIVE_OR_NONE = ["rollout.num_kv_blocks", "rollout.max_model_len", "data.limit", "ray.num_cpus"]
 # (key, low, high, low inclusive, high inclusive)
 _RANGES = [("train.min_lr_ratio", 0, 1, True, True), ("train.adam_beta1", 0, 1, True, False),
@@ -266,6 +271,10 @@ def validate(cfg: Any) -> None:
                           "generated one), or null for the model's max_position_embeddings")
     if cfg.train.lr == 0:
         raise ConfigError("train.lr=0 would never change the weights; give a learning rate > 0 (e.g. train.lr=1e-6)")
+    if cfg.reward.overlong_buffer >= cfg.rollout.max_tokens:
+        raise ConfigError(f"reward.overlong_buffer={cfg.reward.overlong_buffer} must be below rollout.max_tokens="
+                          f"{cfg.rollout.max_tokens} (the penalty ramps over the last overlong_buffer tokens; DAPO "
+                          "uses a quarter of the length limit)")
     if cfg.train.dual_clip and not cfg.train.dual_clip > 1:
         raise ConfigError(f"train.dual_clip={cfg.train.dual_clip!r} must be 0 (off) or > 1 (the surrogate's bound "
                           "-A * dual_clip for negative advantages; verl uses 3)")

@@ -106,6 +106,17 @@ def load_prompts(cfg: DictConfig, run_dir: Path, tokenizer) -> tuple[list[Prompt
     return prompts, stats
 
 
+def shaped_penalties(lengths: list[int], cfg: DictConfig) -> list[float] | None:
+    """The per-sample reward shaping of ``cfg.reward`` (DAPO's overlong punishment over completion ``lengths``,
+    in tokens), or None when it is off."""
+    from rlrepro.data import overlong_penalty
+
+    buffer = cfg.reward.overlong_buffer
+    if not buffer:
+        return None
+    return [overlong_penalty(n, cfg.rollout.max_tokens, buffer, cfg.reward.overlong_penalty_factor) for n in lengths]
+
+
 class GRPODriver:
     def __init__(self, cfg: DictConfig, run_dir: str | Path | None = None) -> None:
         self.cfg = cfg
@@ -292,6 +303,9 @@ class GRPODriver:
         texts = [self.tokenizer.decode(res["token_ids"]) for res in results]
         records = [by_uid[res["key"][0]].record for res in results]
         rewards, num_reward_errors = compute_rewards(self.reward_fn, texts, records, policy=cfg.reward.on_error)
+        penalties = shaped_penalties([len(res["token_ids"]) for res in results], cfg)
+        if penalties is not None:  # DAPO's soft overlong punishment: part of the reward the advantages see
+            rewards = [r + p for r, p in zip(rewards, penalties)]
         t2 = time.perf_counter()
         g = cfg.rollout.group_size
         reward_t = torch.tensor(rewards, dtype=torch.float32).view(-1, g)
@@ -325,6 +339,8 @@ class GRPODriver:
             "rollout/reward_errors": num_reward_errors,
             "rollout/num_samples": len(samples),
         }
+        if penalties is not None:
+            metrics["rollout/overlong_penalty_mean"] = sum(penalties) / len(penalties)
         metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
         metrics.update({
             "repro/weights_digest": weights_digest[:16],
