@@ -125,7 +125,7 @@ def test_gpu_batched_keep_masks_equal_one_row_masks():
     from _sampler_reference import one_row_reference_mask
     from rlrepro.rollout.sampler import keep_mask, keep_masks
     gen = torch.Generator(device="cuda").manual_seed(3)
-    v, rows = 151936, 100  # two batched sorts of CUDA_FILTER_ROWS = 64 and 36 rows
+    v, rows = 151936, 100  # two batched sorts of FILTER_ROWS = 64 and 36 rows
     ks = [[-1, 50, 1, 1000][i % 4] for i in range(rows)]
     ps = [[0.9, 1.0, 0.95, 0.5, 0.123456789][i % 5] for i in range(rows)]
     for decimals in (None, 2):

@@ -24,9 +24,10 @@ value is tied with later ones). top-p then gives each top-k survivor ``j`` (in s
 ``M_before_j / M_total < top_p`` in float64, ``M`` being integer sums (the first token is always kept). Integer
 sums are exact in any order, so no reduction order enters the mask. (A float32 softmax + cumsum, the rule
 before 2026-11-30, gave a row another mask alone than among 64 rows on the H200: near the ``top_p`` boundary one
-rounding flips a token.) On CUDA the filtered rows of a step go through one sort (``keep_masks``); on CPU one row
-at a time, as the CPU's elementwise ``exp`` rounds its SIMD body and its scalar tail differently and where the
-tail falls follows the tensor's size. Tests: batched masks == one-row masks (``torch.equal``, CPU and CUDA).
+rounding flips a token.) The filtered rows of a step are sorted together, ``FILTER_ROWS`` at a time
+(``keep_masks``): the sort is a permutation and ``exp`` elementwise, so a row's mask does not depend on the other
+rows. Tests: batched masks == one-row masks == the rule written out with Python integers (``torch.equal``, CPU
+and CUDA).
 
 On CUDA the noise, the sum and the argmax run as one fused Triton kernel (``sampler_triton``) that repeats
 this arithmetic operation for operation; it returns the same tokens as the eager path (tested on the GPU).
@@ -111,27 +112,23 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
 
 MASS_BITS = 32  # top-p's fixed-point unit: a token's mass is floor(exp(x - max) * 2**MASS_BITS), an integer
 MAX_FILTER_VOCAB = 2 ** (53 - MASS_BITS)  # the mass totals stay exact in float64
-CUDA_FILTER_ROWS = 64  # rows per batched sort on CUDA
+FILTER_ROWS = 64  # rows per batched sort (bounds the int64/float64 temporaries to ~1.5 GB at 151,936 columns)
 
 
 def keep_masks(scaled: torch.Tensor, top_k: Seq[int], top_p: Seq[float]) -> torch.Tensor:
     """bool [R, V]: the tokens top-k / top-p keep, row ``i`` of ``logits / T`` with ``top_k[i]``, ``top_p[i]``
-    (see the module docstring; ``top_k <= 0`` and ``top_p >= 1`` disable a filter).
-
-    On CUDA up to ``CUDA_FILTER_ROWS`` rows go through one sort (bounding the int64/float64 temporaries to ~1.5 GB
-    at 151,936 columns); on CPU one row at a time, because the CPU's elementwise ``exp`` takes a SIMD path and a
-    scalar path whose split follows the tensor's size (module docstring). Each row's mask is exact either way."""
+    (see the module docstring; ``top_k <= 0`` and ``top_p >= 1`` disable a filter). Rows go through one sort
+    ``FILTER_ROWS`` at a time; each row's mask is the same in any grouping."""
     r, v = scaled.shape
     if len(top_k) != r or len(top_p) != r:
         raise ValueError(f"keep_masks: {r} rows but {len(top_k)} top_k and {len(top_p)} top_p values")
     if v > MAX_FILTER_VOCAB:
         raise ValueError(f"keep_masks: a vocabulary of {v} tokens; top-p's integer masses are exact in float64 up "
                          f"to {MAX_FILTER_VOCAB} (V * 2**{MASS_BITS} < 2**53)")
-    step = CUDA_FILTER_ROWS if scaled.is_cuda else 1
-    if r <= step:
+    if r <= FILTER_ROWS:
         return _keep_masks(scaled, top_k, top_p)
-    return torch.cat([_keep_masks(scaled[i:i + step], top_k[i:i + step], top_p[i:i + step])
-                      for i in range(0, r, step)])
+    return torch.cat([_keep_masks(scaled[i:i + FILTER_ROWS], top_k[i:i + FILTER_ROWS], top_p[i:i + FILTER_ROWS])
+                      for i in range(0, r, FILTER_ROWS)])
 
 
 def _keep_masks(scaled: torch.Tensor, top_k: Seq[int], top_p: Seq[float]) -> torch.Tensor:
