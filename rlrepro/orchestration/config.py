@@ -110,8 +110,8 @@ class TrainConfig:
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
-    # logits rows per float32 log-softmax chunk in the loss (0 = the whole micro-batch): less memory, the same bits
-    # on CUDA (rlrepro.trainer.logprobs.logprobs_and_entropy)
+    # logits rows per float32 log-softmax chunk in the loss (0 = the whole micro-batch): less memory, the same
+    # logprobs and gradients (rlrepro.trainer.logprobs.logprobs_and_entropy; the entropy metric to rounding on CUDA)
     logits_chunk_size: int = 0
     ppo_epochs: int = 1
     clip_low: float = 0.2

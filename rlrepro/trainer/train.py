@@ -44,8 +44,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
     max_grad_norm: float = 1.0  # <= 0: no clipping (the norm is still reported)
     micro_batch_size: int = 8  # samples per forward/backward
-    # logits rows per float32 log-softmax chunk (0: the whole micro-batch at once). Less memory, the same bits on
-    # CUDA (rlrepro.trainer.logprobs.logprobs_and_entropy); the logits themselves stay whole
+    # logits rows per float32 log-softmax chunk (0: the whole micro-batch at once). Less memory, the same logprobs
+    # and gradients (rlrepro.trainer.logprobs.logprobs_and_entropy); the logits themselves stay whole
     logits_chunk_size: int = 0
     ppo_epochs: int = 1  # optimizer steps per train step, each over the whole batch
     clip_low: float = 0.2
