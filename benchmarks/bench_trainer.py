@@ -30,7 +30,8 @@ The full 36-layer Qwen3-8B does not fit one H200 this way (bf16 weights + fp32 m
 ``--tensor-parallel N`` (N > 1) runs the megatron backend's trainer (``rlrepro.trainer.megatron``) over N processes
 (``torch.multiprocessing`` spawn): each initialises ``torch.distributed`` (NCCL with one GPU per rank on CUDA, gloo
 on CPU; 127.0.0.1 and a free port), then ``build_megatron_trainer(model_dir, ..., tensor_parallel=N, num_gpus=G)``
-(``--num-gpus G``, default N: data parallel G / N; ``--distributed-optimizer`` shards the optimizer state over it)
+(``--num-gpus G``, default N: data parallel G / N; ``--distributed-optimizer`` shards the optimizer state over it;
+``--grad-sync megatron`` takes megatron-core's DistributedDataParallel and optimizer instead of rlrepro's)
 (megatron-core's ``parallel_state`` when it is installed) loads its shards of a model directory. For the Qwen3-8B
 shape (and ``--tiny``) that directory is written once by the parent into a temporary directory and deleted at the
 end: ``scripts/make_qwen3_shape.py`` (config.json + tokenizer; ``--small-shape`` passes ``--small``), then seeded
@@ -187,6 +188,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="ranks of the megatron backend (default: --tensor-parallel): data parallel G / N")
     ap.add_argument("--distributed-optimizer", action="store_true",
                     help="with data parallel: shard the fp32 masters and AdamW state over the DP ranks (ZeRO-1)")
+    ap.add_argument("--grad-sync", choices=("ordered", "megatron"), default="ordered",
+                    help="megatron backend: rlrepro's order-fixed gradient sum + AdamW, or megatron-core's "
+                         "DistributedDataParallel + optimizer (--distributed-optimizer: its DistributedOptimizer)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="compute dtype of the policy (default: bfloat16 for the 8B shape, float32 for --tiny and "
@@ -219,6 +223,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.num_gpus = args.tensor_parallel
     if args.num_gpus < 1 or args.num_gpus % args.tensor_parallel:
         ap.error(f"--num-gpus {args.num_gpus} must be a positive multiple of --tensor-parallel {args.tensor_parallel}")
+    if args.grad_sync == "megatron" and args.num_gpus == 1:
+        ap.error("--grad-sync megatron runs the megatron backend over ranks: give --num-gpus (or --tensor-parallel)")
     if args.distributed_optimizer and args.num_gpus == args.tensor_parallel:
         ap.error("--distributed-optimizer needs data parallel: --num-gpus larger than --tensor-parallel")
     return args
@@ -481,19 +487,22 @@ def _rank_main(rank: int, args, model_dir: str, port: int, extra: dict) -> None:
         trainer = build_megatron_trainer(model_dir, train_config, tensor_parallel=tp, num_gpus=world,
                                          device="cuda" if cuda else "cpu", dtype=compute_dtype(args),
                                          use_megatron_parallel_state=use_megatron,
-                                         distributed_optimizer=args.distributed_optimizer)
+                                         distributed_optimizer=args.distributed_optimizer,
+                                         grad_sync=args.grad_sync)
         device = trainer.model.device
         load_s = time.perf_counter() - t0
         if rank == 0:
             print(f"# rank trainers built (megatron backend, TP={tp}, DP={world // tp}"
-                  f"{', ZeRO-1' if args.distributed_optimizer else ''}, parallel_state: "
+                  f"{', ZeRO-1' if args.distributed_optimizer else ''}, grad sync {args.grad_sync}, parallel_state: "
                   f"{'megatron-core ' + megatron_core_version() if use_megatron else 'torch.distributed groups'}) "
                   f"in {load_s:.1f} s", flush=True)
         extra = dict(extra, parallel_state="megatron-core" if use_megatron else "torch", build_trainer_s=load_s)
-        extra.update(data_parallel=world // tp, distributed_optimizer=args.distributed_optimizer)
+        extra.update(data_parallel=world // tp, distributed_optimizer=args.distributed_optimizer,
+                     grad_sync=args.grad_sync)
         benchmark(args, trainer, device, rank=rank, world=world,
                   header=f", tensor parallel {tp} x data parallel {world // tp}"
-                         f"{' (ZeRO-1)' if args.distributed_optimizer else ''} ({'NCCL' if cuda else 'gloo'})",
+                         f"{' (ZeRO-1)' if args.distributed_optimizer else ''}, grad sync {args.grad_sync} "
+                         f"({'NCCL' if cuda else 'gloo'})",
                   extra=extra)
     finally:
         if trainer is not None:

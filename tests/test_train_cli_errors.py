@@ -46,6 +46,9 @@ def test_unknown_key_names_close_keys(capsys):
     ("trainer.backend=megatron trainer.tensor_parallel=2 train.num_gpus=3", "not a multiple"),
     ("trainer.backend=megatron warm_start.steps=5", "warm_start.steps=5"),
     ("checkpoint.format=dist", "trainer.backend=megatron"),
+    ("trainer.grad_sync=nccl", "trainer.grad_sync"),
+    ("trainer.grad_sync=megatron", "needs trainer.backend=megatron"),
+    ("trainer.backend=megatron trainer.grad_sync=megatron checkpoint.format=dist", "checkpoint.format=full"),
     ("run.device=cuda rollout.weight_sync=collective", "duplicate GPU"),
 ])
 def test_bad_values_fail_before_work(tmp_path, override, needle, capsys):

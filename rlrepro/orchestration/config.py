@@ -141,6 +141,9 @@ class TrainerBackendConfig:
     train.num_gpus / tensor_parallel; docs/MEGATRON.md). The engine emulates the trainer's TP reduction."""
     backend: str = "default"
     tensor_parallel: int = 1
+    # megatron only: ordered (rlrepro's rank-order gradient sum and AdamW: the same bits as the default backend)
+    # | megatron (megatron-core's DistributedDataParallel and optimizer; NCCL's summation order; checkpoint.format=full)
+    grad_sync: str = "ordered"
 
 
 @dataclass
@@ -211,6 +214,7 @@ _CHOICES = {
     "train.on_nonfinite": ("error", "skip"),
     "rollout.weight_sync": ("auto", "object_store", "collective", "cuda_ipc"),
     "trainer.backend": ("default", "megatron"),
+    "trainer.grad_sync": ("ordered", "megatron"),
     "checkpoint.format": ("full", "dist"),
 }
 _POSITIVE = ["rollout.num_workers", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_tokens",
@@ -328,6 +332,12 @@ def _validate_trainer_layout(cfg: Any, model_config: Any = None) -> None:
         raise ConfigError("train.distributed_optimizer=true with trainer.backend=megatron needs checkpoint.format=full "
                           "(the sharded dist checkpoint does not split the optimizer state over the data-parallel "
                           "owners yet); set checkpoint.format=full or train.distributed_optimizer=false")
+    if cfg.trainer.grad_sync == "megatron" and cfg.trainer.backend != "megatron":
+        raise ConfigError("trainer.grad_sync=megatron (megatron-core's DistributedDataParallel and optimizer) needs "
+                          "trainer.backend=megatron; set trainer.backend=megatron or trainer.grad_sync=ordered")
+    if cfg.trainer.grad_sync == "megatron" and cfg.checkpoint.format == "dist":
+        raise ConfigError("trainer.grad_sync=megatron needs checkpoint.format=full (the dist format writes rlrepro's "
+                          "optimizer shards); set checkpoint.format=full or trainer.grad_sync=ordered")
     try:
         validate_megatron_config(cfg.trainer.backend, cfg.trainer.tensor_parallel, cfg.train.num_gpus,
                                  cfg.run.device, model_config)

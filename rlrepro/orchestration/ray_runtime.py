@@ -98,7 +98,7 @@ class Cluster:
         self.trainers = [trainer_cls.options(**trainer_options[g]).remote(
             model_dir, train_kwargs=train_kwargs, rank=g, world_size=nt, backend=cfg.trainer.backend,
             tensor_parallel=cfg.trainer.tensor_parallel, checkpoint_format=cfg.checkpoint.format,
-            distributed_optimizer=cfg.train.distributed_optimizer, **common,
+            distributed_optimizer=cfg.train.distributed_optimizer, grad_sync=cfg.trainer.grad_sync, **common,
             **extra) for g in range(nt)]
         self.trainer = self.trainers[0]  # rank 0: weights, digests and checkpoints come from it
         if nt > 1 or self.megatron:

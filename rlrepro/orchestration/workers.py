@@ -100,13 +100,14 @@ class TrainerWorker:
     def __init__(self, model_dir: str, *, device: str, dtype: str | None, deterministic: bool,
                  train_kwargs: dict, torch_threads: int = 1, rank: int = 0, world_size: int = 1,
                  backend: str = "default", tensor_parallel: int = 1, checkpoint_format: str = "full",
-                 distributed_optimizer: bool = False) -> None:
+                 distributed_optimizer: bool = False, grad_sync: str = "ordered") -> None:
         _setup_process(device, torch_threads)
         # shard the optimizer state over the data-parallel ranks (train.num_gpus > 1; a no-op with one rank)
         self.distributed_optimizer = distributed_optimizer
         self.device, self.rank, self.world_size = device, rank, world_size
         self.model_dir, self.dtype_name = model_dir, dtype
         self.backend, self.tensor_parallel, self.checkpoint_format = backend, tensor_parallel, checkpoint_format
+        self.grad_sync = grad_sync
         self.data_parallel = None
         self._sync = self._rendezvous = None
         self._full_weights: list | None = None  # megatron: the gathered weights of the current step (rank 0)
@@ -162,7 +163,8 @@ class TrainerWorker:
                                                   tensor_parallel=self.tensor_parallel, num_gpus=self.world_size,
                                                   device=self.device, dtype=_dtype(self.dtype_name),
                                                   checkpoint_format=self.checkpoint_format,
-                                                  distributed_optimizer=self.distributed_optimizer)
+                                                  distributed_optimizer=self.distributed_optimizer,
+                                                  grad_sync=self.grad_sync)
             self.model = self.trainer.model
             self._gather_weights()
             return self.rank

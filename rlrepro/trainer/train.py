@@ -184,10 +184,7 @@ class Trainer:
         optim_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
                             master_init=master_init)
         self.distributed_optimizer = bool(distributed_optimizer) and data_parallel is not None
-        if self.distributed_optimizer:
-            self.optimizer = ShardedMasterWeightAdamW(model.named_parameters(), data_parallel, **optim_kwargs)
-        else:
-            self.optimizer = MasterWeightAdamW(model.named_parameters(), **optim_kwargs)
+        self.optimizer = self._make_optimizer(model, **optim_kwargs)
         self.scheduler = WarmupCosineLR(self.optimizer, base_lr=config.lr, warmup_steps=config.warmup_steps,
                                         total_steps=config.total_steps, min_lr_ratio=config.min_lr_ratio)
 
@@ -246,13 +243,20 @@ class Trainer:
         self.model.load_state_dict(model_state, strict=True)
         self.optimizer.load_local_state_dict(optim_state)
 
-    # --- hooks of the train step (a sharded trainer overrides them; rlrepro.trainer.megatron) ------------------
+    # --- hooks (a sharded trainer overrides them; rlrepro.trainer.megatron) ------------------------------------
+    def _make_optimizer(self, model, **optim_kwargs):
+        """The optimizer over ``model``'s parameters (called once, after the cast to ``param_dtype``)."""
+        if self.distributed_optimizer:
+            return ShardedMasterWeightAdamW(model.named_parameters(), self.data_parallel, **optim_kwargs)
+        return MasterWeightAdamW(model.named_parameters(), **optim_kwargs)
+
     @torch.no_grad()
-    def _reduce_grads(self, grads: list[torch.Tensor]) -> None:
-        """Turn this rank's accumulated float32 grads (name order) into the step's grads, in place: with data
-        parallel, the order-fixed sum over the replicas."""
+    def _reduce_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Turn this rank's accumulated float32 grads (name order) into the step's grads and return the tensors
+        that clipping scales: with data parallel, the order-fixed sum over the replicas, in place."""
         if self.data_parallel is not None:
             self.data_parallel.sum_tensors_(grads)
+        return grads
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The global grad norm (float64 0-d tensor) that clipping uses and ``train/grad_norm`` reports."""
@@ -334,8 +338,7 @@ class Trainer:
                     max_diff = dp.max_float(max_diff)
                 current_all.clear()
                 rollout_all.clear()
-            grads = self.optimizer.grads()
-            self._reduce_grads(grads)
+            grads = self._reduce_grads(self.optimizer.grads())
             if dp is not None:
                 loss_sum, *sums = dp.sum_floats([loss_sum, *sums])
             norm = clip_grad_norm_(grads, cfg.max_grad_norm, norm=self._grad_norm(grads))

@@ -9,27 +9,30 @@ from .model import TPQwen3ForCausalLM, gather_param, shard_spec, shard_tensor
 from .parallel import ParallelGroups, destroy_parallel, init_parallel, single_process_groups
 from .dist_checkpoint import dist_to_full, dist_to_hf, hf_to_dist, is_dist_checkpoint
 from .trainer import CHECKPOINT_FORMATS, MegatronTrainer
+from .mcore import GRAD_SYNCS, MegatronCoreOptimizer
 
 __all__ = ["BACKENDS", "MegatronLayout", "validate_megatron_config", "megatron_core_version", "require_megatron_core",
            "TPQwen3ForCausalLM", "shard_spec", "shard_tensor", "gather_param", "ParallelGroups", "init_parallel",
            "destroy_parallel", "single_process_groups", "MegatronTrainer", "build_megatron_trainer",
-           "CHECKPOINT_FORMATS", "dist_to_full", "dist_to_hf", "hf_to_dist", "is_dist_checkpoint"]
+           "CHECKPOINT_FORMATS", "GRAD_SYNCS", "MegatronCoreOptimizer", "dist_to_full", "dist_to_hf", "hf_to_dist", "is_dist_checkpoint"]
 
 
 def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int, num_gpus: int, device: str = "cpu",
                            dtype=None, param_dtype=None, use_megatron_parallel_state: bool | None = None,
                            with_ref_model: bool | None = None, checkpoint_format: str = "full",
-                           distributed_optimizer: bool = False):
+                           distributed_optimizer: bool = False, grad_sync: str = "ordered"):
     """What a trainer rank runs after ``torch.distributed.init_process_group`` (world = ``num_gpus`` ranks):
     validate, build the TP/DP groups, load this rank's shard of ``model_dir``, and return a :class:`MegatronTrainer`
     (with a frozen reference copy when ``train_config.kl_coef > 0`` or ``with_ref_model``).
     ``use_megatron_parallel_state``: default True when megatron-core is installed. ``checkpoint_format``: see
-    :class:`MegatronTrainer`; ``distributed_optimizer``: shard the optimizer state over the DP replicas."""
+    :class:`MegatronTrainer`; ``distributed_optimizer``: shard the optimizer state over the DP replicas;
+    ``grad_sync``: ``"ordered"`` (rlrepro's rank-order gradient sum and AdamW) or ``"megatron"`` (megatron-core's
+    DistributedDataParallel and optimizer, :mod:`.mcore`)."""
     from rlrepro.model import Qwen3Config
 
     config = Qwen3Config.from_file(model_dir)
     validate_megatron_config("megatron", tensor_parallel, num_gpus, device, config,
-                             check_installed=bool(use_megatron_parallel_state))
+                             check_installed=bool(use_megatron_parallel_state) or grad_sync == "megatron")
     if use_megatron_parallel_state is None:
         use_megatron_parallel_state = megatron_core_version() is not None
     groups = init_parallel(tensor_parallel, use_megatron=use_megatron_parallel_state)
@@ -45,4 +48,4 @@ def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int, num
 
         ref = copy.deepcopy(model).requires_grad_(False).eval()
     return MegatronTrainer(model, train_config, ref, param_dtype=param_dtype, checkpoint_format=checkpoint_format,
-                           distributed_optimizer=distributed_optimizer)
+                           distributed_optimizer=distributed_optimizer, grad_sync=grad_sync)

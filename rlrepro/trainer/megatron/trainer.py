@@ -42,6 +42,7 @@ import torch.distributed as dist
 from ..checkpoint import (capture_rng_state, checkpoint_dir_name, load_checkpoint, save_checkpoint,
                           write_on_one_rank)
 from .dist_checkpoint import is_dist_checkpoint, load_dist_checkpoint, save_dist_checkpoint
+from .mcore import GRAD_SYNCS, MegatronCoreOptimizer
 from ..data_parallel import DataParallel
 from rlrepro.kernels.tp import ordered_sum
 from ..optim import grad_norm
@@ -104,12 +105,20 @@ class MegatronTrainer(Trainer):
 
     def __init__(self, model: TPQwen3ForCausalLM, config: TrainConfig, ref_model=None, *,
                  param_dtype: torch.dtype | None = None, checkpoint_format: str = "full",
-                 distributed_optimizer: bool = False) -> None:
+                 distributed_optimizer: bool = False, grad_sync: str = "ordered") -> None:
         if not isinstance(model, TPQwen3ForCausalLM):
             raise TypeError(f"MegatronTrainer takes a TPQwen3ForCausalLM (rlrepro.trainer.megatron), got "
                             f"{type(model).__name__}; build it with TPQwen3ForCausalLM.from_pretrained(path, groups)")
+        if grad_sync not in GRAD_SYNCS:
+            raise ValueError(f"trainer.grad_sync={grad_sync!r} is not one of {GRAD_SYNCS}: 'ordered' (rlrepro's "
+                             "rank-order gradient sum and AdamW) or 'megatron' (megatron-core's "
+                             "DistributedDataParallel and optimizer)")
+        self.grad_sync = grad_sync
         self.groups = model.groups
         self.checkpoint_format = _check_format(checkpoint_format)
+        if grad_sync == "megatron" and self.checkpoint_format == "dist":
+            raise ValueError("grad_sync='megatron' with checkpoint_format='dist' is not supported (the dist format "
+                             "writes rlrepro's optimizer shards); use checkpoint_format='full'")
         if distributed_optimizer and self.checkpoint_format == "dist":
             raise ValueError("distributed_optimizer=True with checkpoint_format='dist' is not supported (the sharded "
                              "checkpoint writes each rank's TP shard of the optimizer state, which the DP owners "
@@ -119,21 +128,33 @@ class MegatronTrainer(Trainer):
                          distributed_optimizer=distributed_optimizer)
         self._specs = [shard_spec(n) for n in self.optimizer.names]
 
+    def _make_optimizer(self, model, *, master_init=None, **optim_kwargs):
+        if self.grad_sync == "megatron":
+            return MegatronCoreOptimizer(model, distributed_optimizer=self.distributed_optimizer,
+                                         master_init=master_init, **optim_kwargs)
+        return super()._make_optimizer(model, master_init=master_init, **optim_kwargs)
+
     # --- gradients: the hooks of Trainer.train_step --------------------------------------------------------------
     @torch.no_grad()
-    def _reduce_grads(self, grads: list[torch.Tensor]) -> None:
-        """q_norm/k_norm grads (each TP rank's covers its heads only) summed over TP in rank order, then
-        ``Trainer``'s order-fixed sum over the DP replicas."""
+    def _reduce_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """q_norm/k_norm grads (each TP rank's covers its heads only) summed over TP in rank order, then the sum
+        over the DP replicas: ``Trainer``'s order-fixed one, or (``grad_sync='megatron'``) megatron-core's DDP,
+        after which the grads to clip are the optimizer's float32 main grads."""
         g = self.groups
         if g.tp_size > 1:
             for grad, (_, partial) in zip(grads, self._specs):
                 if partial:
                     grad.copy_(ordered_sum(grad, g.tp_group))
-        super()._reduce_grads(grads)
+        if self.grad_sync == "megatron":
+            return self.optimizer.finish_grad_sync()
+        return super()._reduce_grads(grads)
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Global norm of the **full** grads: each sharded grad gathered in turn (name order), then
-        :func:`rlrepro.trainer.optim.grad_norm`'s formula; ``Trainer`` clips every shard by it."""
+        :func:`rlrepro.trainer.optim.grad_norm`'s formula; ``Trainer`` clips every shard by it. With
+        ``grad_sync='megatron'``: megatron-core's norm of its main grads."""
+        if self.grad_sync == "megatron":
+            return self.optimizer.grad_norm()
         return grad_norm(gather_param(name, grad, self.groups) for name, grad in zip(self.optimizer.names, grads))
 
     # --- weights --------------------------------------------------------------------------------------------
@@ -147,11 +168,11 @@ class MegatronTrainer(Trainer):
         """The optimizer state a single-process Trainer of the full model would hold; a collective. With the
         optimizer sharded over the DP replicas, replica 0 first gathers its TP shard's full state from the DP owners,
         then its TP group gathers the shards; the other replicas return None (only replica 0 holds the writer)."""
-        if self.distributed_optimizer:
+        if self.distributed_optimizer and self.grad_sync == "ordered":
             local = self.optimizer.gather_state_dict(dst=0)
             if local is None:
                 return None
-        else:
+        else:  # (megatron-core's distributed optimizer: a collective over DP, every replica gets it)
             local = self.optimizer.state_dict()
         names = local["names"]
         adamw = local["adamw"]
@@ -189,6 +210,9 @@ class MegatronTrainer(Trainer):
         ``dist_checkpointing`` (:func:`.dist_checkpoint.save_dist_checkpoint`). Every rank calls it; all get the
         path."""
         fmt = _check_format(checkpoint_format or self.checkpoint_format)
+        if fmt == "dist" and self.grad_sync == "megatron":
+            raise ValueError("checkpoint_format='dist' is not supported with grad_sync='megatron'; save with "
+                             "checkpoint_format='full'")
         if fmt == "dist" and self.distributed_optimizer:
             raise ValueError("checkpoint_format='dist' is not supported with distributed_optimizer=True; save with "
                              "checkpoint_format='full'")
@@ -208,6 +232,9 @@ class MegatronTrainer(Trainer):
         by every rank, which keeps its shards (RNG states are the writer's); a dist one is read shard by shard
         (:func:`.dist_checkpoint.load_dist_checkpoint`). Returns ``extra_state``."""
         if is_dist_checkpoint(path):
+            if self.grad_sync == "megatron":
+                raise ValueError(f"{path} is a dist checkpoint; a trainer with grad_sync='megatron' loads full "
+                                 "checkpoints only (convert it with dist_to_full)")
             if self.distributed_optimizer:
                 raise ValueError(f"{path} is a dist checkpoint; a trainer with distributed_optimizer=True loads "
                                  "full checkpoints only (convert it with dist_to_full, or build the trainer with "

@@ -1,0 +1,330 @@
+"""megatron-core's ``DistributedDataParallel`` and optimizer behind the optimizer interface ``Trainer`` uses.
+
+``MegatronTrainer(..., grad_sync="megatron")`` trains with this instead of rlrepro's order-fixed data-parallel sum
+and ``MasterWeightAdamW``:
+
+- **gradients**: ``megatron.core.distributed.DistributedDataParallel`` wraps the TP model. Its backward hooks add
+  each parameter's grad into a contiguous float32 buffer (``param.main_grad``; ``grad_reduce_in_fp32``), and
+  ``finish_grad_sync()`` sums the buffer over the data-parallel group: an all-reduce, or with the distributed
+  optimizer a reduce-scatter (each DP rank keeps the reduced grads of the parameter range it owns). The loss is
+  already scaled by the whole batch's token count, so the grads are **summed**, not averaged
+  (``TransformerConfig.calculate_per_token_loss=True``).
+- **optimizer**: ``get_megatron_optimizer`` (Adam with decoupled weight decay on float32 main parameters; with
+  ``distributed_optimizer`` megatron-core's ``DistributedOptimizer``, ZeRO-1: each DP rank holds the float32 masters
+  and Adam moments of its range, updates them, and the bf16 parameters are all-gathered after the step). Weight
+  decay applies to every parameter, as in rlrepro's optimizer (``config_overrides={}``); gradient clipping is
+  rlrepro's (the trainer scales the main grads by ``min(1, max_norm / (norm + 1e-6))``) with the norm computed by
+  megatron-core (``get_grad_norm``: TP-duplicate parameters counted once, reduced over the model- and
+  data-parallel ranks).
+
+What this changes against the order-fixed path: the DP sum is NCCL's (its summation order is fixed for a fixed
+NCCL version, topology and settings, so two runs on the same machine agree, but nothing else reproduces it), and
+megatron-core's Adam is ``torch.optim.AdamW`` with torch's default (foreach) implementation, or Transformer
+Engine's / Apex's fused Adam when installed. The forward pass, hence the on-policy guarantee (trainer logprobs ==
+engine logprobs), is untouched. Checkpoints: the ``"full"`` format (the optimizer state gathered into rlrepro's
+unsharded layout, so a checkpoint moves between this path, the order-fixed path and a plain ``Trainer``).
+
+megatron-core allocates and checks CUDA tensors by name in these classes. On a machine without CUDA (the CPU
+tests) every call into it runs under :func:`cpu_stand_in`, which redirects those allocations to the CPU; nothing
+else in megatron-core's code is changed.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from .model import TPQwen3ForCausalLM, shard_spec
+
+__all__ = ["GRAD_SYNCS", "MegatronCoreOptimizer", "cpu_stand_in"]
+
+GRAD_SYNCS = ("ordered", "megatron")
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Tensor factories asked for ``device='cuda'`` get the CPU; ``Tensor.cuda()`` returns the tensor; ``x.type()``
+    names the CUDA type (megatron-core's optimizers accept only ``torch.cuda.*Tensor`` parameters)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # type checks name torch.cuda.*Tensor
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        device = kwargs.get("device")
+        if device is not None and str(device).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_stand_in():
+    """Run megatron-core's DDP / optimizer code on a machine without CUDA: ``torch.cuda.current_device()`` is
+    ``'cpu'``, ``torch.cuda.synchronize()`` does nothing, tensors it creates on ``'cuda'`` are created on the CPU
+    and ``Tensor.type()`` answers with the CUDA type name. A no-op when CUDA is available (the real path)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    sync, current = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        with _CudaToCpu(), warnings.catch_warnings():
+            # the mode sees megatron-core read .grad of its flat shard views (None there, as on CUDA)
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = sync, current
+
+
+def _sub_optimizers(mopt) -> list:
+    return [o for o in getattr(mopt, "chained_optimizers", [mopt]) if getattr(o, "optimizer", None) is not None]
+
+
+class MegatronCoreOptimizer:
+    """megatron-core's ``DistributedDataParallel`` + optimizer for a :class:`TPQwen3ForCausalLM`, with the methods
+    ``Trainer`` calls on its optimizer (``names``, ``param_groups``, ``zero_grad``, ``accumulate_grads``, ``grads``,
+    ``step``, state dicts). Every DP and TP rank builds it together (a collective).
+
+    ``state_dict()`` is rlrepro's unsharded layout for this rank's TP shard (``names``, ``adamw`` =
+    ``torch.optim.AdamW.state_dict()`` of one tensor per name, ``master_weights``): with the distributed optimizer
+    it gathers the DP owners' ranges, so it is a collective over the DP group.
+    """
+
+    def __init__(self, model: TPQwen3ForCausalLM, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, distributed_optimizer: bool = False,
+                 master_init: Mapping[str, torch.Tensor] | None = None) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer import TransformerConfig
+
+        g = model.groups
+        if not g.megatron:
+            raise ValueError("grad_sync='megatron' needs megatron-core's parallel_state: build the groups with "
+                             "init_parallel(tp, use_megatron=True) (build_megatron_trainer's default when "
+                             "megatron-core is installed)")
+        cfg = model.config
+        dtype = model.dtype
+        pairs = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda kv: kv[0])
+        self.names = [n for n, _ in pairs]
+        self.params = [p for _, p in pairs]
+        for name, p in pairs:  # megatron-core's TP attributes (grad norm: TP-replicated params count once)
+            dim, _ = shard_spec(name)
+            p.tensor_model_parallel = dim is not None and g.tp_size > 1
+            p.partition_dim = -1 if dim is None else dim
+            p.partition_stride = 1
+        self.distributed = bool(distributed_optimizer)
+        self.dp_group, self.dp_size = g.dp_group, g.dp_size
+        with cpu_stand_in():
+            tconfig = TransformerConfig(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                                        num_attention_heads=cfg.num_attention_heads,
+                                        tensor_model_parallel_size=g.tp_size, params_dtype=dtype,
+                                        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                                        calculate_per_token_loss=True)
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                       overlap_param_gather=False,
+                                                       use_distributed_optimizer=self.distributed)
+            self.ddp = DistributedDataParallel(tconfig, ddp_config, model)
+            oconfig = OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=weight_decay,
+                                      adam_beta1=float(betas[0]), adam_beta2=float(betas[1]), adam_eps=eps,
+                                      bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
+                                      use_distributed_optimizer=self.distributed, clip_grad=0.0)
+            self.mopt = get_megatron_optimizer(oconfig, [self.ddp], config_overrides={})
+        # model param -> (sub-optimizer, main param, [start, end) of the flattened param this rank updates)
+        self._main = {}
+        for sub in _sub_optimizers(self.mopt):
+            if hasattr(sub, "model_param_group_index_map"):  # DistributedOptimizer: this rank's ranges
+                for p in self.params:
+                    if p not in sub.model_param_group_index_map:
+                        continue
+                    gi, go = sub.model_param_group_index_map[p]
+                    groups = (sub.shard_fp32_from_float16_groups if p.dtype in (torch.bfloat16, torch.float16)
+                              else sub.shard_fp32_groups)
+                    r = sub._get_model_param_range_map(p)["param"]
+                    self._main[p] = (sub, groups[gi][go], r.start, r.end)
+            elif hasattr(sub, "float16_groups"):  # Float16OptimizerWithFloat16Params: whole tensors
+                for mg, fg in zip(sub.float16_groups, sub.fp32_from_float16_groups):
+                    for p, m in zip(mg, fg):
+                        self._main[p] = (sub, m, 0, p.numel())
+                for group in sub.fp32_from_fp32_groups:
+                    for p in group:
+                        self._main[p] = (sub, p, 0, p.numel())
+            else:  # FP32Optimizer: the parameters are their own masters
+                for group in sub.optimizer.param_groups:
+                    for p in group["params"]:
+                        self._main[p] = (sub, p, 0, p.numel())
+        if not self.distributed:
+            missing = [n for n, p in zip(self.names, self.params) if p not in self._main]
+            if missing:
+                raise RuntimeError(f"megatron-core's optimizer does not hold {missing[:3]}")
+        # float32 masters from the weights before the cast to the compute dtype, as MasterWeightAdamW's
+        with torch.no_grad():
+            for name, p in zip(self.names, self.params):
+                if master_init is not None and name in master_init and p in self._main:
+                    _, m, a, b = self._main[p]
+                    if m is not p:
+                        m.copy_(master_init[name].reshape(-1)[a:b].view_as(m).to(device=m.device, dtype=m.dtype))
+        self._adamw_group = torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=tuple(betas), eps=eps,
+                                              weight_decay=weight_decay, foreach=False,
+                                              fused=False).state_dict()["param_groups"][0]
+
+    # --- the interface Trainer uses ------------------------------------------------------------------------
+    @property
+    def has_master_copies(self) -> bool:
+        return any(p.dtype != torch.float32 for p in self.params)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.mopt.param_groups
+
+    def zero_grad(self) -> None:
+        with cpu_stand_in():
+            self.ddp.zero_grad_buffer()
+            self.mopt.zero_grad()
+
+    def accumulate_grads(self) -> None:
+        """Nothing to do: DDP's backward hooks add every grad into ``param.main_grad`` (float32)."""
+
+    def grads(self) -> list[torch.Tensor]:
+        """The float32 grad buffers (``main_grad``) of this rank's parameters, name order, before the DP sum."""
+        return [p.main_grad for p in self.params]
+
+    def finish_grad_sync(self) -> list[torch.Tensor]:
+        """Sum the grad buffers over the DP group (megatron-core), hand them to the main parameters, and return
+        the float32 grads the optimizer steps with: one per main parameter (with the distributed optimizer, this
+        rank's ranges only). Scaling them in place is clipping."""
+        with cpu_stand_in():
+            self.ddp.finish_grad_sync()
+            for sub in _sub_optimizers(self.mopt):
+                if sub.prepare_grads():
+                    raise RuntimeError("megatron-core's optimizer found inf/nan with a loss scaler, which rlrepro "
+                                       "does not configure")
+        out = []
+        for sub in _sub_optimizers(self.mopt):
+            for group in sub.optimizer.param_groups:
+                out.extend(m.grad for m in group["params"] if m.grad is not None)
+        return out
+
+    def grad_norm(self) -> torch.Tensor:
+        """megatron-core's global grad norm over every TP and DP rank (float64 0-d tensor)."""
+        with cpu_stand_in():
+            norm = self.mopt.get_grad_norm()
+        return torch.tensor(float(norm), dtype=torch.float64)
+
+    def step(self) -> None:
+        """Adam on the main parameters, cast back into the model's; with the distributed optimizer the updated
+        ranges are all-gathered into every DP rank's parameters."""
+        with cpu_stand_in():
+            for sub in _sub_optimizers(self.mopt):
+                sub.step_with_ready_grads()
+
+    # --- state -----------------------------------------------------------------------------------------------
+    def _inner_state(self, p) -> dict:
+        sub, m, _, _ = self._main[p]
+        return sub.optimizer.state.get(m, {})
+
+    @torch.no_grad()
+    def _full(self, p, local: torch.Tensor | None) -> torch.Tensor:
+        """The whole (this TP shard's) tensor of a per-parameter quantity held in DP ranges; a collective over
+        DP with the distributed optimizer (each rank contributes its range, assembled from the owners)."""
+        if not self.distributed:
+            return local.detach().view_as(p).clone()
+        start, end = (self._main[p][2], self._main[p][3]) if p in self._main else (0, 0)
+        flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        if local is not None and end > start:
+            flat[start:end] = local.detach().reshape(-1)
+        ranges = [None] * self.dp_size
+        dist.all_gather_object(ranges, (start, end), group=self.dp_group)
+        parts = [torch.empty_like(flat) for _ in range(self.dp_size)]
+        dist.all_gather(parts, flat, group=self.dp_group)
+        out = torch.empty_like(flat)
+        for (a, b), part in zip(ranges, parts):
+            out[a:b] = part[a:b]
+        return out.view_as(p)
+
+    def state_dict(self) -> dict:
+        """rlrepro's unsharded optimizer layout for this TP shard (a collective over DP with the distributed
+        optimizer): ``names``, ``adamw`` (AdamW's ``state_dict`` with one entry per name, name order) and
+        ``master_weights`` (float32)."""
+        state, masters, steps = {}, {}, []
+        for i, (name, p) in enumerate(zip(self.names, self.params)):
+            own = self._inner_state(p) if p in self._main else {}
+            step = own.get("step")
+            steps.append(float(step) if step is not None else None)
+            entry = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                local = own.get(key)
+                has = torch.tensor(int(local is not None))
+                if self.distributed:
+                    dist.all_reduce(has, group=self.dp_group)
+                if int(has):
+                    entry[key] = self._full(p, local)
+            if p.dtype != torch.float32:  # float32 parameters are their own masters (saved with the model)
+                masters[name] = self._full(p, self._main[p][1] if p in self._main else None)
+            if entry:
+                state[i] = entry
+        known = [s for s in steps if s is not None]
+        if self.distributed:
+            gathered = [None] * self.dp_size
+            dist.all_gather_object(gathered, known[:1], group=self.dp_group)
+            known = [s for part in gathered for s in part]
+        step = known[0] if known else 0.0
+        for entry in state.values():
+            entry["step"] = torch.tensor(step)
+        groups = [{**self._adamw_group, "lr": self.param_groups[0]["lr"], "params": list(range(len(self.names)))}]
+        return {"names": list(self.names), "adamw": {"state": state, "param_groups": groups},
+                "master_weights": masters}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping) -> None:
+        """Load rlrepro's unsharded layout (from this path, the order-fixed path or a plain ``Trainer``): each rank
+        keeps its ranges of the masters and moments."""
+        names = list(state["names"])
+        if names != self.names:
+            missing = sorted(set(self.names) - set(names))
+            extra = sorted(set(names) - set(self.names))
+            raise ValueError(f"optimizer state is for other parameters (missing {missing[:5]}, extra {extra[:5]}); "
+                             "load it into a trainer built for the same model")
+        masters = state["master_weights"]
+        per_param = state["adamw"]["state"]
+        for i, (name, p) in enumerate(zip(self.names, self.params)):
+            if p not in self._main:
+                continue
+            sub, m, a, b = self._main[p]
+            full = masters.get(name, p.detach())
+            m.copy_(full.reshape(-1)[a:b].view_as(m).to(m.dtype))
+            saved = per_param.get(i, per_param.get(str(i)))
+            inner = sub.optimizer.state
+            if saved:
+                inner[m] = {"step": torch.tensor(float(saved["step"])),
+                            "exp_avg": saved["exp_avg"].reshape(-1)[a:b].view_as(m).to(m.dtype).clone(),
+                            "exp_avg_sq": saved["exp_avg_sq"].reshape(-1)[a:b].view_as(m).to(m.dtype).clone()}
+            else:
+                inner.pop(m, None)
+        for group in self.param_groups:
+            group["lr"] = state["adamw"]["param_groups"][0]["lr"]
+
+    def local_state_dict(self) -> dict:
+        """This rank's masters and Adam state, copied (a snapshot within a train step; no collective)."""
+        out = []
+        for sub in _sub_optimizers(self.mopt):
+            mains = [m for group in sub.optimizer.param_groups for m in group["params"]]
+            out.append(([m.detach().clone() for m in mains],
+                        {id(m): copy.deepcopy(sub.optimizer.state[m]) for m in mains if m in sub.optimizer.state}))
+        return {"subs": out}
+
+    @torch.no_grad()
+    def load_local_state_dict(self, state: Mapping) -> None:
+        for sub, (values, inner) in zip(_sub_optimizers(self.mopt), state["subs"]):
+            mains = [m for group in sub.optimizer.param_groups for m in group["params"]]
+            for m, v in zip(mains, values):
+                m.copy_(v)
+                if id(m) in inner:
+                    sub.optimizer.state[m] = copy.deepcopy(inner[id(m)])
+                else:
+                    sub.optimizer.state.pop(m, None)

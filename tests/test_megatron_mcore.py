@@ -1,0 +1,208 @@
+"""``MegatronTrainer(grad_sync="megatron")``: megatron-core's DistributedDataParallel and optimizer (plain and
+distributed) on the TP model, over 2 gloo processes with megatron-core's parallel_state (megatron-core's CUDA
+allocations redirected to the CPU by ``mcore.cpu_stand_in``; the GPU test is in tests/test_megatron_gpu.py).
+
+On the CPU, with clipping off, the megatron-core path must give the order-fixed path's bits: a sum of two ranks'
+float32 grads is the same in any order, megatron-core's Adam is ``torch.optim.AdamW``'s single-tensor path on CPU
+tensors (rlrepro's too), and DDP's float32 ``main_grad`` accumulation is rlrepro's. Only the reported grad norm is
+another formula (close, not equal). With clipping on, the norm's rounding reaches the weights (close, not equal).
+"""
+import copy
+
+import pytest
+import torch
+
+from rlrepro.model import tiny_model, write_tiny_checkpoint
+from rlrepro.trainer import TrainConfig
+
+from _dist import gloo_process_group, spawn_ranks
+
+pytest.importorskip("megatron.core")
+
+CONFIG = dict(lr=3e-3, total_steps=6, warmup_steps=1, micro_batch_size=2, ppo_epochs=2, clip_high=0.28,
+              temperature=0.9, max_grad_norm=0.0, weight_decay=0.01)
+
+
+def batch(step: int, vocab: int):
+    gen = torch.Generator().manual_seed(900 + step)
+    prompts = [torch.randint(vocab, (1 + i % 3,), generator=gen).tolist() for i in range(7)]
+    comps = [torch.randint(vocab, (1 + (i * 5) % 6,), generator=gen).tolist() for i in range(7)]
+    lps = [(-0.5 - torch.rand(len(c), generator=gen)).tolist() for c in comps]
+    return [dict(prompt_token_ids=p, completion_token_ids=c, rollout_logprobs=lp, advantage=(-1.0) ** i * (1 + i / 7))
+            for i, (p, c, lp) in enumerate(zip(prompts, comps, lps))]
+
+
+def _run(model_dir, tp, world, grad_sync, *, steps=3, dopt=False, dtype=None, ckpt=None, **overrides):
+    from rlrepro.trainer.megatron import build_megatron_trainer, destroy_parallel
+
+    t = build_megatron_trainer(model_dir, TrainConfig(**{**CONFIG, **overrides}), tensor_parallel=tp,
+                               num_gpus=world, use_megatron_parallel_state=True, grad_sync=grad_sync,
+                               distributed_optimizer=dopt, param_dtype=dtype)
+    out = {"metrics": [], "ckpt": None}
+    for s in range(steps):
+        out["metrics"].append(t.train_step(batch(s, t.model.config.vocab_size)))
+        if ckpt is not None and s == 0:
+            out["ckpt"] = str(t.save_checkpoint(ckpt, 1, extra_state={"cursor": 3}))
+    out["weights"] = {n: w.clone() for n, w in t.named_weights()}
+    out["optim"] = copy.deepcopy(t._full_optimizer_state())
+    out["trainer"] = t
+    if ckpt is None:
+        destroy_parallel(t.groups)
+    return out
+
+
+def _strip(run):
+    return {k: v for k, v in run.items() if k != "trainer"}
+
+
+def _worker(rank, world, port, model_dir, out):
+    with gloo_process_group(rank, world, port):
+        from rlrepro.trainer.megatron import destroy_parallel
+
+        bf16 = torch.bfloat16
+        res = {
+            # TP=1 x DP=2, float32 parameters (their own masters), clipping off
+            "dp_ordered": _run(model_dir, 1, world, "ordered"),
+            "dp_mcore": _run(model_dir, 1, world, "megatron"),
+            "dp_mcore_dist": _run(model_dir, 1, world, "megatron", dopt=True),
+            # bf16 compute with float32 masters (megatron-core's Float16 / distributed optimizer)
+            "bf16_ordered": _run(model_dir, 1, world, "ordered", dtype=bf16),
+            "bf16_mcore_dist": _run(model_dir, 1, world, "megatron", dopt=True, dtype=bf16),
+            # clipping on (the norm is megatron-core's)
+            "clip_ordered": _run(model_dir, 1, world, "ordered", max_grad_norm=0.05),
+            "clip_mcore_dist": _run(model_dir, 1, world, "megatron", dopt=True, max_grad_norm=0.05),
+            # TP=2 x DP=1: q_norm/k_norm grads summed over TP before megatron-core's step
+            "tp_mcore": _run(model_dir, 2, world, "megatron", dtype=bf16),
+            "tp_ordered_bf16": _run(model_dir, 2, world, "ordered", dtype=bf16),
+        }
+        # checkpoint: save after step 1 (megatron-core distributed optimizer), resume into a fresh trainer of each
+        # kind; the snapshot used between PPO epochs puts the optimizer back exactly
+        run = _run(model_dir, 1, world, "megatron", dopt=True, dtype=bf16, ckpt=f"{out}_ck")
+        t = run.pop("trainer")
+        snap = t._snapshot()
+        before = copy.deepcopy(t._full_optimizer_state())
+        t.train_step(batch(7, t.model.config.vocab_size))
+        t._restore(snap)
+        after = t._full_optimizer_state()
+        res["snapshot_restores"] = len(_flat(before)) == len(_flat(after)) > 0 and all(
+            torch.equal(a, b) for a, b in zip(_flat(before), _flat(after)))
+        destroy_parallel(t.groups)
+        res["uninterrupted"] = run
+        for kind, dopt in (("megatron", True), ("ordered", False)):
+            from rlrepro.trainer.megatron import build_megatron_trainer
+
+            r = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), tensor_parallel=1, num_gpus=world,
+                                       use_megatron_parallel_state=True, grad_sync=kind, distributed_optimizer=dopt,
+                                       param_dtype=bf16)
+            extra = r.load_checkpoint(run["ckpt"])
+            loaded = copy.deepcopy(r._full_optimizer_state())  # (the order-fixed path's holds live tensors)
+            metrics = [r.train_step(batch(s, r.model.config.vocab_size)) for s in (1, 2)]
+            res[f"resumed_{kind}"] = {"extra": extra, "loaded": loaded, "metrics": metrics,
+                                      "weights": {n: w.clone() for n, w in r.named_weights()}}
+            destroy_parallel(r.groups)
+        torch.save({k: (_strip(v) if isinstance(v, dict) and "trainer" in v else v) for k, v in res.items()},
+                   f"{out}.rank{rank}")
+
+
+def _flat(state):
+    out = [state["master_weights"][n] for n in sorted(state["master_weights"])]
+    for i in sorted(state["adamw"]["state"]):
+        out += [state["adamw"]["state"][i][k] for k in ("exp_avg", "exp_avg_sq", "step")]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mcore")
+    write_tiny_checkpoint(tmp / "m", seed=3)
+    return spawn_ranks(_worker, 2, str(tmp / "m"), out=str(tmp / "out"))
+
+
+def _same_weights(a, b):
+    assert list(a) == list(b)
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+def _same_optim(a, b):
+    assert a["names"] == b["names"]
+    assert sorted(a["master_weights"]) == sorted(b["master_weights"])
+    assert sorted(a["adamw"]["state"]) == sorted(b["adamw"]["state"])
+    for x, y in zip(_flat(a), _flat(b)):
+        assert torch.equal(x, y)
+
+
+def _loss(run):
+    return [m["train/loss"] for m in run["metrics"]]
+
+
+@pytest.mark.parametrize("tag", ["dp_mcore", "dp_mcore_dist"])
+def test_megatron_core_ddp_and_optimizer_give_the_ordered_paths_bits_on_cpu(runs, tag):
+    for rank in runs:
+        _same_weights(rank["dp_ordered"]["weights"], rank[tag]["weights"])
+        _same_optim(rank["dp_ordered"]["optim"], rank[tag]["optim"])
+        assert _loss(rank["dp_ordered"]) == _loss(rank[tag])
+        for a, b in zip(rank["dp_ordered"]["metrics"], rank[tag]["metrics"]):
+            assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
+            assert b["train/grad_norm"] > 0
+    # both DP ranks hold the same weights (the distributed optimizer all-gathered the updated ranges)
+    _same_weights(runs[0][tag]["weights"], runs[1][tag]["weights"])
+
+
+def test_bf16_with_float32_masters_and_the_distributed_optimizer(runs):
+    for rank in runs:
+        _same_weights(rank["bf16_ordered"]["weights"], rank["bf16_mcore_dist"]["weights"])
+        _same_optim(rank["bf16_ordered"]["optim"], rank["bf16_mcore_dist"]["optim"])
+        assert all(w.dtype == torch.bfloat16 for w in rank["bf16_mcore_dist"]["weights"].values())
+        assert all(m.dtype == torch.float32 for m in rank["bf16_mcore_dist"]["optim"]["master_weights"].values())
+
+
+def test_clipping_uses_megatron_cores_norm(runs):
+    for rank in runs:
+        a, b = rank["clip_ordered"], rank["clip_mcore_dist"]
+        for x, y in zip(a["metrics"], b["metrics"]):
+            assert x["train/grad_norm"] > 0.05  # clipping acted
+            assert y["train/grad_norm"] == pytest.approx(x["train/grad_norm"], rel=1e-4)
+        for n in a["weights"]:
+            torch.testing.assert_close(b["weights"][n], a["weights"][n], rtol=0, atol=1e-5)
+        # and it changed the update: unclipped weights are farther away
+        assert any(not torch.allclose(rank["dp_ordered"]["weights"][n], b["weights"][n], rtol=0, atol=1e-4)
+                   for n in b["weights"])
+
+
+def test_tensor_parallel_2(runs):
+    for rank in runs:
+        a, b = rank["tp_ordered_bf16"], rank["tp_mcore"]
+        _same_weights(a["weights"], b["weights"])  # full (gathered) weights
+        _same_optim(a["optim"], b["optim"])
+        assert _loss(a) == _loss(b)
+    _same_weights(runs[0]["tp_mcore"]["weights"], runs[1]["tp_mcore"]["weights"])
+
+
+def test_checkpoint_resumes_exactly_and_crosses_to_the_ordered_path(runs):
+    """A full checkpoint of the megatron-core path (distributed optimizer, bf16 + float32 masters) resumes a fresh
+    megatron-core trainer to the uninterrupted run's bits, and loads into the order-fixed path (the same state; on
+    the CPU also the same next steps)."""
+    for rank in runs:
+        ref = rank["uninterrupted"]
+        for kind in ("megatron", "ordered"):
+            res = rank[f"resumed_{kind}"]
+            assert res["extra"] == {"cursor": 3}
+            assert [m["train/loss"] for m in res["metrics"]] == _loss(ref)[1:]
+            _same_weights(ref["weights"], res["weights"])
+        assert [m["train/grad_norm"] for m in rank["resumed_megatron"]["metrics"]] == \
+            [m["train/grad_norm"] for m in ref["metrics"][1:]]
+        _same_optim(rank["resumed_megatron"]["loaded"], rank["resumed_ordered"]["loaded"])
+        assert rank["snapshot_restores"]
+
+
+def test_grad_sync_is_checked():
+    from rlrepro.trainer.megatron import MegatronTrainer, TPQwen3ForCausalLM, single_process_groups
+
+    model = TPQwen3ForCausalLM.from_full(tiny_model(seed=1), single_process_groups())
+    with pytest.raises(ValueError, match="grad_sync='nccl' is not one of"):
+        MegatronTrainer(copy.deepcopy(model), TrainConfig(), grad_sync="nccl")
+    with pytest.raises(ValueError, match="checkpoint_format='full'"):
+        MegatronTrainer(copy.deepcopy(model), TrainConfig(), grad_sync="megatron", checkpoint_format="dist")
+    with pytest.raises(ValueError, match="init_parallel"):  # plain groups, not megatron-core's parallel_state
+        MegatronTrainer(copy.deepcopy(model), TrainConfig(), grad_sync="megatron")
