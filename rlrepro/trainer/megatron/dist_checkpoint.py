@@ -27,11 +27,10 @@ directories unchanged.
 
 CPU: megatron-core's ``torch_dist`` save calls ``torch.cuda.synchronize()`` and ``torch.cuda.current_device()``
 (0.16.1) although nothing else in it needs CUDA; on a machine without CUDA those two calls are redirected to the
-CPU for the duration of the save/load (:func:`_megatron_without_cuda`). Its writer also needs ``psutil``.
+CPU for the duration of the save/load (:func:`.mcore.cuda_calls_on_cpu`). Its writer also needs ``psutil``.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -43,6 +42,7 @@ import torch.distributed as dist
 
 from .. import checkpoint as ckpt
 from ..checkpoint import capture_rng_state, checkpoint_dir_name, restore_rng_state
+from .mcore import cuda_calls_on_cpu
 
 __all__ = ["LAYOUT", "is_dist_checkpoint", "save_dist_checkpoint", "load_dist_checkpoint", "dist_to_full",
            "dist_to_hf", "hf_to_dist", "read_dist_meta"]
@@ -69,23 +69,6 @@ def read_dist_meta(path) -> dict:
         raise ValueError(f"{path} is not a megatron-dist checkpoint (its manifest.json has no \"layout\": "
                          f"\"{LAYOUT}\"); a full rlrepro checkpoint loads with Trainer/MegatronTrainer.load_checkpoint")
     return json.loads((path / META).read_text())
-
-
-@contextlib.contextmanager
-def _megatron_without_cuda():
-    """megatron-core's torch_dist save calls ``torch.cuda.synchronize()`` (after copying tensors to the CPU) and
-    puts a failure flag on ``torch.cuda.current_device()``; without CUDA both would raise although every tensor is
-    already on the CPU. Redirect exactly those two calls while it runs; a no-op when CUDA is available."""
-    if torch.cuda.is_available():
-        yield
-        return
-    sync, current = torch.cuda.synchronize, torch.cuda.current_device
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize, torch.cuda.current_device = sync, current
 
 
 def _require_dist(what: str) -> tuple[int, int]:
@@ -192,7 +175,7 @@ def save_dist_checkpoint(trainer, ckpt_root, step: int, *, extra_state: Mapping 
         try:
             entries = _entries(trainer)
             sharded = {key: _sharded_tensor(key, info["name"], t, trainer.groups) for key, info, t in entries}
-            with _megatron_without_cuda():
+            with cuda_calls_on_cpu():
                 dc.save(sharded, str(tmp / DIST_DIR), sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
                         validate_access_integrity=True)
             _write_torch(tmp / "rng" / f"rank_{rank:05d}.pt", capture_rng_state(generators))
@@ -324,7 +307,7 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
         t = torch.empty(local_shape[info["name"]], dtype=getattr(torch, info["dtype"]), device=p.device)
         targets[key] = (info, t)
     sharded = {key: _sharded_tensor(key, info["name"], t, g) for key, (info, t) in targets.items()}
-    with _megatron_without_cuda():
+    with cuda_calls_on_cpu():
         loaded = dc.load(sharded, str(path / DIST_DIR))
 
     common = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)

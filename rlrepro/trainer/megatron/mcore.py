@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from .model import TPQwen3ForCausalLM, shard_spec
 
-__all__ = ["GRAD_SYNCS", "MegatronCoreOptimizer", "cpu_stand_in"]
+__all__ = ["GRAD_SYNCS", "MegatronCoreOptimizer", "cpu_stand_in", "cuda_calls_on_cpu"]
 
 GRAD_SYNCS = ("ordered", "megatron")
 
@@ -63,10 +63,10 @@ class _CudaToCpu(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def cpu_stand_in():
-    """Run megatron-core's DDP / optimizer code on a machine without CUDA: ``torch.cuda.current_device()`` is
-    ``'cpu'``, ``torch.cuda.synchronize()`` does nothing, tensors it creates on ``'cuda'`` are created on the CPU
-    and ``Tensor.type()`` answers with the CUDA type name. A no-op when CUDA is available (the real path)."""
+def cuda_calls_on_cpu():
+    """Without CUDA: ``torch.cuda.current_device()`` is ``'cpu'`` and ``torch.cuda.synchronize()`` does nothing
+    while the body runs (megatron-core calls both where every tensor is on the CPU, e.g. its torch_dist checkpoint
+    save after copying to the CPU). A no-op when CUDA is available."""
     if torch.cuda.is_available():
         yield
         return
@@ -74,12 +74,23 @@ def cpu_stand_in():
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     try:
-        with _CudaToCpu(), warnings.catch_warnings():
-            # the mode sees megatron-core read .grad of its flat shard views (None there, as on CUDA)
-            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-            yield
+        yield
     finally:
         torch.cuda.synchronize, torch.cuda.current_device = sync, current
+
+
+@contextlib.contextmanager
+def cpu_stand_in():
+    """Run megatron-core's DDP / optimizer code on a machine without CUDA: :func:`cuda_calls_on_cpu`, and tensors
+    it creates on ``'cuda'`` are created on the CPU and ``Tensor.type()`` answers with the CUDA type name. A no-op
+    when CUDA is available (the real path)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with cuda_calls_on_cpu(), _CudaToCpu(), warnings.catch_warnings():
+        # the mode sees megatron-core read .grad of its flat shard views (None there, as on CUDA)
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        yield
 
 
 def _sub_optimizers(mopt) -> list:

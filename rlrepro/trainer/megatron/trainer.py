@@ -14,9 +14,10 @@ what changes is where gradients go between the backward passes and the optimizer
    from the same gradients; every rank scales its shards by the same coefficient.
 
 The optimizer is rlrepro's :class:`MasterWeightAdamW` over this rank's shards (elementwise, so sharding changes no
-bits of the update). This order-fixed path runs on CPU (gloo) and CUDA (NCCL). megatron-core's
-``DistributedDataParallel`` + distributed optimizer are not used by this class: their gradient reduce-scatter's
-summation order belongs to NCCL (docs/MEGATRON.md, "GPU path").
+bits of the update). This order-fixed path (``grad_sync="ordered"``, the default) runs on CPU (gloo) and CUDA
+(NCCL). ``grad_sync="megatron"`` replaces steps 2-3 and the optimizer with megatron-core's
+``DistributedDataParallel`` and optimizer (:mod:`.mcore`): the DP sum in NCCL's order, megatron-core's grad norm,
+rlrepro's clipping rule; full checkpoints only.
 
 Checkpoints, two formats (``checkpoint_format``), both TP-agnostic:
 
