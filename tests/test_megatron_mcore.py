@@ -84,8 +84,10 @@ def _worker(rank, world, port, model_dir, out):
         t.train_step(batch(7, t.model.config.vocab_size))
         t._restore(snap)
         after = t._full_optimizer_state()
-        res["snapshot_restores"] = len(_flat(before)) == len(_flat(after)) > 0 and all(
-            torch.equal(a, b) for a, b in zip(_flat(before), _flat(after)))
+        # (the distributed optimizer's state is gathered onto DP rank 0 only; the other ranks get None)
+        res["snapshot_restores"] = (before is None and after is None and rank == 1) or (
+            len(_flat(before)) == len(_flat(after)) > 0 and all(
+                torch.equal(a, b) for a, b in zip(_flat(before), _flat(after))))
         destroy_parallel(t.groups)
         res["uninterrupted"] = run
         for kind, dopt in (("megatron", True), ("ordered", False)):
@@ -125,11 +127,16 @@ def _same_weights(a, b):
 
 
 def _same_optim(a, b):
+    """Equal optimizer states. A distributed optimizer's gathered state exists on DP rank 0 only (None on the
+    other ranks): a None side is skipped, and the tests check that rank 0 compared real states."""
+    if a is None or b is None:
+        return False
     assert a["names"] == b["names"]
     assert sorted(a["master_weights"]) == sorted(b["master_weights"])
     assert sorted(a["adamw"]["state"]) == sorted(b["adamw"]["state"])
     for x, y in zip(_flat(a), _flat(b)):
         assert torch.equal(x, y)
+    return True
 
 
 def _loss(run):
@@ -140,7 +147,8 @@ def _loss(run):
 def test_megatron_core_ddp_and_optimizer_give_the_ordered_paths_bits_on_cpu(runs, tag):
     for rank in runs:
         _same_weights(rank["dp_ordered"]["weights"], rank[tag]["weights"])
-        _same_optim(rank["dp_ordered"]["optim"], rank[tag]["optim"])
+        compared = _same_optim(rank["dp_ordered"]["optim"], rank[tag]["optim"])
+        assert compared or (rank is runs[1] and tag == "dp_mcore_dist")
         assert _loss(rank["dp_ordered"]) == _loss(rank[tag])
         for a, b in zip(rank["dp_ordered"]["metrics"], rank[tag]["metrics"]):
             assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
@@ -152,9 +160,10 @@ def test_megatron_core_ddp_and_optimizer_give_the_ordered_paths_bits_on_cpu(runs
 def test_bf16_with_float32_masters_and_the_distributed_optimizer(runs):
     for rank in runs:
         _same_weights(rank["bf16_ordered"]["weights"], rank["bf16_mcore_dist"]["weights"])
-        _same_optim(rank["bf16_ordered"]["optim"], rank["bf16_mcore_dist"]["optim"])
+        assert _same_optim(rank["bf16_ordered"]["optim"], rank["bf16_mcore_dist"]["optim"]) or rank is runs[1]
         assert all(w.dtype == torch.bfloat16 for w in rank["bf16_mcore_dist"]["weights"].values())
-        assert all(m.dtype == torch.float32 for m in rank["bf16_mcore_dist"]["optim"]["master_weights"].values())
+    assert runs[1]["bf16_mcore_dist"]["optim"] is None  # gathered onto DP rank 0 only
+    assert all(m.dtype == torch.float32 for m in runs[0]["bf16_mcore_dist"]["optim"]["master_weights"].values())
 
 
 def test_clipping_uses_megatron_cores_norm(runs):
@@ -174,7 +183,7 @@ def test_tensor_parallel_2(runs):
     for rank in runs:
         a, b = rank["tp_ordered_bf16"], rank["tp_mcore"]
         _same_weights(a["weights"], b["weights"])  # full (gathered) weights
-        _same_optim(a["optim"], b["optim"])
+        assert _same_optim(a["optim"], b["optim"])  # (no data parallel: every rank holds its state)
         assert _loss(a) == _loss(b)
     _same_weights(runs[0]["tp_mcore"]["weights"], runs[1]["tp_mcore"]["weights"])
 
@@ -192,7 +201,7 @@ def test_checkpoint_resumes_exactly_and_crosses_to_the_ordered_path(runs):
             _same_weights(ref["weights"], res["weights"])
         assert [m["train/grad_norm"] for m in rank["resumed_megatron"]["metrics"]] == \
             [m["train/grad_norm"] for m in ref["metrics"][1:]]
-        _same_optim(rank["resumed_megatron"]["loaded"], rank["resumed_ordered"]["loaded"])
+        assert _same_optim(rank["resumed_megatron"]["loaded"], rank["resumed_ordered"]["loaded"]) or rank is runs[1]
         assert rank["snapshot_restores"]
 
 

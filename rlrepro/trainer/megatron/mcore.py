@@ -235,58 +235,68 @@ class MegatronCoreOptimizer:
                 sub.step_with_ready_grads()
 
     # --- state -----------------------------------------------------------------------------------------------
-    def _inner_state(self, p) -> dict:
+    def _local_entries(self, p) -> dict:
+        """This rank's float32 tensors of ``p`` (its range with the distributed optimizer): moments and master."""
+        if p not in self._main:
+            return {}
         sub, m, _, _ = self._main[p]
-        return sub.optimizer.state.get(m, {})
+        own = sub.optimizer.state.get(m, {})
+        out = {k: own[k] for k in ("exp_avg", "exp_avg_sq") if k in own}
+        if p.dtype != torch.float32:  # float32 parameters are their own masters (saved with the model)
+            out["master"] = m
+        if "step" in own:
+            out["step"] = float(own["step"])
+        return out
 
     @torch.no_grad()
-    def _full(self, p, local: torch.Tensor | None) -> torch.Tensor:
-        """The whole (this TP shard's) tensor of a per-parameter quantity held in DP ranges; a collective over
-        DP with the distributed optimizer (each rank contributes its range, assembled from the owners)."""
-        if not self.distributed:
-            return local.detach().view_as(p).clone()
-        start, end = (self._main[p][2], self._main[p][3]) if p in self._main else (0, 0)
-        flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-        if local is not None and end > start:
-            flat[start:end] = local.detach().reshape(-1)
-        ranges = [None] * self.dp_size
-        dist.all_gather_object(ranges, (start, end), group=self.dp_group)
-        parts = [torch.empty_like(flat) for _ in range(self.dp_size)]
-        dist.all_gather(parts, flat, group=self.dp_group)
-        out = torch.empty_like(flat)
-        for (a, b), part in zip(ranges, parts):
-            out[a:b] = part[a:b]
-        return out.view_as(p)
-
-    def state_dict(self) -> dict:
-        """rlrepro's unsharded optimizer layout for this TP shard (a collective over DP with the distributed
-        optimizer): ``names``, ``adamw`` (AdamW's ``state_dict`` with one entry per name, name order) and
-        ``master_weights`` (float32)."""
+    def state_dict(self) -> dict | None:
+        """rlrepro's unsharded optimizer layout for this TP shard: ``names``, ``adamw`` (AdamW's ``state_dict`` with
+        one entry per name, name order) and ``master_weights`` (float32). Without the distributed optimizer every
+        rank returns it (live tensors, as ``MasterWeightAdamW.state_dict``). With it, a collective over the DP group:
+        every range travels once from its owner (a broadcast of that slice alone), DP rank 0 assembles CPU tensors
+        and returns the state, the other ranks return None."""
+        here = not self.distributed or dist.get_rank(self.dp_group) == 0
+        if self.distributed:  # who holds which range and which entries, one exchange
+            mine = {i: (self._main[p][2], self._main[p][3], sorted(k for k in self._local_entries(p) if k != "step"),
+                        self._local_entries(p).get("step"))
+                    for i, p in enumerate(self.params) if p in self._main}
+            metas = [None] * self.dp_size
+            dist.all_gather_object(metas, mine, group=self.dp_group)
         state, masters, steps = {}, {}, []
         for i, (name, p) in enumerate(zip(self.names, self.params)):
-            own = self._inner_state(p) if p in self._main else {}
-            step = own.get("step")
-            steps.append(float(step) if step is not None else None)
-            entry = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                local = own.get(key)
-                has = torch.tensor(int(local is not None))
-                if self.distributed:
-                    dist.all_reduce(has, group=self.dp_group)
-                if int(has):
-                    entry[key] = self._full(p, local)
-            if p.dtype != torch.float32:  # float32 parameters are their own masters (saved with the model)
-                masters[name] = self._full(p, self._main[p][1] if p in self._main else None)
-            if entry:
-                state[i] = entry
-        known = [s for s in steps if s is not None]
-        if self.distributed:
-            gathered = [None] * self.dp_size
-            dist.all_gather_object(gathered, known[:1], group=self.dp_group)
-            known = [s for part in gathered for s in part]
-        step = known[0] if known else 0.0
+            local = self._local_entries(p)
+            if not self.distributed:
+                full = {k: v.view_as(p) for k, v in local.items() if k != "step"}
+                if "step" in local:
+                    steps.append(local["step"])
+            else:
+                owners = [(r, meta[i]) for r, meta in enumerate(metas) if i in meta and meta[i][1] > meta[i][0]]
+                keys = sorted({k for _, (_, _, ks, _) in owners for k in ks})
+                steps += [st for _, (_, _, _, st) in owners if st is not None]
+                full = {}
+                for key in keys:
+                    out = torch.empty(p.numel(), dtype=torch.float32) if here else None
+                    for r, (a, b, _, _) in owners:
+                        if dist.get_rank(self.dp_group) == r:
+                            buf = local[key].detach().reshape(-1).float().contiguous()
+                        else:
+                            buf = torch.empty(b - a, dtype=torch.float32, device=p.device)
+                        dist.broadcast(buf, src=dist.get_global_rank(self.dp_group, r), group=self.dp_group)
+                        if here:
+                            out[a:b] = buf.cpu()
+                    if here:
+                        full[key] = out.view(p.shape)
+            if not here:
+                continue
+            if "master" in full:
+                masters[name] = full.pop("master")
+            if full:
+                state[i] = full
+        if not here:
+            return None
+        step = torch.tensor(steps[0] if steps else 0.0)
         for entry in state.values():
-            entry["step"] = torch.tensor(step)
+            entry["step"] = step.clone()
         groups = [{**self._adamw_group, "lr": self.param_groups[0]["lr"], "params": list(range(len(self.names)))}]
         return {"names": list(self.names), "adamw": {"state": state, "param_groups": groups},
                 "master_weights": masters}
@@ -307,14 +317,16 @@ class MegatronCoreOptimizer:
             if p not in self._main:
                 continue
             sub, m, a, b = self._main[p]
-            full = masters.get(name, p.detach())
-            m.copy_(full.reshape(-1)[a:b].view_as(m).to(m.dtype))
+            if m is not p and name in masters:
+                m.copy_(masters[name].reshape(-1)[a:b].view_as(m))
+            elif m is not p:  # saved without masters (float32 run): start from the loaded weights
+                m.copy_(p.detach().reshape(-1)[a:b].view_as(m))
             saved = per_param.get(i, per_param.get(str(i)))
             inner = sub.optimizer.state
             if saved:
-                inner[m] = {"step": torch.tensor(float(saved["step"])),
-                            "exp_avg": saved["exp_avg"].reshape(-1)[a:b].view_as(m).to(m.dtype).clone(),
-                            "exp_avg_sq": saved["exp_avg_sq"].reshape(-1)[a:b].view_as(m).to(m.dtype).clone()}
+                inner[m] = {"step": torch.tensor(float(saved["step"])), **{
+                    k: saved[k].reshape(-1)[a:b].view_as(m).to(device=m.device, dtype=m.dtype, copy=True)
+                    for k in ("exp_avg", "exp_avg_sq")}}
             else:
                 inner.pop(m, None)
         for group in self.param_groups:

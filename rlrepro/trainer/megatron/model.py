@@ -62,9 +62,12 @@ def gather_param(name: str, local: torch.Tensor, groups: ParallelGroups) -> torc
     dim, _ = shard_spec(name)
     if dim is None or groups.tp_size == 1:
         return local.detach()
-    parts = [torch.empty_like(local) for _ in range(groups.tp_size)]
-    torch.distributed.all_gather(parts, local.detach().contiguous(), group=groups.tp_group)
-    return torch.cat(parts, dim=dim)
+    x = local.detach().contiguous()
+    if x.device.type == "cpu" and torch.distributed.get_backend(groups.tp_group) == "nccl":
+        x = x.to(torch.cuda.current_device())  # (e.g. optimizer state gathered to the CPU) NCCL moves CUDA tensors
+    parts = [torch.empty_like(x) for _ in range(groups.tp_size)]
+    torch.distributed.all_gather(parts, x, group=groups.tp_group)
+    return torch.cat(parts, dim=dim).to(local.device)
 
 
 def _param(*shape: int) -> nn.Parameter:

@@ -169,11 +169,12 @@ class MegatronTrainer(Trainer):
         """The optimizer state a single-process Trainer of the full model would hold; a collective. With the
         optimizer sharded over the DP replicas, replica 0 first gathers its TP shard's full state from the DP owners,
         then its TP group gathers the shards; the other replicas return None (only replica 0 holds the writer)."""
-        if self.distributed_optimizer and self.grad_sync == "ordered":
-            local = self.optimizer.gather_state_dict(dst=0)
+        if self.distributed_optimizer:  # both gather onto DP rank 0 (CPU tensors)
+            local = (self.optimizer.gather_state_dict(dst=0) if self.grad_sync == "ordered"
+                     else self.optimizer.state_dict())
             if local is None:
                 return None
-        else:  # (megatron-core's distributed optimizer: a collective over DP, every replica gets it)
+        else:
             local = self.optimizer.state_dict()
         names = local["names"]
         adamw = local["adamw"]
