@@ -215,3 +215,27 @@ def test_grad_sync_is_checked():
         MegatronTrainer(copy.deepcopy(model), TrainConfig(), grad_sync="megatron", checkpoint_format="dist")
     with pytest.raises(ValueError, match="init_parallel"):  # plain groups, not megatron-core's parallel_state
         MegatronTrainer(copy.deepcopy(model), TrainConfig(), grad_sync="megatron")
+
+
+def _worker_tp2_dp2(rank, world, port, model_dir, out):
+    with gloo_process_group(rank, world, port):
+        bf16 = torch.bfloat16
+        res = {kind: _strip(_run(model_dir, 2, world, kind, dopt=True, dtype=bf16)) for kind in ("ordered", "megatron")}
+        torch.save(res, f"{out}.rank{rank}")
+
+
+@pytest.mark.slow
+def test_tp2_x_dp2_with_the_distributed_optimizer(tmp_path):
+    """4 processes, TP=2 x DP=2, bf16 with float32 masters, both paths with their distributed optimizer: the same
+    weights on every rank and as the order-fixed path; the gathered optimizer state (TP shards gathered after the DP
+    owners' ranges) equal on the writer, None on the other replica."""
+    write_tiny_checkpoint(tmp_path / "m", seed=4)
+    ranks = spawn_ranks(_worker_tp2_dp2, 4, str(tmp_path / "m"), out=str(tmp_path / "out"))
+    for r, res in enumerate(ranks):
+        _same_weights(res["ordered"]["weights"], res["megatron"]["weights"])
+        _same_weights(ranks[0]["megatron"]["weights"], res["megatron"]["weights"])
+        assert _loss(res["ordered"]) == _loss(res["megatron"])
+        if r in (0, 1):  # replica 0 (DP rank 0): both TP ranks hold the gathered state
+            assert _same_optim(res["ordered"]["optim"], res["megatron"]["optim"])
+        else:
+            assert res["ordered"]["optim"] is None and res["megatron"]["optim"] is None
