@@ -95,8 +95,13 @@ else
                diffrun g m0 "megatron TP=1 vs default"; }
   # the optimizer state sharded over the 2 data-parallel ranks (ZeRO-1, NCCL broadcasts): the same run as g
   want z && { train z "${TWO[@]}" train.distributed_optimizer=true; diffrun g z "distributed optimizer vs g"; }
+  # megatron-core's DDP + DistributedOptimizer (trainer.grad_sync=megatron) at TP=1 x DP=2: two runs
+  MC=("${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=1 trainer.grad_sync=megatron
+      train.distributed_optimizer=true)
+  want k1 && train k1 "${MC[@]}"
+  want k2 && { train k2 "${MC[@]}"; diffrun k1 k2 "two runs, megatron-core DDP + DistributedOptimizer"; }
   [ -n "${GRPO_FAST:-}" ] && train f2 "${TWO[@]}" run.deterministic=false
-  RUNS=$(for n in g h s m1 m2 m0 z f2; do [ -d "$W/$n" ] && echo "$n"; done)
+  RUNS=$(for n in g h s m1 m2 m0 z k1 k2 f2; do [ -d "$W/$n" ] && echo "$n"; done)
 fi
 
 $PY - "$W" $RUNS <<'PYEOF' | tee -a "$R/summary.txt"
