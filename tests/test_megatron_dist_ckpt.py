@@ -408,3 +408,53 @@ def test_plain_loader_refuses_a_sharded_checkpoint_and_names_the_converter(runs)
     tmp, model_dir, tp2, _, _ = runs
     with pytest.raises(ValueError, match="megatron-dist.*dist_to_full"):
         load_checkpoint(tp2[0]["dist"], model=load_pretrained(model_dir))
+
+
+# ---------------------------------------------- rlrepro's ZeRO-1 (distributed_optimizer) with dist checkpoints
+
+def _zero_worker(rank, world, port, model_dir, out):
+    with gloo_process_group(rank, world, port):
+        from rlrepro.trainer.megatron import destroy_parallel
+
+        res = {}
+        trainer = _build(model_dir, 2, world, use_megatron_parallel_state=True, distributed_optimizer=True)
+        res["metrics"] = []
+        for step in range(3):
+            res["metrics"].append(trainer.train_step(batch(trainer.model, step)))
+            if step == 0:
+                res["dist"] = str(trainer.save_checkpoint(f"{out}_dist", 1, extra_state={"cursor": 9}))
+                res["full"] = str(trainer.save_checkpoint(f"{out}_full", 1, extra_state={"cursor": 9},
+                                                          checkpoint_format="full"))
+        res["weights"] = {n: w.clone() for n, w in trainer.named_weights()}
+        res["owned"] = trainer.optimizer.owned_names()
+        # resume the ZeRO-1 dist checkpoint into a fresh ZeRO-1 trainer, and into one with the unsharded optimizer
+        for tag, sharded in (("zero", True), ("plain", False)):
+            r = _build(model_dir, 2, world, use_megatron_parallel_state=True, distributed_optimizer=sharded)
+            res[f"{tag}_extra"] = r.load_checkpoint(res["dist"])
+            res[f"{tag}_metrics"] = [r.train_step(batch(r.model, s)) for s in (1, 2)]
+            res[f"{tag}_weights"] = {n: w.clone() for n, w in r.named_weights()}
+        destroy_parallel(trainer.groups)
+        torch.save(res, f"{out}.rank{rank}")
+
+
+@pytest.mark.slow
+def test_zero1_dist_checkpoint_each_owner_writes_its_share_and_resumes_bitwise(tmp_path):
+    """TP=2 x DP=2 over 4 processes with rlrepro's ZeRO-1: the dist checkpoint holds every optimizer tensor once
+    (written by its DP owner), converts to the full format's contents, and resumes a fresh ZeRO-1 trainer and an
+    unsharded one to the uninterrupted run's metrics and weights."""
+    from rlrepro.trainer.megatron import dist_to_full
+
+    write_tiny_checkpoint(tmp_path / "m", seed=6)
+    ranks = spawn_ranks(_zero_worker, 4, str(tmp_path / "m"), out=str(tmp_path / "z"))
+    assert set(ranks[0]["owned"]) != set(ranks[2]["owned"])  # the DP replicas own different tensors
+    for res in ranks:
+        for tag in ("zero", "plain"):
+            assert res[f"{tag}_extra"] == {"cursor": 9}
+            assert res[f"{tag}_metrics"] == res["metrics"][1:], tag
+            for n, w in res["weights"].items():
+                assert torch.equal(res[f"{tag}_weights"][n], w), (tag, n)
+    meta = json.loads((Path(ranks[0]["dist"]) / "dist_meta.json").read_text())
+    assert {i["kind"] for i in meta["tensors"].values()} == {"model", "master", "state"}
+    converted = dist_to_full(ranks[0]["dist"], tmp_path / "converted")
+    assert_optim_equal(torch.load(converted / "optimizer.pt", weights_only=True),
+                       load_checkpoint_state(ranks[0]["full"]))

@@ -200,19 +200,13 @@ def test_sharded_checkpoint_is_the_unsharded_checkpoint_and_resumes_both(ranks, 
 
 # ------------------------------------------------------------------------------------------------------ config
 
-def test_megatron_with_distributed_optimizer_needs_full_checkpoints(tmp_path, capsys):
-    from rlrepro.cli import compose_config, main
-    from rlrepro.orchestration.config import ConfigError
+def test_megatron_with_distributed_optimizer_config(tmp_path, capsys):
+    from rlrepro.cli import compose_config
 
-    run_dir = tmp_path / "run"
-    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", "trainer.backend=megatron",
-                 "train.distributed_optimizer=true", "checkpoint.format=dist"]) == 2
-    err = capsys.readouterr().err
-    assert "train.distributed_optimizer=true" in err and "checkpoint.format=full" in err  # the key and the fix
-    assert not run_dir.exists()
-    with pytest.raises(ConfigError, match="distributed_optimizer"):
-        compose_config(["recipe=grpo_tiny", "trainer.backend=megatron", "trainer.tensor_parallel=2",
-                        "train.num_gpus=2", "train.distributed_optimizer=true", "checkpoint.format=dist"])
+    # sharded (dist) checkpoints with the sharded optimizer: each DP owner writes its share (test_megatron_dist_ckpt)
+    cfg = compose_config(["recipe=grpo_tiny", "trainer.backend=megatron", "trainer.tensor_parallel=2",
+                          "train.num_gpus=2", "train.distributed_optimizer=true", "checkpoint.format=dist"])
+    assert cfg.checkpoint.format == "dist" and cfg.train.distributed_optimizer is True
     cfg = compose_config(["recipe=grpo_tiny", "trainer.backend=megatron", "trainer.tensor_parallel=1",
                           "train.num_gpus=2", "train.distributed_optimizer=true"])
     assert cfg.train.distributed_optimizer is True

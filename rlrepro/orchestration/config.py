@@ -127,7 +127,7 @@ class TrainConfig:
     # data-parallel trainer ranks (order-fixed gradient sum): one GPU each on CUDA, one process each on CPU
     num_gpus: int = 1
     # shard the float32 master weights and AdamW moments over the data-parallel ranks (ZeRO-1; the same bits;
-    # with trainer.backend=megatron over its DP replicas, checkpoint.format=full only)
+    # with trainer.backend=megatron over its DP replicas; with checkpoint.format=dist each owner writes its share)
     distributed_optimizer: bool = False
     # a non-finite loss or gradient norm: error (stop before the weights change; a checkpoint of the last
     # completed step is kept) | skip (weights and optimizer state untouched, LR schedule advances, step recorded)
@@ -328,10 +328,6 @@ def _validate_trainer_layout(cfg: Any, model_config: Any = None) -> None:
     """trainer.backend / trainer.tensor_parallel against train.num_gpus (and the model's shape when given)."""
     from rlrepro.trainer.megatron import validate_megatron_config
 
-    if cfg.train.distributed_optimizer and cfg.trainer.backend == "megatron" and cfg.checkpoint.format == "dist":
-        raise ConfigError("train.distributed_optimizer=true with trainer.backend=megatron needs checkpoint.format=full "
-                          "(the sharded dist checkpoint does not split the optimizer state over the data-parallel "
-                          "owners yet); set checkpoint.format=full or train.distributed_optimizer=false")
     if cfg.trainer.grad_sync == "megatron" and cfg.trainer.backend != "megatron":
         raise ConfigError("trainer.grad_sync=megatron (megatron-core's DistributedDataParallel and optimizer) needs "
                           "trainer.backend=megatron; set trainer.backend=megatron or trainer.grad_sync=ordered")

@@ -107,36 +107,53 @@ def _full_shape(name: str, local: torch.Tensor, tp: int) -> list[int]:
 
 
 def _entries(trainer) -> list[tuple[str, dict, torch.Tensor]]:
-    """``(key, info, local tensor)`` of every tensor this trainer's dist checkpoint holds, key order. ``info``:
-    kind (model | master | state), parameter name, state key, full shape, dtype."""
+    """``(key, info, local tensor)`` of every tensor this rank's part of the dist checkpoint holds, key order.
+    ``info``: kind (model | master | state), parameter name, state key, full shape, dtype, and ``dp_owned`` for
+    optimizer tensors that live on one data-parallel rank only (``distributed_optimizer``: rlrepro's ZeRO-1, whose
+    owner holds the whole TP shard's master and moments; the other DP ranks list none of them)."""
     opt, tp = trainer.optimizer, trainer.groups.tp_size
+    owned = trainer.distributed_optimizer
     out = []
     for name, p in sorted(trainer.model.named_parameters(), key=lambda kv: kv[0]):
         out.append((f"model.{name}", dict(kind="model", name=name), p.detach()))
     for name, m, p in zip(opt.names, opt.masters, opt.params):
-        if m is not p:
-            out.append((f"optimizer.master.{name}", dict(kind="master", name=name), m.detach()))
+        if m is not None and m is not p:
+            out.append((f"optimizer.master.{name}", dict(kind="master", name=name, dp_owned=owned), m.detach()))
     for name, m in zip(opt.names, opt.masters):
-        for k, v in sorted(opt.inner.state.get(m, {}).items()):
+        for k, v in sorted(opt.inner.state.get(m, {}).items() if m is not None else ()):
             if torch.is_tensor(v) and v.dim() > 0:
-                out.append((f"optimizer.{k}.{name}", dict(kind="state", name=name, state_key=k), v.detach()))
+                out.append((f"optimizer.{k}.{name}", dict(kind="state", name=name, state_key=k, dp_owned=owned),
+                            v.detach()))
     for key, info, t in out:
         info.update(shape=_full_shape(info["name"], t, tp), dtype=str(t.dtype).replace("torch.", ""))
     return sorted(out, key=lambda e: e[0])
 
 
-def _sharded_tensor(key: str, name: str, data: torch.Tensor, groups):
+def _all_infos(trainer, entries) -> dict[str, dict]:
+    """Every rank's tensor infos (key -> info): with the distributed optimizer the DP ranks' owned optimizer
+    tensors, gathered (a collective over the DP group); else this rank's."""
+    infos = {key: info for key, info, _ in entries}
+    if trainer.distributed_optimizer and trainer.groups.dp_size > 1:
+        parts = [None] * trainer.groups.dp_size
+        dist.all_gather_object(parts, infos, group=trainer.groups.dp_group)
+        infos = {k: v for part in parts for k, v in part.items()}
+    return dict(sorted(infos.items()))
+
+
+def _sharded_tensor(key: str, info: dict, data: torch.Tensor, groups):
     """This rank's piece of ``key`` as a megatron ShardedTensor: split along the parameter's TP dim (one main
-    replica per shard: DP rank 0) or replicated (main replica: TP rank 0 of DP rank 0)."""
+    replica per shard: DP rank 0, or the DP owner for ``dp_owned`` optimizer tensors) or replicated over TP (main
+    replica: TP rank 0 of that DP rank)."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
     from .model import shard_spec
 
-    dim, _ = shard_spec(name)
+    dp_replica = 0 if info.get("dp_owned") else groups.dp_rank
+    dim, _ = shard_spec(info["name"])
     if dim is not None and groups.tp_size > 1:
         return ShardedTensor.from_rank_offsets(key, data, (dim, groups.tp_rank, groups.tp_size),
-                                               replica_id=(0, groups.dp_rank))
-    return ShardedTensor.from_rank_offsets(key, data, replica_id=(groups.tp_rank, groups.dp_rank))
+                                               replica_id=(0, dp_replica))
+    return ShardedTensor.from_rank_offsets(key, data, replica_id=(groups.tp_rank, dp_replica))
 
 
 def _write_torch(path: Path, obj) -> dict:
@@ -174,13 +191,15 @@ def save_dist_checkpoint(trainer, ckpt_root, step: int, *, extra_state: Mapping 
     try:
         try:
             entries = _entries(trainer)
-            sharded = {key: _sharded_tensor(key, info["name"], t, trainer.groups) for key, info, t in entries}
+            infos = _all_infos(trainer, entries)
+            scalars = _all_scalars(trainer)
+            sharded = {key: _sharded_tensor(key, info, t, trainer.groups) for key, info, t in entries}
             with cuda_calls_on_cpu():
                 dc.save(sharded, str(tmp / DIST_DIR), sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
                         validate_access_integrity=True)
             _write_torch(tmp / "rng" / f"rank_{rank:05d}.pt", capture_rng_state(generators))
             if rank == 0:
-                _write_rank0_files(trainer, tmp, entries, step, extra_state, world)
+                _write_rank0_files(trainer, tmp, infos, scalars, step, extra_state, world)
         except BaseException as e:
             error = e
         _agree(error, "writing the dist checkpoint")
@@ -221,19 +240,33 @@ def save_dist_checkpoint(trainer, ckpt_root, step: int, *, extra_state: Mapping 
     return final
 
 
-def _write_rank0_files(trainer, tmp: Path, entries, step: int, extra_state, world: int) -> None:
-    g = trainer.groups
+def _all_scalars(trainer) -> dict[str, dict]:
+    """Each parameter's non-tensor AdamW state (its step count), name -> dict; with the distributed optimizer
+    gathered from the DP owners (a collective over the DP group)."""
     opt = trainer.optimizer
     adamw = opt.inner.state_dict()
-    scalars = {opt.names[i]: {k: v for k, v in per.items() if not (torch.is_tensor(v) and v.dim() > 0)}
-               for i, per in adamw["state"].items()}
-    _write_torch(tmp / "optimizer.pt", {"names": list(opt.names), "param_groups": adamw["param_groups"],
-                                        "scalars": scalars})
+    local = getattr(opt, "_local", range(len(opt.names)))  # ZeRO-1: AdamW's index j is parameter _local[j]
+    scalars = {opt.names[local[j]]: {k: v for k, v in per.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+               for j, per in adamw["state"].items()}
+    if trainer.distributed_optimizer and trainer.groups.dp_size > 1:
+        parts = [None] * trainer.groups.dp_size
+        dist.all_gather_object(parts, scalars, group=trainer.groups.dp_group)
+        scalars = {k: v for part in parts for k, v in part.items()}
+    return dict(sorted(scalars.items()))
+
+
+def _write_rank0_files(trainer, tmp: Path, infos: dict, scalars: dict, step: int, extra_state, world: int) -> None:
+    g = trainer.groups
+    opt = trainer.optimizer
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.inner.state_dict()["param_groups"]]
+    for group in groups:  # the unsharded optimizer's one group over every parameter (also under ZeRO-1)
+        group["params"] = list(range(len(opt.names)))
+    _write_torch(tmp / "optimizer.pt", {"names": list(opt.names), "param_groups": groups, "scalars": scalars})
     _write_torch(tmp / "scheduler.pt", trainer.scheduler.state_dict())
     _write_torch(tmp / "extra_state.pt", dict(extra_state or {}))
     meta = {"step": step, "tensor_parallel": g.tp_size, "data_parallel": g.dp_size, "world_size": world,
             "model_config": trainer.model.config.to_dict(),
-            "tensors": {key: info for key, info, _ in entries}}
+            "tensors": {key: {k: v for k, v in info.items() if k != "dp_owned"} for key, info in infos.items()}}
     ckpt._write_file(tmp / META, lambda p: p.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n"))
 
 
@@ -242,7 +275,7 @@ def _write_rank0_files(trainer, tmp: Path, entries, step: int, extra_state, worl
 def _check_compatible(trainer, meta: dict, path: Path) -> None:
     """The loading trainer must hold the same tensors (names, full shapes, dtypes, master copies) as the saved one;
     TP and DP may differ."""
-    own = {key: info for key, info, _ in _entries(trainer) if info["kind"] != "state"}
+    own = {key: info for key, info in _all_infos(trainer, _entries(trainer)).items() if info["kind"] != "state"}
     saved = {key: info for key, info in meta["tensors"].items() if info["kind"] != "state"}
     own_model = {k for k, i in own.items() if i["kind"] == "model"}
     saved_model = {k for k, i in saved.items() if i["kind"] == "model"}
@@ -301,12 +334,15 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
     opt, g = trainer.optimizer, trainer.groups
     params = dict(trainer.model.named_parameters())
     local_shape = {n: tuple(p.shape) for n, p in params.items()}
+    owned = set(opt.owned_names()) if trainer.distributed_optimizer else None  # ZeRO-1: read only what we own
     targets = {}
     for key, info in meta["tensors"].items():
+        if owned is not None and info["kind"] != "model" and info["name"] not in owned:
+            continue
         p = params[info["name"]]
         t = torch.empty(local_shape[info["name"]], dtype=getattr(torch, info["dtype"]), device=p.device)
-        targets[key] = (info, t)
-    sharded = {key: _sharded_tensor(key, info["name"], t, g) for key, (info, t) in targets.items()}
+        targets[key] = (dict(info, dp_owned=owned is not None and info["kind"] != "model"), t)
+    sharded = {key: _sharded_tensor(key, info, t, g) for key, (info, t) in targets.items()}
     with cuda_calls_on_cpu():
         loaded = dc.load(sharded, str(path / DIST_DIR))
 
@@ -328,6 +364,8 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
                 state.setdefault(index[info["name"]], {})[info["state_key"]] = t
     for name, scalars in common["scalars"].items():
         state.setdefault(index[name], {}).update(scalars)
+    if owned is not None:  # the other ranks' masters: not read here (ShardedMasterWeightAdamW keeps its own only)
+        masters.update({n: None for n in opt.names if n not in owned})
     opt.load_state_dict({"names": list(opt.names), "adamw": {"state": state, "param_groups": common["param_groups"]},
                          "master_weights": masters})
     trainer.scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))

@@ -120,10 +120,6 @@ class MegatronTrainer(Trainer):
         if grad_sync == "megatron" and self.checkpoint_format == "dist":
             raise ValueError("grad_sync='megatron' with checkpoint_format='dist' is not supported (the dist format "
                              "writes rlrepro's optimizer shards); use checkpoint_format='full'")
-        if distributed_optimizer and self.checkpoint_format == "dist":
-            raise ValueError("distributed_optimizer=True with checkpoint_format='dist' is not supported (the sharded "
-                             "checkpoint writes each rank's TP shard of the optimizer state, which the DP owners "
-                             "would have to split); use checkpoint_format='full' or distributed_optimizer=False")
         dp = DataParallel(group=self.groups.dp_group) if self.groups.dp_size > 1 else None
         super().__init__(model, config, ref_model, param_dtype=param_dtype, data_parallel=dp,
                          distributed_optimizer=distributed_optimizer)
@@ -215,9 +211,6 @@ class MegatronTrainer(Trainer):
         if fmt == "dist" and self.grad_sync == "megatron":
             raise ValueError("checkpoint_format='dist' is not supported with grad_sync='megatron'; save with "
                              "checkpoint_format='full'")
-        if fmt == "dist" and self.distributed_optimizer:
-            raise ValueError("checkpoint_format='dist' is not supported with distributed_optimizer=True; save with "
-                             "checkpoint_format='full'")
         if fmt == "dist":
             return save_dist_checkpoint(self, ckpt_root, step, extra_state=extra_state, keep_last=keep_last,
                                         generators=generators)
@@ -237,10 +230,6 @@ class MegatronTrainer(Trainer):
             if self.grad_sync == "megatron":
                 raise ValueError(f"{path} is a dist checkpoint; a trainer with grad_sync='megatron' loads full "
                                  "checkpoints only (convert it with dist_to_full)")
-            if self.distributed_optimizer:
-                raise ValueError(f"{path} is a dist checkpoint; a trainer with distributed_optimizer=True loads "
-                                 "full checkpoints only (convert it with dist_to_full, or build the trainer with "
-                                 "distributed_optimizer=False)")
             return load_dist_checkpoint(self, path, generators=generators, restore_rng=restore_rng)
         loaded = load_checkpoint(path, model=_FullModelView(self.model), optimizer=_FullOptimizerView(self),
                                  scheduler=self.scheduler, restore_rng=restore_rng, generators=generators)
