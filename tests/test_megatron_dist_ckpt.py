@@ -335,7 +335,7 @@ def test_checkpoint_format_is_checked():
 
 # --------------------------------------------------------------------------------------- 2 GPUs, NCCL, bf16
 
-def _gpu_worker(rank, world, port, model_dir, out):
+def _gpu_worker(rank, world, port, model_dir, zero, out):
     import torch.distributed as dist
 
     from rlrepro.trainer import enable_determinism
@@ -345,14 +345,15 @@ def _gpu_worker(rank, world, port, model_dir, out):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        def build(tp):
+        def build(tp):  # zero: TP=1 x DP=2 with rlrepro's ZeRO-1 (each DP owner writes its share)
             return build_megatron_trainer(model_dir, TrainConfig(**CONFIG), tensor_parallel=tp, num_gpus=world,
                                           device="cuda", dtype=torch.bfloat16, checkpoint_format="dist",
-                                          use_megatron_parallel_state=False)
+                                          use_megatron_parallel_state=False, distributed_optimizer=zero)
 
         res = {"metrics": []}
+        tp = 1 if zero else 2
         if world == 2:
-            trainer = build(2)
+            trainer = build(tp)
             for step in range(3):
                 res["metrics"].append(trainer.train_step(batch(trainer.model, step)))
                 if step == 0:
@@ -361,7 +362,7 @@ def _gpu_worker(rank, world, port, model_dir, out):
                                                               checkpoint_format="full"))
                     res["weights_at_save"] = {n: w.cpu() for n, w in trainer.named_weights()}
             res["weights"] = {n: w.cpu() for n, w in trainer.named_weights()}
-            resumed = build(2)
+            resumed = build(tp)
             res["extra"] = resumed.load_checkpoint(res["dist"])
             res["resumed_metrics"] = [resumed.train_step(batch(resumed.model, s)) for s in (1, 2)]
             res["resumed_weights"] = {n: w.cpu() for n, w in resumed.named_weights()}
@@ -376,22 +377,24 @@ def _gpu_worker(rank, world, port, model_dir, out):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_gpu_tp2_dist_checkpoint_resumes_bitwise_and_reshards(tmp_path):
+@pytest.mark.parametrize("zero", [False, True], ids=["tp2", "tp1_dp2_zero1"])
+def test_gpu_tp2_dist_checkpoint_resumes_bitwise_and_reshards(tmp_path, zero):
     from safetensors.torch import load_file
 
     from rlrepro.trainer.megatron import dist_to_full
 
     model_dir = str(write_tiny_checkpoint(tmp_path / "model", seed=3))
     out = str(tmp_path / "g")
-    tp2 = spawn_ranks(_gpu_worker, 2, model_dir, out=out)
+    tp2 = spawn_ranks(_gpu_worker, 2, model_dir, zero, out=out)
     for res in tp2:
         assert res["extra"] == {"cursor": 7}
         assert res["resumed_metrics"] == res["metrics"][1:]
         for name, w in res["weights"].items():
             assert w.dtype == torch.bfloat16 and torch.equal(res["resumed_weights"][name], w), name
-    (tp1,) = spawn_ranks(_gpu_worker, 1, model_dir, out=out)
-    for name, w in tp1["weights"].items():
-        assert torch.equal(w, tp2[0]["weights_at_save"][name]), name
+    if not zero:  # TP=1 on one GPU reads the TP=2 checkpoint
+        (tp1,) = spawn_ranks(_gpu_worker, 1, model_dir, zero, out=out)
+        for name, w in tp1["weights"].items():
+            assert torch.equal(w, tp2[0]["weights_at_save"][name]), name
     converted = dist_to_full(tp2[0]["dist"], tmp_path / "converted")
     ours, theirs = load_file(converted / "model.safetensors"), load_file(f"{tp2[0]['full']}/model.safetensors")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
