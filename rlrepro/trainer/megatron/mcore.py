@@ -104,7 +104,8 @@ class MegatronCoreOptimizer:
 
     ``state_dict()`` is rlrepro's unsharded layout for this rank's TP shard (``names``, ``adamw`` =
     ``torch.optim.AdamW.state_dict()`` of one tensor per name, ``master_weights``): with the distributed optimizer
-    it gathers the DP owners' ranges, so it is a collective over the DP group.
+    it gathers the DP owners' ranges onto DP rank 0 (CPU memory; the other ranks get None), a collective over the
+    DP group. Parameters must be float32 or bfloat16 (megatron-core's fp16 path needs a loss scaler).
     """
 
     def __init__(self, model: TPQwen3ForCausalLM, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -121,6 +122,9 @@ class MegatronCoreOptimizer:
                              "megatron-core is installed)")
         cfg = model.config
         dtype = model.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"grad_sync='megatron' trains float32 or bfloat16 parameters, got {dtype}; use "
+                             "model.dtype=bfloat16 (or float32), or grad_sync='ordered'")
         pairs = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda kv: kv[0])
         self.names = [n for n, _ in pairs]
         self.params = [p for _, p in pairs]
@@ -135,8 +139,7 @@ class MegatronCoreOptimizer:
             tconfig = TransformerConfig(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
                                         num_attention_heads=cfg.num_attention_heads,
                                         tensor_model_parallel_size=g.tp_size, params_dtype=dtype,
-                                        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-                                        calculate_per_token_loss=True)
+                                        bf16=dtype == torch.bfloat16, calculate_per_token_loss=True)
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                        overlap_param_gather=False,
                                                        use_distributed_optimizer=self.distributed)
