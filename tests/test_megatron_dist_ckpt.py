@@ -335,6 +335,18 @@ def test_checkpoint_format_is_checked():
 
 # --------------------------------------------------------------------------------------- 2 GPUs, NCCL, bf16
 
+def _three_steps_saving_after_the_first(trainer, out, cursor, res):
+    """Three train steps; after the first a dist and a full checkpoint (step 1, extra_state cursor). Fills res."""
+    for step in range(3):
+        res["metrics"].append(trainer.train_step(batch(trainer.model, step)))
+        if step == 0:
+            res["dist"] = str(trainer.save_checkpoint(f"{out}_dist", 1, extra_state={"cursor": cursor}))
+            res["full"] = str(trainer.save_checkpoint(f"{out}_full", 1, extra_state={"cursor": cursor},
+                                                      checkpoint_format="full"))
+            res["weights_at_save"] = {n: w.cpu() for n, w in trainer.named_weights()}
+    res["weights"] = {n: w.cpu() for n, w in trainer.named_weights()}
+
+
 def _gpu_worker(rank, world, port, model_dir, zero, out):
     import torch.distributed as dist
 
@@ -354,14 +366,7 @@ def _gpu_worker(rank, world, port, model_dir, zero, out):
         tp = 1 if zero else 2
         if world == 2:
             trainer = build(tp)
-            for step in range(3):
-                res["metrics"].append(trainer.train_step(batch(trainer.model, step)))
-                if step == 0:
-                    res["dist"] = str(trainer.save_checkpoint(f"{out}_dist", 1, extra_state={"cursor": 7}))
-                    res["full"] = str(trainer.save_checkpoint(f"{out}_full", 1, extra_state={"cursor": 7},
-                                                              checkpoint_format="full"))
-                    res["weights_at_save"] = {n: w.cpu() for n, w in trainer.named_weights()}
-            res["weights"] = {n: w.cpu() for n, w in trainer.named_weights()}
+            _three_steps_saving_after_the_first(trainer, out, 7, res)
             resumed = build(tp)
             res["extra"] = resumed.load_checkpoint(res["dist"])
             res["resumed_metrics"] = [resumed.train_step(batch(resumed.model, s)) for s in (1, 2)]
@@ -419,16 +424,9 @@ def _zero_worker(rank, world, port, model_dir, out):
     with gloo_process_group(rank, world, port):
         from rlrepro.trainer.megatron import destroy_parallel
 
-        res = {}
+        res = {"metrics": []}
         trainer = _build(model_dir, 2, world, use_megatron_parallel_state=True, distributed_optimizer=True)
-        res["metrics"] = []
-        for step in range(3):
-            res["metrics"].append(trainer.train_step(batch(trainer.model, step)))
-            if step == 0:
-                res["dist"] = str(trainer.save_checkpoint(f"{out}_dist", 1, extra_state={"cursor": 9}))
-                res["full"] = str(trainer.save_checkpoint(f"{out}_full", 1, extra_state={"cursor": 9},
-                                                          checkpoint_format="full"))
-        res["weights"] = {n: w.clone() for n, w in trainer.named_weights()}
+        _three_steps_saving_after_the_first(trainer, out, 9, res)
         res["owned"] = trainer.optimizer.owned_names()
         # resume the ZeRO-1 dist checkpoint into a fresh ZeRO-1 trainer, and into one with the unsharded optimizer
         for tag, sharded in (("zero", True), ("plain", False)):

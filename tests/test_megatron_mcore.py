@@ -43,6 +43,8 @@ def _run(model_dir, tp, world, grad_sync, *, steps=3, dopt=False, dtype=None, ck
         out["metrics"].append(t.train_step(batch(s, t.model.config.vocab_size)))
         if ckpt is not None and s == 0:
             out["ckpt"] = str(t.save_checkpoint(ckpt, 1, extra_state={"cursor": 3}))
+            out["dist_ckpt"] = str(t.save_checkpoint(f"{ckpt}_dist", 1, extra_state={"cursor": 3},
+                                                     checkpoint_format="dist"))
     out["weights"] = {n: w.clone() for n, w in t.named_weights()}
     out["optim"] = copy.deepcopy(t._full_optimizer_state())
     out["trainer"] = t
@@ -90,17 +92,20 @@ def _worker(rank, world, port, model_dir, out):
                 torch.equal(a, b) for a, b in zip(_flat(before), _flat(after))))
         destroy_parallel(t.groups)
         res["uninterrupted"] = run
-        for kind, dopt in (("megatron", True), ("ordered", False)):
+        for tag, kind, dopt, fmt in (("megatron", "megatron", True, "ckpt"), ("ordered", "ordered", False, "ckpt"),
+                                     ("dist_megatron", "megatron", True, "dist_ckpt"),
+                                     ("dist_megatron_plain", "megatron", False, "dist_ckpt"),
+                                     ("dist_ordered_zero", "ordered", True, "dist_ckpt")):
             from rlrepro.trainer.megatron import build_megatron_trainer
 
             r = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), tensor_parallel=1, num_gpus=world,
                                        use_megatron_parallel_state=True, grad_sync=kind, distributed_optimizer=dopt,
                                        param_dtype=bf16)
-            extra = r.load_checkpoint(run["ckpt"])
+            extra = r.load_checkpoint(run[fmt])
             loaded = copy.deepcopy(r._full_optimizer_state())  # (the order-fixed path's holds live tensors)
             metrics = [r.train_step(batch(s, r.model.config.vocab_size)) for s in (1, 2)]
-            res[f"resumed_{kind}"] = {"extra": extra, "loaded": loaded, "metrics": metrics,
-                                      "weights": {n: w.clone() for n, w in r.named_weights()}}
+            res[f"resumed_{tag}"] = {"extra": extra, "loaded": loaded, "metrics": metrics,
+                                     "weights": {n: w.clone() for n, w in r.named_weights()}}
             destroy_parallel(r.groups)
         torch.save({k: (_strip(v) if isinstance(v, dict) and "trainer" in v else v) for k, v in res.items()},
                    f"{out}.rank{rank}")
@@ -189,12 +194,12 @@ def test_tensor_parallel_2(runs):
 
 
 def test_checkpoint_resumes_exactly_and_crosses_to_the_ordered_path(runs):
-    """A full checkpoint of the megatron-core path (distributed optimizer, bf16 + float32 masters) resumes a fresh
-    megatron-core trainer to the uninterrupted run's bits, and loads into the order-fixed path (the same state; on
-    the CPU also the same next steps)."""
+    """Full and dist checkpoints of the megatron-core path (distributed optimizer, bf16 + float32 masters) resume a
+    fresh megatron-core trainer (with or without its distributed optimizer) to the uninterrupted run's bits, and
+    load into the order-fixed path, with or without its ZeRO-1 (the same state; on the CPU also the same steps)."""
     for rank in runs:
         ref = rank["uninterrupted"]
-        for kind in ("megatron", "ordered"):
+        for kind in ("megatron", "ordered", "dist_megatron", "dist_megatron_plain", "dist_ordered_zero"):
             res = rank[f"resumed_{kind}"]
             assert res["extra"] == {"cursor": 3}
             assert [m["train/loss"] for m in res["metrics"]] == _loss(ref)[1:]
@@ -202,6 +207,10 @@ def test_checkpoint_resumes_exactly_and_crosses_to_the_ordered_path(runs):
         assert [m["train/grad_norm"] for m in rank["resumed_megatron"]["metrics"]] == \
             [m["train/grad_norm"] for m in ref["metrics"][1:]]
         assert _same_optim(rank["resumed_megatron"]["loaded"], rank["resumed_ordered"]["loaded"]) or rank is runs[1]
+        # the dist checkpoint (each DP owner writes whole tensors gathered from the ranges) loads to the same state
+        assert _same_optim(rank["resumed_ordered"]["loaded"], rank["resumed_dist_megatron_plain"]["loaded"])
+        assert _same_optim(rank["resumed_dist_megatron"]["loaded"], rank["resumed_megatron"]["loaded"]) \
+            or rank is runs[1]
         assert rank["snapshot_restores"]
 
 
@@ -211,8 +220,6 @@ def test_grad_sync_is_checked():
     model = TPQwen3ForCausalLM.from_full(tiny_model(seed=1), single_process_groups())
     with pytest.raises(ValueError, match="grad_sync='nccl' is not one of"):
         MegatronTrainer(copy.deepcopy(model), TrainConfig(), grad_sync="nccl")
-    with pytest.raises(ValueError, match="checkpoint_format='full'"):
-        MegatronTrainer(copy.deepcopy(model), TrainConfig(), grad_sync="megatron", checkpoint_format="dist")
     with pytest.raises(ValueError, match="init_parallel"):  # plain groups, not megatron-core's parallel_state
         MegatronTrainer(copy.deepcopy(model), TrainConfig(), grad_sync="megatron")
 

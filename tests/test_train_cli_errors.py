@@ -48,7 +48,6 @@ def test_unknown_key_names_close_keys(capsys):
     ("checkpoint.format=dist", "trainer.backend=megatron"),
     ("trainer.grad_sync=nccl", "trainer.grad_sync"),
     ("trainer.grad_sync=megatron", "needs trainer.backend=megatron"),
-    ("trainer.backend=megatron trainer.grad_sync=megatron checkpoint.format=dist", "checkpoint.format=full"),
     ("run.device=cuda rollout.weight_sync=collective", "duplicate GPU"),
 ])
 def test_bad_values_fail_before_work(tmp_path, override, needle, capsys):

@@ -152,7 +152,7 @@ def test_weight_sync_path_does_not_change_the_run(tmp_path):
 def test_megatron_core_grad_sync_runs_are_identical_on_policy_and_resume(tmp_path):
     """trainer.grad_sync=megatron (megatron-core's DDP and DistributedOptimizer, here on gloo under its CPU
     stand-in) through `rlrepro train`: exactly on-policy, two runs identical, a run stopped after step 1 and resumed
-    from its full checkpoint is the same run; against the order-fixed path only the grad norm's rounding differs
+    from its dist checkpoint is the same run; against the order-fixed path only the grad norm's rounding differs
     at step 1 (so the step's loss is the same)."""
     from rlrepro.cli import compose_config
     from rlrepro.orchestration import GRPODriver
@@ -163,9 +163,10 @@ def test_megatron_core_grad_sync_runs_are_identical_on_policy_and_resume(tmp_pat
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     for m in _metrics(tmp_path / "a"):
         assert m["train/rollout_logprob_abs_diff"] == 0.0 and m["train/grad_norm"] > 0
-    d = tmp_path / "resumed"
-    GRPODriver(compose_config([*LAYOUT, *mc, f"run.dir={d}", "checkpoint.every=1"])).run(last_step=1)
-    assert main(["train", *LAYOUT, *mc, f"run.dir={d}", "checkpoint.every=1", "run.resume=true"]) == 0
+    d = tmp_path / "resumed"  # (sharded checkpoints: each DP owner writes the optimizer tensors it owns)
+    ck = ["checkpoint.every=1", "checkpoint.format=dist"]
+    GRPODriver(compose_config([*LAYOUT, *mc, f"run.dir={d}", *ck])).run(last_step=1)
+    assert main(["train", *LAYOUT, *mc, f"run.dir={d}", *ck, "run.resume=true"]) == 0
     assert main(["diff", str(tmp_path / "a"), str(d)]) == 0
     assert main(["train", *LAYOUT, f"run.dir={tmp_path / 'o'}", "trainer.backend=megatron"]) == 0
     ordered, ours = _metrics(tmp_path / "o")[0], _metrics(tmp_path / "a")[0]

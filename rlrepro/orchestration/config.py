@@ -142,7 +142,7 @@ class TrainerBackendConfig:
     backend: str = "default"
     tensor_parallel: int = 1
     # megatron only: ordered (rlrepro's rank-order gradient sum and AdamW: the same bits as the default backend)
-    # | megatron (megatron-core's DistributedDataParallel and optimizer; NCCL's summation order; checkpoint.format=full)
+    # | megatron (megatron-core's DistributedDataParallel and optimizer; NCCL's summation order)
     grad_sync: str = "ordered"
 
 
@@ -331,9 +331,6 @@ def _validate_trainer_layout(cfg: Any, model_config: Any = None) -> None:
     if cfg.trainer.grad_sync == "megatron" and cfg.trainer.backend != "megatron":
         raise ConfigError("trainer.grad_sync=megatron (megatron-core's DistributedDataParallel and optimizer) needs "
                           "trainer.backend=megatron; set trainer.backend=megatron or trainer.grad_sync=ordered")
-    if cfg.trainer.grad_sync == "megatron" and cfg.checkpoint.format == "dist":
-        raise ConfigError("trainer.grad_sync=megatron needs checkpoint.format=full (the dist format writes rlrepro's "
-                          "optimizer shards); set checkpoint.format=full or trainer.grad_sync=ordered")
     try:
         validate_megatron_config(cfg.trainer.backend, cfg.trainer.tensor_parallel, cfg.train.num_gpus,
                                  cfg.run.device, model_config)

@@ -116,10 +116,15 @@ def _entries(trainer) -> list[tuple[str, dict, torch.Tensor]]:
     out = []
     for name, p in sorted(trainer.model.named_parameters(), key=lambda kv: kv[0]):
         out.append((f"model.{name}", dict(kind="model", name=name), p.detach()))
-    for name, m, p in zip(opt.names, opt.masters, opt.params):
+    if _megatron_core_optimizer(trainer):  # whole tensors gathered from the ranges onto their owner (a collective)
+        for name, k, t in opt.owned_tensors():
+            kind = dict(kind="master") if k == "master" else dict(kind="state", state_key=k)
+            out.append((f"optimizer.{k}.{name}", dict(kind, name=name, dp_owned=owned), t))
+        opt = None
+    for name, m, p in (zip(opt.names, opt.masters, opt.params) if opt is not None else ()):
         if m is not None and m is not p:
             out.append((f"optimizer.master.{name}", dict(kind="master", name=name, dp_owned=owned), m.detach()))
-    for name, m in zip(opt.names, opt.masters):
+    for name, m in (zip(opt.names, opt.masters) if opt is not None else ()):
         for k, v in sorted(opt.inner.state.get(m, {}).items() if m is not None else ()):
             if torch.is_tensor(v) and v.dim() > 0:
                 out.append((f"optimizer.{k}.{name}", dict(kind="state", name=name, state_key=k, dp_owned=owned),
@@ -127,6 +132,11 @@ def _entries(trainer) -> list[tuple[str, dict, torch.Tensor]]:
     for key, info, t in out:
         info.update(shape=_full_shape(info["name"], t, tp), dtype=str(t.dtype).replace("torch.", ""))
     return sorted(out, key=lambda e: e[0])
+
+
+def _megatron_core_optimizer(trainer) -> bool:
+    """Whether the trainer steps with megatron-core's optimizer (``grad_sync='megatron'``, :mod:`.mcore`)."""
+    return getattr(trainer, "grad_sync", "ordered") == "megatron"
 
 
 def _all_infos(trainer, entries) -> dict[str, dict]:
@@ -148,7 +158,7 @@ def _sharded_tensor(key: str, info: dict, data: torch.Tensor, groups):
 
     from .model import shard_spec
 
-    dp_replica = 0 if info.get("dp_owned") else groups.dp_rank
+    dp_replica = info.get("dp_replica", 0 if info.get("dp_owned") else groups.dp_rank)
     dim, _ = shard_spec(info["name"])
     if dim is not None and groups.tp_size > 1:
         return ShardedTensor.from_rank_offsets(key, data, (dim, groups.tp_rank, groups.tp_size),
@@ -244,6 +254,8 @@ def _all_scalars(trainer) -> dict[str, dict]:
     """Each parameter's non-tensor AdamW state (its step count), name -> dict; with the distributed optimizer
     gathered from the DP owners (a collective over the DP group)."""
     opt = trainer.optimizer
+    if _megatron_core_optimizer(trainer):
+        return opt.step_counts()
     adamw = opt.inner.state_dict()
     local = getattr(opt, "_local", range(len(opt.names)))  # ZeRO-1: AdamW's index j is parameter _local[j]
     scalars = {opt.names[local[j]]: {k: v for k, v in per.items() if not (torch.is_tensor(v) and v.dim() > 0)}
@@ -258,9 +270,13 @@ def _all_scalars(trainer) -> dict[str, dict]:
 def _write_rank0_files(trainer, tmp: Path, infos: dict, scalars: dict, step: int, extra_state, world: int) -> None:
     g = trainer.groups
     opt = trainer.optimizer
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.inner.state_dict()["param_groups"]]
-    for group in groups:  # the unsharded optimizer's one group over every parameter (also under ZeRO-1)
-        group["params"] = list(range(len(opt.names)))
+    if _megatron_core_optimizer(trainer):
+        groups = opt.adamw_param_groups()
+    else:
+        groups = [{k: v for k, v in group.items() if k != "params"}
+                  for group in opt.inner.state_dict()["param_groups"]]
+        for group in groups:  # the unsharded optimizer's one group over every parameter (also under ZeRO-1)
+            group["params"] = list(range(len(opt.names)))
     _write_torch(tmp / "optimizer.pt", {"names": list(opt.names), "param_groups": groups, "scalars": scalars})
     _write_torch(tmp / "scheduler.pt", trainer.scheduler.state_dict())
     _write_torch(tmp / "extra_state.pt", dict(extra_state or {}))
@@ -275,7 +291,15 @@ def _write_rank0_files(trainer, tmp: Path, infos: dict, scalars: dict, step: int
 def _check_compatible(trainer, meta: dict, path: Path) -> None:
     """The loading trainer must hold the same tensors (names, full shapes, dtypes, master copies) as the saved one;
     TP and DP may differ."""
-    own = {key: info for key, info in _all_infos(trainer, _entries(trainer)).items() if info["kind"] != "state"}
+    if _megatron_core_optimizer(trainer):  # model tensors and a float32 master for every non-float32 parameter
+        own = {}
+        for name, p in trainer.model.named_parameters():
+            info = dict(shape=_full_shape(name, p, trainer.groups.tp_size), name=name)
+            own[f"model.{name}"] = dict(info, kind="model", dtype=str(p.dtype).replace("torch.", ""))
+            if p.dtype != torch.float32:
+                own[f"optimizer.master.{name}"] = dict(info, kind="master", dtype="float32")
+    else:
+        own = {key: info for key, info in _all_infos(trainer, _entries(trainer)).items() if info["kind"] != "state"}
     saved = {key: info for key, info in meta["tensors"].items() if info["kind"] != "state"}
     own_model = {k for k, i in own.items() if i["kind"] == "model"}
     saved_model = {k for k, i in saved.items() if i["kind"] == "model"}
@@ -334,14 +358,31 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
     opt, g = trainer.optimizer, trainer.groups
     params = dict(trainer.model.named_parameters())
     local_shape = {n: tuple(p.shape) for n, p in params.items()}
-    owned = set(opt.owned_names()) if trainer.distributed_optimizer else None  # ZeRO-1: read only what we own
+    mcore = _megatron_core_optimizer(trainer)
+    # which parameters' optimizer tensors this rank reads: rlrepro's ZeRO-1 those it owns; megatron-core's
+    # distributed optimizer those it holds a range of (whole tensors into CPU memory, then its ranges kept)
+    first_reader = {}  # megatron-core: a tensor may be read by several DP ranks; the lowest is its main replica
+    if not trainer.distributed_optimizer:
+        owned = None
+    elif mcore:
+        owned = set(opt.names_with_ranges())
+        readers = [None] * g.dp_size
+        dist.all_gather_object(readers, sorted(owned), group=g.dp_group)
+        for r, names in reversed(list(enumerate(readers))):
+            first_reader.update({n: r for n in names})
+    else:
+        owned = set(opt.owned_names())
     targets = {}
     for key, info in meta["tensors"].items():
         if owned is not None and info["kind"] != "model" and info["name"] not in owned:
             continue
         p = params[info["name"]]
-        t = torch.empty(local_shape[info["name"]], dtype=getattr(torch, info["dtype"]), device=p.device)
-        targets[key] = (dict(info, dp_owned=owned is not None and info["kind"] != "model"), t)
+        device = "cpu" if mcore and info["kind"] != "model" else p.device
+        t = torch.empty(local_shape[info["name"]], dtype=getattr(torch, info["dtype"]), device=device)
+        info = dict(info, dp_owned=owned is not None and info["kind"] != "model")
+        if info["name"] in first_reader and info["kind"] != "model":
+            info["dp_replica"] = 0 if first_reader[info["name"]] == g.dp_rank else g.dp_rank
+        targets[key] = (info, t)
     sharded = {key: _sharded_tensor(key, info, t, g) for key, (info, t) in targets.items()}
     with cuda_calls_on_cpu():
         loaded = dc.load(sharded, str(path / DIST_DIR))
@@ -364,7 +405,7 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
                 state.setdefault(index[info["name"]], {})[info["state_key"]] = t
     for name, scalars in common["scalars"].items():
         state.setdefault(index[name], {}).update(scalars)
-    if owned is not None:  # the other ranks' masters: not read here (ShardedMasterWeightAdamW keeps its own only)
+    if owned is not None and not mcore:  # others' masters: not read (ShardedMasterWeightAdamW keeps its own only)
         masters.update({n: None for n in opt.names if n not in owned})
     opt.load_state_dict({"names": list(opt.names), "adamw": {"state": state, "param_groups": common["param_groups"]},
                          "master_weights": masters})

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -251,57 +251,107 @@ class MegatronCoreOptimizer:
             out["step"] = float(own["step"])
         return out
 
+    def _dp_rank(self) -> int:
+        return dist.get_rank(self.dp_group) if self.distributed else 0
+
+    @torch.no_grad()
+    def _gathered(self, dst_of) -> Iterator[tuple[int, dict]]:
+        """For each parameter ``i`` (name order): ``(i, {key: tensor})`` of its whole (this TP shard's) float32
+        ``exp_avg`` / ``exp_avg_sq`` / ``master`` (bf16 parameters) and its ``step`` (a float). Without the distributed
+        optimizer: this rank's live tensors, on every rank. With it, a collective over the DP group: each range
+        travels once from its holder (a broadcast of that slice alone) and DP rank ``dst_of(i)`` assembles CPU
+        tensors; the other ranks get ``{}``."""
+        if not self.distributed:
+            for i, p in enumerate(self.params):
+                local = self._local_entries(p)
+                yield i, {k: (v if k == "step" else v.view_as(p)) for k, v in local.items()}
+            return
+        mine = {i: (self._main[p][2], self._main[p][3], sorted(k for k in self._local_entries(p) if k != "step"),
+                    self._local_entries(p).get("step"))
+                for i, p in enumerate(self.params) if p in self._main}
+        metas = [None] * self.dp_size
+        dist.all_gather_object(metas, mine, group=self.dp_group)  # who holds which range and which entries
+        me = self._dp_rank()
+        for i, p in enumerate(self.params):
+            here = dst_of(i) == me
+            local = self._local_entries(p)
+            holders = [(r, meta[i]) for r, meta in enumerate(metas) if i in meta and meta[i][1] > meta[i][0]]
+            full = {}
+            steps = [st for _, (_, _, _, st) in holders if st is not None]
+            if steps:
+                full["step"] = steps[0]
+            for key in sorted({k for _, (_, _, ks, _) in holders for k in ks}):
+                out = torch.empty(p.numel(), dtype=torch.float32) if here else None
+                for r, (a, b, _, _) in holders:
+                    if me == r:
+                        buf = local[key].detach().reshape(-1).float().contiguous()
+                    else:
+                        buf = torch.empty(b - a, dtype=torch.float32, device=p.device)
+                    dist.broadcast(buf, src=dist.get_global_rank(self.dp_group, r), group=self.dp_group)
+                    if here:
+                        out[a:b] = buf.cpu()
+                if here:
+                    full[key] = out.view(p.shape)
+            yield i, (full if here else {})
+
+    def names_with_ranges(self) -> list[str]:
+        """The parameters this rank updates (all without the distributed optimizer; with it, those of which it holds
+        a non-empty range)."""
+        return [n for n, p in zip(self.names, self.params) if p in self._main and self._main[p][3] > self._main[p][2]]
+
+    def adamw_param_groups(self) -> list[dict]:
+        """The param_groups of the unsharded ``torch.optim.AdamW`` state (one group over every name)."""
+        return [{**self._adamw_group, "lr": self.param_groups[0]["lr"], "params": list(range(len(self.names)))}]
+
+    def dist_owners(self) -> dict[str, int]:
+        """The DP rank that writes each parameter's optimizer tensors into a dist checkpoint (whole tensors of this
+        TP shard, gathered from the ranges: :meth:`owned_tensors`); ``assign_owners`` over names and sizes."""
+        from ..data_parallel import assign_owners
+
+        size = self.dp_size if self.distributed else 1
+        return assign_owners([(n, p.numel()) for n, p in zip(self.names, self.params)], size)
+
+    def owned_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """``(name, key, tensor)`` for the dist checkpoint: this rank's owned parameters' whole float32 master
+        (``"master"``), ``"exp_avg"`` and ``"exp_avg_sq"`` (a collective over DP with the distributed optimizer)."""
+        owner = self.dist_owners()
+        out = []
+        for i, full in self._gathered(lambda i: owner[self.names[i]]):
+            out += [(self.names[i], k, v) for k, v in sorted(full.items()) if k != "step"]
+        return out
+
+    def step_counts(self) -> dict[str, dict]:
+        """name -> ``{"step": tensor}`` (AdamW's per-parameter step count) of every parameter that has one; a
+        collective over DP with the distributed optimizer."""
+        known = {n: self._local_entries(p)["step"] for n, p in zip(self.names, self.params)
+                 if "step" in self._local_entries(p)}
+        if self.distributed:
+            parts = [None] * self.dp_size
+            dist.all_gather_object(parts, known, group=self.dp_group)
+            known = {k: v for part in parts for k, v in part.items()}
+        return {n: {"step": torch.tensor(v)} for n, v in sorted(known.items())}
+
     @torch.no_grad()
     def state_dict(self) -> dict | None:
         """rlrepro's unsharded optimizer layout for this TP shard: ``names``, ``adamw`` (AdamW's ``state_dict`` with
         one entry per name, name order) and ``master_weights`` (float32). Without the distributed optimizer every
-        rank returns it (live tensors, as ``MasterWeightAdamW.state_dict``). With it, a collective over the DP group:
-        every range travels once from its owner (a broadcast of that slice alone), DP rank 0 assembles CPU tensors
-        and returns the state, the other ranks return None."""
-        here = not self.distributed or dist.get_rank(self.dp_group) == 0
-        if self.distributed:  # who holds which range and which entries, one exchange
-            mine = {i: (self._main[p][2], self._main[p][3], sorted(k for k in self._local_entries(p) if k != "step"),
-                        self._local_entries(p).get("step"))
-                    for i, p in enumerate(self.params) if p in self._main}
-            metas = [None] * self.dp_size
-            dist.all_gather_object(metas, mine, group=self.dp_group)
+        rank returns it (live tensors, as ``MasterWeightAdamW.state_dict``). With it, a collective over the DP group
+        (:meth:`_gathered` onto DP rank 0: CPU tensors), and the other ranks return None."""
         state, masters, steps = {}, {}, []
-        for i, (name, p) in enumerate(zip(self.names, self.params)):
-            local = self._local_entries(p)
-            if not self.distributed:
-                full = {k: v.view_as(p) for k, v in local.items() if k != "step"}
-                if "step" in local:
-                    steps.append(local["step"])
-            else:
-                owners = [(r, meta[i]) for r, meta in enumerate(metas) if i in meta and meta[i][1] > meta[i][0]]
-                keys = sorted({k for _, (_, _, ks, _) in owners for k in ks})
-                steps += [st for _, (_, _, _, st) in owners if st is not None]
-                full = {}
-                for key in keys:
-                    out = torch.empty(p.numel(), dtype=torch.float32) if here else None
-                    for r, (a, b, _, _) in owners:
-                        if dist.get_rank(self.dp_group) == r:
-                            buf = local[key].detach().reshape(-1).float().contiguous()
-                        else:
-                            buf = torch.empty(b - a, dtype=torch.float32, device=p.device)
-                        dist.broadcast(buf, src=dist.get_global_rank(self.dp_group, r), group=self.dp_group)
-                        if here:
-                            out[a:b] = buf.cpu()
-                    if here:
-                        full[key] = out.view(p.shape)
-            if not here:
-                continue
+        for i, full in self._gathered(lambda i: 0):
+            full = dict(full)
+            if "step" in full:
+                steps.append(full.pop("step"))
             if "master" in full:
-                masters[name] = full.pop("master")
+                masters[self.names[i]] = full.pop("master")
             if full:
                 state[i] = full
-        if not here:
+        if self._dp_rank() != 0:
             return None
         step = torch.tensor(steps[0] if steps else 0.0)
         for entry in state.values():
             entry["step"] = step.clone()
-        groups = [{**self._adamw_group, "lr": self.param_groups[0]["lr"], "params": list(range(len(self.names)))}]
-        return {"names": list(self.names), "adamw": {"state": state, "param_groups": groups},
+        return {"names": list(self.names), "adamw": {"state": state, "param_groups": self.adamw_param_groups()},
                 "master_weights": masters}
 
     @torch.no_grad()
@@ -326,7 +376,7 @@ class MegatronCoreOptimizer:
                 m.copy_(p.detach().reshape(-1)[a:b].view_as(m))
             saved = per_param.get(i, per_param.get(str(i)))
             inner = sub.optimizer.state
-            if saved:
+            if saved and "exp_avg" in saved:
                 inner[m] = {"step": torch.tensor(float(saved["step"])), **{
                     k: saved[k].reshape(-1)[a:b].view_as(m).to(device=m.device, dtype=m.dtype, copy=True)
                     for k in ("exp_avg", "exp_avg_sq")}}

@@ -17,7 +17,7 @@ The optimizer is rlrepro's :class:`MasterWeightAdamW` over this rank's shards (e
 bits of the update). This order-fixed path (``grad_sync="ordered"``, the default) runs on CPU (gloo) and CUDA
 (NCCL). ``grad_sync="megatron"`` replaces steps 2-3 and the optimizer with megatron-core's
 ``DistributedDataParallel`` and optimizer (:mod:`.mcore`): the DP sum in NCCL's order, megatron-core's grad norm,
-rlrepro's clipping rule; full checkpoints only.
+rlrepro's clipping rule; both checkpoint formats (the optimizer state in rlrepro's layout).
 
 Checkpoints, two formats (``checkpoint_format``), both TP-agnostic:
 
@@ -117,9 +117,6 @@ class MegatronTrainer(Trainer):
         self.grad_sync = grad_sync
         self.groups = model.groups
         self.checkpoint_format = _check_format(checkpoint_format)
-        if grad_sync == "megatron" and self.checkpoint_format == "dist":
-            raise ValueError("grad_sync='megatron' with checkpoint_format='dist' is not supported (the dist format "
-                             "writes rlrepro's optimizer shards); use checkpoint_format='full'")
         dp = DataParallel(group=self.groups.dp_group) if self.groups.dp_size > 1 else None
         super().__init__(model, config, ref_model, param_dtype=param_dtype, data_parallel=dp,
                          distributed_optimizer=distributed_optimizer)
@@ -208,9 +205,6 @@ class MegatronTrainer(Trainer):
         ``dist_checkpointing`` (:func:`.dist_checkpoint.save_dist_checkpoint`). Every rank calls it; all get the
         path."""
         fmt = _check_format(checkpoint_format or self.checkpoint_format)
-        if fmt == "dist" and self.grad_sync == "megatron":
-            raise ValueError("checkpoint_format='dist' is not supported with grad_sync='megatron'; save with "
-                             "checkpoint_format='full'")
         if fmt == "dist":
             return save_dist_checkpoint(self, ckpt_root, step, extra_state=extra_state, keep_last=keep_last,
                                         generators=generators)
@@ -227,9 +221,6 @@ class MegatronTrainer(Trainer):
         by every rank, which keeps its shards (RNG states are the writer's); a dist one is read shard by shard
         (:func:`.dist_checkpoint.load_dist_checkpoint`). Returns ``extra_state``."""
         if is_dist_checkpoint(path):
-            if self.grad_sync == "megatron":
-                raise ValueError(f"{path} is a dist checkpoint; a trainer with grad_sync='megatron' loads full "
-                                 "checkpoints only (convert it with dist_to_full)")
             return load_dist_checkpoint(self, path, generators=generators, restore_rng=restore_rng)
         loaded = load_checkpoint(path, model=_FullModelView(self.model), optimizer=_FullOptimizerView(self),
                                  scheduler=self.scheduler, restore_rng=restore_rng, generators=generators)
