@@ -103,18 +103,20 @@ def _mcore_worker(rank, world, port, model_dir, tp, grad_sync, dopt, out):
         for step in range(3):
             weights = dict(trainer.named_weights())
             res["metrics"].append(trainer.train_step(engine_batch(weights, model_dir, step, f"cuda:{rank}", tp)))
-            if step == 0:  # a full checkpoint (the optimizer state gathered from its owners over NCCL)
-                ckpt = trainer.save_checkpoint(f"{out}_ckpt", 1, extra_state={"cursor": 5})
+            if step == 0:  # full and dist checkpoints (the optimizer state gathered from its owners over NCCL)
+                ckpts = {fmt: trainer.save_checkpoint(f"{out}_{fmt}", 1, extra_state={"cursor": 5},
+                                                      checkpoint_format=fmt) for fmt in ("full", "dist")}
         res["weights"] = {n: w.cpu() for n, w in trainer.named_weights()}
-        resumed = build_megatron_trainer(model_dir, TrainConfig(**CONFIG, max_grad_norm=0.5), tensor_parallel=tp,
-                                         num_gpus=world, device="cuda", dtype=torch.bfloat16,
-                                         use_megatron_parallel_state=True, grad_sync=grad_sync,
-                                         distributed_optimizer=dopt)
-        res["extra"] = resumed.load_checkpoint(ckpt)
-        res["resumed_metrics"] = [
-            resumed.train_step(engine_batch(dict(resumed.named_weights()), model_dir, s, f"cuda:{rank}", tp))
-            for s in (1, 2)]
-        res["resumed_weights"] = {n: w.cpu() for n, w in resumed.named_weights()}
+        for fmt, ckpt in ckpts.items():
+            resumed = build_megatron_trainer(model_dir, TrainConfig(**CONFIG, max_grad_norm=0.5),
+                                             tensor_parallel=tp, num_gpus=world, device="cuda", dtype=torch.bfloat16,
+                                             use_megatron_parallel_state=True, grad_sync=grad_sync,
+                                             distributed_optimizer=dopt)
+            res[f"extra_{fmt}"] = resumed.load_checkpoint(ckpt)
+            res[f"resumed_metrics_{fmt}"] = [
+                resumed.train_step(engine_batch(dict(resumed.named_weights()), model_dir, s, f"cuda:{rank}", tp))
+                for s in (1, 2)]
+            res[f"resumed_weights_{fmt}"] = {n: w.cpu() for n, w in resumed.named_weights()}
         torch.save(res, f"{out}.rank{rank}")
     finally:
         dist.destroy_process_group()
@@ -130,7 +132,8 @@ def _launch_mcore(tmp_path, tag, model_dir, tp, grad_sync, dopt):
 @pytest.mark.parametrize("tp,dopt", [(1, True), (2, False)])
 def test_megatron_core_ddp_and_optimizer_on_nccl_are_on_policy_and_reproducible(tmp_path, tp, dopt):
     """grad_sync='megatron' (megatron-core's DDP + optimizer; at TP=1 x DP=2 its DistributedOptimizer): exactly on
-    policy at every step, two runs identical, every rank the same weights, resume from a full checkpoint exact;
+    policy at every step, two runs identical, every rank the same weights, resume from a full and from a dist
+    checkpoint exact;
     close to the order-fixed path."""
     from rlrepro.model import write_tiny_checkpoint
 
@@ -139,12 +142,12 @@ def test_megatron_core_ddp_and_optimizer_on_nccl_are_on_policy_and_reproducible(
     b = _launch_mcore(tmp_path, "b", model_dir, tp, "megatron", dopt)
     ordered = _launch_mcore(tmp_path, "o", model_dir, tp, "ordered", dopt)
     assert a[0]["optimizer"] == "MegatronCoreOptimizer" and ordered[0]["optimizer"] != "MegatronCoreOptimizer"
-    for res in a + b + ordered:
+    for res, fmt in ((r, f) for r in a + b + ordered for f in ("full", "dist")):
         # a fresh trainer resumed from the step-1 checkpoint takes steps 2 and 3 as the uninterrupted run did
-        assert res["extra"] == {"cursor": 5}
-        assert res["resumed_metrics"] == res["metrics"][1:]
+        assert res[f"extra_{fmt}"] == {"cursor": 5}
+        assert res[f"resumed_metrics_{fmt}"] == res["metrics"][1:], fmt
         for name, w in res["weights"].items():
-            assert torch.equal(res["resumed_weights"][name], w), name
+            assert torch.equal(res[f"resumed_weights_{fmt}"][name], w), (fmt, name)
     for res in a + b:
         assert [m["train/rollout_logprob_abs_diff"] for m in res["metrics"]] == [0.0, 0.0, 0.0]
         assert res["metrics"] == a[0]["metrics"]
