@@ -8,6 +8,7 @@ tensors (rlrepro's too), and DDP's float32 ``main_grad`` accumulation is rlrepro
 another formula (close, not equal). With clipping on, the norm's rounding reaches the weights (close, not equal).
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -107,8 +108,44 @@ def _worker(rank, world, port, model_dir, out):
             res[f"resumed_{tag}"] = {"extra": extra, "loaded": loaded, "metrics": metrics,
                                      "weights": {n: w.clone() for n, w in r.named_weights()}}
             destroy_parallel(r.groups)
+        res["nonfinite"] = _nonfinite_check(model_dir, world)
         torch.save({k: (_strip(v) if isinstance(v, dict) and "trainer" in v else v) for k, v in res.items()},
                    f"{out}.rank{rank}")
+
+
+def _nonfinite_check(model_dir, world) -> dict:
+    """A NaN gradient in the second PPO epoch (megatron-core's DDP + DistributedOptimizer): the step raises on every
+    rank, the weights and the optimizer state are those from before the step, and the trainer carries on."""
+    from rlrepro.trainer.megatron import build_megatron_trainer, destroy_parallel
+
+    t = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), tensor_parallel=1, num_gpus=world,
+                               use_megatron_parallel_state=True, grad_sync="megatron", distributed_optimizer=True,
+                               param_dtype=torch.bfloat16)
+    t.train_step(batch(0, t.model.config.vocab_size))  # optimizer state to protect
+    weights = {n: w.clone() for n, w in t.named_weights()}
+    optim = copy.deepcopy(t._full_optimizer_state())
+    calls = [0]
+    param = next(p for _, p in sorted(t.model.named_parameters()))
+
+    def poison(g):
+        calls[0] += 1
+        return torch.full_like(g, float("nan")) if calls[0] > 2 else g  # epoch 1 clean (2 micro-batches here)
+
+    handle = param.register_hook(poison)
+    try:
+        t.train_step(batch(1, t.model.config.vocab_size))
+        raised = ""
+    except FloatingPointError as e:
+        raised = str(e)
+    handle.remove()
+    after = copy.deepcopy(t._full_optimizer_state())
+    out = {"raised": raised, "calls": calls[0],
+           "weights_kept": all(torch.equal(w, weights[n]) for n, w in t.named_weights()),
+           "optim_kept": optim is None and after is None or (
+               optim is not None and after is not None and _same_optim(optim, after))}
+    out["next_loss"] = t.train_step(batch(1, t.model.config.vocab_size))["train/loss"]
+    destroy_parallel(t.groups)
+    return out
 
 
 def _flat(state):
@@ -246,3 +283,12 @@ def test_tp2_x_dp2_with_the_distributed_optimizer(tmp_path):
             assert _same_optim(res["ordered"]["optim"], res["megatron"]["optim"])
         else:
             assert res["ordered"]["optim"] is None and res["megatron"]["optim"] is None
+
+
+def test_a_nonfinite_gradient_leaves_the_megatron_core_optimizer_untouched(runs):
+    for rank in runs:
+        r = rank["nonfinite"]
+        assert "PPO epoch 2" in r["raised"] and r["calls"] > 2
+        assert r["weights_kept"] and r["optim_kept"]
+        assert math.isfinite(r["next_loss"])  # the trainer carries on
+    assert runs[0]["nonfinite"]["optim_kept"] is True
