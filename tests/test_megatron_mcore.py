@@ -292,3 +292,16 @@ def test_a_nonfinite_gradient_leaves_the_megatron_core_optimizer_untouched(runs)
         assert r["weights_kept"] and r["optim_kept"]
         assert math.isfinite(r["next_loss"])  # the trainer carries on
     assert runs[0]["nonfinite"]["optim_kept"] is True
+
+
+def test_checkpoints_refuse_an_adam_other_than_torchs():
+    """With Transformer Engine's or Apex's fused Adam (the step count kept elsewhere) the checkpoint layout would lose
+    the step: refused, naming the way out. torch's Adam/AdamW (megatron-core's fallback) passes."""
+    from types import SimpleNamespace
+
+    from rlrepro.trainer.megatron.mcore import _require_torch_adam
+
+    w = torch.zeros(2, requires_grad=True)
+    _require_torch_adam(SimpleNamespace(optimizer=torch.optim.AdamW([w], lr=1.0)))
+    with pytest.raises(NotImplementedError, match="trainer.grad_sync=ordered"):
+        _require_torch_adam(SimpleNamespace(optimizer=torch.optim.SGD([w], lr=1.0)))

@@ -97,6 +97,18 @@ def _sub_optimizers(mopt) -> list:
     return [o for o in getattr(mopt, "chained_optimizers", [mopt]) if getattr(o, "optimizer", None) is not None]
 
 
+def _require_torch_adam(mopt) -> None:
+    """Checkpoints read and write the per-parameter state of ``torch.optim.Adam(W)`` (``step``, ``exp_avg``,
+    ``exp_avg_sq``), the optimizer megatron-core uses without Transformer Engine or Apex. Their fused Adams keep the
+    step count elsewhere, which this layout does not carry: refuse rather than resume with a wrong step."""
+    for sub in _sub_optimizers(mopt):
+        if not isinstance(sub.optimizer, torch.optim.Adam):
+            raise NotImplementedError(
+                f"grad_sync='megatron' checkpoints need megatron-core's torch.optim.AdamW, but it uses "
+                f"{type(sub.optimizer).__module__}.{type(sub.optimizer).__name__} (Transformer Engine or Apex is "
+                "installed); uninstall them for this run, or use trainer.grad_sync=ordered")
+
+
 class MegatronCoreOptimizer:
     """megatron-core's ``DistributedDataParallel`` + optimizer for a :class:`TPQwen3ForCausalLM`, with the methods
     ``Trainer`` calls on its optimizer (``names``, ``param_groups``, ``zero_grad``, ``accumulate_grads``, ``grads``,
@@ -314,6 +326,7 @@ class MegatronCoreOptimizer:
     def owned_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         """``(name, key, tensor)`` for the dist checkpoint: this rank's owned parameters' whole float32 master
         (``"master"``), ``"exp_avg"`` and ``"exp_avg_sq"`` (a collective over DP with the distributed optimizer)."""
+        _require_torch_adam(self.mopt)
         owner = self.dist_owners()
         out = []
         for i, full in self._gathered(lambda i: owner[self.names[i]]):
@@ -337,6 +350,7 @@ class MegatronCoreOptimizer:
         one entry per name, name order) and ``master_weights`` (float32). Without the distributed optimizer every
         rank returns it (live tensors, as ``MasterWeightAdamW.state_dict``). With it, a collective over the DP group
         (:meth:`_gathered` onto DP rank 0: CPU tensors), and the other ranks return None."""
+        _require_torch_adam(self.mopt)
         state, masters, steps = {}, {}, []
         for i, full in self._gathered(lambda i: 0):
             full = dict(full)
@@ -358,6 +372,7 @@ class MegatronCoreOptimizer:
     def load_state_dict(self, state: Mapping) -> None:
         """Load rlrepro's unsharded layout (from this path, the order-fixed path or a plain ``Trainer``): each rank
         keeps its ranges of the masters and moments."""
+        _require_torch_adam(self.mopt)
         names = list(state["names"])
         if names != self.names:
             missing = sorted(set(self.names) - set(names))
