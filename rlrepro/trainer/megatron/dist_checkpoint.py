@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .. import checkpoint as ckpt
 from ..checkpoint import capture_rng_state, checkpoint_dir_name, restore_rng_state
-from .mcore import cuda_calls_on_cpu
+from .mcore import cuda_calls_on_cpu, merged_over
 
 __all__ = ["LAYOUT", "is_dist_checkpoint", "save_dist_checkpoint", "load_dist_checkpoint", "dist_to_full",
            "dist_to_hf", "hf_to_dist", "read_dist_meta"]
@@ -117,18 +117,15 @@ def _entries(trainer) -> list[tuple[str, dict, torch.Tensor]]:
     for name, p in sorted(trainer.model.named_parameters(), key=lambda kv: kv[0]):
         out.append((f"model.{name}", dict(kind="model", name=name), p.detach()))
     if _megatron_core_optimizer(trainer):  # whole tensors gathered from the ranges onto their owner (a collective)
-        for name, k, t in opt.owned_tensors():
-            kind = dict(kind="master") if k == "master" else dict(kind="state", state_key=k)
-            out.append((f"optimizer.{k}.{name}", dict(kind, name=name, dp_owned=owned), t))
-        opt = None
-    for name, m, p in (zip(opt.names, opt.masters, opt.params) if opt is not None else ()):
-        if m is not None and m is not p:
-            out.append((f"optimizer.master.{name}", dict(kind="master", name=name, dp_owned=owned), m.detach()))
-    for name, m in (zip(opt.names, opt.masters) if opt is not None else ()):
-        for k, v in sorted(opt.inner.state.get(m, {}).items() if m is not None else ()):
-            if torch.is_tensor(v) and v.dim() > 0:
-                out.append((f"optimizer.{k}.{name}", dict(kind="state", name=name, state_key=k, dp_owned=owned),
-                            v.detach()))
+        tensors = opt.owned_tensors()
+    else:  # None: a parameter another DP rank owns (ZeRO-1)
+        tensors = [(n, "master", m.detach()) for n, m, p in zip(opt.names, opt.masters, opt.params)
+                   if m is not None and m is not p]
+        tensors += [(n, k, v.detach()) for n, m in zip(opt.names, opt.masters) if m is not None
+                    for k, v in sorted(opt.inner.state.get(m, {}).items()) if torch.is_tensor(v) and v.dim() > 0]
+    for name, k, t in tensors:
+        kind = dict(kind="master") if k == "master" else dict(kind="state", state_key=k)
+        out.append((f"optimizer.{k}.{name}", dict(kind, name=name, dp_owned=owned), t))
     for key, info, t in out:
         info.update(shape=_full_shape(info["name"], t, tp), dtype=str(t.dtype).replace("torch.", ""))
     return sorted(out, key=lambda e: e[0])
@@ -143,10 +140,8 @@ def _all_infos(trainer, entries) -> dict[str, dict]:
     """Every rank's tensor infos (key -> info): with the distributed optimizer the DP ranks' owned optimizer
     tensors, gathered (a collective over the DP group); else this rank's."""
     infos = {key: info for key, info, _ in entries}
-    if trainer.distributed_optimizer and trainer.groups.dp_size > 1:
-        parts = [None] * trainer.groups.dp_size
-        dist.all_gather_object(parts, infos, group=trainer.groups.dp_group)
-        infos = {k: v for part in parts for k, v in part.items()}
+    if trainer.distributed_optimizer:
+        infos = merged_over(trainer.groups.dp_group, trainer.groups.dp_size, infos)
     return dict(sorted(infos.items()))
 
 
@@ -256,14 +251,11 @@ def _all_scalars(trainer) -> dict[str, dict]:
     opt = trainer.optimizer
     if _megatron_core_optimizer(trainer):
         return opt.step_counts()
-    adamw = opt.inner.state_dict()
-    local = getattr(opt, "_local", range(len(opt.names)))  # ZeRO-1: AdamW's index j is parameter _local[j]
-    scalars = {opt.names[local[j]]: {k: v for k, v in per.items() if not (torch.is_tensor(v) and v.dim() > 0)}
-               for j, per in adamw["state"].items()}
-    if trainer.distributed_optimizer and trainer.groups.dp_size > 1:
-        parts = [None] * trainer.groups.dp_size
-        dist.all_gather_object(parts, scalars, group=trainer.groups.dp_group)
-        scalars = {k: v for part in parts for k, v in part.items()}
+    names = opt.owned_names() if trainer.distributed_optimizer else opt.names  # AdamW's index j -> its parameter
+    scalars = {names[j]: {k: v for k, v in per.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+               for j, per in opt.inner.state_dict()["state"].items()}
+    if trainer.distributed_optimizer:
+        scalars = merged_over(trainer.groups.dp_group, trainer.groups.dp_size, scalars)
     return dict(sorted(scalars.items()))
 
 
@@ -368,8 +360,9 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
         owned = set(opt.names_with_ranges())
         readers = [None] * g.dp_size
         dist.all_gather_object(readers, sorted(owned), group=g.dp_group)
-        for r, names in reversed(list(enumerate(readers))):
-            first_reader.update({n: r for n in names})
+        for r, names in enumerate(readers):
+            for n in names:
+                first_reader.setdefault(n, r)
     else:
         owned = set(opt.owned_names())
     targets = {}

@@ -21,8 +21,11 @@ What this changes against the order-fixed path: the DP sum is NCCL's (its summat
 NCCL version, topology and settings, so two runs on the same machine agree, but nothing else reproduces it), and
 megatron-core's Adam is ``torch.optim.AdamW`` with torch's default (foreach) implementation, or Transformer
 Engine's / Apex's fused Adam when installed. The forward pass, hence the on-policy guarantee (trainer logprobs ==
-engine logprobs), is untouched. Checkpoints: the ``"full"`` format (the optimizer state gathered into rlrepro's
-unsharded layout, so a checkpoint moves between this path, the order-fixed path and a plain ``Trainer``).
+engine logprobs), is untouched. Checkpoints, both formats, hold the optimizer state in rlrepro's unsharded
+layout (``"full"``: gathered onto DP rank 0; ``"dist"``: each parameter's tensors gathered onto an owner DP rank,
+:meth:`MegatronCoreOptimizer.owned_tensors`), so a checkpoint moves between this path, the order-fixed path and a
+plain ``Trainer``. They carry ``torch.optim.AdamW``'s state: with Transformer Engine's or Apex's fused Adam they
+refuse.
 
 megatron-core allocates and checks CUDA tensors by name in these classes. On a machine without CUDA (the CPU
 tests) every call into it runs under :func:`cpu_stand_in`, which redirects those allocations to the CPU; nothing
@@ -41,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from .model import TPQwen3ForCausalLM, shard_spec
 
-__all__ = ["GRAD_SYNCS", "MegatronCoreOptimizer", "cpu_stand_in", "cuda_calls_on_cpu"]
+__all__ = ["GRAD_SYNCS", "MegatronCoreOptimizer", "cpu_stand_in", "cuda_calls_on_cpu", "merged_over"]
 
 GRAD_SYNCS = ("ordered", "megatron")
 
@@ -91,6 +94,15 @@ def cpu_stand_in():
         # the mode sees megatron-core read .grad of its flat shard views (None there, as on CUDA)
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
         yield
+
+
+def merged_over(group, size: int, part: dict) -> dict:
+    """The union of every rank's ``part`` over ``group`` (``size`` ranks; a collective), or ``part`` alone."""
+    if size == 1:
+        return dict(part)
+    parts = [None] * size
+    dist.all_gather_object(parts, part, group=group)
+    return {k: v for one in parts for k, v in one.items()}
 
 
 def _sub_optimizers(mopt) -> list:
@@ -336,12 +348,10 @@ class MegatronCoreOptimizer:
     def step_counts(self) -> dict[str, dict]:
         """name -> ``{"step": tensor}`` (AdamW's per-parameter step count) of every parameter that has one; a
         collective over DP with the distributed optimizer."""
-        known = {n: self._local_entries(p)["step"] for n, p in zip(self.names, self.params)
-                 if "step" in self._local_entries(p)}
+        entries = {n: self._local_entries(p) for n, p in zip(self.names, self.params)}
+        known = {n: e["step"] for n, e in entries.items() if "step" in e}
         if self.distributed:
-            parts = [None] * self.dp_size
-            dist.all_gather_object(parts, known, group=self.dp_group)
-            known = {k: v for part in parts for k, v in part.items()}
+            known = merged_over(self.dp_group, self.dp_size, known)
         return {n: {"step": torch.tensor(v)} for n, v in sorted(known.items())}
 
     @torch.no_grad()
@@ -389,7 +399,7 @@ class MegatronCoreOptimizer:
                 m.copy_(masters[name].reshape(-1)[a:b].view_as(m))
             elif m is not p:  # saved without masters (float32 run): start from the loaded weights
                 m.copy_(p.detach().reshape(-1)[a:b].view_as(m))
-            saved = per_param.get(i, per_param.get(str(i)))
+            saved = per_param.get(i)
             inner = sub.optimizer.state
             if saved and "exp_avg" in saved:
                 inner[m] = {"step": torch.tensor(float(saved["step"])), **{
