@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import math
 import random
+import struct
 import sys
 import tempfile
 import time
@@ -125,6 +127,16 @@ def sampling(args, max_tokens: int, i: int) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=i, ignore_eos=True)
 
 
+def outputs_digest(outs) -> str:
+    """sha256 of every request's token ids and logprob bits: two runs (or kernel variants) gave the same outputs
+    exactly when their digests agree."""
+    h = hashlib.sha256()
+    for o in outs:
+        h.update(repr(list(o.token_ids)).encode())
+        h.update(struct.pack(f"<{len(o.logprobs)}f", *o.logprobs))
+    return h.hexdigest()
+
+
 def bench_engine(model, prompts, args, deterministic: bool) -> dict:
     device = model.device
     n, p_len, o_len = len(prompts), len(prompts[0]), args.output_len
@@ -153,7 +165,7 @@ def bench_engine(model, prompts, args, deterministic: bool) -> dict:
                   prefill_s=prefill_s, output_tokens=tokens, tokens_per_s=tokens / total_s,
                   decode_tokens_per_s=n * (o_len - 1) / max(total_s - prefill_s, 1e-9),
                   steps=stats["num_steps"] - steps_before, graph_steps=stats["num_graph_steps"],
-                  cuda_graphs=bool(engine.runner.graphs))
+                  cuda_graphs=bool(engine.runner.graphs), outputs_sha256=outputs_digest(outs))
     del engine, outs
     gc.collect()
     if device.type == "cuda":

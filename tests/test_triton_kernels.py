@@ -302,6 +302,51 @@ def check_write_kv_cache_and_schedule_cache_fp32():
     assert torch.equal(first, again) and torch.equal(first, T.attention(q, k, v, fresh, 0.3, caches[0]))
 
 
+def check_qk_norm_rope_cache_equal(device, dtype, n, h, hkv, d, nb=40, bs=16) -> None:
+    """The one-pass q/k norm + rotary + cache write equals rms_norm, apply_rope and the KV write in turn: q and
+    both caches bit for bit (random cache slots, a q|k|v view with a row stride, cos/sin of random positions)."""
+    from rlrepro import kernels
+    from rlrepro.kernels import triton_attention as A
+    from rlrepro.kernels import triton_ops as T
+    seed = fresh_seed()
+    wide = torch.randn(n, (h + 2 * hkv) * d + 8, device=device).to(dtype) * 3
+    qkv = wide[:, :(h + 2 * hkv) * d]  # a row stride other than the row's length, as a sliced product can have
+    wq = (1 + 0.2 * torch.randn(d, device=device)).to(dtype)
+    wk = (1 + 0.2 * torch.randn(d, device=device)).to(dtype)
+    ang = torch.rand(n, d // 2, device=device) * 50
+    cos, sin = ang.cos(), ang.sin()
+    table = [torch.randperm(nb).tolist()]  # the sequence's blocks scattered over the pool
+
+    def meta():
+        return AttentionMetadata.paged([n], [n], table, bs, device=device)
+    caches = [(torch.randn(nb, bs, hkv, d, device=device).to(dtype),
+               torch.randn(nb, bs, hkv, d, device=device).to(dtype)) for _ in range(2)]
+    caches[1] = (caches[0][0].clone(), caches[0][1].clone())
+    if dtype == torch.float32 and device == "cuda":  # not served on the GPU in float32 (see the function)
+        assert not A.qk_norm_rope_cache_supported(qkv, wq, wk, caches[0])
+        return
+    q = A.qk_norm_rope_cache(qkv, h, wq, wk, 1e-6, cos, sin, caches[0], meta())
+    nq, nkv = h * d, hkv * d
+    q_sep = T.apply_rope(T.rms_norm(qkv[:, :nq].view(n, h, d), wq, 1e-6), cos, sin)
+    k_sep = T.apply_rope(T.rms_norm(qkv[:, nq:nq + nkv].view(n, hkv, d), wk, 1e-6), cos, sin)
+    A.write_kv_cache(k_sep, qkv[:, nq + nkv:].view(n, hkv, d), caches[1], meta())
+    assert torch.equal(q, q_sep), f"q differs (seed {seed})"
+    assert torch.equal(caches[0][0], caches[1][0]), f"k cache differs (seed {seed})"
+    assert torch.equal(caches[0][1], caches[1][1]), f"v cache differs (seed {seed})"
+    # through the dispatcher (no autograd, a cache): the same attention output as the op-by-op composition
+    with torch.no_grad():
+        fused = kernels.qk_norm_rope_attention(qkv, h, hkv, wq, wk, 1e-6, cos, sin, meta(), 0.3, caches[0])
+    with torch.enable_grad():  # autograd on: the composition
+        plain = kernels.qk_norm_rope_attention(qkv, h, hkv, wq, wk, 1e-6, cos, sin, meta(), 0.3, caches[1])
+    assert torch.equal(fused, plain.detach()), f"attention output differs (seed {seed})"
+
+
+@interp_check
+def check_qk_norm_rope_cache_fp32():
+    for h, hkv, d in ((4, 2, 16), (6, 3, 20), (2, 2, 8)):  # d = 20: a head that is not a power of two
+        check_qk_norm_rope_cache_equal("cpu", torch.float32, 9, h, hkv, d, nb=5, bs=4)
+
+
 def _grad_pairs(device, dtype):
     """(name, fn under test, float64 reference fn, inputs) for every differentiable op."""
     from rlrepro.kernels import triton_ops as T
@@ -474,6 +519,15 @@ def test_gpu_rowwise_batch_invariant():
     emb = torch.randn(1000, 256, device="cuda").to(torch.bfloat16)
     ids = torch.randint(0, 1000, (3, 77), device="cuda")
     assert torch.equal(T.embedding(ids, emb), emb[ids])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_qk_norm_rope_cache_equals_separate_ops(dtype):
+    """bfloat16/float16: equal bits; float32: refused (not served), so the engine runs the separate kernels."""
+    for n, h, hkv, d in ((64, 32, 8, 128), (300, 32, 8, 128), (1, 4, 2, 16), (77, 6, 3, 64)):
+        check_qk_norm_rope_cache_equal("cuda", dtype, n, h, hkv, d, nb=max(40, n // 16 + 1))
 
 
 @gpu

@@ -21,6 +21,7 @@ from .metadata import AttentionMetadata
 __all__ = [
     "MODES", "mode", "current_mode", "AttentionMetadata", "linear", "rms_norm", "add_rms_norm", "log_softmax",
     "token_logprob", "silu_and_mul", "apply_rope", "embedding", "attention", "scaled_token_logprob",
+    "qk_norm_rope_attention",
 ]
 
 _triton_impl: types.ModuleType | None = None
@@ -104,3 +105,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
               kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention over packed sequences (no cache) or against a paged KV cache; see ``cpu.attention``."""
     return _impl(q).attention(q, k, v, meta, scale, kv_cache)
+
+
+def qk_norm_rope_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm_weight: torch.Tensor,
+                           k_norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                           meta: AttentionMetadata, scale: float,
+                           kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Qwen3's attention from its fused q|k|v product ``qkv`` [N, (H + 2 Hkv) D]: per-head RMSNorm of q and k,
+    rotary on both, then ``attention`` (which writes k and v into ``kv_cache`` when given). Returns [N, H, D].
+
+    It is those ops one after the other. On CUDA, in deterministic mode, without autograd and with a cache (the
+    engine), the norms, the rotary and the cache write run as one Triton pass instead of five launches, with the
+    same bits (``triton_attention.qk_norm_rope_cache``; GPU test)."""
+    n = qkv.shape[0]
+    d = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    if (kv_cache is not None and qkv.is_cuda and current_mode() == "deterministic" and not torch.is_grad_enabled()
+            and meta.block_table is not None and meta.slot_mapping is not None):
+        t = _triton()
+        if t.qk_norm_rope_cache_supported(qkv, q_norm_weight, k_norm_weight, kv_cache):
+            q = t.qk_norm_rope_cache(qkv, num_heads, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache, meta)
+            return t.attention_cached(q, meta, scale, kv_cache)
+    nq, nkv = num_heads * d, num_kv_heads * d
+    q = rms_norm(qkv[:, :nq].view(n, num_heads, d), q_norm_weight, eps)
+    k = rms_norm(qkv[:, nq:nq + nkv].view(n, num_kv_heads, d), k_norm_weight, eps)
+    v = qkv[:, nq + nkv:].view(n, num_kv_heads, d)
+    return attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, meta, scale, kv_cache)

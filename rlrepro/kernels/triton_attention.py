@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _pdl
+from ._pdl import wait_then_release as _pdl_wait_then_release
+from . import triton_rowwise as _rw
 from .metadata import AttentionMetadata
 
 BLOCK_KV = 64  # KV positions per step of the online softmax: the fixed reduction order
@@ -81,12 +84,14 @@ def tile_shape(group: int, rows: int = 64) -> tuple[int, int]:
 
 @triton.jit
 def _schedule_kernel(cu_ptr, S, G, prog_seq_ptr, prog_q0_ptr, BLOCK_Q: tl.constexpr, S_P: tl.constexpr,
-                     G_CHUNK: tl.constexpr):
+                     G_CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Program slot -> (sequence, first query index). Slots past the last block get sequence -1.
 
     Slot g (counted from the end, so the longest-running blocks of causal attention start first) is block
     b = G-1-g of the list of all sequences' query blocks, in sequence order.
     """
+    if USE_PDL:
+        _pdl_wait_then_release()
     s = tl.arange(0, S_P)
     s_ok = s < S
     c0 = tl.load(cu_ptr + s, mask=s_ok, other=0)
@@ -112,9 +117,12 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
                      qk_scale, D,
                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
+    if USE_PDL:
+        _pdl_wait_then_release()
     seq = tl.load(prog_seq_ptr + pid)
     if seq >= 0:
         q0 = tl.load(prog_q0_ptr + pid)
@@ -181,8 +189,9 @@ def _device_schedule(cu: torch.Tensor, s_count: int, n: int, block: int,
     prog_seq = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
     prog_t0 = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
     s_p = triton.next_power_of_2(s_count)
+    use_pdl = _pdl.enabled()
     _schedule_kernel[(1,)](cu, s_count, g_slots, prog_seq, prog_t0, BLOCK_Q=block, S_P=s_p,
-                           G_CHUNK=max(16, 2048 // s_p), num_warps=4)
+                           G_CHUNK=max(16, 2048 // s_p), USE_PDL=use_pdl, num_warps=4, **_pdl.launch_kwargs(use_pdl))
     return g_slots, prog_seq, prog_t0
 
 
@@ -219,6 +228,104 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tenso
                            D_P=triton.next_power_of_2(d), num_warps=4)
 
 
+@triton.jit
+def _qk_norm_rope_cache_kernel(qkv_ptr, stride_t, wq_ptr, wk_ptr, cos_ptr, sin_ptr, stride_cn, stride_sn, eps,
+                               q_ptr, stride_qn, kc_ptr, vc_ptr, slot_ptr, stride_cs, stride_ch, H, HKV, D, half,
+                               BLOCK: tl.constexpr, HALF_P: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Program (token t, head h) of a fused q|k|v row: h < H a query head, h < H + HKV a key head, else a value
+    head. Query and key heads: RMSNorm over the head (``_rms_norm_kernel``'s SINGLE code: the same float32
+    statistics from the same [BLOCK] load, rounded to the input's dtype, times the weight, rounded), then the
+    rotary of ``_rope_kernel`` on the rounded result; queries go to ``q``, keys into the cache at ``slot[t]``.
+    Value heads are copied into the cache. Each value is the same expression as in the separate kernels."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if USE_PDL:
+        _pdl_wait_then_release()
+    row = qkv_ptr + t * stride_t + h.to(tl.int64) * D  # q heads, then k heads, then v heads: D columns each
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if h < H + HKV:
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(row + cols, mask=cols < D, other=0.0)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / D
+        rstd = 1.0 / tl.sqrt_rn(var + eps)
+        hc = tl.arange(0, HALF_P)
+        hm = hc < half
+        is_q = h < H
+        w_ptr = tl.where(is_q, wq_ptr, wk_ptr)
+        x1 = tl.load(row + hc, mask=hm, other=0.0)
+        x2 = tl.load(row + half + hc, mask=hm, other=0.0)
+        w1 = tl.load(w_ptr + hc, mask=hm, other=0.0)
+        w2 = tl.load(w_ptr + half + hc, mask=hm, other=0.0)
+        # the norm's output, in its dtype (x's and the weight's promoted; the rotary keeps it)
+        y1 = ((x1.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w1.to(tl.float32)).to(q_ptr.dtype.element_ty)
+        y2 = ((x2.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w2.to(tl.float32)).to(q_ptr.dtype.element_ty)
+        c = tl.load(cos_ptr + t * stride_cn + hc, mask=hm, other=0.0).to(y1.dtype).to(tl.float32)
+        s = tl.load(sin_ptr + t * stride_sn + hc, mask=hm, other=0.0).to(y1.dtype).to(tl.float32)
+        y1f = y1.to(tl.float32)
+        y2f = y2.to(tl.float32)
+        r1 = (y1f * c - y2f * s).to(q_ptr.dtype.element_ty)
+        r2 = (y2f * c + y1f * s).to(q_ptr.dtype.element_ty)
+        if is_q:
+            dst = q_ptr + t * stride_qn + h.to(tl.int64) * D
+            tl.store(dst + hc, r1, mask=hm)
+            tl.store(dst + half + hc, r2, mask=hm)
+        else:
+            dst = kc_ptr + slot * stride_cs + (h - H).to(tl.int64) * stride_ch
+            tl.store(dst + hc, r1.to(kc_ptr.dtype.element_ty), mask=hm)
+            tl.store(dst + half + hc, r2.to(kc_ptr.dtype.element_ty), mask=hm)
+    else:
+        cols = tl.arange(0, BLOCK)
+        v = tl.load(row + cols, mask=cols < D, other=0.0)
+        dst = vc_ptr + slot * stride_cs + (h - H - HKV).to(tl.int64) * stride_ch
+        tl.store(dst + cols, v.to(vc_ptr.dtype.element_ty), mask=cols < D)
+
+
+def qk_norm_rope_cache_supported(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether ``qk_norm_rope_cache`` serves this call: the cache, the product and the weights of one 16-bit dtype
+    (so that each separate op's output dtype is that dtype), a head of at most 8192 values, contiguous caches.
+
+    Not float32: there the roundings to the input's dtype between the norm, the weight and the rotary are no-ops,
+    the compiler may then contract products across them into FMAs, and the H200 gave other bits than the
+    separate kernels (bfloat16 and float16 gave equal bits)."""
+    k_cache, v_cache = kv_cache
+    d = k_cache.shape[-1]
+    dt = qkv.dtype
+    return (dt in (torch.bfloat16, torch.float16) and qkv.dim() == 2 and qkv.stride(-1) == 1 and d % 2 == 0 and d <= 8192
+            and q_norm_weight.dtype == dt and k_norm_weight.dtype == dt and k_cache.dtype == dt
+            and v_cache.dtype == dt and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q_norm_weight.shape == (d,) and k_norm_weight.shape == (d,))
+
+
+def qk_norm_rope_cache(qkv: torch.Tensor, num_heads: int, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                       eps: float, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                       meta: AttentionMetadata) -> torch.Tensor:
+    """One launch for what the model does between its q/k/v product and attention when it decodes: per-head
+    RMSNorm of q and k, rotary on both, k and v written into the paged cache at ``meta.slot_mapping``. Returns q
+    [N, H, D]. The same bits as ``rms_norm_fwd``, ``apply_rope_fwd`` and ``write_kv_cache`` one after the other
+    (GPU test); inference only (no autograd)."""
+    k_cache, v_cache = kv_cache
+    _, _, hkv, d = k_cache.shape
+    n = qkv.shape[0]
+    if qkv.shape[1] != (num_heads + 2 * hkv) * d:
+        raise ValueError(f"qk_norm_rope_cache: a q|k|v row of {qkv.shape[1]} values is not ({num_heads} + 2 x {hkv})"
+                         f" heads x {d}")
+    half = d // 2
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    q = torch.empty((n, num_heads, d), device=qkv.device, dtype=qkv.dtype)
+    if n > 0:
+        block = _rw._row_block(d)  # rms_norm_fwd's block (d <= 8192: the whole head)
+        use_pdl = _pdl.enabled()
+        _qk_norm_rope_cache_kernel[(n, num_heads + 2 * hkv)](
+            qkv, qkv.stride(0), q_norm_weight, k_norm_weight, cos, sin, cos.stride(0), sin.stride(0), float(eps),
+            q, q.stride(0), k_cache, v_cache, meta.slot_mapping, hkv * d, d, num_heads, hkv, d, half,
+            BLOCK=block, HALF_P=triton.next_power_of_2(half), USE_PDL=use_pdl,
+            num_warps=_rw._row_warps(block), **_pdl.launch_kwargs(use_pdl))  # rms_norm_fwd's warps: its layout
+    return q
+
+
 def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata,
                   scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
     """q [N, H, D]; k_flat/v_flat [rows, Hkv, D]: the packed tokens, or the cache viewed as [blocks*bs, Hkv, D].
@@ -243,14 +350,15 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
     g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q, meta)
     paged = meta.block_table is not None
     bt = meta.block_table if paged else cu
+    use_pdl = _pdl.enabled()
     _attn_fwd_kernel[(g_slots, hkv)](
         q, k_flat, v_flat, out, prog_seq, prog_q0, cu, meta.seq_lens,
         bt, bt.stride(0) if paged else 0, meta.block_size if paged else 1, int(paged),
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
         out.stride(0), out.stride(1), float(scale) * LOG2E, d,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV, D_P=triton.next_power_of_2(d),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl.launch_kwargs(use_pdl))
     return out
 
 

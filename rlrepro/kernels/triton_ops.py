@@ -234,7 +234,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"attention: KV cache is {k_cache.dtype}/{v_cache.dtype} but q is {q.dtype}")
     _attn.write_kv_cache(k, v, kv_cache, meta)
+    return attention_cached(q, meta, scale, kv_cache)
+
+
+def attention_cached(q: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The paged path of ``attention`` after the new tokens' k/v are in the cache (inference only)."""
+    k_cache, v_cache = kv_cache
     nb, bs, hkv, d = k_cache.shape
     with torch.no_grad():  # inference path: the cache is state, not part of a graph
         return _attn.attention_fwd(q.detach(), k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d),
                                    meta, scale)
+
+
+qk_norm_rope_cache = _attn.qk_norm_rope_cache
+qk_norm_rope_cache_supported = _attn.qk_norm_rope_cache_supported

@@ -125,12 +125,13 @@ class Qwen3Attention(nn.Module):
     def forward(self, x, cos, sin, meta, kv_cache):
         n = x.shape[0]
         fused = getattr(self, "qkv", None)  # (the megatron backend's TP layers borrow this forward, unfused)
-        if fused is not None and fused.usable():
-            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if fused is not None and fused.usable():  # one q|k|v product (q_norm and k_norm share the config's eps)
             qkv = kernels.linear(x, fused.weight)
-            q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            o = kernels.qk_norm_rope_attention(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight,
+                                               self.k_norm.weight, self.q_norm.eps, cos, sin, meta, self.scale,
+                                               kv_cache)
+            return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
         v = v.view(n, self.num_kv_heads, self.head_dim)
