@@ -239,6 +239,10 @@ def check_rowwise_fp32():
     assert out.dtype == torch.float32
     assert (out.double() - ref.log_softmax(x)).abs().max() < 2e-5
     assert_rows_invariant(T.log_softmax, x, (1, 2, 5), offsets=(0, 1), what="log_softmax")
+    x[2, 4096:8192] = float("-inf")  # a whole range of -inf (filtered tokens): its partial sum is 0, not NaN
+    out = T.log_softmax(x)
+    assert torch.isfinite(out[2, :4096]).all() and (out[2, 4096:8192] == float("-inf")).all()
+    assert (out[2, :4096].double() - ref.log_softmax(x[2:3])[0, :4096]).abs().max() < 2e-5
     # SwiGLU, rotary, embedding
     x = torch.randn(33, 2 * 70)
     assert rel_err(T.silu_and_mul(x), ref.silu_and_mul(x)) < 1e-6

@@ -21,7 +21,7 @@ from .metadata import AttentionMetadata
 __all__ = [
     "MODES", "mode", "current_mode", "AttentionMetadata", "linear", "rms_norm", "add_rms_norm", "log_softmax",
     "token_logprob", "silu_and_mul", "apply_rope", "embedding", "attention", "scaled_token_logprob",
-    "qk_norm_rope_attention",
+    "qk_norm_rope_attention", "scale_logits",
 ]
 
 _triton_impl: types.ModuleType | None = None
@@ -76,8 +76,16 @@ def token_logprob(logits: torch.Tensor, token_ids: torch.Tensor, temperature: fl
     ``log_softmax(logits.float() / t)[i, token_ids[i]]`` with ``t = temperature`` if it is > 0, else 1
     (greedy decoding reports the untempered distribution). Float32, shape ``token_ids.shape``.
     """
+    return scaled_token_logprob(scale_logits(logits, temperature), token_ids)
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits.float() / t`` (``t = temperature`` if > 0, else 1), the tempered logits of ``token_logprob``. At
+    ``t = 1`` the division is skipped: ``x / 1.0 == x`` exactly in IEEE float32, so the bits are the same and a
+    full pass over [rows, vocab] is saved."""
     t = float(temperature) if temperature > 0 else 1.0
-    return scaled_token_logprob(logits.float() / t, token_ids)
+    x = logits.float()
+    return x if t == 1.0 else x / t
 
 
 def scaled_token_logprob(scaled: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

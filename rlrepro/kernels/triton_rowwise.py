@@ -214,39 +214,59 @@ def add_rms_norm_fwd(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------------------------- log-softmax
+LSM_BLOCK = 4096  # values of a row per program: a row of V values is cut into cdiv(V, LSM_BLOCK) fixed ranges
+
+
 @triton.jit
-def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK: tl.constexpr):
+def _lse_partial_kernel(x_ptr, m_ptr, s_ptr, V, stride_x, P, BLOCK: tl.constexpr):
+    """Program (row, p): the maximum of range p of the row and the sum of exp(x - that maximum) over it."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    o_row = out_ptr + row * stride_o
-    cols = tl.arange(0, BLOCK)
-    # pass 1: per-lane running max and sum of exp, chunks in order; lanes combined once at the end
-    m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, V, BLOCK):
-        x = tl.load(x_row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    s_row = tl.sum(s * tl.exp(m - m_row), axis=0)
-    lse = m_row + tl.log(s_row)
-    # pass 2: write x - lse
-    for start in range(0, V, BLOCK):
-        mask = start + cols < V
-        x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_row + start + cols, x - lse, mask=mask)
+    part = tl.program_id(1)
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tl.store(m_ptr + row * P + part, m)
+    tl.store(s_ptr + row * P + part, tl.sum(tl.exp(x - m_safe), axis=0))
+
+
+@triton.jit
+def _log_softmax_write_kernel(x_ptr, out_ptr, m_ptr, s_ptr, V, stride_x, stride_o, P, P_P: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    """Program (row, p): the row's log-sum-exp from its P range partials (the same reduction in every program of
+    the row), then x - lse over range p."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    i = tl.arange(0, P_P)
+    ok = i < P
+    mp = tl.load(m_ptr + row * P + i, mask=ok, other=float("-inf"))
+    sp = tl.load(s_ptr + row * P + i, mask=ok, other=0.0)
+    m = tl.max(mp, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    lse = m + tl.log(tl.sum(sp * tl.exp(mp - m_safe), axis=0))
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, x - lse, mask=mask)
 
 
 def log_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
+    """float32 log-softmax over the last dim. Each row is cut into ranges of LSM_BLOCK values (a function of V
+    alone), one program per (row, range) for the partial maxima and sums, then one per (row, range) to combine them
+    in a fixed order and write: a decode step's few rows still fill the GPU, and a row's result does not depend on
+    the other rows. Engine and trainer both take their logprobs from here (``kernels.token_logprob``)."""
     v = x.shape[-1]
     x2 = _rows(x)
+    rows = x2.shape[0]
     out = torch.empty(x2.shape, device=x.device, dtype=torch.float32)
-    if x2.shape[0] > 0 and v > 0:
-        block = min(triton.next_power_of_2(v), 4096)
-        _log_softmax_kernel[(x2.shape[0],)](x2, out, v, x2.stride(0), out.stride(0), BLOCK=block,
-                                            num_warps=_row_warps(block))
+    if rows > 0 and v > 0:
+        parts = triton.cdiv(v, LSM_BLOCK)
+        m = torch.empty((rows, parts), device=x.device, dtype=torch.float32)
+        s = torch.empty_like(m)
+        warps = _row_warps(LSM_BLOCK)
+        _lse_partial_kernel[(rows, parts)](x2, m, s, v, x2.stride(0), parts, BLOCK=LSM_BLOCK, num_warps=warps)
+        _log_softmax_write_kernel[(rows, parts)](x2, out, m, s, v, x2.stride(0), out.stride(0), parts,
+                                                 P_P=triton.next_power_of_2(parts), BLOCK=LSM_BLOCK, num_warps=warps)
     return out.reshape(x.shape)
 
 

@@ -239,7 +239,7 @@ def sample_on_device(logits: torch.Tensor, requests: Seq[SampleRequest], fused: 
         if t == 0.0:
             chosen = torch.argmax(group.float(), dim=-1)
         else:
-            scaled = group.float() / t  # the same expression token_logprob evaluates
+            scaled = kernels.scale_logits(group, t)  # the same expression token_logprob evaluates
             keys = tensor_to_device([[requests[i].seed for i in rows], [requests[i].position for i in rows]],
                                     torch.int64, device)
             seeds, positions = keys[0], keys[1]

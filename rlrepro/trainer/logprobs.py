@@ -28,8 +28,7 @@ def tempered_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torc
     The same expression as inside :func:`rlrepro.kernels.token_logprob`; gathering the token column from it gives
     the same bits (``tests/test_trainer_logprobs.py`` checks this).
     """
-    t = float(temperature) if temperature > 0 else 1.0
-    return kernels.log_softmax(logits.float() / t)
+    return kernels.log_softmax(kernels.scale_logits(logits, temperature))
 
 
 def entropy(log_probs: torch.Tensor) -> torch.Tensor:
