@@ -52,6 +52,20 @@ def test_fused_forward_matches_and_falls_back_when_storage_moves(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), ref.state_dict().values()))
 
 
+def test_fusing_again_with_gradients_on_keeps_the_fused_tensors():
+    """A second engine on one model is built with grad mode on, where ``usable()`` is False: fusing again must not
+    move the weights to new tensors, or the first engine's CUDA graphs would read freed memory."""
+    model = tiny_model(seed=0).fuse_projections()
+    layer = model.model.layers[0]
+    qkv, gate_up = layer.self_attn.qkv.weight, layer.mlp.gate_up.weight
+    assert torch.is_grad_enabled() and not layer.self_attn.qkv.usable()
+    model.fuse_projections()
+    assert layer.self_attn.qkv.weight is qkv and layer.mlp.gate_up.weight is gate_up
+    assert layer.self_attn.q_proj.weight.data_ptr() == qkv.data_ptr()
+    Engine(model, device="cpu", fuse_projections=True, max_num_seqs=4, max_model_len=64)
+    assert layer.self_attn.qkv.weight is qkv and layer.mlp.gate_up.weight is gate_up
+
+
 def test_tensor_parallel_emulation_disables_the_fused_product():
     model = tiny_model(seed=0).fuse_projections()
     model.set_tensor_parallel_emulation(2)

@@ -75,9 +75,14 @@ class FusedWeight:
         self.sizes = [lin.weight.shape[0] for lin in linears]
 
     def usable(self) -> bool:
-        w = self.weight
+        """Whether a forward may use the fused product now: the layout holds and no gradient is wanted."""
         if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in self.linears):
             return False
+        return self.intact()
+
+    def intact(self) -> bool:
+        """Whether every linear's weight is still its slice of ``weight`` (whatever the grad mode)."""
+        w = self.weight
         step = w.shape[1] * w.element_size()
         ptr = w.data_ptr()
         for lin, rows in zip(self.linears, self.sizes):
@@ -246,9 +251,11 @@ class Qwen3ForCausalLM(nn.Module):
         this on CUDA, where it is bitwise neutral; calling it twice is a no-op."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv is None or not attn.qkv.usable():
+            # intact(), not usable(): an engine is built with grad mode on; re-fusing then would move the weights
+            # to a new tensor and free the one an earlier engine's CUDA graphs read
+            if attn.qkv is None or not attn.qkv.intact():
                 attn.qkv = FusedWeight([attn.q_proj, attn.k_proj, attn.v_proj])
-            if mlp.gate_up is None or not mlp.gate_up.usable():
+            if mlp.gate_up is None or not mlp.gate_up.intact():
                 mlp.gate_up = FusedWeight([mlp.gate_proj, mlp.up_proj])
         return self
 
