@@ -127,6 +127,18 @@ def sampling(args, max_tokens: int, i: int) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=i, ignore_eos=True)
 
 
+def speedups(results: list[dict]) -> list[tuple[int, float, float]]:
+    """(round, decode ratio, output ratio) of the deterministic engine over transformers, within each round."""
+    out = []
+    for rnd in sorted({r.get("round", 0) for r in results}):
+        ours = [r for r in results if r.get("round", 0) == rnd and r["mode"] == "deterministic"]
+        hf = [r for r in results if r.get("round", 0) == rnd and r["system"].startswith("transformers")]
+        if ours and hf:
+            out.append((rnd, ours[0]["decode_tokens_per_s"] / hf[0]["decode_tokens_per_s"],
+                        ours[0]["tokens_per_s"] / hf[0]["tokens_per_s"]))
+    return out
+
+
 def outputs_digest(outs) -> str:
     """sha256 of every request's token ids and logprob bits: two runs (or kernel variants) gave the same outputs
     exactly when their digests agree."""
@@ -335,15 +347,21 @@ def decode_breakdown(model, prompts, args) -> None:
         print(f"| {name[:70]} | {ms:.3f} | {g:.3f} | {ms - g:+.3f} | {count:g} |")
 
 
+_HF_MODELS: dict[int, object] = {}  # id(model) -> the transformers copy, loaded once for all --repeat rounds
+
+
 def bench_transformers(model, prompts, args) -> dict:
     import transformers
 
     device = model.device
-    with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(model, tmp)
-        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-        dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, **{dtype_kw: model.dtype}).to(device).eval()
+    if id(model) not in _HF_MODELS:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_pretrained(model, tmp)
+            major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+            dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+            _HF_MODELS[id(model)] = transformers.AutoModelForCausalLM.from_pretrained(
+                tmp, **{dtype_kw: model.dtype}).to(device).eval()
+    hf = _HF_MODELS[id(model)]
     n, o_len = len(prompts), args.output_len
     ids = torch.tensor(prompts, device=device)  # equal lengths: no padding
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=args.temperature > 0, pad_token_id=0,
@@ -362,7 +380,7 @@ def bench_transformers(model, prompts, args) -> dict:
         sync(device)
         total_s = time.perf_counter() - t0
     tokens = (out.shape[1] - ids.shape[1]) * n
-    del hf
+    del hf, out
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -391,6 +409,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the modes and transformers this many times in turn (rounds), for the spread and the "
+                         "median of the per-round speedups")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="profile a deterministic run of STEPS output tokens instead of benchmarking")
     ap.add_argument("--profile-rows", type=int, default=30)
@@ -418,17 +439,20 @@ def main(argv=None) -> None:
         decode_breakdown(model, prompts, args)
         return
     results = []
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in modes:
         if mode not in ("deterministic", "fast"):
             raise SystemExit(f"--modes: unknown mode {mode!r}; use deterministic and/or fast")
-        results.append(bench_engine(model, prompts, args, deterministic=mode == "deterministic"))
-        print(json.dumps(results[-1]), flush=True)
-    if not args.no_hf:
-        try:
-            results.append(bench_transformers(model, prompts, args))
+    for rnd in range(args.repeat):
+        for mode in modes:
+            results.append(dict(bench_engine(model, prompts, args, deterministic=mode == "deterministic"), round=rnd))
             print(json.dumps(results[-1]), flush=True)
-        except ImportError as e:
-            print(f"# transformers unavailable: {e}")
+        if not args.no_hf:
+            try:
+                results.append(dict(bench_transformers(model, prompts, args), round=rnd))
+                print(json.dumps(results[-1]), flush=True)
+            except ImportError as e:
+                print(f"# transformers unavailable: {e}")
 
     print()
     print("| system | mode | output tok/s | decode tok/s | decode / roofline | prefill s | total s |")
@@ -437,6 +461,17 @@ def main(argv=None) -> None:
         print(f"| {r['system']} | {r['mode']} | {r['tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | "
               f"{r['decode_tokens_per_s'] / roofline:.1%} | {r['prefill_s']:.2f} | {r['total_s']:.2f} |")
     print(f"| roofline | weights + KV at {bandwidth / 1e12:.2f} TB/s | | {roofline:,.0f} | 100% | | |")
+    ratios = speedups(results)
+    if ratios:
+        print()
+        print("| round | deterministic / transformers, decode tok/s | output tok/s |")
+        print("|---:|---:|---:|")
+        for rnd, dec, outp in ratios:
+            print(f"| {rnd} | {dec:.2f}x | {outp:.2f}x |")
+        if len(ratios) > 1:
+            dec = sorted(r[1] for r in ratios)
+            outp = sorted(r[2] for r in ratios)
+            print(f"| median of {len(ratios)} | {dec[len(dec) // 2]:.2f}x | {outp[len(outp) // 2]:.2f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             device=name, torch=torch.__version__, layers=model.config.num_hidden_layers, dtype=str(model.dtype),

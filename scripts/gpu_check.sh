@@ -73,6 +73,9 @@ add_step pdl_ab 560 'set -o pipefail
 add_step bench_decode_graph 300 '$PY benchmarks/bench_decode_graph.py'
 # the 64-request half of bench_engine alone (deterministic, fast, transformers)
 add_step bench_engine_64 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_64.json"'
+# the deterministic engine against transformers at 64 requests, three rounds in turn: the per-round speedups and
+# their median (transformers' rate moves by ~25 % between runs)
+add_step bench_engine_repeat 420 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --repeat 3 --json "$OUT/bench_engine_repeat.json"'
 add_step gpu_tests_pdl 300 'kit && RLREPRO_PDL=1 $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_PATHS_PDL:-tests/test_rollout_cuda.py}'
 add_step probe_decode_loop 200 '$PY benchmarks/probe_decode_loop.py'
 add_step profile_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 128 --no-hf --modes deterministic --profile 20'
