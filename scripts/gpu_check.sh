@@ -62,21 +62,11 @@ add_step bench_trainer_tp2 400 'kit && $PY benchmarks/bench_trainer.py --qwen3-8
 add_step bench_trainer_dp2 300 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 36 --num-gpus 2 --distributed-optimizer --no-phases --json "$OUT/bench_trainer_dp2.json"'
 # nvidia-h200-x2: the same, megatron-core's DDP + DistributedOptimizer (trainer.grad_sync) against rlrepro's, one after the other
 add_step bench_trainer_grad_sync 560 'kit && for gs in megatron ordered; do $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 36 --num-gpus 2 --distributed-optimizer --no-phases --grad-sync $gs --json "$OUT/dp2_$gs.json" || exit 1; done'
-# programmatic dependent launch (RLREPRO_PDL, rlrepro/kernels/_pdl.py) off and on, alternating: decode tok/s and
-# the outputs' digest (equal digests: the same tokens and logprobs) at 64 requests
-add_step pdl_ab 560 'set -o pipefail
-  for run in a b; do for pdl in 0 1; do
-    RLREPRO_PDL=$pdl $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --no-hf --modes deterministic \
-      --json "$OUT/pdl_ab_${pdl}_$run.json" | grep -v "^|" || exit 1
-  done; done'
-# the decode graph of one process per launch variant (PDL off / on), replayed alternately: the precise A/B
-add_step bench_decode_graph 300 '$PY benchmarks/bench_decode_graph.py'
 # the 64-request half of bench_engine alone (deterministic, fast, transformers)
 add_step bench_engine_64 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_64.json"'
 # the deterministic engine against transformers at 64 requests, three rounds in turn: the per-round speedups and
 # their median (transformers' rate moves by ~25 % between runs)
 add_step bench_engine_repeat 420 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --repeat 3 --json "$OUT/bench_engine_repeat.json"'
-add_step gpu_tests_pdl 300 'kit && RLREPRO_PDL=1 $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_PATHS_PDL:-tests/test_rollout_cuda.py}'
 add_step probe_decode_loop 200 '$PY benchmarks/probe_decode_loop.py'
 add_step profile_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 128 --no-hf --modes deterministic --profile 20'
 

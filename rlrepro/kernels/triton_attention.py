@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _pdl
-from ._pdl import wait_then_release as _pdl_wait_then_release
 from . import triton_rowwise as _rw
 from .metadata import AttentionMetadata
 
@@ -84,14 +82,12 @@ def tile_shape(group: int, rows: int = 64) -> tuple[int, int]:
 
 @triton.jit
 def _schedule_kernel(cu_ptr, S, G, prog_seq_ptr, prog_q0_ptr, BLOCK_Q: tl.constexpr, S_P: tl.constexpr,
-                     G_CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False):
+                     G_CHUNK: tl.constexpr):
     """Program slot -> (sequence, first query index). Slots past the last block get sequence -1.
 
     Slot g (counted from the end, so the longest-running blocks of causal attention start first) is block
     b = G-1-g of the list of all sequences' query blocks, in sequence order.
     """
-    if USE_PDL:
-        _pdl_wait_then_release()
     s = tl.arange(0, S_P)
     s_ok = s < S
     c0 = tl.load(cu_ptr + s, mask=s_ok, other=0)
@@ -117,12 +113,9 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
                      qk_scale, D,
                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+                     BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
-    if USE_PDL:
-        _pdl_wait_then_release()
     seq = tl.load(prog_seq_ptr + pid)
     if seq >= 0:
         q0 = tl.load(prog_q0_ptr + pid)
@@ -189,9 +182,8 @@ def _device_schedule(cu: torch.Tensor, s_count: int, n: int, block: int,
     prog_seq = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
     prog_t0 = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
     s_p = triton.next_power_of_2(s_count)
-    use_pdl = _pdl.enabled()
     _schedule_kernel[(1,)](cu, s_count, g_slots, prog_seq, prog_t0, BLOCK_Q=block, S_P=s_p,
-                           G_CHUNK=max(16, 2048 // s_p), USE_PDL=use_pdl, num_warps=4, **_pdl.launch_kwargs(use_pdl))
+                           G_CHUNK=max(16, 2048 // s_p), num_warps=4)
     return g_slots, prog_seq, prog_t0
 
 
@@ -231,7 +223,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tenso
 @triton.jit
 def _qk_norm_rope_cache_kernel(qkv_ptr, stride_t, wq_ptr, wk_ptr, cos_ptr, sin_ptr, stride_cn, stride_sn, eps,
                                q_ptr, stride_qn, kc_ptr, vc_ptr, slot_ptr, stride_cs, stride_ch, H, HKV, D, half,
-                               BLOCK: tl.constexpr, HALF_P: tl.constexpr, USE_PDL: tl.constexpr = False):
+                               BLOCK: tl.constexpr, HALF_P: tl.constexpr):
     """Program (token t, head h) of a fused q|k|v row: h < H a query head, h < H + HKV a key head, else a value
     head. Query and key heads: RMSNorm over the head (``_rms_norm_kernel``'s SINGLE code: the same float32
     statistics from the same [BLOCK] load, rounded to the input's dtype, times the weight, rounded), then the
@@ -239,8 +231,6 @@ def _qk_norm_rope_cache_kernel(qkv_ptr, stride_t, wq_ptr, wk_ptr, cos_ptr, sin_p
     Value heads are copied into the cache. Each value is the same expression as in the separate kernels."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    if USE_PDL:
-        _pdl_wait_then_release()
     row = qkv_ptr + t * stride_t + h.to(tl.int64) * D  # q heads, then k heads, then v heads: D columns each
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if h < H + HKV:
@@ -317,12 +307,11 @@ def qk_norm_rope_cache(qkv: torch.Tensor, num_heads: int, q_norm_weight: torch.T
     q = torch.empty((n, num_heads, d), device=qkv.device, dtype=qkv.dtype)
     if n > 0:
         block = _rw._row_block(d)  # rms_norm_fwd's block (d <= 8192: the whole head)
-        use_pdl = _pdl.enabled()
         _qk_norm_rope_cache_kernel[(n, num_heads + 2 * hkv)](
             qkv, qkv.stride(0), q_norm_weight, k_norm_weight, cos, sin, cos.stride(0), sin.stride(0), float(eps),
             q, q.stride(0), k_cache, v_cache, meta.slot_mapping, hkv * d, d, num_heads, hkv, d, half,
-            BLOCK=block, HALF_P=triton.next_power_of_2(half), USE_PDL=use_pdl,
-            num_warps=_rw._row_warps(block), **_pdl.launch_kwargs(use_pdl))  # rms_norm_fwd's warps: its layout
+            BLOCK=block, HALF_P=triton.next_power_of_2(half),
+            num_warps=_rw._row_warps(block))  # rms_norm_fwd's warps: its layout
     return q
 
 
@@ -350,15 +339,14 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
     g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q, meta)
     paged = meta.block_table is not None
     bt = meta.block_table if paged else cu
-    use_pdl = _pdl.enabled()
     _attn_fwd_kernel[(g_slots, hkv)](
         q, k_flat, v_flat, out, prog_seq, prog_q0, cu, meta.seq_lens,
         bt, bt.stride(0) if paged else 0, meta.block_size if paged else 1, int(paged),
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
         out.stride(0), out.stride(1), float(scale) * LOG2E, d,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV, D_P=triton.next_power_of_2(d),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl.launch_kwargs(use_pdl))
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -22,10 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _pdl
-from ._pdl import prefetch_l2 as _pdl_prefetch_l2
-from ._pdl import wait_then_release as _pdl_wait_then_release
-
 try:  # Triton >= 3.4 (host-side TMA descriptors)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -136,23 +132,15 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _mm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, w_ptr, stride_wn,
+def _mm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    HAS_BIAS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
-                   PRECISION: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                   USE_PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0):
+                   PRECISION: tl.constexpr, OUT_DTYPE: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
-    if USE_PDL:
-        if PREFETCH_K > 0:  # the first tile's leading weight lines into L2 while the kernel before still runs
-            _, pn = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-            rows = tl.minimum(pn * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-            ks = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)  # 64 16-bit values = one 128-byte line
-            _pdl_prefetch_l2(w_ptr + rows[:, None] * stride_wn + ks[None, :])
-        _pdl_wait_then_release()
     for tile_id in tl.range(pid, num_tiles, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -179,10 +167,8 @@ def _mm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, w_ptr, stride_wn,
 def _mm_ptr_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    HAS_BIAS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
-                   PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False):
+                   PRECISION: tl.constexpr):
     pid = tl.program_id(0)
-    if USE_PDL:
-        _pdl_wait_then_release()
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -264,15 +250,8 @@ def matmul(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
                   HAS_BIAS=bias is not None, SUBTILE=cfg.subtile, FLATTEN=cfg.flatten, PRECISION=precision,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     bias_arg = bias if bias is not None else out
-    use_pdl = _pdl.enabled()
-    common.update(USE_PDL=use_pdl, **_pdl.launch_kwargs(use_pdl))
     if tma:
-        # with PDL, small-M products (weight-bound) prefetch the weight lines their pipeline reads first
-        prefetch = 0
-        if use_pdl and m <= SMALL_M and x2d.dtype != torch.float32 and k >= 64:
-            prefetch = min(1 << ((cfg.num_stages * cfg.block_k).bit_length() - 1), triton.next_power_of_2(k))
-        _mm_tma_kernel[grid](a_desc, b_desc, c_desc, bias_arg, m, n, k, weight, weight.stride(0),
-                             OUT_DTYPE=_TL_DTYPES[out.dtype], PREFETCH_K=prefetch, **common)
+        _mm_tma_kernel[grid](a_desc, b_desc, c_desc, bias_arg, m, n, k, OUT_DTYPE=_TL_DTYPES[out.dtype], **common)
     else:
         _mm_ptr_kernel[grid](x2d, weight, out, bias_arg, m, n, k, x2d.stride(0), weight.stride(0), out.stride(0),
                              **common)

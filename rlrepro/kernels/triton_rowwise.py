@@ -19,9 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _pdl
-from ._pdl import wait_then_release as _pdl_wait_then_release
-
 MAX_ROW_BLOCK = 8192  # elements of a row held at once; longer rows are walked in chunks of this size
 
 
@@ -42,12 +39,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, H, stride_h, res_ptr, sum_ptr,
-                     BLOCK: tl.constexpr, SINGLE: tl.constexpr, HAS_RES: tl.constexpr = False,
-                     USE_PDL: tl.constexpr = False):
+                     BLOCK: tl.constexpr, SINGLE: tl.constexpr, HAS_RES: tl.constexpr = False):
     """Row-wise RMSNorm. HAS_RES (single-block rows, contiguous [rows, D] x/res/sum): the row is first
     ``x + res`` rounded to x's dtype, as torch's add gives it, and that sum is also written to ``sum``."""
-    if USE_PDL:
-        _pdl_wait_then_release()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + (row // H) * stride_x + (row % H) * stride_h  # rows of [N, H, D] with any N/H strides
     o_row = out_ptr + row * stride_o
@@ -176,10 +170,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     out = torch.empty((rows, d), device=x.device, dtype=out_dtype)
     if rows > 0:
         block = _row_block(d)
-        use_pdl = _pdl.enabled()
         _rms_norm_kernel[(rows,)](src, weight.contiguous(), out, d, stride_n, out.stride(0), float(eps), h, stride_h,
-                                  src, src, BLOCK=block, SINGLE=block >= d, USE_PDL=use_pdl,
-                                  num_warps=_row_warps(block), **_pdl.launch_kwargs(use_pdl))
+                                  src, src, BLOCK=block, SINGLE=block >= d, num_warps=_row_warps(block))
     return out.reshape(x.shape)
 
 
@@ -206,10 +198,8 @@ def add_rms_norm_fwd(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor,
     out = torch.empty((rows, d), device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
     if rows > 0:
         block = _row_block(d)
-        use_pdl = _pdl.enabled()
         _rms_norm_kernel[(rows,)](src, weight.contiguous(), out, d, src.stride(0), out.stride(0), float(eps), 1, 0,
-                                  r, total, BLOCK=block, SINGLE=True, HAS_RES=True, USE_PDL=use_pdl,
-                                  num_warps=_row_warps(block), **_pdl.launch_kwargs(use_pdl))
+                                  r, total, BLOCK=block, SINGLE=True, HAS_RES=True, num_warps=_row_warps(block))
     return total.reshape(x.shape), out.reshape(x.shape)
 
 
@@ -272,9 +262,7 @@ def log_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- SwiGLU
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    if USE_PDL:
-        _pdl_wait_then_release()
+def _silu_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -292,10 +280,8 @@ def silu_and_mul_fwd(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], d), device=x.device, dtype=x.dtype)
     if x2.shape[0] > 0 and d > 0:
         block = min(triton.next_power_of_2(d), 2048)
-        use_pdl = _pdl.enabled()
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, d, x2.stride(0), out.stride(0), BLOCK=block,
-                                                               USE_PDL=use_pdl, num_warps=4,
-                                                               **_pdl.launch_kwargs(use_pdl))
+                                                               num_warps=4)
     return out.reshape(*x.shape[:-1], d)
 
 
@@ -386,10 +372,7 @@ def apply_rope_bwd(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 # ----------------------------------------------------------------------------------------------- embedding
 @triton.jit
-def _embedding_kernel(ids_ptr, w_ptr, out_ptr, D, stride_w, stride_o, BLOCK: tl.constexpr,
-                      USE_PDL: tl.constexpr = False):
-    if USE_PDL:
-        _pdl_wait_then_release()
+def _embedding_kernel(ids_ptr, w_ptr, out_ptr, D, stride_w, stride_o, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -408,10 +391,9 @@ def embedding_fwd(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((flat.shape[0], d), device=weight.device, dtype=weight.dtype)
     if flat.shape[0] > 0 and d > 0:
         block = min(triton.next_power_of_2(d), 4096)
-        use_pdl = _pdl.enabled()
         _embedding_kernel[(flat.shape[0], triton.cdiv(d, block))](flat, weight, out, d, weight.stride(0),
-                                                                  out.stride(0), BLOCK=block, USE_PDL=use_pdl,
-                                                                  num_warps=4, **_pdl.launch_kwargs(use_pdl))
+                                                                  out.stride(0), BLOCK=block,
+                                                                  num_warps=4)
     return out.reshape(*ids.shape, d)
 
 
