@@ -282,8 +282,8 @@ def qk_norm_rope_cache_supported(qkv: torch.Tensor, q_norm_weight: torch.Tensor,
     k_cache, v_cache = kv_cache
     d = k_cache.shape[-1]
     dt = qkv.dtype
-    return (dt in (torch.bfloat16, torch.float16) and qkv.dim() == 2 and qkv.stride(-1) == 1 and d % 2 == 0 and d <= 8192
-            and q_norm_weight.dtype == dt and k_norm_weight.dtype == dt and k_cache.dtype == dt
+    return (dt in (torch.bfloat16, torch.float16) and qkv.dim() == 2 and qkv.stride(-1) == 1 and d % 2 == 0
+            and d <= 8192 and q_norm_weight.dtype == dt and k_norm_weight.dtype == dt and k_cache.dtype == dt
             and v_cache.dtype == dt and k_cache.is_contiguous() and v_cache.is_contiguous()
             and q_norm_weight.shape == (d,) and k_norm_weight.shape == (d,))
 

@@ -392,8 +392,7 @@ def embedding_fwd(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if flat.shape[0] > 0 and d > 0:
         block = min(triton.next_power_of_2(d), 4096)
         _embedding_kernel[(flat.shape[0], triton.cdiv(d, block))](flat, weight, out, d, weight.stride(0),
-                                                                  out.stride(0), BLOCK=block,
-                                                                  num_warps=4)
+                                                                  out.stride(0), BLOCK=block, num_warps=4)
     return out.reshape(*ids.shape, d)
 
 
