@@ -35,20 +35,29 @@ from rlrepro.rollout import Engine  # noqa: E402
 from rlrepro.rollout.sampler import SampleRequest, sample_on_device  # noqa: E402
 
 
+# nvidia-smi's clocks_throttle_reasons.active bits
+THROTTLE_REASONS = {0x1: "idle", 0x2: "app clocks", 0x4: "SW power cap", 0x8: "HW slowdown", 0x10: "sync boost",
+                    0x20: "SW thermal", 0x40: "HW thermal", 0x80: "HW power brake", 0x100: "display clocks"}
+
+
 class Smi:
-    """nvidia-smi's SM clock (MHz) and power (W), sampled every 50 ms in a thread while a condition runs."""
+    """nvidia-smi's SM clock (MHz), power (W), memory clock and active throttle reasons, sampled every 50 ms in a
+    thread while a condition runs."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, float, float]] = []
+        self.reasons = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks.mem", "--format=csv,noheader,nounits",
-                                      "-i", "0"], capture_output=True, text=True, timeout=5).stdout.split(",")
+                out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks.mem,"
+                                      "clocks_throttle_reasons.active", "--format=csv,noheader,nounits", "-i", "0"],
+                                     capture_output=True, text=True, timeout=5).stdout.split(",")
                 self.samples.append((float(out[0]), float(out[1]), float(out[2])))
+                self.reasons |= int(out[3].strip(), 16)
             except (OSError, ValueError, IndexError, subprocess.SubprocessError):
                 return
             time.sleep(0.05)
@@ -65,8 +74,10 @@ class Smi:
         if not self.samples:
             return "no nvidia-smi samples"
         clocks, power, mem = zip(*self.samples)
+        reasons = [name for bit, name in THROTTLE_REASONS.items() if self.reasons & bit] or ["none"]
         return (f"SM clock {min(clocks):.0f}-{max(clocks):.0f} MHz, memory clock {min(mem):.0f}-{max(mem):.0f} MHz, "
-                f"power {min(power):.0f}-{max(power):.0f} W")
+                f"power {min(power):.0f}-{max(power):.0f} W, throttle reasons seen: {', '.join(reasons)} "
+                f"({len(self.samples)} samples)")
 
 
 def main() -> None:
@@ -324,9 +335,9 @@ def main() -> None:
               f"{inside[-1]:.3f} | | |")
     # which staged input makes the difference: replay after set_context, after staging, and after staging then
     # set_context (positions, lengths and slots replaced, ids and block table as staged)
-    def replays(prepare) -> list[float]:
+    def replays(prepare, count: int = 20) -> list[float]:
         wrapped.marks = []
-        for _ in range(20):
+        for _ in range(count):
             prepare()
             wrapped.replay()
         torch.cuda.synchronize()
@@ -372,6 +383,10 @@ def main() -> None:
             t = replays(lambda: set_context(ctx))
             print(f"| set_context, {name} | {med(t):.3f} | {t[0]:.3f} | {t[-1]:.3f} | | |")
         del saved
+    # the slow state long enough for nvidia-smi to see it: clocks, power and throttle reasons during 150 replays
+    with Smi() as smi:
+        t = replays(lambda: set_context(ctx), count=150)
+    print(f"| set_context, 150 replays | {med(t):.3f} | {t[0]:.3f} | {t[-1]:.3f} | | {smi.summary()} |")
     stage_only()
     print("# staged: positions", runner._positions[:b].min().item(), runner._positions[:b].max().item(),
           "seq_lens", runner._seq_lens[:b].min().item(), runner._seq_lens[:b].max().item(),
