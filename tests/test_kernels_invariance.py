@@ -243,3 +243,23 @@ def test_fast_paged_attention_decode_and_chunks_close_to_reference():
     for i, (q, k, v) in enumerate(qkv):
         expected = ref.attention_dense(q[-1:], k, v, torch.tensor([lens[i] - 1]), 0.25)
         torch.testing.assert_close(out[i:i + 1].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_qk_norm_rope_attention_is_the_composition_and_checks_its_shape():
+    """``kernels.qk_norm_rope_attention`` on CPU: the per-head norms, rotary and attention of the model's unfused
+    path, bit for bit; a q|k|v width that is not (H + 2 Hkv) heads is refused with the shapes named."""
+    from rlrepro.kernels import AttentionMetadata
+    g = torch.Generator().manual_seed(0)
+    n, h, hkv, d = 7, 4, 2, 8
+    qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g)
+    wq, wk = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    ang = torch.rand(n, d // 2, generator=g) * 9
+    cos, sin = ang.cos(), ang.sin()
+    meta = AttentionMetadata.packed([3, 4])
+    got = kernels.qk_norm_rope_attention(qkv, h, hkv, wq, wk, 1e-6, cos, sin, meta, 0.3)
+    q = kernels.apply_rope(kernels.rms_norm(qkv[:, :h * d].view(n, h, d), wq, 1e-6), cos, sin)
+    k = kernels.apply_rope(kernels.rms_norm(qkv[:, h * d:(h + hkv) * d].view(n, hkv, d), wk, 1e-6), cos, sin)
+    want = kernels.attention(q, k, qkv[:, (h + hkv) * d:].view(n, hkv, d), meta, 0.3)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="is not"):
+        kernels.qk_norm_rope_attention(qkv[:, :-1], h, hkv, wq, wk, 1e-6, cos, sin, meta, 0.3)

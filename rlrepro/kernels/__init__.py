@@ -126,7 +126,11 @@ def qk_norm_rope_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     engine), the norms, the rotary and the cache write run as one Triton pass instead of five launches, with the
     same bits (``triton_attention.qk_norm_rope_cache``; GPU test)."""
     n = qkv.shape[0]
-    d = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    heads = num_heads + 2 * num_kv_heads
+    if qkv.dim() != 2 or qkv.shape[1] % heads or num_heads % num_kv_heads:
+        raise ValueError(f"qk_norm_rope_attention: qkv of shape {tuple(qkv.shape)} is not [N, ({num_heads} + 2 x "
+                         f"{num_kv_heads}) x head_dim] with {num_kv_heads} dividing {num_heads}")
+    d = qkv.shape[1] // heads
     if (kv_cache is not None and qkv.is_cuda and current_mode() == "deterministic" and not torch.is_grad_enabled()
             and meta.block_table is not None and meta.slot_mapping is not None):
         t = _triton()
