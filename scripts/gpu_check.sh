@@ -47,8 +47,9 @@ add_step grpo_two 560 'kit && GRPO_SET=two bash scripts/gpu_grpo.sh'
 add_step grpo_full 590 'kit && GRPO_SET=full GRPO_LAYERS=36 GRPO_STEPS=${GRPO_STEPS:-3} bash scripts/gpu_grpo.sh'
 # nvidia-h200-x8 only: the recipe's layout, the full 36 layers, then 2 layers to compare with grpo_two
 add_step grpo_eight 590 'kit && GRPO_SET=eight GRPO_LAYERS=36 bash scripts/gpu_grpo.sh && OUT=$OUT/l2 GRPO_SET=eight GRPO_WORK=/tmp/grpo_eight_l2 bash scripts/gpu_grpo.sh'
-# the full 36-layer Qwen3-8B shape: 64 and 256 requests, 512/512 tokens, each with transformers generate (the
-# 256-request run needs ~250 s: its fast mode alone takes ~75 s)
+# the full 36-layer Qwen3-8B shape: 64 and 256 requests, 512/512 tokens, each with transformers generate. Every
+# system is warmed by a whole-size generate first, so both halves together can outrun one 600 s device call: the
+# 64-request half alone is bench_engine_64, the 256 one `ENGINE_BENCH_ARGS=--no-hf` or a call of its own
 add_step bench_engine 580 '
   $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_64.json"
   $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 256 ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_256.json"'
