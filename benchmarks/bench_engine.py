@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import random
+import statistics
 import struct
 import sys
 import tempfile
@@ -475,9 +476,8 @@ def main(argv=None) -> None:
         for rnd, dec, outp in ratios:
             print(f"| {rnd} | {dec:.2f}x | {outp:.2f}x |")
         if len(ratios) > 1:
-            dec = sorted(r[1] for r in ratios)
-            outp = sorted(r[2] for r in ratios)
-            print(f"| median of {len(ratios)} | {dec[len(dec) // 2]:.2f}x | {outp[len(outp) // 2]:.2f}x |")
+            print(f"| median of {len(ratios)} | {statistics.median(r[1] for r in ratios):.2f}x | "
+                  f"{statistics.median(r[2] for r in ratios):.2f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             device=name, torch=torch.__version__, layers=model.config.num_hidden_layers, dtype=str(model.dtype),
