@@ -32,6 +32,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from rlrepro.samples import Sample
+
 from .records import (  # noqa: F401  (re-exported: writers live with the digests in the public API)
     FingerprintWriter,
     JsonlStepWriter,
@@ -475,15 +477,26 @@ def fingerprint_step(step: int, *, prompt_ids: Sequence[Any], token_ids: Sequenc
             .to_dict())
 
 
-def fingerprint_from_samples(step: int, samples: Sequence[Mapping[str, Any]], *, loss: Any, grad_norm: Any,
+def _sample_fields(s: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """(prompt ids, completion ids, rollout logprobs, reward, advantage) of a ``Sample`` or a rollout dict."""
+    if isinstance(s, Sample):
+        return s.prompt_token_ids, s.completion_token_ids, s.rollout_logprobs, s.reward, s.advantage
+    return s["prompt_token_ids"], s["token_ids"], s["logprobs"], s["reward"], s["advantage"]
+
+
+def fingerprint_from_samples(step: int, samples: Sequence[Sample | Mapping[str, Any]], *, loss: Any, grad_norm: Any,
                              weights: Any) -> dict:
-    """``fingerprint_step`` from the same sample dicts that ``RolloutWriter.write`` takes, so the fingerprint and
-    the rollout file cannot disagree on sample order."""
+    """``fingerprint_step`` from the same samples that ``RolloutWriter.write`` takes, so the fingerprint and the
+    rollout file cannot disagree on sample order. ``samples``: :class:`~rlrepro.samples.Sample` objects
+    (``prompt_token_ids``, ``completion_token_ids``, ``rollout_logprobs``, ``reward``, ``advantage``) or rollout
+    dicts (``prompt_token_ids``, ``token_ids``, ``logprobs``, ``reward``, ``advantage``); equal values give
+    equal digests either way. The decoded text is not fingerprinted (it is a function of the token ids)."""
+    fields = [_sample_fields(s) for s in samples]
     return fingerprint_step(
         step,
-        prompt_ids=[s["prompt_token_ids"] for s in samples],
-        token_ids=[s["token_ids"] for s in samples],
-        logprobs=[s["logprobs"] for s in samples],
-        rewards=[s["reward"] for s in samples],
-        advantages=[s["advantage"] for s in samples],
+        prompt_ids=[f[0] for f in fields],
+        token_ids=[f[1] for f in fields],
+        logprobs=[f[2] for f in fields],
+        rewards=[f[3] for f in fields],
+        advantages=[f[4] for f in fields],
         loss=loss, grad_norm=grad_norm, weights=weights)

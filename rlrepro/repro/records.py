@@ -19,7 +19,10 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping, Union
+
+from rlrepro._files import apply_default_mode
+from rlrepro.samples import Sample
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -28,6 +31,8 @@ ROLLOUTS_DIR = "rollouts"
 CHECKPOINTS_DIR = "checkpoints"
 
 ROLLOUT_SAMPLE_KEYS = ("prompt_uid", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "reward", "advantage")
+#: optional keys of a rollout record (``Sample.to_record`` writes them when set); older files lack them
+ROLLOUT_OPTIONAL_KEYS = ("finish_reason", "prompt_text", "completion_text", "loss_mask", "turns")
 
 
 class ReproError(Exception):
@@ -88,12 +93,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the complete new one, never a part."""
+    """Write ``data`` to ``path`` so that readers see the old file or the complete new one, never a part.
+
+    The file gets the mode a plain ``open()`` would give it (0o666 masked by the umask), not mkstemp's 0o600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            apply_default_mode(f.fileno())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -270,10 +278,21 @@ def _plain(value: Any) -> Any:
     return _json_default(value)
 
 
+def rollout_record(sample: Union[Sample, Mapping[str, Any]]) -> dict:
+    """The rollout-file object of one sample: ``Sample.to_record()`` for a :class:`~rlrepro.samples.Sample`
+    (decoded text included when set), a copy of a dict as it is."""
+    if isinstance(sample, Sample):
+        return sample.to_record()
+    if isinstance(sample, Mapping):
+        return dict(sample)
+    raise TypeError(f"a rollout sample is a rlrepro.samples.Sample or a dict, not {type(sample).__name__}")
+
+
 class RolloutWriter:
     """``RUN/rollouts/step_NNNNNN.jsonl.gz``: one JSON line per sample, in fingerprint order
     (prompt uid, sample index). Written atomically (temp file + ``os.replace``); the gzip header carries no
-    file name or time, so two identical runs write byte-identical files."""
+    file name or time, so two identical runs write byte-identical files. Samples are
+    :class:`~rlrepro.samples.Sample` objects (written with ``to_record()``) or dicts with the same keys."""
 
     def __init__(self, run_dir: str | os.PathLike, *, compresslevel: int = 6):
         self.run_dir = Path(run_dir)
@@ -283,13 +302,14 @@ class RolloutWriter:
     def path(self, step: int) -> Path:
         return rollouts_path(self.run_dir, step)
 
-    def write(self, step: int, samples: Iterable[dict]) -> Path:
+    def write(self, step: int, samples: Iterable[Union[Sample, Mapping[str, Any]]]) -> Path:
         text = io.StringIO()
-        for i, s in enumerate(samples):
+        for i, sample in enumerate(samples):
+            s = rollout_record(sample)
             missing = [k for k in ROLLOUT_SAMPLE_KEYS if k not in s]
             if missing:
                 raise ValueError(f"sample {i}: missing key(s) {', '.join(missing)}")
-            text.write(dumps_line(_plain(dict(s))))
+            text.write(dumps_line(_plain(s)))
             text.write("\n")
         buf = io.BytesIO()
         with gzip.GzipFile(filename="", mode="wb", fileobj=buf, compresslevel=self.compresslevel, mtime=0) as gz:
@@ -324,6 +344,36 @@ def read_rollouts(run_dir: str | os.PathLike, step: int) -> list[dict] | None:
             out.extend(obj for _, obj in _json_objects(path, f))
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise ReproError(f"{path}: unreadable ({e})") from None
+    return out
+
+
+def rollout_steps(run_dir: str | os.PathLike) -> list[int]:
+    """The steps that have a rollout file under ``RUN/rollouts/``, ascending."""
+    d = Path(run_dir) / ROLLOUTS_DIR
+    steps = []
+    if d.is_dir():
+        for p in d.glob("step_*.jsonl.gz"):
+            num = p.name[len("step_"):-len(".jsonl.gz")]
+            if num.isdigit():
+                steps.append(int(num))
+    return sorted(steps)
+
+
+def read_rollout_samples(run_dir: str | os.PathLike, step: int) -> list[Sample] | None:
+    """:func:`read_rollouts` as :class:`~rlrepro.samples.Sample` objects (files with or without the text fields);
+    None when the step has no rollout file, ReproError when a record lacks a required key."""
+    recs = read_rollouts(run_dir, step)
+    if recs is None:
+        return None
+    out = []
+    for i, rec in enumerate(recs):
+        missing = [k for k in ROLLOUT_SAMPLE_KEYS if k not in rec]
+        if missing:
+            raise ReproError(f"{rollouts_path(run_dir, step)}: sample {i}: missing key(s) {', '.join(missing)}")
+        try:
+            out.append(Sample.from_record(rec))
+        except (TypeError, ValueError, KeyError) as e:
+            raise ReproError(f"{rollouts_path(run_dir, step)}: sample {i}: malformed record ({e})") from None
     return out
 
 

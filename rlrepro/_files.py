@@ -1,0 +1,41 @@
+"""File-mode policy for everything rlrepro writes (plain Python, nothing else of rlrepro, no torch).
+
+A file rlrepro writes gets the mode an ordinary ``open(path, "w")`` would give it: ``0o666`` masked by the
+process umask (``0o644`` under the usual umask 022). Atomic writers create a private temp file
+(``tempfile.mkstemp`` makes it ``0o600``) and libraries such as safetensors do the same; they call
+:func:`apply_default_mode` on it before the rename, so the policy holds for every file of a run directory.
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ["current_umask", "default_file_mode", "apply_default_mode"]
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux >= 4.7: ``/proc/self/status``);
+    elsewhere by setting and restoring it."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_file_mode() -> int:
+    """``0o666 & ~umask``: the mode ``open()`` gives a new file."""
+    return 0o666 & ~current_umask()
+
+
+def apply_default_mode(target: int | str | os.PathLike) -> None:
+    """Give ``target`` (an open file descriptor or a path) the mode of :func:`default_file_mode`."""
+    mode = default_file_mode()
+    if isinstance(target, int):
+        os.fchmod(target, mode)
+    else:
+        os.chmod(target, mode)
