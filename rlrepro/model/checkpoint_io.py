@@ -11,6 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from rlrepro._files import apply_default_mode
+
 from .config import Qwen3Config
 from .qwen3 import Qwen3ForCausalLM
 
@@ -129,6 +131,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
     """Write config.json + safetensors (sharded with an index when ``max_shard_bytes`` is exceeded).
 
     Tokenizer files are copied from ``tokenizer_from`` or, if unset, from the directory the model was loaded from.
+    Every file gets the mode ``open()`` would give it (0o666 & ~umask), whatever safetensors or the source had.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -148,11 +151,13 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
     meta = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
+        apply_default_mode(path / "model.safetensors")  # safetensors 0.8 creates it 0o600
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(path / fname), metadata=meta)
+            apply_default_mode(path / fname)
             weight_map.update({k: fname for k in shard})
         total = sum(t.numel() * t.element_size() for t in state.values())
         (path / "model.safetensors.index.json").write_text(
@@ -162,4 +167,5 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
         for fname in TOKENIZER_FILES:
             if (Path(source) / fname).is_file():
                 shutil.copy2(Path(source) / fname, path / fname)
+                apply_default_mode(path / fname)  # not the source's mode (a read-only cache, say)
     return path

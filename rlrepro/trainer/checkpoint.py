@@ -15,6 +15,9 @@ and fsynced, the directory fsynced, then renamed to ``step_NNNNNN`` (``os.rename
 POSIX file systems) and the parent fsynced. A crash at any point leaves either no ``step_NNNNNN`` or a complete
 one; leftover ``*.tmp-*`` directories are ignored by :func:`latest_checkpoint`.
 
+File modes: every file gets the mode a plain ``open()`` would give it (0o666 masked by the umask, so 0o644
+under umask 022), whatever the writing library does (safetensors 0.8 creates its files 0o600).
+
 ``.pt`` files are read with ``torch.load(weights_only=True)``: tensors and plain containers only, no code.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlrepro._files import apply_default_mode
 from rlrepro.model import save_pretrained
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "verify_checkpoint",
@@ -147,8 +151,10 @@ def _file_digest(path: Path) -> dict:
 
 
 def _write_file(path: Path, write: Callable[[Path], None]) -> dict:
-    """Write one file with ``write(path)``, fsync it and return its size and sha256."""
+    """Write one file with ``write(path)``, give it the mode ``open()`` would (0o666 & ~umask; safetensors 0.8
+    creates its files 0o600), fsync it and return its size and sha256."""
     write(path)
+    apply_default_mode(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -347,7 +353,7 @@ def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, sche
     layout = manifest.get("layout")
     if layout is not None and layout != "full":
         raise ValueError(f"checkpoint {path} has the {layout!r} layout (sharded by a tensor-parallel run); load it "
-                         "with trainer.backend=megatron, or convert it first with "
+                         "with train.backend=megatron, or convert it first with "
                          "rlrepro.trainer.megatron.dist_to_full(path, ckpt_root)")
 
     def need(name: str, what: str) -> Path:
