@@ -1,0 +1,89 @@
+"""``ConfigError`` and the value checks that every component's config dataclass runs in ``__post_init__``.
+
+Each component owns its config (``rollout.EngineConfig``, ``rollout.SamplingConfig``, ``trainer.TrainConfig``,
+``data.config.DataConfig``, ...); the run schema (:mod:`rlrepro.orchestration.config`) is the tree of them.
+A config class names its place in that tree with ``SECTION`` so that its messages name the key a command-line
+user types (``train.lr``, ``rollout.max_num_seqs``). Plain Python, nothing else of rlrepro.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["ConfigError", "Checker"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem found before any work starts; the message names the key, the value and the fix."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class Checker:
+    """The checks of one config object: ``Checker(self).positive_int("max_num_seqs")`` raises ConfigError
+    naming ``<SECTION>.max_num_seqs`` and the value."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self.section = getattr(obj, "SECTION", "")
+
+    def key(self, name: str) -> str:
+        return f"{self.section}.{name}" if self.section else name
+
+    def _value(self, name: str) -> Any:
+        return getattr(self.obj, name)
+
+    def fail(self, name: str, message: str) -> None:
+        raise ConfigError(f"{self.key(name)}={self._value(name)!r} {message}")
+
+    def positive_int(self, *names: str, optional: bool = False) -> None:
+        for name in names:
+            v = self._value(name)
+            if optional and v is None:
+                continue
+            if not _is_int(v) or v < 1:
+                self.fail(name, "must be a positive integer" + (" or null (unset)" if optional else ""))
+
+    def int_at_least(self, name: str, low: int) -> None:
+        v = self._value(name)
+        if not _is_int(v) or v < low:
+            self.fail(name, f"must be an integer >= {low}")
+
+    def integer(self, *names: str) -> None:
+        for name in names:
+            if not _is_int(self._value(name)):
+                self.fail(name, "must be an integer")
+
+    def non_negative(self, *names: str) -> None:
+        for name in names:
+            v = self._value(name)
+            if not _is_number(v) or v < 0:
+                self.fail(name, "must be a finite number >= 0")
+
+    def in_range(self, name: str, low: float, high: float, *, low_inclusive: bool = True,
+                 high_inclusive: bool = True) -> None:
+        v = self._value(name)
+        ok = _is_number(v) and (low <= v if low_inclusive else low < v) and (v <= high if high_inclusive else v < high)
+        if not ok:
+            self.fail(name, f"must lie in {'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}")
+
+    def choice(self, name: str, choices: Iterable[Any]) -> None:
+        choices = list(choices)
+        if self._value(name) not in choices:
+            self.fail(name, f"is not allowed; choose one of {choices}")
+
+    def boolean(self, *names: str) -> None:
+        for name in names:
+            if not isinstance(self._value(name), bool):
+                self.fail(name, "must be true or false")
+
+    def require(self, ok: bool, name: str, message: str) -> None:
+        if not ok:
+            self.fail(name, message)
