@@ -1,20 +1,33 @@
 """``rlrepro plot`` and the offline wandb comparison."""
+import json
 import struct
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlrepro.repro.diff import read_metrics
 from rlrepro.repro.fingerprint import FingerprintWriter, MetricsWriter, fingerprint_step
-from rlrepro.repro.plot import PLOT_METRICS, first_divergences, log_comparison_to_wandb, main_plot, plot_runs
+from rlrepro.repro.plot import (
+    PLOT_METRICS,
+    build_figures,
+    first_divergences,
+    kl_is_off,
+    log_comparison_to_wandb,
+    main_plot,
+    plot_runs,
+)
 from rlrepro.repro.records import ReproError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def make_run(path, steps=12, diverge_at=None):
+def make_run(path, steps=12, diverge_at=None, kl=0.001, kl_coef=None, lp_diff=0.0):
     path.mkdir(parents=True)
-    OmegaConf.save(OmegaConf.create({"run": {"dir": str(path), "seed": 0}}), path / "config.yaml")
+    cfg = {"run": {"dir": str(path), "seed": 0}}
+    if kl_coef is not None:
+        cfg["train"] = {"kl_coef": kl_coef}
+    OmegaConf.save(OmegaConf.create(cfg), path / "config.yaml")
     fw, mw = FingerprintWriter(path), MetricsWriter(path)
     for s in range(1, steps + 1):
         off = 0.05 * (s - diverge_at + 1) if diverge_at is not None and s >= diverge_at else 0.0
@@ -23,8 +36,8 @@ def make_run(path, steps=12, diverge_at=None):
                                   rewards=[1.0, 0.0], advantages=[0.5, -0.5], loss=0.1 / s + off, grad_norm=1.0,
                                   weights={"w": torch.full((2,), float(s))}))
         mw.write({"step": s, "rollout/reward_mean": 0.1 * s + off, "rollout/response_length_mean": 100.0 + s,
-                  "train/loss": 1.0 / s + off, "train/grad_norm": 2.0 - 0.1 * s, "train/kl": 0.001 * s,
-                  "train/entropy": 2.0 - 0.05 * s - off, "train/rollout_logprob_abs_diff": 0.0,
+                  "train/loss": 1.0 / s + off, "train/grad_norm": 2.0 - 0.1 * s, "train/kl": kl * s,
+                  "train/entropy": 2.0 - 0.05 * s - off, "train/rollout_logprob_abs_diff": lp_diff * (s % 2),
                   "perf/step_time_s": 0.5})
     return path
 
@@ -44,9 +57,61 @@ def test_plot_runs_writes_valid_pngs(tmp_path):
     assert first_divergences([a, b, c]) == {1: None, 2: 7}
     out = tmp_path / "plots"
     paths = plot_runs([a, b, c], out)
-    assert [p.name for p in paths] == [f"{stem}.png" for _, stem, _ in PLOT_METRICS] + ["overview.png"]
+    assert [p.name for p in paths] == [f"{m[1]}.png" for m in PLOT_METRICS] + ["overview.png"]
+    assert "rollout_logprob_abs_diff.png" in {p.name for p in paths} and "kl.png" in {p.name for p in paths}
     sizes = {p.name: _check_png(p) for p in paths}
     assert sizes["overview.png"][0] > sizes["loss.png"][0]
+
+
+def _visible_axes(fig):
+    return [ax for ax in fig.axes if ax.get_visible()]
+
+
+def test_every_panel_has_a_y_label_and_the_logprob_diff_panel(tmp_path):
+    a = make_run(tmp_path / "a", steps=5)
+    b = make_run(tmp_path / "b", steps=5)
+    figs = build_figures([a, b])
+    assert list(figs) == [m[1] for m in PLOT_METRICS] + ["overview"]
+    overview = _visible_axes(figs["overview"])
+    assert [ax.get_title() for ax in overview] == [m[2] for m in PLOT_METRICS]
+    for fig in figs.values():
+        for ax in _visible_axes(fig):
+            assert ax.get_ylabel().strip() and ax.get_xlabel() == "step", ax.get_title()
+    for ax in (_visible_axes(figs["rollout_logprob_abs_diff"])[0], overview[-1]):
+        assert ax.get_title() == "trainer vs rollout logprob" and "logprob" in ax.get_ylabel()
+        assert ax.get_yscale() == "linear"
+        lo, hi = ax.get_ylim()
+        assert lo < 0.0 < hi                                   # the zero line is inside the plot, not an edge
+        assert [t.get_text() for t in ax.texts] == ["max = 0.0 (exactly on-policy)"]
+        assert [list(line.get_ydata()) for line in ax.lines] == [[0.0] * 5] * 2
+
+
+def test_logprob_diff_note_names_a_nonzero_maximum(tmp_path):
+    a = make_run(tmp_path / "a", steps=4)
+    b = make_run(tmp_path / "b", steps=4, lp_diff=2.5e-7)
+    ax = _visible_axes(build_figures([a, b], mark_divergence=False)["rollout_logprob_abs_diff"])[0]
+    assert [t.get_text() for t in ax.texts] == ["max = 2.5e-07 (b): not exactly on-policy"]
+    assert ax.get_yscale() == "linear"
+
+
+def test_no_kl_panel_when_the_kl_term_is_off(tmp_path):
+    zero = make_run(tmp_path / "zero", steps=3, kl=0.0)                  # every recorded train/kl is 0
+    coef0 = make_run(tmp_path / "coef0", steps=3, kl_coef=0.0)           # config says the term is off
+    on = make_run(tmp_path / "on", steps=3, kl_coef=0.001)
+    no_kl = make_run(tmp_path / "no_kl", steps=3)
+    recs = [json.loads(x) for x in (no_kl / "metrics.jsonl").read_text().splitlines()]
+    (no_kl / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "train/kl"}) + "\n"
+                                                 for r in recs))
+    assert kl_is_off([zero, coef0, no_kl], [read_metrics(r) for r in (zero, coef0, no_kl)])
+    assert not kl_is_off([zero, on], [read_metrics(r) for r in (zero, on)])
+    for runs, has_kl in (([zero], False), ([coef0], False), ([no_kl], False),
+                         ([on], True), ([zero, on], True)):
+        figs = build_figures(runs, mark_divergence=False)
+        titles = [ax.get_title() for ax in _visible_axes(figs["overview"])]
+        assert ("kl" in figs) is has_kl and ("KL" in titles) is has_kl, [r.name for r in runs]
+        assert len(titles) == len(PLOT_METRICS) - (0 if has_kl else 1)
+    paths = plot_runs([zero], tmp_path / "out")
+    assert "kl.png" not in {p.name for p in paths} and (tmp_path / "out" / "overview.png").exists()
 
 
 def test_main_plot_single_run_default_out_and_errors(tmp_path, capsys):

@@ -1,6 +1,8 @@
 """``rlrepro plot RUN [RUN ...]``: overlay the training curves of runs and mark where they first diverge.
 
 Writes one PNG per metric and ``overview.png`` (a grid of all of them). Uses matplotlib's Agg backend (no display).
+The trainer-vs-rollout logprob difference is drawn on a linear axis with its maximum written out, so that an
+exact 0.0 (exactly on-policy) shows as such; the KL panel is left out when the KL term is off in every run.
 ``log_comparison_to_wandb`` logs the same curves as a wandb group, offline (never network).
 """
 from __future__ import annotations
@@ -13,18 +15,23 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .diff import ReproError, diff_runs, read_metrics
+from .diff import ReproError, diff_runs, load_config, read_metrics
 
-__all__ = ["PLOT_METRICS", "plot_runs", "main_plot", "log_comparison_to_wandb", "first_divergences"]
+__all__ = ["PLOT_METRICS", "plot_runs", "build_figures", "plot_panels", "kl_is_off", "main_plot",
+           "log_comparison_to_wandb", "first_divergences"]
 
-#: (metrics.jsonl key, file stem, title)
+KL_KEY = "train/kl"
+LOGPROB_DIFF_KEY = "train/rollout_logprob_abs_diff"
+
+#: (metrics.jsonl key, file stem, title, y-axis label)
 PLOT_METRICS = (
-    ("rollout/reward_mean", "reward_mean", "reward mean"),
-    ("train/loss", "loss", "loss"),
-    ("train/kl", "kl", "KL"),
-    ("train/entropy", "entropy", "entropy"),
-    ("rollout/response_length_mean", "response_length_mean", "response length (mean)"),
-    ("train/grad_norm", "grad_norm", "grad norm"),
+    ("rollout/reward_mean", "reward_mean", "reward mean", "reward"),
+    ("train/loss", "loss", "loss", "loss"),
+    (KL_KEY, "kl", "KL", "KL to reference"),
+    ("train/entropy", "entropy", "entropy", "entropy (nats / token)"),
+    ("rollout/response_length_mean", "response_length_mean", "response length (mean)", "tokens"),
+    ("train/grad_norm", "grad_norm", "grad norm", "gradient L2 norm"),
+    (LOGPROB_DIFF_KEY, "rollout_logprob_abs_diff", "trainer vs rollout logprob", "max |logprob difference|"),
 )
 
 
@@ -58,8 +65,53 @@ def first_divergences(run_dirs: Sequence[str | os.PathLike]) -> dict[int, int | 
     return out
 
 
+def _kl_coef(run_dir: Path) -> float | None:
+    try:
+        cfg = load_config(run_dir)
+    except ReproError:
+        return None
+    coef = ((cfg or {}).get("train") or {}).get("kl_coef")
+    return float(coef) if isinstance(coef, (int, float)) and not isinstance(coef, bool) else None
+
+
+def kl_is_off(run_dirs: Sequence[str | os.PathLike], metrics: Sequence[dict | None]) -> bool:
+    """True when no run has a KL term: each run's config.yaml says ``train.kl_coef: 0``, or every ``train/kl`` it
+    recorded is 0 (or absent)."""
+    for run_dir, m in zip(run_dirs, metrics):
+        if _kl_coef(Path(run_dir)) == 0.0:
+            continue
+        if any(v != 0.0 for v in _series(m, KL_KEY)[1]):
+            return False
+    return True
+
+
+def plot_panels(run_dirs: Sequence[str | os.PathLike], metrics: Sequence[dict | None]) -> list[tuple]:
+    """The PLOT_METRICS entries drawn for these runs (without KL when :func:`kl_is_off`)."""
+    skip_kl = kl_is_off(run_dirs, metrics)
+    return [m for m in PLOT_METRICS if not (skip_kl and m[0] == KL_KEY)]
+
+
+def _logprob_diff_note(labels: list[str], metrics: list[dict | None]) -> str | None:
+    """"max = 0.0 (exactly on-policy)" when every recorded value is exactly 0, else the largest value and its run."""
+    best: tuple[float, str] | None = None
+    nan_runs = []
+    for lab, m in zip(labels, metrics):
+        ys = _series(m, LOGPROB_DIFF_KEY)[1]
+        if any(math.isnan(y) for y in ys):
+            nan_runs.append(lab)
+        for y in ys:
+            if not math.isnan(y) and (best is None or y > best[0]):
+                best = (y, lab)
+    if best is None:
+        return None
+    if best[0] == 0.0 and not nan_runs:
+        return "max = 0.0 (exactly on-policy)"
+    note = f"max = {best[0]:.3g}" + (f" ({best[1]})" if len(labels) > 1 else "") + ": not exactly on-policy"
+    return note + (f"; NaN in {', '.join(nan_runs)}" if nan_runs else "")
+
+
 def _draw(ax, key: str, title: str, labels: list[str], metrics: list[dict | None], colors: list,
-          divergence: dict[int, int | None]) -> None:
+          divergence: dict[int, int | None], ylabel: str = "") -> None:
     any_data = False
     for i, (lab, m) in enumerate(zip(labels, metrics)):
         xs, ys = _series(m, key)
@@ -77,16 +129,24 @@ def _draw(ax, key: str, title: str, labels: list[str], metrics: list[dict | None
         ax.text(0.5, 0.5, f"no data for {key}", transform=ax.transAxes, ha="center", va="center", color="gray")
     ax.set_title(title)
     ax.set_xlabel("step")
+    ax.set_ylabel(ylabel or title)
     ax.grid(True, alpha=0.3)
+    note = _logprob_diff_note(labels, metrics) if key == LOGPROB_DIFF_KEY else None
+    if note is not None:
+        # linear axis, no offset: an exact zero must read as 0, not as a tiny number on a log scale
+        ax.set_yscale("linear")
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+        if note.startswith("max = 0.0 "):
+            ax.set_ylim(-1.0, 1.0)
+        ax.text(0.02, 0.96, note, transform=ax.transAxes, ha="left", va="top", fontsize="small",
+                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
     if any_data or any(s is not None for s in divergence.values()):
         ax.legend(fontsize="small")
 
 
-def plot_runs(run_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
-              mark_divergence: bool = True) -> list[Path]:
-    """Overlay the curves of ``run_dirs`` (from each run's metrics.jsonl); one PNG per metric in PLOT_METRICS plus
-    ``overview.png``. With ``mark_divergence`` a dotted vertical line marks where run i first diverges from run 0
-    (``diff_runs``). Returns the written paths. ReproError when no run has a readable metrics.jsonl."""
+def build_figures(run_dirs: Sequence[str | os.PathLike], *, mark_divergence: bool = True) -> dict[str, object]:
+    """The figures ``plot_runs`` writes, as ``{file stem: matplotlib Figure}`` (one per panel of
+    :func:`plot_panels`, then ``"overview"``). ReproError when no run has a readable metrics.jsonl."""
     # Figure + the Agg canvas directly: no pyplot, no global backend switch, no display needed
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -104,33 +164,45 @@ def plot_runs(run_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
     labels = _labels(dirs)
     colors = [colormaps["tab10"](i % 10) for i in range(len(dirs))]
     divergence = first_divergences(dirs) if mark_divergence and len(dirs) > 1 else {}
+    panels = plot_panels(dirs, metrics)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    for key, stem, title in PLOT_METRICS:
+    figures: dict[str, object] = {}
+    for key, stem, title, ylabel in panels:
         fig = Figure(figsize=(7, 4.2), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.subplots()
-        _draw(ax, key, title, labels, metrics, colors, divergence)
+        _draw(ax, key, title, labels, metrics, colors, divergence, ylabel)
         fig.tight_layout()
-        path = out / f"{stem}.png"
-        fig.savefig(path)
-        written.append(path)
+        figures[stem] = fig
     ncols = 3
-    nrows = math.ceil(len(PLOT_METRICS) / ncols)
+    nrows = math.ceil(len(panels) / ncols)
     fig = Figure(figsize=(6 * ncols, 3.8 * nrows), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False)
-    for ax, (key, _, title) in zip(axes.flat, PLOT_METRICS):
-        _draw(ax, key, title, labels, metrics, colors, divergence)
-    for ax in list(axes.flat)[len(PLOT_METRICS):]:
+    for ax, (key, _, title, ylabel) in zip(axes.flat, panels):
+        _draw(ax, key, title, labels, metrics, colors, divergence, ylabel)
+    for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(" vs ".join(labels) if len(labels) <= 4 else f"{len(labels)} runs")
     fig.tight_layout()
-    path = out / "overview.png"
-    fig.savefig(path)
-    written.append(path)
+    figures["overview"] = fig
+    return figures
+
+
+def plot_runs(run_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
+              mark_divergence: bool = True) -> list[Path]:
+    """Overlay the curves of ``run_dirs`` (from each run's metrics.jsonl); one PNG per panel (PLOT_METRICS, without
+    ``kl.png`` when the KL term is off in every run) plus ``overview.png``. With ``mark_divergence`` a dotted
+    vertical line marks where run i first diverges from run 0 (``diff_runs``). Returns the written paths.
+    ReproError when no run has a readable metrics.jsonl."""
+    figures = build_figures(run_dirs, mark_divergence=mark_divergence)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for stem, fig in figures.items():
+        path = out / f"{stem}.png"
+        fig.savefig(path)
+        written.append(path)
     return written
 
 
