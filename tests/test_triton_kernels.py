@@ -551,7 +551,7 @@ def test_gpu_attention_packed_paged_chunked_equal(dtype):
 def test_gpu_attention_configs_agree(monkeypatch):
     """The 16-, 64- and 128-row attention tiles give the same bits, so the tile may follow the call's size: with a
     low switch-over, packed / chunked / decode calls mix both configs and still agree bitwise."""
-    from rlrepro.kernels import triton_attention as A
+    from rlrepro.kernels import triton_attention_fwd as A  # LARGE_MIN_TOKENS is read there
     from rlrepro.kernels import triton_ops as T
     seed = _cuda_seed()
     lens = [300, 129, 1, 77]

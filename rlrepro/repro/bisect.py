@@ -5,8 +5,8 @@ starting weights when the divergence is at step 1). If the weights already diffe
 is the answer. Otherwise the first divergent sample's tokens (from run A's rollout file) are replayed through
 both policies, each in its own run's kernel mode and tensor-parallel reduction order (``trainer.backend=megatron``
 runs replay with ``set_tensor_parallel_emulation(trainer.tensor_parallel)``, as their engines sampled; their
-``checkpoint.format=dist`` checkpoints are read into full tensors), with a forward hook on every module; the first module in
-execution order whose output differs is reported. Identical activations mean the forward pass is not the
+``checkpoint.format=dist`` checkpoints are read into full tensors), with a forward hook on every module; the first
+module in execution order whose output differs is reported. Identical activations mean the forward pass is not the
 cause (look at sampling or scheduling settings, which the config diff lists).
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .diff import diff_runs, load_config
 from .records import CHECKPOINTS_DIR, ReproError, read_rollouts, step_dirname
 
 
@@ -75,8 +74,12 @@ def _load_policy(run: Path, cfg: dict, ckpt_step: int):
 
 
 def _tensor_parallel(cfg: dict) -> int:
-    trainer = (cfg or {}).get("trainer") or {}
-    return int(trainer.get("tensor_parallel") or 1) if trainer.get("backend") == "megatron" else 1
+    # train.backend / train.tensor_parallel; runs from before the move have them under trainer.*
+    for section in ("train", "trainer"):
+        keys = (cfg or {}).get(section) or {}
+        if isinstance(keys, dict) and "backend" in keys:
+            return int(keys.get("tensor_parallel") or 1) if keys.get("backend") == "megatron" else 1
+    return 1
 
 
 def _kernel_mode(cfg: dict) -> str:
@@ -120,43 +123,44 @@ def _trace(model, tokens: list[int], mode: str) -> list[tuple[str, str, Any]]:
     return records
 
 
-def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike) -> BisectResult | None:
+def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, step: int, sample_index: int | None = None,
+                config_a: dict | None = None, config_b: dict | None = None) -> BisectResult:
+    """Replay the first divergent ``step`` of two runs (its first differing sample ``sample_index``, as
+    ``diff_runs`` named them) and name the first differing tensor or op. ``config_a`` / ``config_b``: the runs'
+    resolved configs (``diff.load_config``). The caller runs the diff: this module imports nothing of it, so
+    ``diff`` -> ``bisect`` is one-way."""
     import torch
 
     a, b = Path(run_a), Path(run_b)
-    report = diff_runs(a, b)
-    dv = report.divergence
-    if dv is None:
-        return None
-    cfg_a, cfg_b = load_config(a) or {}, load_config(b) or {}
-    common = sorted(s for s in _ckpt_steps(a) & _ckpt_steps(b) if s < dv.step)
+    cfg_a, cfg_b = config_a or {}, config_b or {}
+    common = sorted(s for s in _ckpt_steps(a) & _ckpt_steps(b) if s < step)
     if common:
         start = common[-1]
-    elif dv.step == 1:
+    elif step == 1:
         start = 0
     else:
-        raise ReproError(f"no checkpoint common to both runs before step {dv.step}; rerun them with "
+        raise ReproError(f"no checkpoint common to both runs before step {step}; rerun them with "
                          f"checkpoint.every=1 (or every that lands before the divergence) to bisect")
     origin = f"checkpoint step {start}" if start else "starting weights"
     model_a, model_b = _load_policy(a, cfg_a, start), _load_policy(b, cfg_b, start)
     state_b = dict(model_b.named_parameters())
     for name, p in sorted(model_a.named_parameters()):
         if not torch.equal(p, state_b[name]):
-            return BisectResult(dv.step, origin, "weights", name, "parameter",
+            return BisectResult(step, origin, "weights", name, "parameter",
                                 float((p - state_b[name]).abs().max()))
-    samples = read_rollouts(a, dv.step)
+    samples = read_rollouts(a, step)
     if not samples:
-        raise ReproError(f"{a}: no rollouts for step {dv.step}; bisect needs run.save_rollouts=true")
-    samples_b = read_rollouts(b, dv.step) or []
-    i = dv.sample_index or 0
+        raise ReproError(f"{a}: no rollouts for step {step}; bisect needs run.save_rollouts=true")
+    samples_b = read_rollouts(b, step) or []
+    i = sample_index or 0
     sample = samples[min(i, len(samples) - 1)]
     if samples_b and i < len(samples_b) and samples_b[i]["prompt_token_ids"] != sample["prompt_token_ids"]:
-        return BisectResult(dv.step, origin, "inputs", note=f"sample {i} has different prompts (data order or "
+        return BisectResult(step, origin, "inputs", note=f"sample {i} has different prompts (data order or "
                             "templates differ: see the config diff)")
     tokens = list(sample["prompt_token_ids"]) + list(sample["token_ids"])
     trace_a, trace_b = _trace(model_a, tokens, _kernel_mode(cfg_a)), _trace(model_b, tokens, _kernel_mode(cfg_b))
     for (name, op, ta), (_, _, tb) in zip(trace_a, trace_b):
         if not torch.equal(ta, tb):
-            return BisectResult(dv.step, origin, "activation", name, op, float((ta.float() - tb.float()).abs().max()))
-    return BisectResult(dv.step, origin, "none", note="the divergence comes from sampling or scheduling; "
+            return BisectResult(step, origin, "activation", name, op, float((ta.float() - tb.float()).abs().max()))
+    return BisectResult(step, origin, "none", note="the divergence comes from sampling or scheduling; "
                         "compare the differing config keys")

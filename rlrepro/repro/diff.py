@@ -500,7 +500,9 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
         from .bisect import bisect_runs
 
         try:
-            bisect = bisect_runs(args.run_a, args.run_b)
+            bisect = bisect_runs(args.run_a, args.run_b, step=rep.divergence.step,
+                                 sample_index=rep.divergence.sample_index, config_a=load_config(Path(args.run_a)),
+                                 config_b=load_config(Path(args.run_b)))
         except ReproError as e:
             print(f"rlrepro diff: bisect: {e}", file=sys.stderr)
     if args.json:

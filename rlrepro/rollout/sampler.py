@@ -39,7 +39,6 @@ temperature and evaluated together; ``kernels.log_softmax`` is batch-invariant, 
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 
@@ -48,25 +47,8 @@ import torch
 from rlrepro import kernels
 from rlrepro.kernels.metadata import tensor_to_device
 
-_MASK64 = (1 << 64) - 1
-
-
-def _i64(value: int) -> int:
-    """A 64-bit pattern as the signed int64 torch stores."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= (1 << 63) else value
-
-
-GAMMA = _i64(0x9E3779B97F4A7C15)  # splitmix64's increment (golden ratio)
-MIX1 = _i64(0xBF58476D1CE4E5B9)
-MIX2 = _i64(0x94D049BB133111EB)
-ROW_SALT = _i64(0xD1B54A32D192ED03)
-_SQRT_HALF = math.sqrt(0.5)
-_LN2 = math.log(2.0)
-# log(m) = 2 atanh(s) = 2 (s + s^3/3 + ... + s^11/11) with |s| <= 0.172: truncation error < 2e-11 absolute.
-# The noise needs no more: it only has to be a fixed function (for determinism) close to Gumbel (for fidelity),
-# and float32 logits resolve 6e-8. Fewer terms = fewer passes over the [rows, vocab] tensors.
-_LOG_TERMS = 6
+# the noise's constants live in .sampler_constants, where the fused kernel (.sampler_triton) reads them too
+from .sampler_constants import GAMMA, LN2, LOG_TERMS, MIX1, MIX2, ROW_SALT, SQRT_HALF
 
 
 def _lsr(z: torch.Tensor, shift: int) -> torch.Tensor:
@@ -91,16 +73,16 @@ def noise_bits(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) ->
 def exact_log(x: torch.Tensor) -> torch.Tensor:
     """Natural log of positive float64 values from frexp and correctly rounded + - * / only."""
     m, e = torch.frexp(x)  # x = m * 2**e, m in [0.5, 1)
-    small = m < _SQRT_HALF
+    small = m < SQRT_HALF
     m = torch.where(small, m * 2.0, m)  # exact; now m in [sqrt(1/2), sqrt(2))
     e = torch.where(small, e - 1, e)
     s = (m - 1.0) / (m + 1.0)
     z = s * s
-    p = torch.full_like(z, 1.0 / (2 * _LOG_TERMS - 1))
-    for k in range(_LOG_TERMS - 2, -1, -1):
+    p = torch.full_like(z, 1.0 / (2 * LOG_TERMS - 1))
+    for k in range(LOG_TERMS - 2, -1, -1):
         p = p * z
         p = p + 1.0 / (2 * k + 1)
-    return e.to(torch.float64) * _LN2 + (s * 2.0) * p
+    return e.to(torch.float64) * LN2 + (s * 2.0) * p
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:

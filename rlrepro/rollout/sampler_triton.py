@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import sampler as ref
+from .sampler_constants import GAMMA, LN2, LOG_TERMS, MIX1, MIX2, ROW_SALT, SQRT_HALF
 
 BLOCK = 2048
 
@@ -94,7 +94,7 @@ _CONSTANTS: dict[torch.device, torch.Tensor] = {}
 
 def _constants(device: torch.device) -> torch.Tensor:
     if device not in _CONSTANTS:
-        values = [ref._SQRT_HALF, ref._LN2] + [1.0 / (2 * k + 1) for k in range(ref._LOG_TERMS)]
+        values = [SQRT_HALF, LN2] + [1.0 / (2 * k + 1) for k in range(LOG_TERMS)]
         _CONSTANTS[device] = torch.tensor(values, dtype=torch.float64, device=device)
     return _CONSTANTS[device]
 
@@ -128,8 +128,8 @@ def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     idxs = torch.empty((r, parts), dtype=torch.int64, device=scaled.device)
     _gumbel_argmax_kernel[(r, parts)](
         scaled, scaled.stride(0), seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
-        vals, idxs, noise, _constants(scaled.device), v, span, ref.ROW_SALT, ref.GAMMA, ref.MIX1, ref.MIX2,
-        BLOCK=block, TERMS=ref._LOG_TERMS, WRITE_NOISE=return_noise, num_warps=8, enable_fp_fusion=False)
+        vals, idxs, noise, _constants(scaled.device), v, span, ROW_SALT, GAMMA, MIX1, MIX2,
+        BLOCK=block, TERMS=LOG_TERMS, WRITE_NOISE=return_noise, num_warps=8, enable_fp_fusion=False)
     # the ranges in order, the first maximum (torch.argmax returns the first of equal maxima)
     out = idxs.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
     return (out, noise) if return_noise else out

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..checkpoint import (capture_rng_state, checkpoint_dir_name, load_checkpoint, save_checkpoint,
                           write_on_one_rank)
-from .dist_checkpoint import is_dist_checkpoint, load_dist_checkpoint, save_dist_checkpoint
+from .dist_format import is_dist_checkpoint, load_dist_checkpoint, save_dist_checkpoint
 from .mcore import GRAD_SYNCS, MegatronCoreOptimizer
 from ..data_parallel import DataParallel
 from rlrepro.kernels.tp import ordered_sum

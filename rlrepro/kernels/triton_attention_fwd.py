@@ -1,0 +1,358 @@
+"""Batch-invariant causal attention in Triton, for packed sequences and the paged KV cache alike.
+
+One program owns ``BLOCK_Q`` consecutive queries of one sequence and the ``GROUP`` query heads that share one KV
+head (GQA), so its tile has ``BLOCK_M = BLOCK_Q * GROUP_P`` rows (16, 64 or 128, see ``ATTENTION_CONFIGS``). It
+walks KV positions 0, 64, 128, ... in tiles of ``BLOCK_KV``, in that order, with an online softmax in float32, up
+to the block's last query position. A row whose position lies before a tile gets exactly zero weight there
+(``alpha == 1``, ``p == 0``), so it leaves the row's state bitwise unchanged: a query's result depends only on its
+sequence's K/V at positions ``0..p``.
+
+Packed (no cache) and paged inputs differ only in where KV position ``j`` of sequence ``s`` is read:
+``cu_seqlens_q[s] + j`` or ``block_table[s, j // bs] * bs + j % bs``. Both run the same compiled kernel (the
+choice is a run-time flag), and the tile configs, chosen by the call's shape, give the same bits (GPU test), so
+prefill, chunked prefill, decode and the trainer's full-sequence forward give identical bits.
+
+The backward kernels are in :mod:`.triton_attention_bwd`; :mod:`.triton_attention` exports both.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_rowwise as _rw
+from .metadata import AttentionMetadata
+
+BLOCK_KV = 64  # KV positions per step of the online softmax: the fixed reduction order
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    rows: int  # query tokens x heads of a group per program (wgmma M: 64 per warpgroup)
+    num_warps: int
+    num_stages: int
+
+
+# "decode" serves calls of a few queries per sequence (decode steps: one): 16 rows, one warp, so a decode step
+# wastes 12 of 16 rows instead of 60 of 64 (H200, 64 x 2048 context: 0.160 vs 0.235 ms a layer). "small" serves
+# mixed steps and short prefills; "large" long prefills and training. All keep BLOCK_KV, the KV order and one warp
+# per 16 rows (the 1-warp tile runs mma.sync where the 4- and 8-warp tiles run wgmma), so a row's softmax state
+# evolves identically; tests/test_triton_kernels.py checks bitwise on the GPU that every config gives the same
+# output. (A 2-warp, 32-row tile does not: it splits the KV columns across warps.)
+ATTENTION_CONFIGS = {
+    "small": AttentionConfig(rows=64, num_warps=4, num_stages=2),
+    "large": AttentionConfig(rows=128, num_warps=8, num_stages=2),
+    "large3": AttentionConfig(rows=128, num_warps=8, num_stages=3),
+    "decode": AttentionConfig(rows=16, num_warps=1, num_stages=2),
+}
+LARGE_MIN_TOKENS = 1024  # calls with at least this many query tokens use "large" (H200: prefill 13% faster)
+
+
+def pick_attention_config(num_tokens: int, num_seqs: int = 0, group: int = 1,
+                          dtype: torch.dtype = torch.bfloat16) -> AttentionConfig:
+    """The tile config for a call of ``num_tokens`` queries over ``num_seqs`` sequences with ``group`` query heads
+    per KV head (``RLREPRO_ATTENTION_CONFIG`` forces one by name). Speed only: every config gives the same bits.
+
+    "decode" is taken for bf16 inputs only: that is where the GPU test proves it equal to the others (float16 is
+    likely the same but unproven; float32 runs ``ieee`` dots whose order may follow the tile, and the
+    interpreter's numpy dots do change with it)."""
+    forced = os.environ.get("RLREPRO_ATTENTION_CONFIG")
+    if forced:
+        if forced not in ATTENTION_CONFIGS:
+            raise ValueError(f"RLREPRO_ATTENTION_CONFIG={forced!r} is not one of {sorted(ATTENTION_CONFIGS)}")
+        return ATTENTION_CONFIGS[forced]
+    if num_tokens >= LARGE_MIN_TOKENS:
+        return ATTENTION_CONFIGS["large"]
+    per_program = ATTENTION_CONFIGS["decode"].rows // triton.next_power_of_2(group)
+    if dtype == torch.bfloat16 and num_seqs and per_program >= 1 and num_tokens <= num_seqs * per_program:
+        return ATTENTION_CONFIGS["decode"]  # every sequence's queries fit one 16-row tile
+    return ATTENTION_CONFIGS["small"]
+
+
+def tile_shape(group: int, rows: int = 64) -> tuple[int, int]:
+    """(BLOCK_Q, GROUP_P): query tokens per program and the group size padded to a power of two."""
+    group_p = triton.next_power_of_2(group)
+    if group_p > rows:
+        raise ValueError(f"attention: {group} query heads per KV head is more than the {rows}-row tile supports")
+    return rows // group_p, group_p
+
+
+@triton.jit
+def _schedule_kernel(cu_ptr, S, G, prog_seq_ptr, prog_q0_ptr, BLOCK_Q: tl.constexpr, S_P: tl.constexpr,
+                     G_CHUNK: tl.constexpr):
+    """Program slot -> (sequence, first query index). Slots past the last block get sequence -1.
+
+    Slot g (counted from the end, so the longest-running blocks of causal attention start first) is block
+    b = G-1-g of the list of all sequences' query blocks, in sequence order.
+    """
+    s = tl.arange(0, S_P)
+    s_ok = s < S
+    c0 = tl.load(cu_ptr + s, mask=s_ok, other=0)
+    c1 = tl.load(cu_ptr + s + 1, mask=s_ok, other=0)
+    nblk = (c1 - c0 + BLOCK_Q - 1) // BLOCK_Q
+    cum = tl.cumsum(nblk, axis=0)  # blocks up to and including sequence s
+    first = cum - nblk
+    for g0 in range(0, G, G_CHUNK):
+        b = g0 + tl.arange(0, G_CHUNK)
+        seq = tl.sum((cum[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        sel = (s[None, :] == seq[:, None]) & s_ok[None, :]
+        start = tl.sum(tl.where(sel, first[None, :], 0), axis=1)
+        q0 = (b - start) * BLOCK_Q
+        seq_out = tl.where(seq < S, seq, -1)
+        slot = G - 1 - b
+        tl.store(prog_seq_ptr + slot, seq_out, mask=b < G)
+        tl.store(prog_q0_ptr + slot, q0, mask=b < G)
+
+
+@triton.jit(do_not_specialize=["stride_bt", "block_size", "paged"])
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
+                     bt_ptr, stride_bt, block_size, paged,
+                     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+                     qk_scale, D,
+                     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    hk = tl.program_id(1)
+    seq = tl.load(prog_seq_ptr + pid)
+    if seq >= 0:
+        q0 = tl.load(prog_q0_ptr + pid)
+        cu0 = tl.load(cu_ptr + seq)
+        q_len = tl.load(cu_ptr + seq + 1) - cu0
+        kv_len = tl.load(seq_lens_ptr + seq)
+        first_pos = kv_len - q_len  # position of the sequence's first query in this call
+
+        r = tl.arange(0, BLOCK_M)
+        qi = q0 + r // GROUP_P  # query index within the sequence
+        g = r % GROUP_P
+        row_ok = (qi < q_len) & (g < GROUP)
+        tok = (cu0 + qi).to(tl.int64)
+        head = (hk * GROUP + g).to(tl.int64)
+        pos = first_pos + tl.minimum(qi, q_len - 1)  # padding rows borrow a real position: finite, never stored
+        d = tl.arange(0, D_P)
+        d_ok = d < D
+        q = tl.load(q_ptr + tok[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, D_P), dtype=tl.float32)
+        last_pos = first_pos + tl.minimum(q0 + BLOCK_Q, q_len) - 1  # the block's last query position
+        n_tiles = last_pos // BLOCK_KV + 1
+        j = tl.arange(0, BLOCK_KV)
+        kv_head = hk.to(tl.int64)
+        is_paged = (j * 0 + paged) != 0  # the run-time flag as a vector (one compiled kernel for both layouts)
+        for t in range(0, n_tiles):
+            kv_pos = t * BLOCK_KV + j
+            kv_ok = kv_pos <= last_pos  # never read past the sequence (cache slots beyond it hold anything)
+            blk = tl.load(bt_ptr + seq * stride_bt + kv_pos // block_size, mask=kv_ok & is_paged, other=0)
+            kv_row = tl.where(is_paged, blk * block_size + kv_pos % block_size, cu0 + kv_pos).to(tl.int64)
+            k = tl.load(k_ptr + kv_row[:, None] * stride_kn + kv_head * stride_kh + d[None, :],
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            allowed = kv_pos[None, :] <= pos[:, None]
+            s = tl.where(allowed, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv_row[:, None] * stride_vn + kv_head * stride_vh + d[None, :],
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _device_schedule(cu: torch.Tensor, s_count: int, n: int, block: int,
+                     meta: AttentionMetadata | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``_schedule_kernel``'s slot table for tiles of ``block`` tokens: (slots, slot -> sequence, -> first token).
+
+    With ``meta`` the table is kept in ``meta.cache``, so the layers of one forward (and its backward) that share
+    the metadata compute it once."""
+    if meta is not None:
+        key = ("attention_schedule", block)
+        if key not in meta.cache:
+            meta.cache[key] = _device_schedule(cu, s_count, n, block)
+        return meta.cache[key]
+    g_slots = triton.cdiv(n, block) + s_count  # >= sum over sequences of ceil(len / block)
+    prog_seq = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
+    prog_t0 = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
+    s_p = triton.next_power_of_2(s_count)
+    _schedule_kernel[(1,)](cu, s_count, g_slots, prog_seq, prog_t0, BLOCK_Q=block, S_P=s_p,
+                           G_CHUNK=max(16, 2048 // s_p), num_warps=4)
+    return g_slots, prog_seq, prog_t0
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kn, stride_kh, stride_vn, stride_vh,
+                     stride_cs, stride_ch, HKV, D, HKV_P: tl.constexpr, D_P: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    h = tl.arange(0, HKV_P)
+    d = tl.arange(0, D_P)
+    ok = (h < HKV)[:, None] & (d < D)[None, :]
+    dst = slot * stride_cs + h[:, None] * stride_ch + d[None, :]
+    k = tl.load(k_ptr + i * stride_kn + h[:, None] * stride_kh + d[None, :], mask=ok)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=ok)
+    v = tl.load(v_ptr + i * stride_vn + h[:, None] * stride_vh + d[None, :], mask=ok)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=ok)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   meta: AttentionMetadata) -> None:
+    """``cache[slot_mapping[i]] = k[i]`` (and v) for the paged cache [blocks, bs, Hkv, D], in one launch: the
+    same bytes as ``cpu.write_kv_cache``'s two ``index_copy_`` (a copy; casts only if the dtypes differ)."""
+    k_cache, v_cache = kv_cache
+    n, hkv, d = k.shape
+    if n == 0:
+        return
+    k = k.detach() if k.stride(-1) == 1 else k.detach().contiguous()
+    v = v.detach() if v.stride(-1) == 1 else v.detach().contiguous()
+    for name, c in (("k", k_cache), ("v", v_cache)):
+        if not c.is_contiguous():
+            raise ValueError(f"write_kv_cache: the {name} cache must be contiguous")
+    _write_kv_kernel[(n,)](k, v, k_cache, v_cache, meta.slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+                           v.stride(1), hkv * d, d, hkv, d, HKV_P=triton.next_power_of_2(hkv),
+                           D_P=triton.next_power_of_2(d), num_warps=4)
+
+
+@triton.jit
+def _qk_norm_rope_cache_kernel(qkv_ptr, stride_t, wq_ptr, wk_ptr, cos_ptr, sin_ptr, stride_cn, stride_sn, eps,
+                               q_ptr, stride_qn, kc_ptr, vc_ptr, slot_ptr, stride_cs, stride_ch, H, HKV, D, half,
+                               BLOCK: tl.constexpr, HALF_P: tl.constexpr):
+    """Program (token t, head h) of a fused q|k|v row: h < H a query head, h < H + HKV a key head, else a value
+    head. Query and key heads: RMSNorm over the head (``_rms_norm_kernel``'s SINGLE code: the same float32
+    statistics from the same [BLOCK] load, rounded to the input's dtype, times the weight, rounded), then the
+    rotary of ``_rope_kernel`` on the rounded result; queries go to ``q``, keys into the cache at ``slot[t]``.
+    Value heads are copied into the cache. Each value is the same expression as in the separate kernels."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = qkv_ptr + t * stride_t + h.to(tl.int64) * D  # q heads, then k heads, then v heads: D columns each
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if h < H + HKV:
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(row + cols, mask=cols < D, other=0.0)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / D
+        rstd = 1.0 / tl.sqrt_rn(var + eps)
+        hc = tl.arange(0, HALF_P)
+        hm = hc < half
+        is_q = h < H
+        w_ptr = tl.where(is_q, wq_ptr, wk_ptr)
+        x1 = tl.load(row + hc, mask=hm, other=0.0)
+        x2 = tl.load(row + half + hc, mask=hm, other=0.0)
+        w1 = tl.load(w_ptr + hc, mask=hm, other=0.0)
+        w2 = tl.load(w_ptr + half + hc, mask=hm, other=0.0)
+        # the norm's output, in its dtype (x's and the weight's promoted; the rotary keeps it)
+        y1 = ((x1.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w1.to(tl.float32)).to(q_ptr.dtype.element_ty)
+        y2 = ((x2.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w2.to(tl.float32)).to(q_ptr.dtype.element_ty)
+        c = tl.load(cos_ptr + t * stride_cn + hc, mask=hm, other=0.0).to(y1.dtype).to(tl.float32)
+        s = tl.load(sin_ptr + t * stride_sn + hc, mask=hm, other=0.0).to(y1.dtype).to(tl.float32)
+        y1f = y1.to(tl.float32)
+        y2f = y2.to(tl.float32)
+        r1 = (y1f * c - y2f * s).to(q_ptr.dtype.element_ty)
+        r2 = (y2f * c + y1f * s).to(q_ptr.dtype.element_ty)
+        if is_q:
+            dst = q_ptr + t * stride_qn + h.to(tl.int64) * D
+            tl.store(dst + hc, r1, mask=hm)
+            tl.store(dst + half + hc, r2, mask=hm)
+        else:
+            dst = kc_ptr + slot * stride_cs + (h - H).to(tl.int64) * stride_ch
+            tl.store(dst + hc, r1.to(kc_ptr.dtype.element_ty), mask=hm)
+            tl.store(dst + half + hc, r2.to(kc_ptr.dtype.element_ty), mask=hm)
+    else:
+        cols = tl.arange(0, BLOCK)
+        v = tl.load(row + cols, mask=cols < D, other=0.0)
+        dst = vc_ptr + slot * stride_cs + (h - H - HKV).to(tl.int64) * stride_ch
+        tl.store(dst + cols, v.to(vc_ptr.dtype.element_ty), mask=cols < D)
+
+
+def qk_norm_rope_cache_supported(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether ``qk_norm_rope_cache`` serves this call: the cache, the product and the weights of one 16-bit dtype
+    (so that each separate op's output dtype is that dtype), a head of at most 8192 values, contiguous caches.
+
+    Not float32: there the roundings to the input's dtype between the norm, the weight and the rotary are no-ops,
+    the compiler may then contract products across them into FMAs, and the H200 gave other bits than the
+    separate kernels (bfloat16 and float16 gave equal bits)."""
+    k_cache, v_cache = kv_cache
+    d = k_cache.shape[-1]
+    dt = qkv.dtype
+    return (dt in (torch.bfloat16, torch.float16) and qkv.dim() == 2 and qkv.stride(-1) == 1 and d % 2 == 0
+            and d <= 8192 and q_norm_weight.dtype == dt and k_norm_weight.dtype == dt and k_cache.dtype == dt
+            and v_cache.dtype == dt and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q_norm_weight.shape == (d,) and k_norm_weight.shape == (d,))
+
+
+def qk_norm_rope_cache(qkv: torch.Tensor, num_heads: int, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                       eps: float, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                       meta: AttentionMetadata) -> torch.Tensor:
+    """One launch for what the model does between its q/k/v product and attention when it decodes: per-head
+    RMSNorm of q and k, rotary on both, k and v written into the paged cache at ``meta.slot_mapping``. Returns q
+    [N, H, D]. The same bits as ``rms_norm_fwd``, ``apply_rope_fwd`` and ``write_kv_cache`` one after the other
+    (GPU test); inference only (no autograd)."""
+    k_cache, v_cache = kv_cache
+    _, _, hkv, d = k_cache.shape
+    n = qkv.shape[0]
+    if qkv.shape[1] != (num_heads + 2 * hkv) * d:
+        raise ValueError(f"qk_norm_rope_cache: a q|k|v row of {qkv.shape[1]} values is not ({num_heads} + 2 x {hkv})"
+                         f" heads x {d}")
+    half = d // 2
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    q = torch.empty((n, num_heads, d), device=qkv.device, dtype=qkv.dtype)
+    if n > 0:
+        block = _rw._row_block(d)  # rms_norm_fwd's block (d <= 8192: the whole head)
+        _qk_norm_rope_cache_kernel[(n, num_heads + 2 * hkv)](
+            qkv, qkv.stride(0), q_norm_weight, k_norm_weight, cos, sin, cos.stride(0), sin.stride(0), float(eps),
+            q, q.stride(0), k_cache, v_cache, meta.slot_mapping, hkv * d, d, num_heads, hkv, d, half,
+            BLOCK=block, HALF_P=triton.next_power_of_2(half),
+            num_warps=_rw._row_warps(block))  # rms_norm_fwd's warps: its layout
+    return q
+
+
+def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
+    """q [N, H, D]; k_flat/v_flat [rows, Hkv, D]: the packed tokens, or the cache viewed as [blocks*bs, Hkv, D].
+
+    No host synchronisation: the schedule is computed on the device (CUDA-graph friendly).
+    """
+    n, h, d = q.shape
+    hkv = k_flat.shape[1]
+    if h % hkv:
+        raise ValueError(f"attention: {h} query heads is not a multiple of {hkv} KV heads")
+    group = h // hkv
+    s_count = meta.num_seqs
+    cfg = config or pick_attention_config(n, s_count, group, q.dtype)
+    block_q, group_p = tile_shape(group, cfg.rows)
+    out = torch.empty((n, h, d), device=q.device, dtype=q.dtype)
+    if n == 0 or s_count == 0:
+        return out
+    for name, t in (("q", q), ("k", k_flat), ("v", v_flat)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"attention: {name} must have a contiguous last dim")
+    cu = meta.cu_seqlens_q
+    g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q, meta)
+    paged = meta.block_table is not None
+    bt = meta.block_table if paged else cu
+    _attn_fwd_kernel[(g_slots, hkv)](
+        q, k_flat, v_flat, out, prog_seq, prog_q0, cu, meta.seq_lens,
+        bt, bt.stride(0) if paged else 0, meta.block_size if paged else 1, int(paged),
+        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
+        out.stride(0), out.stride(1), float(scale) * LOG2E, d,
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV,
+        D_P=triton.next_power_of_2(d),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+
+def default_scale(d: int) -> float:
+    return 1.0 / math.sqrt(d)
