@@ -122,28 +122,61 @@ def cmd_train(args: list[str]) -> int:
 
 
 def cmd_generate(args: list[str]) -> int:
+    """Sample completions from a model: an HF directory, a run directory (its newest checkpoint) or a checkpoint
+    (``rlrepro.model.resolve_model_dir``), or by default a tiny random Qwen3. Completions go to stdout, one line a
+    prompt; what was loaded goes to stderr. Exit 2 on a bad model path or argument."""
     import argparse
     import tempfile
 
-    from rlrepro.model import load_tokenizer, write_tiny_checkpoint
+    from rlrepro.model import load_tokenizer, resolve_model_dir, write_tiny_checkpoint
     from rlrepro.rollout import Engine, SamplingParams
 
     ap = argparse.ArgumentParser(prog="rlrepro generate", description="generation smoke run (tiny model by default)")
-    ap.add_argument("--model", help="HF model dir; default: a tiny random Qwen3 written to a temp dir")
-    ap.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--model", help="an HF model dir, a run dir (its newest checkpoint) or a checkpoint dir "
+                                    "(RUN/checkpoints/step_NNNNNN); default: a tiny random Qwen3 in a temp dir")
+    ap.add_argument("--base", help="HF dir whose config.json and tokenizer a checkpoint uses (default: the run's)")
+    ap.add_argument("--prompt", action="append", help="prompt text (repeatable); default: the tiny tasks' formats")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ns = ap.parse_args(args)
-    model_dir = ns.model or write_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="rlrepro-tiny-")), seed=0)
-    tok = load_tokenizer(model_dir)
-    prompts = ns.prompt or ["copy: abc=", "12+7=", "reverse: xyz="]
-    engine = Engine(str(model_dir), device=ns.device, seed=ns.seed)
-    outs = engine.generate([tok.encode(p) for p in prompts],
-                           SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=ns.seed))
-    for p, o in zip(prompts, outs):
-        print(f"{p!r} -> {tok.decode(o.token_ids)!r} ({len(o.token_ids)} tokens, {o.finish_reason}, "
+    with tempfile.TemporaryDirectory(prefix="rlrepro-tiny-") as tmp:
+        try:
+            if ns.model is None:
+                resolved = resolve_model_dir(write_tiny_checkpoint(Path(tmp), seed=0))
+                about = "a tiny Qwen3 with random, untrained weights (seed 0): its completions are noise"
+            else:
+                resolved = resolve_model_dir(ns.model, base=ns.base)
+                about = resolved.describe()
+            tok = load_tokenizer(resolved.tokenizer_dir)
+            model = resolved.load(device=ns.device)
+            # The synthetic tasks the tiny recipes train on (grpo_tiny: first_letter, "first: cabd=" -> "c").
+            prompts = ns.prompt or ["first: cabd=", "copy: abc=", "12+7="]
+            ids = [tok.encode(p) for p in prompts]
+            engine = Engine(model, device=ns.device, seed=ns.seed)
+            outs = engine.generate(ids, SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens,
+                                                       seed=ns.seed))
+        except (ValueError, FileNotFoundError) as e:
+            if os.environ.get("RLREPRO_DEBUG"):
+                raise
+            print(f"rlrepro generate: {e}", file=sys.stderr)
+            return 2
+    print(f"rlrepro generate: {about}; temperature {ns.temperature}, seed {ns.seed}", file=sys.stderr)
+    unk = tok.token_to_id(tok.config.get("unk_token") or "<unk>")
+    eos_ids = set(engine.eos_token_ids)
+    for p, p_ids, o in zip(prompts, ids, outs):
+        if unk is not None and unk in p_ids:
+            print(f"rlrepro generate: note: prompt {p!r} has characters the tokenizer does not know "
+                  f"(each became {tok.decode([unk], skip_special_tokens=False)!r})", file=sys.stderr)
+        n = len(o.token_ids)
+        if o.finish_reason == "stop" and o.token_ids and o.token_ids[-1] in eos_ids:
+            end = f"stopped at {tok.decode(o.token_ids[-1:], skip_special_tokens=False)!r}"
+        elif o.finish_reason == "length":
+            end = f"cut at --max-tokens {ns.max_tokens}"
+        else:
+            end = o.finish_reason
+        print(f"{p!r} -> {tok.decode(o.token_ids)!r} ({n} token{'s' * (n != 1)}, {end}, "
               f"sum logprob {sum(o.logprobs):.4f})")
     return 0
 
