@@ -6,9 +6,9 @@ weights, Adam state and grads), ``train_step`` under ``kernels.mode(--mode)``, n
 
 The batch is synthetic: N samples of P random prompt and O random completion tokens (fixed seed), rollout logprobs
 all -1.0 (so ``train/rollout_logprob_abs_diff`` is large; the step's work does not depend on it), advantages from a
-seeded normal. Model FLOPs are ``workers.train_flops`` (what ``perf/train_flops`` reports: forward+backward = 3
+seeded normal. Model FLOPs are ``rlrepro.trainer.flops.train_flops`` (what ``perf/train_flops`` reports: forward+backward = 3
 forwards, lm_head counted at completion tokens only; the on-policy check reuses the loss pass's forward) and MFU is FLOPs / (seconds * the bf16 peak of
-``workers.PEAK_BF16_FLOPS`` for this GPU). Tokens/s counts prompt + completion tokens of all samples.
+``rlrepro.trainer.flops.PEAK_BF16_FLOPS`` for this GPU). Tokens/s counts prompt + completion tokens of all samples.
 
 After the timed steps, one more step runs with synchronised timing wrappers monkeypatched (in this process only)
 around what ``train_step`` calls: the no-grad logprob pass (``train.token_logprobs``, the KL reference's only), the loss pass's
@@ -66,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rlrepro.trainer.train as train_mod  # noqa: E402
 from rlrepro import kernels  # noqa: E402
-from rlrepro.orchestration.workers import PEAK_BF16_FLOPS, train_flops  # noqa: E402
+from rlrepro.trainer.flops import PEAK_BF16_FLOPS, train_flops  # noqa: E402
 from rlrepro.trainer import TrainConfig, Trainer, enable_determinism  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -320,7 +321,7 @@ def benchmark(args, trainer: Trainer, device: torch.device, *, rank: int = 0, wo
 
     samples = synthetic_samples(args.num_samples, args.prompt_len, args.completion_len, cfg.vocab_size, args.seed)
     tokens = sum(len(s["prompt_token_ids"]) + len(s["completion_token_ids"]) for s in samples)
-    flops = train_flops(cfg, samples, train_config)
+    flops = train_flops(cfg, [SimpleNamespace(**s) for s in samples], train_config)
     passes = 3 * train_config.ppo_epochs
     lm_head = 2.0 * cfg.hidden_size * cfg.vocab_size * sum(len(s["completion_token_ids"]) for s in samples) * passes
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

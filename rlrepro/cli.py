@@ -22,14 +22,15 @@ def list_recipes() -> list[str]:
 
 
 def compose_config(overrides: list[str]):
-    """Compose ``recipe=NAME`` plus overrides against the schema; any problem raises ConfigError before work."""
+    """Compose ``recipe=NAME`` plus overrides against the schema; any problem raises ConfigError before work.
+    Returns the composed (resolved) DictConfig; :func:`rlrepro.orchestration.config.validate` has run on it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from rlrepro.orchestration.config import ConfigError, RunSchema, validate
+    from rlrepro.orchestration.config import ConfigError, RunSchema, migrate_override, validate
 
     recipe = None
     rest = []
@@ -37,7 +38,7 @@ def compose_config(overrides: list[str]):
         if item.startswith("recipe="):
             recipe = item.split("=", 1)[1]
         else:
-            rest.append(item)
+            rest.append(migrate_override(item))
     available = list_recipes()
     if recipe is None:
         raise ConfigError(f"name a recipe: rlrepro train recipe=NAME ...; available: {', '.join(available)}")
@@ -45,6 +46,8 @@ def compose_config(overrides: list[str]):
         close = difflib.get_close_matches(recipe, available, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ConfigError(f"unknown recipe {recipe!r}{hint}; available: {', '.join(available)}")
+    schema = OmegaConf.structured(RunSchema)
+    _refuse_added_keys(rest, schema, recipe)
     ConfigStore.instance().store(name="rlrepro_schema", node=RunSchema)
     try:
         with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
@@ -54,14 +57,8 @@ def compose_config(overrides: list[str]):
         msg = str(e).strip()
         if e.__cause__ is not None:
             msg += f" ({str(e.__cause__).splitlines()[0]})"
-        bad = [o.split("=", 1)[0].lstrip("+~") for o in rest]
-        known = _all_keys(OmegaConf.structured(RunSchema))
-        hints = []
-        for key in bad:
-            if key not in known:
-                close = difflib.get_close_matches(key, known, n=3)
-                hints.append(f"{key!r} is not a config key" + (f" (close: {', '.join(close)})" if close else ""))
-        hint = ("; " + "; ".join(hints)) if hints else ""
+        hints = [_unknown_key_hint(o.split("=", 1)[0].lstrip("+~"), schema) for o in rest]
+        hint = "".join(f"; {h}" for h in hints if h)
         raise ConfigError(f"bad override for recipe {recipe}: {msg}{hint}. "
                           f"`rlrepro train recipe={recipe} --cfg` prints every key") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -70,6 +67,32 @@ def compose_config(overrides: list[str]):
                           + " ".join(f"{k}=..." for k in missing))
     validate(cfg)
     return cfg
+
+
+def _unknown_key_hint(key: str, schema) -> str | None:
+    """``'train.lrr' is not a config key (close: train.lr)``, or None for a key of the schema (or one inside a
+    mapping-valued key such as model.tiny_overrides)."""
+    from omegaconf import OmegaConf
+
+    known = _all_keys(schema)
+    if key in known or any(key.startswith(k + ".") and OmegaConf.get_type(OmegaConf.select(schema, k)) is dict
+                           for k in known):
+        return None
+    close = difflib.get_close_matches(key, known, n=3)
+    return f"{key!r} is not a config key" + (f" (close: {', '.join(close)})" if close else "")
+
+
+def _refuse_added_keys(overrides: list[str], schema, recipe: str) -> None:
+    """hydra's ``+key=value`` adds a key without asking the schema; refuse it unless the schema has the key."""
+    from rlrepro.orchestration.config import ConfigError
+
+    for item in overrides:
+        if not item.startswith("+"):
+            continue
+        hint = _unknown_key_hint(item.split("=", 1)[0].lstrip("+"), schema)
+        if hint:
+            raise ConfigError(f"bad override for recipe {recipe}: {item!r}: {hint}. `rlrepro train recipe={recipe} "
+                              "--cfg` prints every key")
 
 
 def _all_keys(cfg, prefix: str = "") -> list[str]:
@@ -101,16 +124,23 @@ def cmd_train(args: list[str]) -> int:
         print(OmegaConf.to_yaml(cfg))
         return 0
     from rlrepro.orchestration import run_training
-    from rlrepro.orchestration.faults import RunFailed
+    from rlrepro.orchestration.errors import RunFailed, RunInterrupted
 
     try:
         run_training(cfg)
+    except RunInterrupted as e:
+        # Ctrl-C or SIGTERM: the message names the checkpoint left and how to continue.
+        print(f"rlrepro train: {e}", file=sys.stderr)
+        return 130
     except RunFailed as e:
         # A step failed (a fault, not bad input): the message names the step, the cause and the checkpoint left.
         if os.environ.get("RLREPRO_DEBUG"):
             raise
         print(f"rlrepro train: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("rlrepro train: interrupted before the run started; nothing was recorded", file=sys.stderr)
+        return 130
     except (ConfigError, ValueError, FileNotFoundError) as e:
         # Bad input found while preparing the run (a data row, a model directory): the message names it.
         if os.environ.get("RLREPRO_DEBUG"):

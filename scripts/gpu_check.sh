@@ -61,7 +61,7 @@ add_step bench_trainer 300 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-sh
 add_step bench_trainer_tp2 400 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 36 --tensor-parallel 2 --json "$OUT/bench_trainer_tp2.json"'
 # nvidia-h200-x2: the full 36-layer trainer, data parallel over 2 GPUs with ZeRO-1 (~115 GB of state per GPU)
 add_step bench_trainer_dp2 300 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 36 --num-gpus 2 --distributed-optimizer --no-phases --json "$OUT/bench_trainer_dp2.json"'
-# nvidia-h200-x2: the same, megatron-core's DDP + DistributedOptimizer (trainer.grad_sync) against rlrepro's, one after the other
+# nvidia-h200-x2: the same, megatron-core's DDP + DistributedOptimizer (train.grad_sync) against rlrepro's, one after the other
 add_step bench_trainer_grad_sync 560 'kit && for gs in megatron ordered; do $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 36 --num-gpus 2 --distributed-optimizer --no-phases --grad-sync $gs --json "$OUT/dp2_$gs.json" || exit 1; done'
 # the 64-request half of bench_engine alone (deterministic, fast, transformers)
 add_step bench_engine_64 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_64.json"'

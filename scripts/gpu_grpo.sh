@@ -9,7 +9,7 @@
 #                 checkpoint, = a?)
 #   GRPO_SET=two  (2 GPUs): g and h (data-parallel trainer on 2 GPUs, 2 colocated engines, CUDA IPC; g = h?),
 #                 s (the recipe's layout at 2 GPUs: megatron TP=1 trainer on GPU 0, engine on GPU 1, NCCL broadcast), m1 and m2
-#                 (trainer.backend=megatron, TP=2; m1 = m2?), m0 (megatron TP=1, data parallel: = g?),
+#                 (train.backend=megatron, TP=2; m1 = m2?), m0 (megatron TP=1, data parallel: = g?),
 #                 z (g with train.distributed_optimizer=true: = g?), f2 (g in fast mode, with GRPO_FAST=1)
 #   GRPO_SET=full (2 GPUs, GRPO_LAYERS=36): p1 and p2, the whole model at megatron TP=2 with 2 colocated engines
 #                 (CUDA IPC weight sync of the full 8B policy; p1 = p2?)
@@ -37,7 +37,7 @@ COMMON=(recipe=grpo_qwen3_8b "run.device=${GRPO_DEVICE:-cuda}" "model.dtype=${GR
         "rollout.max_tokens=${GRPO_MAX_TOKENS:-128}" rollout.max_model_len=512 rollout.gpu_memory_fraction=0.2
         "train.steps=$STEPS" train.warmup_steps=1 train.micro_batch_size=16
         logger.wandb=false checkpoint.every=0 checkpoint.save_last=false logger.progress=true)
-DEF=(trainer.backend=default trainer.tensor_parallel=1 train.distributed_optimizer=false)  # the recipe's own:
+DEF=(train.backend=default train.tensor_parallel=1 train.distributed_optimizer=false)  # the recipe's own:
 # megatron TP=1, data parallel over 4 GPUs with ZeRO-1, for 8 GPUs
 ONE=(train.num_gpus=1 rollout.num_workers=1 ray.colocate=true "${DEF[@]}")
 TWO_GPUS=(train.num_gpus=2 rollout.num_workers=2 ray.colocate=true)
@@ -73,7 +73,7 @@ elif [ "$SET" = full ]; then
   # (~84 GiB of trainer state a GPU; DP=2 + ZeRO-1 needs ~133 GiB). p1 creates the weights; p2 = p1?
   # The engine's KV pool is cut to 5% of the GPU (7 GiB: 64 sequences x 512 tokens need 4.7 GiB) and the
   # micro-batch to 8: with the set's default 20% and 16, step 1 ran out of memory (trainer 88 GiB + engine 51 GiB).
-  FULL=("${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2 rollout.gpu_memory_fraction=0.05
+  FULL=("${TWO_GPUS[@]}" train.backend=megatron train.tensor_parallel=2 rollout.gpu_memory_fraction=0.05
         train.micro_batch_size=8)
   first p1 "${FULL[@]}"
   want p2 && { train p2 "${FULL[@]}"
@@ -84,19 +84,19 @@ else
   want h && { train h "${TWO[@]}"; diffrun g h "two runs, 2 GPUs"; }
   # the recipe's 8-GPU layout (engines on GPUs of their own, megatron trainer) scaled down to 2 GPUs: TP=1 trainer
   # on GPU 0, one engine on GPU 1, weights by NCCL broadcast
-  want s && train s train.num_gpus=1 rollout.num_workers=1 ray.colocate=false trainer.backend=megatron \
-    trainer.tensor_parallel=1
+  want s && train s train.num_gpus=1 rollout.num_workers=1 ray.colocate=false train.backend=megatron \
+    train.tensor_parallel=1
   # megatron backend, TP=2 over the 2 GPUs; the engines emulate its reduction (docs/MEGATRON.md)
-  want m1 && train m1 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2
-  want m2 && { train m2 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=2
+  want m1 && train m1 "${TWO_GPUS[@]}" train.backend=megatron train.tensor_parallel=2
+  want m2 && { train m2 "${TWO_GPUS[@]}" train.backend=megatron train.tensor_parallel=2
                diffrun m1 m2 "two runs, megatron TP=2"; }
   # megatron TP=1 (data parallel over the 2 GPUs): the same math as the default backend, so the same run as g
-  want m0 && { train m0 "${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=1
+  want m0 && { train m0 "${TWO_GPUS[@]}" train.backend=megatron train.tensor_parallel=1
                diffrun g m0 "megatron TP=1 vs default"; }
   # the optimizer state sharded over the 2 data-parallel ranks (ZeRO-1, NCCL broadcasts): the same run as g
   want z && { train z "${TWO[@]}" train.distributed_optimizer=true; diffrun g z "distributed optimizer vs g"; }
-  # megatron-core's DDP + DistributedOptimizer (trainer.grad_sync=megatron) at TP=1 x DP=2: two runs
-  MC=("${TWO_GPUS[@]}" trainer.backend=megatron trainer.tensor_parallel=1 trainer.grad_sync=megatron
+  # megatron-core's DDP + DistributedOptimizer (train.grad_sync=megatron) at TP=1 x DP=2: two runs
+  MC=("${TWO_GPUS[@]}" train.backend=megatron train.tensor_parallel=1 train.grad_sync=megatron
       train.distributed_optimizer=true)
   want k1 && train k1 "${MC[@]}"
   want k2 && { train k2 "${MC[@]}"; diffrun k1 k2 "two runs, megatron-core DDP + DistributedOptimizer"; }

@@ -21,7 +21,7 @@ def test_good_layouts_give_tp_times_dp(installed):
 
 
 def test_tp_larger_than_the_gpu_count_fails_with_the_reason(installed):
-    with pytest.raises(ValueError, match=r"trainer.tensor_parallel=4 needs 4 GPUs per replica but "
+    with pytest.raises(ValueError, match=r"train.tensor_parallel=4 needs 4 GPUs per replica but "
                                          r"train.num_gpus=2"):
         validate_megatron_config("megatron", 4, 2, "cuda", MODEL)
     with pytest.raises(ValueError, match=r"needs 4 trainer processes"):
@@ -29,7 +29,7 @@ def test_tp_larger_than_the_gpu_count_fails_with_the_reason(installed):
 
 
 def test_num_gpus_must_be_a_multiple_of_tp(installed):
-    with pytest.raises(ValueError, match=r"train.num_gpus=3 is not a multiple of trainer.tensor_parallel=2.*"
+    with pytest.raises(ValueError, match=r"train.num_gpus=3 is not a multiple of train.tensor_parallel=2.*"
                                          r"train.num_gpus=2 or 4"):
         validate_megatron_config("megatron", 2, 3, "cuda", MODEL)
 
@@ -55,12 +55,12 @@ def test_megatron_backend_needs_megatron_core(monkeypatch):
 
 
 def test_bad_values(installed):
-    with pytest.raises(ValueError, match=r"trainer.backend='fsdp' is not one of"):
+    with pytest.raises(ValueError, match=r"train.backend='fsdp' is not one of"):
         validate_megatron_config("fsdp", 1, 1, "cuda")
-    with pytest.raises(ValueError, match=r"trainer.tensor_parallel=2 needs trainer.backend=megatron"):
+    with pytest.raises(ValueError, match=r"train.tensor_parallel=2 needs train.backend=megatron"):
         validate_megatron_config("default", 2, 2, "cuda")
     for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(ValueError, match="trainer.tensor_parallel must be a positive int"):
+        with pytest.raises(ValueError, match="train.tensor_parallel must be a positive int"):
             validate_megatron_config("megatron", bad, 2, "cuda")
     with pytest.raises(ValueError, match="train.num_gpus must be a positive int"):
         validate_megatron_config("megatron", 1, 0, "cuda")

@@ -303,5 +303,5 @@ def test_checkpoints_refuse_an_adam_other_than_torchs():
 
     w = torch.zeros(2, requires_grad=True)
     _require_torch_adam(SimpleNamespace(optimizer=torch.optim.AdamW([w], lr=1.0)))
-    with pytest.raises(NotImplementedError, match="trainer.grad_sync=ordered"):
+    with pytest.raises(NotImplementedError, match="train.grad_sync=ordered"):
         _require_torch_adam(SimpleNamespace(optimizer=torch.optim.SGD([w], lr=1.0)))

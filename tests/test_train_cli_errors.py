@@ -40,14 +40,14 @@ def test_unknown_key_names_close_keys(capsys):
     ("train.entropy_coef=-1", "train.entropy_coef"),
     ("rollout.weight_sync=nccl", "rollout.weight_sync"),
     ("rollout.weight_sync=cuda_ipc", "run.device=cpu"),
-    ("trainer.backend=deepspeed", "trainer.backend"),
-    ("trainer.tensor_parallel=2", "trainer.backend=megatron"),
-    ("trainer.backend=megatron trainer.tensor_parallel=4 train.num_gpus=2", "train.num_gpus=2"),
-    ("trainer.backend=megatron trainer.tensor_parallel=2 train.num_gpus=3", "not a multiple"),
-    ("trainer.backend=megatron warm_start.steps=5", "warm_start.steps=5"),
-    ("checkpoint.format=dist", "trainer.backend=megatron"),
-    ("trainer.grad_sync=nccl", "trainer.grad_sync"),
-    ("trainer.grad_sync=megatron", "needs trainer.backend=megatron"),
+    ("train.backend=deepspeed", "train.backend"),
+    ("train.tensor_parallel=2", "train.backend=megatron"),
+    ("train.backend=megatron train.tensor_parallel=4 train.num_gpus=2", "train.num_gpus=2"),
+    ("train.backend=megatron train.tensor_parallel=2 train.num_gpus=3", "not a multiple"),
+    ("train.backend=megatron warm_start.steps=5", "warm_start.steps=5"),
+    ("checkpoint.format=dist", "train.backend=megatron"),
+    ("train.grad_sync=nccl", "train.grad_sync"),
+    ("train.grad_sync=megatron", "needs train.backend=megatron"),
     ("run.device=cuda rollout.weight_sync=collective", "duplicate GPU"),
 ])
 def test_bad_values_fail_before_work(tmp_path, override, needle, capsys):
@@ -96,8 +96,8 @@ def test_generate_smoke_is_seeded(capsys):
 def test_tensor_parallel_must_divide_the_model(tmp_path, capsys):
     """Checked once the model's shape is known, before any actor starts: the tiny model has 2 KV heads."""
     run_dir = tmp_path / "run"
-    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", "trainer.backend=megatron",
-                 "trainer.tensor_parallel=4", "train.num_gpus=4", "warm_start.steps=0"]) == 2
+    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", "train.backend=megatron",
+                 "train.tensor_parallel=4", "train.num_gpus=4", "warm_start.steps=0"]) == 2
     err = capsys.readouterr().err
     assert "num_key_value_heads=2" in err and "[1, 2]" in err
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists()

@@ -144,20 +144,20 @@ def test_weight_sync_path_does_not_change_the_run(tmp_path):
     assert sorted(p.name for p in (zero / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     # the same with the megatron backend at TP=1 (its DP replicas share the optimizer state): still the same run
     mz = tmp_path / "megatron_zero"
-    assert main(["train", *LAYOUT, f"run.dir={mz}", "trainer.backend=megatron", "trainer.tensor_parallel=1",
+    assert main(["train", *LAYOUT, f"run.dir={mz}", "train.backend=megatron", "train.tensor_parallel=1",
                  "train.distributed_optimizer=true", "checkpoint.every=1"]) == 0
     assert main(["diff", str(tmp_path / "obj"), str(mz)]) == 0
 
 
 def test_megatron_core_grad_sync_runs_are_identical_on_policy_and_resume(tmp_path):
-    """trainer.grad_sync=megatron (megatron-core's DDP and DistributedOptimizer, here on gloo under its CPU
+    """train.grad_sync=megatron (megatron-core's DDP and DistributedOptimizer, here on gloo under its CPU
     stand-in) through `rlrepro train`: exactly on-policy, two runs identical, a run stopped after step 1 and resumed
     from its dist checkpoint is the same run; against the order-fixed path only the grad norm's rounding differs
     at step 1 (so the step's loss is the same)."""
     from rlrepro.cli import compose_config
     from rlrepro.orchestration import GRPODriver
 
-    mc = ["trainer.backend=megatron", "trainer.grad_sync=megatron", "train.distributed_optimizer=true"]
+    mc = ["train.backend=megatron", "train.grad_sync=megatron", "train.distributed_optimizer=true"]
     assert main(["train", *LAYOUT, *mc, f"run.dir={tmp_path / 'a'}"]) == 0
     assert main(["train", *LAYOUT, *mc, f"run.dir={tmp_path / 'b'}"]) == 0
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
@@ -168,16 +168,16 @@ def test_megatron_core_grad_sync_runs_are_identical_on_policy_and_resume(tmp_pat
     GRPODriver(compose_config([*LAYOUT, *mc, f"run.dir={d}", *ck])).run(last_step=1)
     assert main(["train", *LAYOUT, *mc, f"run.dir={d}", *ck, "run.resume=true"]) == 0
     assert main(["diff", str(tmp_path / "a"), str(d)]) == 0
-    assert main(["train", *LAYOUT, f"run.dir={tmp_path / 'o'}", "trainer.backend=megatron"]) == 0
+    assert main(["train", *LAYOUT, f"run.dir={tmp_path / 'o'}", "train.backend=megatron"]) == 0
     ordered, ours = _metrics(tmp_path / "o")[0], _metrics(tmp_path / "a")[0]
     assert ours["train/loss"] == ordered["train/loss"]
     assert ours["train/grad_norm"] == pytest.approx(ordered["train/grad_norm"], rel=1e-6)
 
 
 def test_megatron_tensor_parallel_runs_are_identical_and_on_policy(tmp_path, capsys):
-    """trainer.backend=megatron with TP=2: the engines emulate the trainer's reduction, so trainer logprobs equal
+    """train.backend=megatron with TP=2: the engines emulate the trainer's reduction, so trainer logprobs equal
     rollout logprobs exactly; two runs are identical."""
-    tp = ["trainer.backend=megatron", "trainer.tensor_parallel=2", "train.steps=3"]
+    tp = ["train.backend=megatron", "train.tensor_parallel=2", "train.steps=3"]
     assert main(["train", *LAYOUT, *tp, f"run.dir={tmp_path / 'm1'}"]) == 0
     assert main(["train", *LAYOUT, *tp, f"run.dir={tmp_path / 'm2'}"]) == 0
     assert main(["diff", str(tmp_path / "m1"), str(tmp_path / "m2")]) == 0

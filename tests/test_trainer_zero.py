@@ -204,10 +204,10 @@ def test_megatron_with_distributed_optimizer_config(tmp_path, capsys):
     from rlrepro.cli import compose_config
 
     # sharded (dist) checkpoints with the sharded optimizer: each DP owner writes its share (test_megatron_dist_ckpt)
-    cfg = compose_config(["recipe=grpo_tiny", "trainer.backend=megatron", "trainer.tensor_parallel=2",
+    cfg = compose_config(["recipe=grpo_tiny", "train.backend=megatron", "train.tensor_parallel=2",
                           "train.num_gpus=2", "train.distributed_optimizer=true", "checkpoint.format=dist"])
     assert cfg.checkpoint.format == "dist" and cfg.train.distributed_optimizer is True
-    cfg = compose_config(["recipe=grpo_tiny", "trainer.backend=megatron", "trainer.tensor_parallel=1",
+    cfg = compose_config(["recipe=grpo_tiny", "train.backend=megatron", "train.tensor_parallel=1",
                           "train.num_gpus=2", "train.distributed_optimizer=true"])
     assert cfg.train.distributed_optimizer is True
     for num_gpus in (1, 2):  # allowed with the default backend (one rank: a no-op)

@@ -218,7 +218,7 @@ class Qwen3ForCausalLM(nn.Module):
         """Compute every linear as a Megatron-style tensor-parallel model over ``tp`` ranks would, in this one
         process: q/k/v, gate/up and the LM head as ``tp`` column shards, o_proj and down_proj as ``tp`` K-split
         partials added in rank order (:mod:`rlrepro.kernels.tp`). The engine runs a model set this way to produce
-        the same bits as a trainer sharded with ``trainer.tensor_parallel=tp`` (docs/MEGATRON.md).
+        the same bits as a trainer sharded with ``train.tensor_parallel=tp`` (docs/MEGATRON.md).
         ``tp=1`` (the default) is the plain model, bit for bit. The weights are not touched."""
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor-parallel emulation size must be a positive int, got {tp!r}")

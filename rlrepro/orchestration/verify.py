@@ -44,11 +44,11 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
     last = max(recorded) if steps is None else from_step + steps - 1
     if last not in recorded:
         raise ReproError(f"{run}: step {last} is not recorded; the last recorded step is {max(recorded)}")
-    from .config import RunSchema
+    from .config import migrate_legacy_keys
 
-    # onto the schema: a run recorded before a key existed gets its default
-    cfg = OmegaConf.merge(OmegaConf.structured(RunSchema), OmegaConf.load(run / "config.yaml"))
-    validate(cfg)
+    # onto the schema: a run recorded before a key existed gets its default; old spellings are read
+    recorded = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=True)
+    cfg = validate(migrate_legacy_keys(recorded, warn=False))
     start_step, ckpt = _checkpoint_before(run / "checkpoints", from_step - 1)
     out = run / "verify" / f"from_{from_step}"
     shutil.rmtree(out, ignore_errors=True)
@@ -74,8 +74,16 @@ def main_verify(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
+    from .errors import RunFailed, RunInterrupted
+
     try:
         report, start = verify_run(ns.run, ns.from_step, ns.steps)
+    except RunInterrupted as e:
+        print(f"rlrepro verify: {e}", file=sys.stderr)
+        return 130
+    except RunFailed as e:  # a re-executed step failed (a fault, not bad input): the message names it
+        print(f"rlrepro verify: {e}", file=sys.stderr)
+        return 1
     except (ReproError, ValueError, FileNotFoundError) as e:
         print(f"rlrepro verify: {e}", file=sys.stderr)
         return 2

@@ -22,7 +22,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["Rendezvous", "WeightBroadcaster", "ipc_handles", "open_ipc_handles"]
+__all__ = ["Rendezvous", "WeightBroadcaster", "ipc_handles", "open_ipc_handles", "WeightSync", "WEIGHT_SYNC_MODES",
+           "resolve_weight_sync"]
 
 
 class Rendezvous:
@@ -197,3 +198,87 @@ def open_ipc_handles(handles: list[tuple[str, tuple]], device_index: int | None 
         args = list(args)
         args[6] = device_index  # rebuild_cuda_tensor(cls, size, stride, offset, storage_cls, dtype, device, ...)
         yield name, rebuild(*args)
+
+
+# ------------------------------------------------------------------------------------- driver-side strategies
+class WeightSync:
+    """One way of moving the trainer's weights to every rollout worker (``rollout.weight_sync``).
+
+    :meth:`send` starts the transfer of weight ``version`` and returns ``(calls, weights_ref, trainer_ref)``:
+    one Ray call per worker slot that returns the version the worker now holds, the object-store reference a
+    replacement worker may load instead of asking the trainer (or None), and a trainer call to wait for (or None).
+    The actor group waits for the calls, replaces workers that died, and checks every version."""
+    name = ""
+
+    def send(self, group, version: int):
+        raise NotImplementedError
+
+    def worker_replaced(self) -> None:
+        """A worker slot got a new actor (a collective group must be formed again)."""
+
+
+class ObjectStoreSync(WeightSync):
+    """The trainer's weights as one object in Ray's object store, loaded by every worker (CPU, any layout)."""
+    name = "object_store"
+
+    def send(self, group, version: int):
+        weights_ref = group.trainer.get_weights.remote()
+        calls = {i: group._call(i, "load_weights", weights_ref, version) for i in range(len(group.workers))}
+        return calls, weights_ref, None
+
+
+class CudaIpcSync(WeightSync):
+    """Each engine maps the parameters of the trainer rank on its own GPU and copies device to device."""
+    name = "cuda_ipc"
+
+    def send(self, group, version: int):
+        handles = {g: group.trainers[g].ipc_handles.remote() for g in sorted(set(group.worker_gpu))}
+        calls = {i: group._call(i, "load_weights_ipc", handles[g], version) for i, g in enumerate(group.worker_gpu)}
+        return calls, None, None
+
+
+class CollectiveSync(WeightSync):
+    """A broadcast from trainer rank 0 over a group of its own with every worker (NCCL on CUDA, gloo on CPU),
+    formed at first use and again after a worker was replaced (a new generation: the old group's keys are never
+    met)."""
+    name = "collective"
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.ready = False
+
+    def worker_replaced(self) -> None:
+        self.ready = False
+
+    def _form(self, group) -> None:
+        if self.ready:
+            return
+        self.generation += 1
+        backend = "nccl" if group.cfg.run.device == "cuda" else "gloo"
+        world = len(group.workers) + 1
+        host, port = group.get(group.trainer.rendezvous_address.remote())
+        refs = [group.trainer.sync_group_join.remote(host, port, world, backend, self.generation)]
+        refs += [w.sync_group_join.remote(host, port, i + 1, world, backend, self.generation)
+                 for i, w in enumerate(group.workers)]
+        group.get(refs)
+        self.ready = True
+
+    def send(self, group, version: int):
+        self._form(group)
+        trainer_ref = group.trainer.sync_send.remote(version)
+        calls = {i: group._call(i, "sync_receive") for i in range(len(group.workers))}
+        return calls, None, trainer_ref
+
+
+# the registry: rollout.weight_sync accepts these names and "auto" (resolve_weight_sync)
+WEIGHT_SYNC_MODES = {cls.name: cls for cls in (ObjectStoreSync, CollectiveSync, CudaIpcSync)}
+
+
+def resolve_weight_sync(mode: str, device: str, colocate: bool) -> str:
+    """``auto`` is CUDA IPC when trainer and engines share GPUs (ray.colocate on CUDA), a collective broadcast
+    (NCCL) when they do not, and the object store on CPU."""
+    if mode != "auto":
+        return mode
+    if device != "cuda":
+        return "object_store"
+    return "cuda_ipc" if colocate else "collective"

@@ -1,11 +1,32 @@
-"""The two kinds of actor. Plain classes: ``ray.remote`` wraps them in :mod:`.driver`, and tests can also
-use them in-process. Each fixes its own torch thread count, so CPU results do not depend on how many cores
-Ray happens to give the process."""
+"""The two kinds of actor, and the typed request that travels to a rollout worker.
+
+Plain classes: :class:`~.actors.ActorGroup` wraps them with ``ray.remote``, and tests can also use them
+in-process. Each fixes its own torch thread count, so CPU results do not depend on how many cores Ray happens to
+give the process. A rollout worker takes :class:`Request` objects (the key, the prompt and its SamplingParams) and
+returns the engine's ``RequestOutput`` objects in the same order; a trainer rank takes :class:`rlrepro.samples.Sample`
+objects.
+"""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rlrepro.rollout import EngineConfig, RequestOutput, SamplingParams
+    from rlrepro.samples import Sample
+    from rlrepro.trainer import TrainConfig
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sampling request: ``key`` = (prompt uid, sample index) never influences the numbers; the seed inside
+    ``params`` does."""
+    key: tuple[str, int]
+    prompt_token_ids: list[int]
+    params: "SamplingParams"
 
 
 def _setup_process(device: str, torch_threads: int) -> None:
@@ -27,15 +48,11 @@ class RolloutWorker:
     """One engine. ``generate`` takes keyed requests and returns keyed results; the key never influences the
     numbers (the sampling seed inside the request does)."""
 
-    def __init__(self, model_dir: str, *, device: str, dtype: str | None, deterministic: bool,
-                 engine_kwargs: dict, torch_threads: int = 1, tensor_parallel_emulation: int = 1) -> None:
+    def __init__(self, model_dir: str, engine_config: "EngineConfig", *, device: str, dtype: str | None,
+                 deterministic: bool, seed: int, torch_threads: int = 1, tensor_parallel_emulation: int = 1) -> None:
         _setup_process(device, torch_threads)
         from rlrepro.rollout import Engine
 
-        engine_kwargs = dict(engine_kwargs)
-        fraction = engine_kwargs.pop("gpu_memory_fraction", None)
-        if device == "cuda" and engine_kwargs.get("num_kv_blocks") is None and fraction:
-            engine_kwargs["kv_cache_memory_bytes"] = int(fraction * torch.cuda.get_device_properties(0).total_memory)
         model = model_dir
         if tensor_parallel_emulation > 1:
             # the trainer is sharded over TP ranks (trainer.backend=megatron): compute its reduction order here,
@@ -44,18 +61,14 @@ class RolloutWorker:
 
             model = load_pretrained(model_dir, device=device, dtype=_dtype(dtype))
             model.set_tensor_parallel_emulation(tensor_parallel_emulation)
-        self.engine = Engine(model, device=device, dtype=_dtype(dtype), deterministic=deterministic,
-                             **engine_kwargs)
+        self.engine = Engine.from_config(model, engine_config, device=device, dtype=_dtype(dtype),
+                                         deterministic=deterministic, seed=seed)
 
-    def generate(self, requests: list[dict]) -> list[dict]:
-        from rlrepro.rollout import SamplingParams
-
+    def generate(self, requests: list[Request]) -> list["RequestOutput"]:
+        """The engine's outputs, one per request, in the order of ``requests``."""
         if not requests:
             return []
-        outs = self.engine.generate([r["prompt_token_ids"] for r in requests],
-                                    [SamplingParams(**r["sampling"]) for r in requests])
-        return [{"key": r["key"], "token_ids": list(o.token_ids), "logprobs": list(o.logprobs),
-                 "finish_reason": o.finish_reason} for r, o in zip(requests, outs)]
+        return self.engine.generate([r.prompt_token_ids for r in requests], [r.params for r in requests])
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
         self.engine.load_weights(weights.items(), version=version)
@@ -79,16 +92,12 @@ class RolloutWorker:
         return True
 
     def sync_receive(self) -> int:
-        """Receive a collective broadcast straight into the engine's parameters."""
-        version = self._sync.receive(dict(self.engine.model.named_parameters()))
-        self.engine.load_weights((), version=version)  # nothing to copy: sets the version, drops the prefix cache
-        return version
+        """Receive a collective broadcast straight into the engine's parameters (``Engine.receive_weights``: the
+        unfinished-requests guard, the version, the prefix cache dropped)."""
+        return self.engine.receive_weights(self._sync.receive)
 
     def memory_stats(self) -> dict:
         return _memory_stats()
-
-    def weight_version(self) -> int:
-        return self.engine.weight_version
 
     def pid(self) -> int:
         return os.getpid()
@@ -97,35 +106,33 @@ class RolloutWorker:
 class TrainerWorker:
     """The policy, its optimizer and its checkpoints."""
 
-    def __init__(self, model_dir: str, *, device: str, dtype: str | None, deterministic: bool,
-                 train_kwargs: dict, torch_threads: int = 1, rank: int = 0, world_size: int = 1,
-                 backend: str = "default", tensor_parallel: int = 1, checkpoint_format: str = "full",
-                 distributed_optimizer: bool = False, grad_sync: str = "ordered") -> None:
+    def __init__(self, model_dir: str, train_config: "TrainConfig", *, temperature: float,
+                 max_response_length: int | None, device: str, dtype: str | None, deterministic: bool,
+                 torch_threads: int = 1, rank: int = 0, world_size: int = 1, checkpoint_format: str = "full") -> None:
         _setup_process(device, torch_threads)
-        # shard the optimizer state over the data-parallel ranks (train.num_gpus > 1; a no-op with one rank)
-        self.distributed_optimizer = distributed_optimizer
         self.device, self.rank, self.world_size = device, rank, world_size
         self.model_dir, self.dtype_name = model_dir, dtype
-        self.backend, self.tensor_parallel, self.checkpoint_format = backend, tensor_parallel, checkpoint_format
-        self.grad_sync = grad_sync
+        self.backend, self.checkpoint_format = train_config.backend, checkpoint_format
+        # the rollout's temperature and max_tokens: what the trainer's logprobs and length normalisation follow
+        self.rollout_args = dict(temperature=temperature, max_response_length=max_response_length)
         self.data_parallel = None
         self._sync = self._rendezvous = None
         self._full_weights: list | None = None  # megatron: the gathered weights of the current step (rank 0)
         from rlrepro import kernels
         from rlrepro.model import load_pretrained
-        from rlrepro.trainer import Trainer, TrainConfig, enable_determinism
+        from rlrepro.trainer import Trainer, enable_determinism
 
         enable_determinism()
         self.kernel_mode = "deterministic" if deterministic else "fast"
-        self.train_config = TrainConfig(**train_kwargs)
+        self.train_config = train_config
         self._kernels = kernels
         self.model = self.ref_model = self.trainer = None
-        if backend == "megatron":
+        if self.backend == "megatron":
             return  # built by init_data_parallel, once the ranks' group exists
         self.model = load_pretrained(model_dir, device=device, dtype=_dtype(dtype))
         # The KL reference is the policy RL starts from: the loaded weights, or the warm-started ones.
         self.ref_model = self._frozen_copy() if self.train_config.kl_coef > 0 else None
-        self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model)
+        self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model, **self.rollout_args)
 
     # ---------------------------------------------------------------------------- data parallel (train.num_gpus)
     def rendezvous_address(self) -> tuple[str, int]:
@@ -159,18 +166,15 @@ class TrainerWorker:
         if self.backend == "megatron":
             from rlrepro.trainer.megatron import build_megatron_trainer
 
-            self.trainer = build_megatron_trainer(self.model_dir, self.train_config,
-                                                  tensor_parallel=self.tensor_parallel, num_gpus=self.world_size,
+            self.trainer = build_megatron_trainer(self.model_dir, self.train_config, num_gpus=self.world_size,
                                                   device=self.device, dtype=_dtype(self.dtype_name),
-                                                  checkpoint_format=self.checkpoint_format,
-                                                  distributed_optimizer=self.distributed_optimizer,
-                                                  grad_sync=self.grad_sync)
+                                                  checkpoint_format=self.checkpoint_format, **self.rollout_args)
             self.model = self.trainer.model
             self._gather_weights()
             return self.rank
         self.data_parallel = DataParallel()
         self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model,
-                               data_parallel=self.data_parallel, distributed_optimizer=self.distributed_optimizer)
+                               data_parallel=self.data_parallel, **self.rollout_args)
         return self.rank
 
     def _gather_weights(self) -> None:
@@ -190,29 +194,28 @@ class TrainerWorker:
             return iter(self._full_weights)
         return self.trainer.named_weights()
 
-    def train_step(self, samples: list[dict]) -> dict:
+    def train_step(self, samples: list["Sample"]) -> dict:
+        from rlrepro.trainer.flops import peak_flops, train_flops
+
         with self._kernels.mode(self.kernel_mode):
             metrics = self.trainer.train_step(samples)
         self._gather_weights()
         metrics["perf/train_flops"] = train_flops(self.model.config, samples, self.train_config)
         if self.device == "cuda":
-            name = torch.cuda.get_device_name()
-            metrics["perf/gpu_peak_flops"] = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+            metrics["perf/gpu_peak_flops"] = peak_flops(torch.cuda.get_device_name())
         return metrics
 
     def warm_start(self, examples: list[tuple[list[int], list[int]]], *, steps: int, lr: float, batch_size: int,
                    seed: int) -> list[float]:
-        from .warm_start import supervised_warm_start
-
         from rlrepro.trainer import Trainer
+        from rlrepro.trainer.warm_start import supervised_warm_start
 
         with self._kernels.mode(self.kernel_mode):
             losses = supervised_warm_start(self.model, examples, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
         if self.ref_model is not None:
             self.ref_model = self._frozen_copy()
         self.trainer = Trainer(self.model, self.train_config, ref_model=self.ref_model,
-                               data_parallel=self.data_parallel,
-                               distributed_optimizer=self.distributed_optimizer)  # fresh optimizer state
+                               data_parallel=self.data_parallel, **self.rollout_args)  # fresh optimizer state
         return losses
 
     def _frozen_copy(self):
@@ -263,16 +266,6 @@ class TrainerWorker:
         self._gather_weights()
         return extra
 
-    def export_hf(self, path: str) -> str:
-        from rlrepro.trainer import export_hf
-
-        if self.backend == "megatron":
-            return str(self.trainer.export_hf(path))  # a collective: every rank calls it
-        return str(export_hf(self.model, path))
-
-
-# bf16 dense tensor-core peak (FLOP/s) by GPU name, for MFU; GPUs not listed get no MFU
-PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 
 
 def _node_address() -> str:
@@ -293,24 +286,3 @@ def _memory_stats() -> dict:
              "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
     torch.cuda.reset_peak_memory_stats()
     return stats
-
-
-def train_flops(config, samples: list[dict], train_config) -> float:
-    """Model FLOPs of one train step on ``samples`` (all ranks together): a forward pass for the KL reference when
-    kl_coef > 0, and forward + backward (3 forwards) per PPO epoch (the on-policy check reuses the first epoch's
-    forward). A forward costs
-    2 FLOPs per matmul weight per token for the layers' linears (the embedding lookup is free), 2 per lm_head
-    weight for each completion token only (the trainer computes logits where a completion token is predicted, not
-    at prompt positions), plus causal attention, 2 * 2 * layers * heads * head_dim * (i + 1) for the token at
-    position i."""
-    h, L = config.hidden_size, config.num_hidden_layers
-    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
-    fwd = 0.0
-    for s in samples:
-        c = len(s["completion_token_ids"])
-        n = len(s["prompt_token_ids"]) + c
-        fwd += 2.0 * L * per_layer * n + 2.0 * h * config.vocab_size * c + 4.0 * L * q * n * (n + 1) / 2
-    passes = (1 if train_config.kl_coef > 0 else 0) + 3 * train_config.ppo_epochs
-    return fwd * passes

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
-from collections.abc import Iterable, Iterator, Sequence as Seq
+from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
@@ -24,6 +25,9 @@ from .runner import ModelRunner, kv_block_bytes
 from .scheduler import Scheduler
 from .seeds import derive_seed
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # default KV-cache cap on CPU when neither size argument is given
 CUDA_RESERVE_FRACTION = 0.10  # of total GPU memory kept free for activations, logits, noise and graphs
@@ -122,6 +126,20 @@ class Engine:
         self._pending = None  # (rows, StepOutput) of the step in flight
         self._added: dict[int, Sequence] = {}  # requests from add_request() not yet returned by step()
         self._aborted: list[Sequence] = []  # finished by abort() between steps, returned by the next step()
+
+    @classmethod
+    def from_config(cls, model_or_path, config: "EngineConfig", *, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None, deterministic: bool = True, seed: int = 0,
+                    **kwargs) -> "Engine":
+        """An engine with the settings of ``config`` (:class:`rlrepro.rollout.EngineConfig`, the ``rollout.*`` keys).
+        On CUDA without ``num_kv_blocks`` the KV cache takes ``gpu_memory_fraction`` of the GPU's memory."""
+        engine_kwargs = config.engine_kwargs()
+        fraction = engine_kwargs.pop("gpu_memory_fraction")
+        if torch.device(device).type == "cuda" and engine_kwargs.get("num_kv_blocks") is None and fraction:
+            index = torch.device(device).index or 0
+            engine_kwargs["kv_cache_memory_bytes"] = int(fraction * torch.cuda.get_device_properties(index).total_memory)
+        return cls(model_or_path, device=device, dtype=dtype, deterministic=deterministic, seed=seed,
+                   **engine_kwargs, **kwargs)
 
     def _num_blocks(self, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None) -> int:
         if num_kv_blocks is not None:
@@ -336,6 +354,22 @@ class Engine:
             target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
         self.weight_version = version
         self.reset_prefix_cache()
+
+    def receive_weights(self, fill: Callable[[dict[str, torch.Tensor]], int]) -> int:
+        """Let ``fill`` write new weights straight into the model's parameters (e.g. a collective broadcast
+        received in place): ``fill(params)`` gets ``dict(model.named_parameters())``, writes them without
+        autograd and returns the weight version it received. The same guard as :meth:`load_weights` (no request
+        may be unfinished) applies, and the prefix cache is dropped afterwards. Returns the version."""
+        if self.has_unfinished():
+            raise RuntimeError("receive_weights while requests are unfinished: their tokens so far (and their K/V) "
+                               "come from the old weights; call step() until has_unfinished() is False first")
+        with torch.no_grad():
+            version = fill(dict(self.model.named_parameters()))
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"receive_weights: the filler returned version {version!r}, not an integer")
+        self.weight_version = version
+        self.reset_prefix_cache()
+        return version
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached prefix blocks (their K/V were computed with the weights of the time)."""

@@ -77,7 +77,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" (EOS or a stop token) | "length" (max_tokens or max_model_len) | "abort" (abort())
     seed: int  # the sampling seed actually used (given or derived)
     weight_version: int  # engine.weight_version when the request ran
     request_id: int = -1  # the engine's index of the request (what add_request returned; generate's in order)

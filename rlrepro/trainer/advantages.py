@@ -16,9 +16,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ADVANTAGE_MODES", "group_advantages", "compute_advantages"]
+from collections.abc import Callable
 
-ADVANTAGE_MODES = ("grpo", "dr_grpo")
+__all__ = ["ADVANTAGE_MODES", "group_advantages", "compute_advantages", "register_advantage"]
+
+# The registry (as verl's register_adv_est): name -> fn(rewards [num_prompts, group_size], eps) -> advantages of
+# the same shape. ``train.advantage`` accepts exactly these names, so a new estimator is one decorated function.
+ADVANTAGE_MODES: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {}
+
+
+def register_advantage(name: str):
+    def wrap(fn):
+        ADVANTAGE_MODES[name] = fn
+        return fn
+    return wrap
 
 
 def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6,
@@ -43,5 +54,15 @@ def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: 
 def compute_advantages(rewards: torch.Tensor, mode: str = "grpo", eps: float = 1e-6) -> torch.Tensor:
     """``mode`` ``"grpo"`` (std-normalised) or ``"dr_grpo"`` (mean-centred only); see :func:`group_advantages`."""
     if mode not in ADVANTAGE_MODES:
-        raise ValueError(f"unknown advantage mode {mode!r}; choose one of {ADVANTAGE_MODES}")
-    return group_advantages(rewards, normalize_std=mode == "grpo", eps=eps)
+        raise ValueError(f"unknown advantage mode {mode!r}; choose one of {list(ADVANTAGE_MODES)}")
+    return ADVANTAGE_MODES[mode](rewards, eps)
+
+
+@register_advantage("grpo")
+def _grpo(rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    return group_advantages(rewards, normalize_std=True, eps=eps)
+
+
+@register_advantage("dr_grpo")
+def _dr_grpo(rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    return group_advantages(rewards, normalize_std=False, eps=eps)

@@ -42,16 +42,70 @@ Sequences with no tokens count in ``S`` and contribute 0.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["LOSS_AGG_MODES", "KL_ESTIMATORS", "LossOutput", "pad_sequences", "aggregate", "kl_penalty",
-           "clipped_surrogate", "policy_loss"]
+           "clipped_surrogate", "policy_loss", "register_loss_agg", "register_kl_estimator"]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# The registries: name -> implementation. ``train.loss_agg`` / ``train.kl_estimator`` accept exactly these names
+# (rlrepro.trainer.TrainConfig checks against them), so a new mode is one decorated function here.
+LOSS_AGG_MODES: dict[str, Callable[..., torch.Tensor]] = {}
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def register_loss_agg(name: str):
+    """Register ``fn(masked, mask, num_tokens, num_seqs, max_response_length) -> scalar`` as ``train.loss_agg=name``
+    (``masked``: the per-token values with 0 at padding; ``num_tokens`` / ``num_seqs``: the counts to divide by)."""
+    def wrap(fn):
+        LOSS_AGG_MODES[name] = fn
+        return fn
+    return wrap
+
+
+def register_kl_estimator(name: str):
+    """Register ``fn(log_r) -> per-token KL estimate`` (``log_r = ref_logp - logp``) as ``train.kl_estimator``."""
+    def wrap(fn):
+        KL_ESTIMATORS[name] = fn
+        return fn
+    return wrap
+
+
+@register_loss_agg("token-mean")
+def _token_mean_agg(masked, mask, num_tokens, num_seqs, max_response_length):
+    n = int(mask.sum()) if num_tokens is None else num_tokens
+    return masked.sum() / max(n, 1)
+
+
+@register_loss_agg("seq-mean-token-mean")
+def _seq_mean_token_mean(masked, mask, num_tokens, num_seqs, max_response_length):
+    s = masked.shape[0] if num_seqs is None else num_seqs
+    per_seq = masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1).to(masked.dtype)
+    return per_seq.sum() / max(s, 1)
+
+
+@register_loss_agg("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(masked, mask, num_tokens, num_seqs, max_response_length):
+    s = masked.shape[0] if num_seqs is None else num_seqs
+    per_seq = masked.sum(dim=-1) / float(max_response_length)
+    return per_seq.sum() / max(s, 1)
+
+
+@register_kl_estimator("k1")
+def _k1(log_r):
+    return -log_r
+
+
+@register_kl_estimator("k2")
+def _k2(log_r):
+    return 0.5 * log_r.square()
+
+
+@register_kl_estimator("k3")
+def _k3(log_r):
+    return torch.exp(log_r) - 1.0 - log_r
 
 
 def pad_sequences(seqs: Sequence[torch.Tensor], pad_value: float = 0.0, width: int | None = None,
@@ -77,7 +131,7 @@ def pad_sequences(seqs: Sequence[torch.Tensor], pad_value: float = 0.0, width: i
 
 def _check_mode(loss_agg: str, max_response_length: int | None) -> None:
     if loss_agg not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {LOSS_AGG_MODES}")
+        raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {list(LOSS_AGG_MODES)}")
     if loss_agg == "seq-mean-token-sum-norm" and (max_response_length is None or max_response_length < 1):
         raise ValueError("loss_agg 'seq-mean-token-sum-norm' divides by a constant: set max_response_length to the "
                          f"rollout's max_tokens (a positive int); got {max_response_length!r}")
@@ -93,28 +147,14 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token-m
     """
     _check_mode(loss_agg, max_response_length)
     masked = torch.where(mask, values, torch.zeros_like(values))
-    if loss_agg == "token-mean":
-        n = int(mask.sum()) if num_tokens is None else num_tokens
-        return masked.sum() / max(n, 1)
-    s = values.shape[0] if num_seqs is None else num_seqs
-    per_seq = masked.sum(dim=-1)
-    if loss_agg == "seq-mean-token-mean":
-        per_seq = per_seq / mask.sum(dim=-1).clamp(min=1).to(values.dtype)
-    else:
-        per_seq = per_seq / float(max_response_length)
-    return per_seq.sum() / max(s, 1)
+    return LOSS_AGG_MODES[loss_agg](masked, mask, num_tokens, num_seqs, max_response_length)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of ``KL(pi || pi_ref)``, ``k1``, ``k2`` or ``k3`` (Schulman 2020); see the module doc."""
-    log_r = ref_logp - logp
-    if estimator == "k1":
-        return -log_r
-    if estimator == "k2":
-        return 0.5 * log_r.square()
-    if estimator == "k3":
-        return torch.exp(log_r) - 1.0 - log_r
-    raise ValueError(f"unknown kl_estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {estimator!r}; choose one of {list(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[estimator](ref_logp - logp)
 
 
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float = 0.2,

@@ -22,96 +22,15 @@ from pathlib import Path
 
 import torch
 
-from .advantages import ADVANTAGE_MODES
 from .checkpoint import (StateHolder, capture_rng_state, checkpoint_dir_name, load_checkpoint,
                          save_checkpoint, write_on_one_rank)
 from .data_parallel import DataParallel
 from .logprobs import logprobs_and_entropy, token_logprobs
-from .losses import KL_ESTIMATORS, LOSS_AGG_MODES, pad_sequences, policy_loss
+from .config import TrainConfig
+from .losses import pad_sequences, policy_loss
 from .optim import MasterWeightAdamW, ShardedMasterWeightAdamW, WarmupCosineLR, clip_grad_norm_, grad_norm
 
 __all__ = ["TrainConfig", "TrainSample", "Trainer", "micro_batches"]
-
-
-@dataclass
-class TrainConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    total_steps: int = 1000  # length of the LR schedule, in train steps
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
-    max_grad_norm: float = 1.0  # <= 0: no clipping (the norm is still reported)
-    micro_batch_size: int = 8  # samples per forward/backward
-    # logits rows per float32 log-softmax chunk (0: the whole micro-batch at once). Less memory, the same logprobs
-    # and gradients (rlrepro.trainer.logprobs.logprobs_and_entropy); the logits themselves stay whole
-    logits_chunk_size: int = 0
-    ppo_epochs: int = 1  # optimizer steps per train step, each over the whole batch
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
-    dual_clip: float = 0.0  # 0 = off; c > 1 bounds the surrogate by -A * c for A < 0 (rlrepro.trainer.losses)
-    entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * agg(entropy); 0 = entropy only reported
-    loss_agg: str = "token-mean"
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    temperature: float = 1.0  # the rollout's sampling temperature (<= 0 means 1, as the engine)
-    max_response_length: int | None = None  # the rollout's max_tokens; needed by seq-mean-token-sum-norm
-    advantage_mode: str = "grpo"  # "grpo" (std-normalised) or "dr_grpo"; used by advantages.compute_advantages
-    advantage_eps: float = 1e-6
-    # a non-finite loss or gradient norm: "error" raises FloatingPointError before any weight changes; "skip"
-    # leaves weights and optimizer state as they were, still advances the LR schedule, and reports
-    # train/nonfinite_skipped = 1 (deterministic: the same step is skipped in every run)
-    on_nonfinite: str = "error"
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(float(b) for b in self.betas)
-
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(message)
-
-        need(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
-        need(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
-        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-             f"train.betas must be two numbers in [0, 1), got {self.betas}")
-        need(self.eps > 0, f"train.eps must be > 0, got {self.eps}")
-        need(isinstance(self.total_steps, int) and self.total_steps >= 1,
-             f"train.total_steps must be a positive int (the LR schedule's length), got {self.total_steps!r}")
-        need(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps <= self.total_steps,
-             f"train.warmup_steps must be an int in [0, total_steps={self.total_steps}], got {self.warmup_steps!r}")
-        need(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        need(isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1,
-             f"train.micro_batch_size must be a positive int (samples per forward), got {self.micro_batch_size!r}")
-        need(isinstance(self.logits_chunk_size, int) and not isinstance(self.logits_chunk_size, bool)
-             and self.logits_chunk_size >= 0,
-             f"train.logits_chunk_size must be an int >= 0 (logits rows per log-softmax chunk; 0 = no chunking), "
-             f"got {self.logits_chunk_size!r}")
-        need(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1,
-             f"train.ppo_epochs must be a positive int, got {self.ppo_epochs!r}")
-        need(0 <= self.clip_low < 1, f"train.clip_low must be in [0, 1) (ratio floor 1 - clip_low > 0), "
-             f"got {self.clip_low}")
-        need(self.clip_high >= 0, f"train.clip_high must be >= 0, got {self.clip_high}")
-        need(self.dual_clip == 0 or self.dual_clip > 1,
-             f"train.dual_clip must be 0 (off) or > 1 (verl's clip_ratio_c, e.g. 3), got {self.dual_clip}")
-        need(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0,
-             f"train.entropy_coef must be a finite number >= 0, got {self.entropy_coef}")
-        need(self.loss_agg in LOSS_AGG_MODES, f"train.loss_agg {self.loss_agg!r} is not one of {LOSS_AGG_MODES}")
-        need(self.kl_coef >= 0, f"train.kl_coef must be >= 0, got {self.kl_coef}")
-        need(self.kl_estimator in KL_ESTIMATORS,
-             f"train.kl_estimator {self.kl_estimator!r} is not one of {KL_ESTIMATORS}")
-        need(self.temperature >= 0, f"train.temperature must be >= 0 (the rollout's), got {self.temperature}")
-        need(self.max_response_length is None or (isinstance(self.max_response_length, int)
-                                                  and self.max_response_length >= 1),
-             f"train.max_response_length must be a positive int or None, got {self.max_response_length!r}")
-        need(self.loss_agg != "seq-mean-token-sum-norm" or self.max_response_length is not None,
-             "train.loss_agg 'seq-mean-token-sum-norm' divides by a constant: set train.max_response_length to "
-             "the rollout's max_tokens")
-        need(self.advantage_mode in ADVANTAGE_MODES,
-             f"train.advantage_mode {self.advantage_mode!r} is not one of {ADVANTAGE_MODES}")
-        need(self.advantage_eps >= 0, f"train.advantage_eps must be >= 0, got {self.advantage_eps}")
-        need(self.on_nonfinite in ("error", "skip"),
-             f"train.on_nonfinite must be 'error' or 'skip', got {self.on_nonfinite!r}")
 
 
 @dataclass
@@ -166,12 +85,29 @@ class Trainer:
     Determinism: call :func:`enable_determinism` first; every rank/run must use the same CPU thread count.
     """
 
-    def __init__(self, model, config: TrainConfig, ref_model=None, *, param_dtype: torch.dtype | None = None,
-                 data_parallel: DataParallel | None = None, distributed_optimizer: bool = False) -> None:
+    def __init__(self, model, config: TrainConfig, ref_model=None, *, temperature: float = 1.0,
+                 max_response_length: int | None = None, param_dtype: torch.dtype | None = None,
+                 data_parallel: DataParallel | None = None, distributed_optimizer: bool | None = None) -> None:
         if config.kl_coef > 0 and ref_model is None:
             raise ValueError(f"train.kl_coef={config.kl_coef} needs a reference model: pass ref_model= "
                              "(a frozen copy of the initial policy) or set kl_coef=0")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+            raise ValueError(f"Trainer temperature must be a number >= 0 (the rollout's, rollout.temperature), "
+                             f"got {temperature!r}")
+        if max_response_length is not None and (isinstance(max_response_length, bool)
+                                                or not isinstance(max_response_length, int)
+                                                or max_response_length < 1):
+            raise ValueError(f"Trainer max_response_length must be a positive int or None (the rollout's "
+                             f"rollout.max_tokens), got {max_response_length!r}")
+        if config.loss_agg == "seq-mean-token-sum-norm" and max_response_length is None:
+            raise ValueError("train.loss_agg=seq-mean-token-sum-norm divides by a constant: pass "
+                             "max_response_length= (the rollout's rollout.max_tokens)")
         self.config = config
+        # the rollout's sampling temperature (<= 0 means 1, as in the engine) and its max_tokens
+        self.temperature = float(temperature)
+        self.max_response_length = max_response_length
+        if distributed_optimizer is None:
+            distributed_optimizer = config.distributed_optimizer
         self.data_parallel = data_parallel
         master_init = None
         if param_dtype is not None and param_dtype != model.dtype:
@@ -181,12 +117,12 @@ class Trainer:
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.requires_grad_(False)
-        optim_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+        optim_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.adam_eps, weight_decay=config.weight_decay,
                             master_init=master_init)
         self.distributed_optimizer = bool(distributed_optimizer) and data_parallel is not None
         self.optimizer = self._make_optimizer(model, **optim_kwargs)
-        self.scheduler = WarmupCosineLR(self.optimizer, base_lr=config.lr, warmup_steps=config.warmup_steps,
-                                        total_steps=config.total_steps, min_lr_ratio=config.min_lr_ratio)
+        self.scheduler = WarmupCosineLR(self.optimizer, base_lr=config.lr, warmup_steps=config.schedule_warmup_steps,
+                                        total_steps=config.steps, min_lr_ratio=config.min_lr_ratio)
 
     @property
     def step(self) -> int:
@@ -286,7 +222,7 @@ class Trainer:
                 for k, chunk in enumerate(chunks):
                     part = [batch[i] for i in chunk]
                     ref_lps[k] = token_logprobs(self.ref_model, [s.prompt_token_ids for s in part],
-                                                [s.completion_token_ids for s in part], cfg.temperature,
+                                                [s.completion_token_ids for s in part], self.temperature,
                                                 chunk_rows=cfg.logits_chunk_size)
         max_diff = 0.0
         current_all: list[torch.Tensor] = []  # epoch 0: the policy's logprobs and the rollout's, per micro-batch
@@ -307,7 +243,7 @@ class Trainer:
                 if not any(s.completion_token_ids for s in part):
                     continue  # nothing to learn from; contributes 0 to the loss
                 lps, ents = logprobs_and_entropy(self.model, [s.prompt_token_ids for s in part],
-                                                 [s.completion_token_ids for s in part], cfg.temperature,
+                                                 [s.completion_token_ids for s in part], self.temperature,
                                                  chunk_rows=cfg.logits_chunk_size,
                                                  entropy_grad=cfg.entropy_coef != 0)
                 logp, mask = pad_sequences(lps)
@@ -320,8 +256,10 @@ class Trainer:
                 entropy, _ = pad_sequences(ents)
                 ref = pad_sequences(ref_lps[k])[0] if self.ref_model is not None else None
                 adv = torch.tensor([s.advantage for s in part], dtype=torch.float32, device=device)
+                if cfg.advantage_clip:
+                    adv = adv.clamp(-cfg.advantage_clip, cfg.advantage_clip)
                 out = policy_loss(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                  loss_agg=cfg.loss_agg, max_response_length=cfg.max_response_length,
+                                  loss_agg=cfg.loss_agg, max_response_length=self.max_response_length,
                                   kl_coef=cfg.kl_coef, ref_logp=ref, kl_estimator=cfg.kl_estimator,
                                   entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
                                   dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef)

@@ -1,4 +1,4 @@
-"""The megatron backend (``trainer.backend=megatron``): Qwen3 sharded over tensor-parallel ranks with order-fixed
+"""The megatron backend (``train.backend=megatron``): Qwen3 sharded over tensor-parallel ranks with order-fixed
 reductions, and a ``Trainer`` on it. See docs/MEGATRON.md.
 
 Nothing here imports megatron-core at import time: :func:`init_parallel(..., use_megatron=True)` imports its
@@ -17,10 +17,12 @@ __all__ = ["BACKENDS", "MegatronLayout", "validate_megatron_config", "megatron_c
            "CHECKPOINT_FORMATS", "GRAD_SYNCS", "MegatronCoreOptimizer", "dist_to_full", "dist_to_hf", "hf_to_dist", "is_dist_checkpoint"]
 
 
-def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int, num_gpus: int, device: str = "cpu",
-                           dtype=None, param_dtype=None, use_megatron_parallel_state: bool | None = None,
-                           with_ref_model: bool | None = None, checkpoint_format: str = "full",
-                           distributed_optimizer: bool = False, grad_sync: str = "ordered"):
+def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int | None = None,
+                           num_gpus: int | None = None, device: str = "cpu", dtype=None, param_dtype=None,
+                           use_megatron_parallel_state: bool | None = None, with_ref_model: bool | None = None,
+                           checkpoint_format: str = "full", distributed_optimizer: bool | None = None,
+                           grad_sync: str | None = None, temperature: float = 1.0,
+                           max_response_length: int | None = None):
     """What a trainer rank runs after ``torch.distributed.init_process_group`` (world = ``num_gpus`` ranks):
     validate, build the TP/DP groups, load this rank's shard of ``model_dir``, and return a :class:`MegatronTrainer`
     (with a frozen reference copy when ``train_config.kl_coef > 0`` or ``with_ref_model``).
@@ -30,6 +32,10 @@ def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int, num
     DistributedDataParallel and optimizer, :mod:`.mcore`)."""
     from rlrepro.model import Qwen3Config
 
+    # None: the config's (train.tensor_parallel, train.num_gpus, train.distributed_optimizer, train.grad_sync)
+    tensor_parallel = train_config.tensor_parallel if tensor_parallel is None else tensor_parallel
+    num_gpus = train_config.num_gpus if num_gpus is None else num_gpus
+    grad_sync = train_config.grad_sync if grad_sync is None else grad_sync
     config = Qwen3Config.from_file(model_dir)
     validate_megatron_config("megatron", tensor_parallel, num_gpus, device, config,
                              check_installed=bool(use_megatron_parallel_state) or grad_sync == "megatron")
@@ -48,4 +54,5 @@ def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int, num
 
         ref = copy.deepcopy(model).requires_grad_(False).eval()
     return MegatronTrainer(model, train_config, ref, param_dtype=param_dtype, checkpoint_format=checkpoint_format,
-                           distributed_optimizer=distributed_optimizer, grad_sync=grad_sync)
+                           distributed_optimizer=distributed_optimizer, grad_sync=grad_sync, temperature=temperature,
+                           max_response_length=max_response_length)

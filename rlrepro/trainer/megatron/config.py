@@ -1,7 +1,7 @@
 """Validation of the megatron backend's settings, run before any work (no process group, no model, no GPU touched).
 
-The recipe keys it checks (wired by the orchestration layer): ``trainer.backend`` (``default`` | ``megatron``),
-``trainer.tensor_parallel`` (TP ranks per model replica), ``train.num_gpus`` (trainer ranks in all: one GPU each on
+The recipe keys it checks (wired by the orchestration layer): ``train.backend`` (``default`` | ``megatron``),
+``train.tensor_parallel`` (TP ranks per model replica), ``train.num_gpus`` (trainer ranks in all: one GPU each on
 CUDA, one process each on CPU) and ``run.device``. Data parallelism is what is left: ``num_gpus // tensor_parallel``
 replicas.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 __all__ = ["BACKENDS", "MegatronLayout", "validate_megatron_config", "megatron_core_version", "require_megatron_core"]
 
-BACKENDS = ("default", "megatron")
+from ..config import BACKENDS  # noqa: E402 - the registry lives with TrainConfig
 
 
 def megatron_core_version() -> str | None:
@@ -29,11 +29,11 @@ def megatron_core_version() -> str | None:
         return "unknown"
 
 
-def require_megatron_core(what: str = "trainer.backend=megatron") -> str:
+def require_megatron_core(what: str = "train.backend=megatron") -> str:
     version = megatron_core_version()
     if version is None:
         raise ValueError(f"{what} needs megatron-core, which is not installed: pip install 'rlrepro[megatron]' "
-                         "(megatron-core >= 0.12; 0.16.x is the last for Python 3.11), or set trainer.backend=default")
+                         "(megatron-core >= 0.12; 0.16.x is the last for Python 3.11), or set train.backend=default")
     return version
 
 
@@ -69,9 +69,9 @@ def validate_megatron_config(backend: str, tensor_parallel: int, num_gpus: int, 
     ``check_installed``: with ``backend='megatron'``, megatron-core must be importable.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"trainer.backend={backend!r} is not one of {BACKENDS}")
+        raise ValueError(f"train.backend={backend!r} is not one of {BACKENDS}")
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise ValueError(f"trainer.tensor_parallel must be a positive int (TP ranks per model replica), "
+        raise ValueError(f"train.tensor_parallel must be a positive int (TP ranks per model replica), "
                          f"got {tensor_parallel!r}")
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
         raise ValueError(f"train.num_gpus must be a positive int, got {num_gpus!r}")
@@ -79,15 +79,15 @@ def validate_megatron_config(backend: str, tensor_parallel: int, num_gpus: int, 
         raise ValueError(f"run.device={device!r} is not one of ('cpu', 'cuda')")
     unit = "GPUs" if device == "cuda" else "trainer processes (train.num_gpus counts processes on CPU)"
     if backend == "default" and tensor_parallel != 1:
-        raise ValueError(f"trainer.tensor_parallel={tensor_parallel} needs trainer.backend=megatron (the default "
-                         "backend has no tensor parallelism); set trainer.backend=megatron or "
-                         "trainer.tensor_parallel=1")
+        raise ValueError(f"train.tensor_parallel={tensor_parallel} needs train.backend=megatron (the default "
+                         "backend has no tensor parallelism); set train.backend=megatron or "
+                         "train.tensor_parallel=1")
     if tensor_parallel > num_gpus:
-        raise ValueError(f"trainer.tensor_parallel={tensor_parallel} needs {tensor_parallel} {unit} per replica but "
+        raise ValueError(f"train.tensor_parallel={tensor_parallel} needs {tensor_parallel} {unit} per replica but "
                          f"train.num_gpus={num_gpus}; raise train.num_gpus to a multiple of {tensor_parallel} or lower "
-                         f"trainer.tensor_parallel to at most {num_gpus}")
+                         f"train.tensor_parallel to at most {num_gpus}")
     if num_gpus % tensor_parallel:
-        raise ValueError(f"train.num_gpus={num_gpus} is not a multiple of trainer.tensor_parallel={tensor_parallel}: "
+        raise ValueError(f"train.num_gpus={num_gpus} is not a multiple of train.tensor_parallel={tensor_parallel}: "
                          f"every data-parallel replica needs {tensor_parallel} {unit}; use train.num_gpus="
                          f"{(num_gpus // tensor_parallel) * tensor_parallel or tensor_parallel} or "
                          f"{(num_gpus // tensor_parallel + 1) * tensor_parallel}")
@@ -97,9 +97,9 @@ def validate_megatron_config(backend: str, tensor_parallel: int, num_gpus: int, 
             value = _get(model_config, name)
             if value is not None and value % tensor_parallel:
                 divisors = [d for d in range(1, min(value, 64) + 1) if value % d == 0]
-                raise ValueError(f"trainer.tensor_parallel={tensor_parallel} does not divide the model's {name}="
+                raise ValueError(f"train.tensor_parallel={tensor_parallel} does not divide the model's {name}="
                                  f"{value} (each TP rank holds an equal share of the {what}); choose "
-                                 f"trainer.tensor_parallel from {divisors}")
+                                 f"train.tensor_parallel from {divisors}")
     if backend == "megatron" and check_installed:
         require_megatron_core()
     return MegatronLayout(backend=backend, tensor_parallel=tensor_parallel, data_parallel=num_gpus // tensor_parallel,

@@ -46,7 +46,7 @@ from .model import TPQwen3ForCausalLM, shard_spec
 
 __all__ = ["GRAD_SYNCS", "MegatronCoreOptimizer", "cpu_stand_in", "cuda_calls_on_cpu", "merged_over"]
 
-GRAD_SYNCS = ("ordered", "megatron")
+from ..config import GRAD_SYNCS  # noqa: E402 - the registry lives with TrainConfig
 
 
 class _CudaToCpu(TorchFunctionMode):
@@ -118,7 +118,7 @@ def _require_torch_adam(mopt) -> None:
             raise NotImplementedError(
                 f"grad_sync='megatron' checkpoints need megatron-core's torch.optim.AdamW, but it uses "
                 f"{type(sub.optimizer).__module__}.{type(sub.optimizer).__name__} (Transformer Engine or Apex is "
-                "installed); uninstall them for this run, or use trainer.grad_sync=ordered")
+                "installed); uninstall them for this run, or use train.grad_sync=ordered")
 
 
 class MegatronCoreOptimizer:

@@ -187,7 +187,7 @@ class TPQwen3ForCausalLM(nn.Module):
         tp = groups.tp_size
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
             if getattr(config, name) % tp:
-                raise ValueError(f"trainer.tensor_parallel={tp} does not divide the model's {name}="
+                raise ValueError(f"train.tensor_parallel={tp} does not divide the model's {name}="
                                  f"{getattr(config, name)}; choose a tensor_parallel size that divides it")
         self.config = config
         self.groups = groups

@@ -50,7 +50,7 @@ def init_parallel(tensor_parallel: int, *, use_megatron: bool = False) -> Parall
                            "torch.distributed.init_process_group('nccl' or 'gloo', ...) on every rank")
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % tensor_parallel:
-        raise ValueError(f"world size {world} is not a multiple of trainer.tensor_parallel={tensor_parallel}")
+        raise ValueError(f"world size {world} is not a multiple of train.tensor_parallel={tensor_parallel}")
     dp = world // tensor_parallel
     if use_megatron:
         from megatron.core import parallel_state as ps

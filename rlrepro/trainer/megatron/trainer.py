@@ -106,20 +106,26 @@ class MegatronTrainer(Trainer):
 
     def __init__(self, model: TPQwen3ForCausalLM, config: TrainConfig, ref_model=None, *,
                  param_dtype: torch.dtype | None = None, checkpoint_format: str = "full",
-                 distributed_optimizer: bool = False, grad_sync: str = "ordered") -> None:
+                 distributed_optimizer: bool | None = None, grad_sync: str | None = None,
+                 temperature: float = 1.0, max_response_length: int | None = None) -> None:
+        # distributed_optimizer / grad_sync: None = the config's (train.distributed_optimizer, train.grad_sync)
+        if grad_sync is None:
+            grad_sync = config.grad_sync
+        if distributed_optimizer is None:
+            distributed_optimizer = config.distributed_optimizer
         if not isinstance(model, TPQwen3ForCausalLM):
             raise TypeError(f"MegatronTrainer takes a TPQwen3ForCausalLM (rlrepro.trainer.megatron), got "
                             f"{type(model).__name__}; build it with TPQwen3ForCausalLM.from_pretrained(path, groups)")
         if grad_sync not in GRAD_SYNCS:
-            raise ValueError(f"trainer.grad_sync={grad_sync!r} is not one of {GRAD_SYNCS}: 'ordered' (rlrepro's "
+            raise ValueError(f"train.grad_sync={grad_sync!r} is not one of {GRAD_SYNCS}: 'ordered' (rlrepro's "
                              "rank-order gradient sum and AdamW) or 'megatron' (megatron-core's "
                              "DistributedDataParallel and optimizer)")
         self.grad_sync = grad_sync
         self.groups = model.groups
         self.checkpoint_format = _check_format(checkpoint_format)
         dp = DataParallel(group=self.groups.dp_group) if self.groups.dp_size > 1 else None
-        super().__init__(model, config, ref_model, param_dtype=param_dtype, data_parallel=dp,
-                         distributed_optimizer=distributed_optimizer)
+        super().__init__(model, config, ref_model, temperature=temperature, max_response_length=max_response_length,
+                         param_dtype=param_dtype, data_parallel=dp, distributed_optimizer=distributed_optimizer)
         self._specs = [shard_spec(n) for n in self.optimizer.names]
 
     def _make_optimizer(self, model, *, master_init=None, **optim_kwargs):

@@ -1,17 +1,6 @@
-"""Faults: the errors a run stops with, how Ray failures are recognised, and test-only fault injection.
-
-Policies (docs/RELIABILITY.md has the table of faults tried):
-
-- A rollout worker that dies is replaced by :class:`~rlrepro.orchestration.ray_runtime.Cluster` (new actor,
-  weights of the current version), and its unfinished requests are re-run; requests are pure functions of
-  their keys, so the samples are the same. At most ``rollout.max_restarts`` replacements per step, then
-  :class:`RolloutWorkerLost`.
-- Any other failure of a step stops the run with :class:`RunFailed`, naming the step and the cause. When the
-  trainer still holds the state of the last completed step, a checkpoint of that step is written first, so
-  ``run.resume=true`` loses nothing that was recorded.
-
-Fault injection (tests only): the environment variable ``RLREPRO_FAULTS`` holds a JSON list of faults, each a
-dict with ``kind`` and ``step`` (the GRPO step, 1-based). Each fault fires once per process.
+"""Test-only fault injection: the environment variable ``RLREPRO_FAULTS`` holds a JSON list of faults, each a
+dict with ``kind`` and ``step`` (the GRPO step, 1-based). Each fault fires once per process. Production code never
+imports this module unless ``RLREPRO_FAULTS`` is set (:func:`actor_group_class`).
 
 ==========================  =========================================================================================
 kind                        what happens
@@ -33,58 +22,15 @@ import errno
 import json
 import os
 import signal
-import sys
 import threading
 from typing import Any
 
+from .actors import ActorGroup
 from .workers import TrainerWorker
 
 FAULTS_ENV = "RLREPRO_FAULTS"
 KINDS = ("kill_worker", "nan_grad", "checkpoint_enospc", "crash_in_checkpoint")
 TRAINER_KINDS = ("nan_grad", "checkpoint_enospc", "crash_in_checkpoint")
-
-
-class RunFailed(RuntimeError):
-    """A step failed and the run stopped. ``step``: the step that failed; ``checkpoint``: the newest complete
-    checkpoint left (None: a resumed run starts from step 1); ``cause``: the underlying exception."""
-
-    def __init__(self, message: str, *, step: int, checkpoint: str | None, cause: BaseException) -> None:
-        super().__init__(message)
-        self.step, self.checkpoint, self.cause = step, checkpoint, cause
-
-
-class RolloutWorkerLost(RuntimeError):
-    """Rollout workers died more often in one step than ``rollout.max_restarts`` allows."""
-
-
-def is_actor_death(exc: BaseException) -> bool:
-    """True for Ray's "the actor's process is gone" errors (killed, crashed, its node lost)."""
-    from ray.exceptions import RayActorError
-
-    return isinstance(exc, RayActorError)
-
-
-def unwrap(exc: BaseException) -> BaseException:
-    """The exception raised inside an actor, without Ray's wrapper (its message holds the remote traceback)."""
-    from ray.exceptions import RayTaskError
-
-    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None
-    return cause if isinstance(cause, BaseException) else exc
-
-
-def describe(exc: BaseException, limit: int = 600) -> str:
-    exc = unwrap(exc)
-    text = str(exc).strip().splitlines()
-    first = " ".join(text[:3]) if text else ""
-    out = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return out if len(out) <= limit else out[: limit - 3] + "..."
-
-
-def log(text: str) -> None:
-    print(f"rlrepro: {text}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------------------------------ fault injection
 
 
 class FaultPlan:
@@ -202,3 +148,38 @@ class FaultyTrainerWorker(TrainerWorker):
 def trainer_actor_class(plan: FaultPlan):
     """``TrainerWorker``, or its fault-injecting subclass when ``plan`` holds trainer faults."""
     return FaultyTrainerWorker if plan.has_trainer_faults() else TrainerWorker
+
+
+class FaultInjectingActorGroup(ActorGroup):
+    """An :class:`ActorGroup` whose rollout workers are killed as the plan's ``kill_worker`` faults say."""
+
+    def __init__(self, cfg, model_dir: str, fault_plan: FaultPlan) -> None:
+        self.fault_plan = fault_plan
+        self._active_kills: list[dict] = []
+        super().__init__(cfg, model_dir)
+
+    def _trainer_actor(self):
+        extra = {"fault_plan": self.fault_plan} if self.fault_plan.has_trainer_faults() else {}
+        return trainer_actor_class(self.fault_plan), extra
+
+    def _call(self, i: int, method: str, *args: Any):
+        """``self.workers[i].<method>.remote(*args)``, then the worker is ended if a kill_worker fault says so."""
+        actor = self.workers[i]
+        fault = next((f for f in self._active_kills if f["worker"] == i and f["left"] > 0), None)
+        pid = None
+        if fault is not None and fault["how"] == "sigkill":
+            pid = self.get(actor.pid.remote())  # before the work: an actor runs one call at a time
+        ref = getattr(actor, method).remote(*args)
+        if fault is not None:
+            fault["left"] -= 1
+            kill_actor_later(self._ray, actor, pid, fault["how"], fault["delay_s"])
+        return ref
+
+    def _before(self, at: str, step: int) -> None:
+        """The kill_worker faults of this call; ``times`` counts the worker and its replacements."""
+        for i in range(len(self.workers)):
+            f = self.fault_plan.take("kill_worker", step, at=at, worker=i)
+            if f is not None:
+                self._active_kills.append({"worker": i, "left": int(f.get("times", 1)),
+                                           "how": f.get("how", "sigkill"), "delay_s": float(f.get("delay_s", 0.0))})
+

@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from rlrepro.trainer import token_logprobs
+from .logprobs import token_logprobs
 
 
 def supervised_warm_start(model: torch.nn.Module, examples: list[tuple[list[int], list[int]]], *, steps: int,

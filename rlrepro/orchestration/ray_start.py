@@ -1,0 +1,107 @@
+"""Starting Ray: a local instance of our own on 127.0.0.1, or joining the cluster that ``ray.address`` names.
+
+Local mode (``ray.address`` unset) always starts a new instance (``ray.init(address="local")``): a cluster that a
+``ray start`` left on the machine (its address file under Ray's temp dir) or ``RAY_ADDRESS`` is never joined, so
+rlrepro's ``num_cpus``/``num_gpus`` apply and a run does not land on someone else's cluster. Only a given
+``ray.address`` joins one.
+
+Local mode binds loopback only. Ray 2.60 turns a node address of 127.0.0.1 into the machine's outward address
+(``services.resolve_ip_for_localhost`` -> ``get_node_ip_address``) unless ``ray_constants.ENABLE_RAY_CLUSTER`` is
+false; that constant is read from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ``ray`` is imported, and Ray's own
+processes (GCS, raylet, agents, workers) inherit the variable. So :func:`start_ray` sets it before its
+``import ray``. A process that imported ray before (a test, a notebook) has the constant already; then it is set
+on the module too, and after ``ray.init`` the node address is checked: anything but 127.0.0.1 shuts Ray down
+and raises (``tests/test_ray_start.py`` pins both paths, ``tests/test_exposure.py`` every listening socket).
+
+Token authentication: a new local instance enables it when ``RAY_AUTH_MODE`` is unset, and warns on every run
+that it did. Local mode sets ``RAY_AUTH_MODE=token`` (Ray's documented setting; it keeps what Ray does by default,
+minus the warning) unless the user set it; authentication errors still raise.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+
+LOOPBACK = "127.0.0.1"
+CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # ray._private.ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+AUTH_MODE_ENV = "RAY_AUTH_MODE"  # ray._private.authentication.authentication_token_setup.AUTH_MODE_ENV_VAR
+# Set in the environment of local mode before ray is imported (and inherited by every Ray process): the node
+# address stays 127.0.0.1 and every server binds loopback; no usage statistics.
+LOCAL_ONLY_ENV = {CLUSTER_ENV: "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def is_local(address: str | None) -> bool:
+    """``ray.address`` unset, empty or ``"local"``: start a local instance of our own."""
+    return address is None or not str(address).strip() or str(address).strip() == "local"
+
+
+def is_loopback_address(address: str) -> bool:
+    """``host:port`` with a loopback host (127.0.0.0/8, ::1, localhost); not a ``scheme://`` (Ray client) one."""
+    address = str(address).strip()
+    if "://" in address or ":" not in address:
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def start_ray(address: str | None, num_cpus: int | None) -> None:
+    """Start a local Ray (``address`` unset) or join the cluster at ``address``; nothing if Ray is up already.
+
+    ``num_cpus`` applies to a local instance only (None: every core); a joined cluster keeps its own resources.
+    A loopback ``address`` (``127.0.0.1:PORT``) is a loopback-only cluster on this machine (started with
+    ``--node-ip-address=127.0.0.1`` and ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``): the driver stays on 127.0.0.1 too
+    (otherwise Ray would turn the address into the machine's outward one and never reach it). Give any other
+    cluster by its own address (or ``auto``).
+    """
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    local = is_local(address)
+    loopback = local or is_loopback_address(address)
+    imported_before = "ray" in sys.modules
+    if loopback:
+        os.environ.update(LOCAL_ONLY_ENV)
+    if local and not imported_before:  # an imported ray has read its auth mode already: then Ray decides (and
+        os.environ.setdefault(AUTH_MODE_ENV, "token")  # says so); joining, the cluster's mode is the user's to set
+    import ray
+
+    if ray.is_initialized():
+        return
+    if loopback:
+        _loopback_for_imported_ray()
+    if not local:
+        ray.init(address=str(address).strip(), include_dashboard=False, log_to_driver=True)
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        env_address = os.environ["RAY_ADDRESS"]
+        print(f"rlrepro: RAY_ADDRESS={env_address} is set but ray.address is not: starting a local Ray instance "
+              f"(ray.address={env_address} joins that cluster)", file=sys.stderr, flush=True)
+    import torch
+
+    # Name the GPUs: a stripped Ray may not detect them, and actors asking for one would wait forever.
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), num_gpus=torch.cuda.device_count(),
+             include_dashboard=False, _node_ip_address=LOOPBACK,
+             log_to_driver=True, configure_logging=True, logging_level="WARNING")
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:
+        ray.shutdown()
+        raise RuntimeError(f"the local Ray instance took the node address {node_ip}, not {LOOPBACK}, so its servers "
+                           f"would not be on loopback only; this Ray ({ray.__version__}) no longer honours "
+                           f"{CLUSTER_ENV}=0 (see rlrepro/orchestration/ray_start.py). Ray was shut down")
+
+
+def _loopback_for_imported_ray() -> None:
+    """A ray imported before :func:`start_ray` set ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` has read it already:
+    apply the same value to its constant (``services.get_node_ip_address`` reads it at each call)."""
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        raise RuntimeError(f"ray was imported before rlrepro could set {CLUSTER_ENV}=0, and this Ray has no "
+                           "ray_constants.ENABLE_RAY_CLUSTER to apply it to; set it in the environment "
+                           f"({CLUSTER_ENV}=0) or let rlrepro's start_ray be the first to import ray")
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        ray_constants.ENABLE_RAY_CLUSTER = False

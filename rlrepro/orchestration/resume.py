@@ -1,0 +1,194 @@
+"""Resuming a run with a config that differs from its record: which differences are allowed, and what they amend.
+
+``run.resume=true`` continues the run recorded in ``RUN/config.yaml``. :func:`reconcile_resume` compares that
+recorded config with the one the command line asks for (both plain nested dicts of the fully resolved config,
+``OmegaConf.to_container(cfg, resolve=True)``), key by dotted key:
+
+* keys that cannot change a single bit of the run (:data:`BIT_NEUTRAL_KEYS`: logging, checkpoint cadence, the
+  run's own switches and location, the Ray cluster, the engine's batching and memory settings and the weight-sync
+  path, which docs/DETERMINISM.md proves do not change a number) take the requested value and are returned as
+  amendments ``{"key", "old", "new", "from_step"}`` (``from_step``: the first step run with the new value);
+* ``train.steps`` may change when the LR schedule gives every step, the recorded ones and those to come, the same
+  rate under both lengths (:func:`steps_change_problem`): the schedule's cosine runs over ``train.steps``, so a new
+  length changes the rate of every step after the warm-up unless ``train.min_lr_ratio == 1`` (or the run never
+  leaves its warm-up);
+* any other difference raises :class:`~rlrepro.checks.ConfigError` listing each one as
+  ``key: recorded -> requested``, with the fix.
+
+The function knows nothing of the schema's sections: keys are dotted paths (``train.backend`` and a former
+``trainer.backend`` are just two keys; migrate a recorded config's old spellings first).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from fnmatch import fnmatchcase
+from typing import Any, Iterator
+
+from rlrepro.checks import ConfigError  # the class rlrepro.orchestration.config exports
+
+__all__ = ["reconcile_resume", "BIT_NEUTRAL_KEYS", "STEPS_KEY", "steps_change_problem", "flatten", "differences"]
+
+# fnmatch patterns of dotted keys whose value cannot change the run's numbers (rollout tokens, logprobs, rewards,
+# advantages, loss, grad norm, weights): where and how often things are logged or saved, how the run is started,
+# and the engine settings that batch-invariant kernels, canonical KV order and key-derived sampling seeds make
+# irrelevant (docs/DETERMINISM.md, tests/test_rollout_invariance.py, tests/test_train_e2e.py).
+BIT_NEUTRAL_KEYS: tuple[str, ...] = (
+    "logger.*",
+    "checkpoint.every", "checkpoint.keep_last", "checkpoint.save_last",
+    "run.resume", "run.overwrite", "run.save_rollouts",
+    "run.dir",  # the record's location: the directory the resumed run was found in
+    "ray.address", "ray.num_cpus",
+    "rollout.num_workers", "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.prefix_cache",
+    "rollout.num_kv_blocks", "rollout.gpu_memory_fraction", "rollout.weight_sync", "rollout.max_restarts",
+)
+STEPS_KEY = "train.steps"
+# what the LR schedule (rlrepro.trainer.optim.WarmupCosineLR, built in rlrepro.trainer.train) is made of
+LR_KEY, WARMUP_KEY, MIN_LR_RATIO_KEY = "train.lr", "train.warmup_steps", "train.min_lr_ratio"
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT: Any = _Absent()
+
+
+def flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted key, leaf)`` of a nested dict; lists and empty dicts are leaves."""
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            yield from flatten(value, dotted + ".")
+        else:
+            yield dotted, value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of the same kind (``True`` is not ``1``, ``1`` is ``1.0``: OmegaConf types both sides)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def differences(recorded: dict, requested: dict) -> list[tuple[str, Any, Any]]:
+    """``(key, recorded, requested)`` of every dotted key whose value differs (:data:`ABSENT` where one side lacks
+    it), in the recorded config's key order, then the keys only the request has."""
+    old, new = dict(flatten(recorded)), dict(flatten(requested))
+    keys = list(old) + [k for k in new if k not in old]
+    return [(k, old.get(k, ABSENT), new.get(k, ABSENT)) for k in keys
+            if not _same(old.get(k, ABSENT), new.get(k, ABSENT))]
+
+
+def _show(value: Any) -> str:
+    if value is ABSENT:
+        return "<absent>"
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _bit_neutral(key: str) -> bool:
+    return any(fnmatchcase(key, pattern) for pattern in BIT_NEUTRAL_KEYS)
+
+
+def _lr_schedule(lr: float, warmup_steps: int, min_lr_ratio: float, steps: int):
+    """The rate of each 0-based optimizer step of a run of ``steps`` train steps, as the trainer computes it."""
+    from rlrepro.trainer.config import TrainConfig
+    from rlrepro.trainer.optim import lr_at
+
+    warmup = TrainConfig(steps=steps, warmup_steps=warmup_steps).schedule_warmup_steps  # the warm-up is capped
+    return lambda step: lr_at(step, base_lr=lr, warmup_steps=warmup, total_steps=steps, min_lr_ratio=min_lr_ratio)
+
+
+def steps_change_problem(recorded: dict, new_steps: Any, completed_step: int) -> str | None:
+    """Why ``train.steps`` may not change from the recorded value to ``new_steps`` (None: it may).
+
+    The LR schedule's cosine runs over ``train.steps`` (and the warm-up is capped at it), and a resumed trainer
+    takes the schedule state of its checkpoint: so a changed length is honest only when every step of the
+    amended run, those recorded and those to come, gets the same rate under both lengths (then the amended
+    config run from scratch repeats the record bit for bit, whichever schedule the resumed trainer holds)."""
+    flat = dict(flatten(recorded))
+    old_steps = flat.get(STEPS_KEY, ABSENT)
+    if not isinstance(new_steps, int) or isinstance(new_steps, bool) or new_steps < 1:
+        return f"{STEPS_KEY}={_show(new_steps)} is not a positive number of steps"
+    if new_steps < completed_step:
+        return (f"{completed_step} steps are already done (the checkpoint resumed from), more than "
+                f"{STEPS_KEY}={new_steps}")
+    missing = [k for k in (STEPS_KEY, LR_KEY, WARMUP_KEY, MIN_LR_RATIO_KEY) if k not in flat]
+    if missing:
+        return f"the recorded config has no {', '.join(missing)}, so the LR schedule cannot be compared"
+    lr, warmup, ratio = flat[LR_KEY], flat[WARMUP_KEY], flat[MIN_LR_RATIO_KEY]
+    before = _lr_schedule(lr, warmup, ratio, old_steps)
+    after = _lr_schedule(lr, warmup, ratio, new_steps)
+    for step in range(new_steps):
+        a, b = before(step), after(step)
+        if a != b:
+            return (f"the LR schedule runs over {STEPS_KEY} (warm-up {warmup} steps, then a cosine to "
+                    f"{LR_KEY} x {MIN_LR_RATIO_KEY}={ratio}): step {step + 1} would get LR {b!r} instead of the "
+                    f"recorded schedule's {a!r}. Only a schedule that is constant after its warm-up "
+                    f"({MIN_LR_RATIO_KEY}=1) can change length mid-run")
+    return None
+
+
+def _set(tree: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    if value is ABSENT:
+        node.pop(leaf, None)
+    else:
+        node[leaf] = copy.deepcopy(value)
+
+
+def reconcile_resume(recorded: dict, requested: dict, *, completed_step: int) -> tuple[dict, list[dict]]:
+    """The config to resume with and the amendments it makes to the recorded one.
+
+    ``recorded``: the run's ``config.yaml`` as a plain dict; ``requested``: the resolved config of this command
+    line; ``completed_step``: the steps done by the checkpoint the run resumes from (0: none). Returns the
+    recorded config with the allowed changes applied (a new dict; the inputs are not changed) and one amendment
+    ``{"key", "old", "new", "from_step": completed_step + 1}`` per changed key (``old``/``new`` None where that
+    side lacks the key). Raises ConfigError listing every other difference as ``key: recorded -> requested``.
+    """
+    if not isinstance(completed_step, int) or isinstance(completed_step, bool) or completed_step < 0:
+        raise ValueError(f"completed_step must be an int >= 0, got {completed_step!r}")
+    allowed, refused = [], []
+    for key, old, new in differences(recorded, requested):
+        if _bit_neutral(key):
+            allowed.append((key, old, new))
+            continue
+        if key == STEPS_KEY:
+            problem = steps_change_problem(recorded, new, completed_step)
+            if problem is None:
+                allowed.append((key, old, new))
+                continue
+            refused.append(f"  {key}: {_show(old)} -> {_show(new)} ({problem})")
+            continue
+        refused.append(f"  {key}: {_show(old)} -> {_show(new)}")
+    if refused:
+        accepted = (f"\n(accepted, they cannot change the run's numbers: {', '.join(k for k, _, _ in allowed)})"
+                    if allowed else "")
+        raise ConfigError(
+            "run.resume=true continues the run recorded in run.dir's config.yaml, but this command line asks for "
+            f"other values of {len(refused)} key(s) that can change the run's numbers (recorded -> requested):\n"
+            + "\n".join(refused) + accepted
+            + "\nDrop those overrides to continue the recorded run, or start a new run in another run.dir "
+            "(run.overwrite=true starts this one over, deleting its records).")
+    config = copy.deepcopy(recorded)
+    amendments = []
+    for key, old, new in allowed:
+        _set(config, key, new)
+        amendments.append({"key": key, "old": None if old is ABSENT else copy.deepcopy(old),
+                           "new": None if new is ABSENT else copy.deepcopy(new), "from_step": completed_step + 1})
+    return config, amendments

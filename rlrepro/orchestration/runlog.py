@@ -1,0 +1,148 @@
+"""The run's log: per-step metrics, fingerprints and rollout files, the progress line, and the wandb run.
+
+:meth:`RunLog.record_step` is the one place a finished step is written; :func:`step_metrics` computes the
+``metrics.jsonl`` line of a step from its samples, the trainer's metrics and the phase timings.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rlrepro.repro.fingerprint import fingerprint_from_samples
+from rlrepro.repro.records import FingerprintWriter, MetricsWriter, RolloutWriter
+from rlrepro.samples import Sample
+
+__all__ = ["RunLog", "step_metrics"]
+
+
+def step_metrics(step: int, samples: list[Sample], train_metrics: dict, times: dict[str, float], *,
+                 weights_digest: str, num_reward_errors: int, penalties: list[float] | None, restarts: int) -> dict:
+    """The ``metrics.jsonl`` line of one step (``perf/*`` are the run environment, not compared by diff)."""
+    rewards = [s.reward for s in samples]
+    lengths = [len(s.completion_token_ids) for s in samples]
+    metrics = {
+        "step": step,
+        "rollout/reward_mean": sum(rewards) / len(rewards),
+        "rollout/reward_max": max(rewards),
+        "rollout/response_length_mean": sum(lengths) / len(lengths),
+        "rollout/response_length_max": max(lengths),
+        "rollout/finish_stop_frac": sum(s.finish_reason == "stop" for s in samples) / len(samples),
+        "rollout/reward_errors": num_reward_errors,
+        "rollout/num_samples": len(samples),
+    }
+    if penalties is not None:
+        metrics["rollout/overlong_penalty_mean"] = sum(penalties) / len(penalties)
+    metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
+    rollout_s, train_s = times["rollout"], times["train"]
+    metrics.update({
+        "repro/weights_digest": weights_digest[:16],
+        "perf/rollout_s": rollout_s, "perf/reward_s": times["reward"], "perf/train_s": train_s,
+        "perf/sync_s": times["sync"],
+        "perf/rollout_tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),
+        "perf/step_time_s": sum(times.values()),
+        "perf/rollout_worker_restarts": restarts,
+        "perf/train_tokens_per_s": sum(s.num_tokens for s in samples) / max(train_s, 1e-9),
+    })
+    return metrics
+
+
+def perf_memory_metrics(cfg, train_metrics: dict, train_s: float, memory_stats: dict) -> dict:
+    """MFU (model FLOPs over the step's train wall time and the GPUs' bf16 dense peak) and peak GPU memory per
+    actor since the last step; nothing on CPU."""
+    out = {}
+    if cfg.run.device != "cuda":
+        return out
+    flops, peak = train_metrics.get("perf/train_flops"), train_metrics.get("perf/gpu_peak_flops")
+    if flops is not None and peak:
+        out["perf/mfu"] = flops / (train_s * peak * cfg.train.num_gpus)
+    for actor, stats in memory_stats.items():
+        if stats:
+            out[f"perf/peak_mem_gib_{actor}"] = stats["peak_allocated_gib"]
+    return out
+
+
+class RunLog:
+    """Writers of one run directory, the progress line (``logger.progress``) and the wandb run
+    (``logger.wandb``)."""
+
+    def __init__(self, cfg, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.metrics = MetricsWriter(run_dir)
+        self.fingerprints = FingerprintWriter(run_dir)
+        self.rollouts = RolloutWriter(run_dir)
+        self.wandb_run = None
+        self._last_samples: list[Sample] = []
+
+    def start(self, done: int) -> None:
+        """Drop the records of steps after ``done`` (a resumed run rewrites them) and open wandb."""
+        for writer in (self.metrics, self.fingerprints, self.rollouts):
+            writer.truncate_from(done + 1)
+        self._init_wandb()
+
+    def record_step(self, step: int, samples: list[Sample], metrics: dict, train_metrics: dict,
+                    weights_digest: str) -> None:
+        fp = fingerprint_from_samples(step, samples, loss=train_metrics["train/loss"],
+                                      grad_norm=train_metrics["train/grad_norm"], weights=weights_digest)
+        self.fingerprints.write(fp)
+        self.metrics.write(metrics)
+        if self.cfg.run.save_rollouts:
+            self.rollouts.write(step, samples)
+        self._last_samples = samples
+
+    # ------------------------------------------------------------------------------------------ console
+    def line(self, text: str) -> None:
+        if self.cfg.logger.progress:
+            print(text, file=sys.stderr, flush=True)
+
+    def progress(self, step: int, last: int, first_done: int, m: dict, elapsed: float) -> None:
+        if not self.cfg.logger.progress:
+            return
+        done = step - first_done
+        eta = elapsed / done * (last - step)
+        width = 20
+        filled = int(width * step / last)
+        bar = "#" * filled + "." * (width - filled)
+        print(f"[{bar}] step {step}/{last} | reward {m['rollout/reward_mean']:.3f} | loss {m['train/loss']:+.4f} "
+              f"| grad {m['train/grad_norm']:.3f} | len {m['rollout/response_length_mean']:.1f} "
+              f"| lp_diff {m['train/rollout_logprob_abs_diff']:.1e} | {m['perf/step_time_s']:.2f}s/step "
+              f"| ETA {eta:.0f}s", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------------------------------ wandb
+    def _init_wandb(self) -> None:
+        lc = self.cfg.logger
+        if not lc.wandb or self.wandb_run is not None:
+            return
+        os.environ.setdefault("WANDB_MODE", lc.mode)
+        import wandb
+
+        self.wandb_run = wandb.init(project=lc.project, dir=str(self.run_dir), mode=lc.mode,
+                                    name=self.run_dir.name, group=self.cfg.recipe, config=_plain(self.cfg))
+        for group in ("rollout", "train", "repro", "perf"):
+            wandb.define_metric(f"{group}/*", step_metric="step")
+
+    def log_wandb(self, step: int, metrics: dict) -> None:
+        if self.wandb_run is None:
+            return
+        import wandb
+
+        payload = {k: v for k, v in metrics.items() if not isinstance(v, str)}
+        n = self.cfg.logger.num_table_samples
+        if n:
+            table = wandb.Table(columns=["step", "prompt_uid", "prompt", "completion", "reward"])
+            for s in self._last_samples[:n]:
+                table.add_data(step, s.prompt_uid, s.prompt_text or "", s.completion_text or "", s.reward)
+            payload["rollout/samples"] = table
+        self.wandb_run.log(payload)
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _plain(cfg: Any) -> dict:
+    return asdict(cfg)

@@ -1,0 +1,157 @@
+"""The trainer's configuration: :class:`TrainConfig` (the run schema's ``train:`` section, one class for the CLI and
+the Python API), :class:`CheckpointConfig` and :class:`WarmStartConfig`.
+
+Each checks its own values in ``__post_init__`` and raises :class:`rlrepro.checks.ConfigError` naming the key a
+command-line user types (``train.lr=0 ...``). Choice lists come from the registries of the modules that implement
+them (``LOSS_AGG_MODES``, ``KL_ESTIMATORS``, ``ADVANTAGE_MODES``), so a new mode is never listed twice.
+Adding a trainer key is two edits: a field here and the code that reads it (docs/CONTRIBUTING.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from rlrepro.checks import Checker
+
+from .advantages import ADVANTAGE_MODES
+from .losses import KL_ESTIMATORS, LOSS_AGG_MODES
+
+__all__ = ["TrainConfig", "CheckpointConfig", "WarmStartConfig", "BACKENDS", "GRAD_SYNCS", "CHECKPOINT_FORMATS",
+           "NONFINITE_POLICIES", "WARM_START_TARGETS"]
+
+BACKENDS = ("default", "megatron")
+GRAD_SYNCS = ("ordered", "megatron")
+CHECKPOINT_FORMATS = ("full", "dist")
+NONFINITE_POLICIES = ("error", "skip")
+WARM_START_TARGETS = ("format", "answer")
+
+
+@dataclass
+class TrainConfig:
+    """How the policy is updated (``train.*``). The LR schedule runs over ``steps`` train steps: a linear warm-up
+    of ``warmup_steps`` (capped at ``steps``) then a cosine decay to ``lr * min_lr_ratio``."""
+    SECTION: ClassVar[str] = "train"
+
+    steps: int = 10
+    lr: float = 1e-6
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0: no clipping (the norm is still reported)
+    micro_batch_size: int = 8  # samples per forward/backward
+    # logits rows per float32 log-softmax chunk in the loss (0 = the whole micro-batch): less memory, the same
+    # logprobs and gradients (rlrepro.trainer.logprobs.logprobs_and_entropy; the entropy metric to rounding on CUDA)
+    logits_chunk_size: int = 0
+    ppo_epochs: int = 1  # optimizer steps per train step, each over the whole batch
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # DAPO's clip-higher; equal to clip_low gives PPO
+    # dual clip (verl's clip_ratio_c): for A < 0 the surrogate is also bounded by -A * dual_clip; 0 = off, else > 1
+    dual_clip: float = 0.0
+    # entropy bonus (verl's entropy_coeff): loss -= entropy_coef * agg(entropy); 0 = off (entropy only reported)
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"  # rlrepro.trainer.losses.LOSS_AGG_MODES
+    advantage: str = "grpo"  # rlrepro.trainer.advantages.ADVANTAGE_MODES
+    # advantages clipped to [-advantage_clip, advantage_clip] before the loss (0 = off); bounds the step a
+    # group with one outlier reward can take
+    advantage_clip: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # rlrepro.trainer.losses.KL_ESTIMATORS
+    # data-parallel trainer ranks (order-fixed gradient sum): one GPU each on CUDA, one process each on CPU
+    num_gpus: int = 1
+    # shard the float32 master weights and AdamW moments over the data-parallel ranks (ZeRO-1; the same bits;
+    # with train.backend=megatron over its DP replicas; with checkpoint.format=dist each owner writes its share)
+    distributed_optimizer: bool = False
+    # a non-finite loss or gradient norm: error (stop before the weights change; a checkpoint of the last
+    # completed step is kept) | skip (weights and optimizer state untouched, LR schedule advances, step recorded)
+    on_nonfinite: str = "error"
+    # how the policy is held: default (the whole model per rank, data parallel over num_gpus) | megatron (sharded
+    # over tensor_parallel ranks with order-fixed reductions; data parallel over num_gpus / tensor_parallel)
+    backend: str = "default"
+    tensor_parallel: int = 1
+    # megatron only: ordered (rlrepro's rank-order gradient sum and AdamW: the same bits as the default backend)
+    # | megatron (megatron-core's DistributedDataParallel and optimizer; NCCL's summation order)
+    grad_sync: str = "ordered"
+
+    def __post_init__(self) -> None:
+        c = Checker(self)
+        c.positive_int("steps", "micro_batch_size", "ppo_epochs", "num_gpus", "tensor_parallel")
+        c.non_negative("lr", "weight_decay", "kl_coef", "clip_low", "clip_high", "max_grad_norm", "adam_eps",
+                       "dual_clip", "entropy_coef", "advantage_clip")
+        c.int_at_least("warmup_steps", 0)
+        c.int_at_least("logits_chunk_size", 0)
+        c.in_range("min_lr_ratio", 0, 1)
+        c.in_range("adam_beta1", 0, 1, high_inclusive=False)
+        c.in_range("adam_beta2", 0, 1, high_inclusive=False)
+        c.in_range("clip_low", 0, 1, high_inclusive=False)
+        c.choice("loss_agg", LOSS_AGG_MODES)
+        c.choice("advantage", ADVANTAGE_MODES)
+        c.choice("kl_estimator", KL_ESTIMATORS)
+        c.choice("on_nonfinite", NONFINITE_POLICIES)
+        c.choice("backend", BACKENDS)
+        c.choice("grad_sync", GRAD_SYNCS)
+        c.boolean("distributed_optimizer")
+        c.require(self.lr > 0, "lr", "would never change the weights; give a learning rate > 0 (e.g. train.lr=1e-6)")
+        c.require(self.adam_eps > 0, "adam_eps", "can divide by zero; give a value > 0 (e.g. train.adam_eps=1e-8)")
+        c.require(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip",
+                  "must be 0 (off) or > 1 (the surrogate's bound -A * dual_clip for negative advantages; verl uses 3)")
+        c.require(self.grad_sync != "megatron" or self.backend == "megatron", "grad_sync",
+                  "(megatron-core's DistributedDataParallel and optimizer) needs train.backend=megatron; set "
+                  "train.backend=megatron or train.grad_sync=ordered")
+
+    # the optimizer's and the schedule's spellings
+    @property
+    def betas(self) -> tuple[float, float]:
+        return (float(self.adam_beta1), float(self.adam_beta2))
+
+    @property
+    def schedule_warmup_steps(self) -> int:
+        """The warm-up the LR schedule runs: ``warmup_steps`` capped at the run's length (a short smoke run of a
+        recipe with a long warm-up just runs, as in verl and TRL)."""
+        return min(self.warmup_steps, self.steps)
+
+
+@dataclass
+class CheckpointConfig:
+    SECTION: ClassVar[str] = "checkpoint"
+
+    every: int = 0  # 0: only at the end
+    keep_last: int = 3
+    save_last: bool = True  # also after the last step (false: only every N steps; for benchmarks)
+    # full: one file set with the whole state (any backend) | dist: train.backend=megatron only, every rank
+    # writes its own shards through megatron-core's dist_checkpointing (no gather; loads at another TP size)
+    format: str = "full"
+
+    def __post_init__(self) -> None:
+        c = Checker(self)
+        c.int_at_least("every", 0)
+        c.positive_int("keep_last")
+        c.boolean("save_last")
+        c.choice("format", CHECKPOINT_FORMATS)
+
+
+@dataclass
+class WarmStartConfig:
+    """Optional deterministic supervised warm-start before RL (rlrepro.trainer.warm_start), on examples drawn from
+    the run's own prompts."""
+    SECTION: ClassVar[str] = "warm_start"
+
+    steps: int = 0
+    lr: float = 1e-3
+    batch_size: int = 32
+    seed: int = 0
+    # format: answers replaced by random strings of the same length over the answers' characters, so the model
+    # learns to answer briefly and stop, but nothing about which answer is right; answer: the true answers (SFT)
+    target: str = "format"
+
+    def __post_init__(self) -> None:
+        c = Checker(self)
+        c.int_at_least("steps", 0)
+        c.non_negative("lr")
+        c.positive_int("batch_size")
+        c.integer("seed")
+        c.choice("target", WARM_START_TARGETS)
+        c.require(self.steps == 0 or self.lr > 0, "lr",
+                  f"does nothing with warm_start.steps={self.steps}; give warm_start.lr > 0 or set warm_start.steps=0")
