@@ -1,6 +1,10 @@
 """``rlrepro diff RUN_A RUN_B``: compare two run directories step by step and name the first divergence.
 
 Exit codes: 0 identical, 1 diverged, 2 error (missing directory, missing or corrupt fingerprints.jsonl, ...).
+When both runs have ``inputs.json`` (:mod:`.inputs`) it is compared first and its differences are printed before
+the records', as the likely cause of a divergence; they do not change the verdict, which is the records' alone.
+``--strict`` also exits 1 when the runs recorded different sets of steps; ``--strict-inputs`` also exits 1 when an
+input that can change bits differs (data, tokenizer, starting weights, versions, GPU, bit-relevant environment).
 Imports neither torch nor anything of rlrepro outside this package.
 """
 from __future__ import annotations
@@ -23,6 +27,7 @@ from .records import (
     read_rollouts,
     read_step_records,
 )
+from .inputs import INPUTS_FILE, InputDiff, input_differences, read_inputs
 
 __all__ = ["ReproError", "DiffReport", "ConfigDiff", "Divergence", "TokenDiff", "MetricDiff", "diff_runs",
            "main_diff", "FIELDS", "DEFAULT_IGNORED_CONFIG_KEYS"]
@@ -92,6 +97,8 @@ class DiffReport:
     steps_only_a: list[int] = field(default_factory=list)
     steps_only_b: list[int] = field(default_factory=list)
     config_diffs: list[ConfigDiff] = field(default_factory=list)
+    inputs_compared: bool = False                  # both runs have inputs.json
+    input_diffs: list[InputDiff] = field(default_factory=list)
     divergence: Divergence | None = None           # first fingerprint divergence
     diverged_steps: list[int] = field(default_factory=list)
     metric_diffs: list[MetricDiff] = field(default_factory=list)   # every differing key at the first metric step
@@ -114,8 +121,15 @@ class DiffReport:
                              self.metric_diffs[0].step if self.metric_diffs else None) if s is not None]
         return min(steps) if steps else None
 
-    def exit_code(self, strict: bool = False) -> int:
+    @property
+    def inputs_differ_in_bits(self) -> bool:
+        """An input that can change bits differs (inputs.json)."""
+        return any(d.bits for d in self.input_diffs)
+
+    def exit_code(self, strict: bool = False, strict_inputs: bool = False) -> int:
         if not self.identical:
+            return 1
+        if strict_inputs and self.inputs_differ_in_bits:
             return 1
         return 1 if strict and not self.complete else 0
 
@@ -123,6 +137,7 @@ class DiffReport:
         d = asdict(self)
         d["first_divergent_step"] = self.first_divergent_step
         d["complete"] = self.complete
+        d["inputs_differ_in_bits"] = self.inputs_differ_in_bits
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -130,6 +145,13 @@ class DiffReport:
 
     def format(self, max_config_diffs: int = 50) -> str:
         L = [f"rlrepro diff: A = {self.run_a}", f"              B = {self.run_b}"]
+        if self.inputs_compared:
+            if self.input_diffs:
+                L.append(f"inputs: {len(self.input_diffs)} difference(s) in {INPUTS_FILE} "
+                         "(the likely cause of a divergence):")
+                L.extend(f"  {d.message}" for d in self.input_diffs)
+            else:
+                L.append(f"inputs: same ({INPUTS_FILE}: data, tokenizer, starting weights, environment, versions)")
         if self.config_diffs:
             L.append(f"config: {len(self.config_diffs)} key(s) differ (ignored: run.dir, run.resume, logger.*, "
                      "keys in repro.ignore_keys)")
@@ -189,6 +211,8 @@ class DiffReport:
         verdict = self.verdict.upper()
         if self.identical and not self.complete:
             verdict += " on the common steps (step counts differ)"
+        if self.identical and self.inputs_differ_in_bits:
+            verdict += " (although inputs that can change bits differ)"
         L.append(f"verdict: {verdict}")
         return "\n".join(L)
 
@@ -318,7 +342,8 @@ def _sample_detail(dv: Divergence, run_a: Path, run_b: Path) -> None:
     if ra is None or rb is None:
         if dv.sample_index is not None or dv.field in ("rewards", "advantages"):
             missing = [r for r, x in (("A", ra), ("B", rb)) if x is None]
-            dv.detail_note = f"no rollout file for step {dv.step} in run {' and '.join(missing)}: token detail unavailable"
+            dv.detail_note = (f"no rollout file for step {dv.step} in run {' and '.join(missing)}: "
+                              "token detail unavailable")
         return
     field_key = {"prompt_ids": "prompt_token_ids", "rollout_token_ids": "token_ids", "rollout_logprobs": "logprobs",
                  "rewards": "reward", "advantages": "advantage"}.get(dv.field)
@@ -417,6 +442,13 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
             raise ReproError(f"{p}: not a directory")
     rep = DiffReport(run_a=str(a), run_b=str(b))
 
+    inp_a, inp_b = read_inputs(a), read_inputs(b)  # first: when the records diverge, this is the likely cause
+    if inp_a is not None and inp_b is not None:
+        rep.inputs_compared = True
+        rep.input_diffs = input_differences(inp_a, inp_b)
+    elif inp_a is not None or inp_b is not None:
+        rep.notes.append(f"inputs not compared: no {INPUTS_FILE} in run {'A' if inp_a is None else 'B'}")
+
     cfg_a, cfg_b = load_config(a), load_config(b)
     if cfg_a is None or cfg_b is None:
         missing = [str(p / CONFIG_FILE) for p, c in ((a, cfg_a), (b, cfg_b)) if c is None]
@@ -474,7 +506,7 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
 
 
 def main_diff(argv: Sequence[str] | None = None) -> int:
-    """``rlrepro diff RUN_A RUN_B [--json] [--strict]``: 0 identical, 1 diverged, 2 error."""
+    """``rlrepro diff RUN_A RUN_B [--json] [--strict] [--strict-inputs]``: 0 identical, 1 diverged, 2 error."""
     parser = argparse.ArgumentParser(
         prog="rlrepro diff",
         description="Compare two run directories step by step: exit 0 identical, 1 diverged, 2 error.")
@@ -483,6 +515,8 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--strict", action="store_true",
                         help="also exit 1 when the runs recorded different sets of steps")
+    parser.add_argument("--strict-inputs", action="store_true",
+                        help=f"also exit 1 when an input that can change bits differs ({INPUTS_FILE})")
     parser.add_argument("--no-detail", action="store_true", help="do not read rollout files for token detail")
     parser.add_argument("--bisect", action="store_true",
                         help="on divergence, replay the first divergent step and name the first differing op")
@@ -514,7 +548,7 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
         print(rep.format())
         if bisect is not None:
             print(bisect.format())
-    return rep.exit_code(strict=args.strict)
+    return rep.exit_code(strict=args.strict, strict_inputs=args.strict_inputs)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,275 @@
+"""The run's inputs, part of its record: ``RUN/inputs.json``.
+
+Two runs can only be expected to agree bit for bit when they read the same inputs. ``collect_inputs`` gathers
+them; the driver writes the result once per run with ``write_inputs`` (atomically; a resumed run writes it again):
+
+* the data: the sha256 of every data file (a directory: of every file in it), the digest of the loaded records
+  and the data set's revision;
+* the starting weights' digest (``rlrepro.repro.fingerprint.weights_digest`` of the policy before step 1, as the
+  trainer computes it);
+* the sha256 of the tokenizer files of the model directory (``TOKENIZER_FILE_NAMES``, those present);
+* the environment variables that can change bits (every ``RLREPRO_*`` but the ones in ``INFORMATIONAL_ENV``,
+  every ``NCCL_*`` but its debug output, ``CUBLAS_WORKSPACE_CONFIG``, ``PYTHONHASHSEED``, ... see
+  ``BIT_ENV`` and ``BIT_ENV_PREFIXES``), and, apart, the informational ones (``CUDA_VISIBLE_DEVICES``,
+  ``RLREPRO_STACK_DUMP_S``, ``RLREPRO_DEBUG``, ...), which are recorded but cannot change a bit;
+* the python, torch, triton, CUDA (torch's build) and rlrepro versions and the GPU model.
+
+``compare_inputs(a, b)`` names what differs in sentences; ``input_differences`` gives the same as
+:class:`InputDiff` records, each marked ``bits`` (can change bits) or not. ``rlrepro diff`` compares the two runs'
+``inputs.json`` first, when both have one, and prints the differences before the record comparison, as the likely
+cause of a divergence. They never change the verdict, which is the records' alone (two runs whose inputs differ may
+still be identical, and the promise says many settings must not matter); ``rlrepro diff --strict-inputs`` also
+exits 1 when an input that can change bits differs. ``--strict`` does not look at the inputs: a run with injected
+faults (``RLREPRO_FAULTS``) is compared ``--strict`` against an undisturbed one to show that the faults changed
+nothing. Runs without ``inputs.json`` (older runs) diff as before.
+
+Nothing here imports torch at module level (``rlrepro diff`` reads inputs.json with this module alone).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .records import ReproError, atomic_write_bytes
+
+__all__ = ["INPUTS_FILE", "INPUTS_FORMAT", "TOKENIZER_FILE_NAMES", "BIT_ENV", "BIT_ENV_PREFIXES", "INFORMATIONAL_ENV",
+           "InputDiff", "collect_inputs", "write_inputs", "read_inputs", "compare_inputs", "input_differences",
+           "file_sha256", "find_tokenizer_files"]
+
+INPUTS_FILE = "inputs.json"
+INPUTS_FORMAT = "rlrepro.inputs.v1"
+
+# what a model directory's tokenizer may be made of (HF names); the chat template may live in its own file
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                        "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+                        "chat_template.jinja", "chat_template.json", "generation_config.json")
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+
+# environment variables that can change bits, besides every RLREPRO_* and NCCL_* one
+BIT_ENV = ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+           "TRITON_INTERPRET", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+BIT_ENV_PREFIXES = ("RLREPRO_", "NCCL_")
+# recorded, but they cannot change a bit: where things run, debugging output, test-harness settings
+INFORMATIONAL_ENV = ("CUDA_VISIBLE_DEVICES",
+                     "RLREPRO_STACK_DUMP_S",   # dump stacks of a hung process every N s
+                     "RLREPRO_DEBUG",          # print tracebacks of CLI errors
+                     "RLREPRO_NO_REEXEC",      # its only effect, PYTHONHASHSEED, is recorded itself
+                     "RLREPRO_FAULT_TRIALS",   # tests/test_faults_e2e.py: seeds to try
+                     "RLREPRO_FAULT_LOG",      # tests/test_faults_e2e.py: where to log the trials
+                     "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")
+_HEX = 12  # digits of a digest shown in a sentence
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes; of a directory: of the sorted list of (relative path, sha256) of its files."""
+    path = Path(path)
+    if path.is_dir():
+        h = hashlib.sha256(b"rlrepro.dir_sha256.v1\0")
+        for p in sorted(q for q in path.rglob("*") if q.is_file()):
+            h.update(f"{p.relative_to(path).as_posix()}\0{file_sha256(p)}\n".encode())
+        return h.hexdigest()
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: input file not found") from None
+    return h.hexdigest()
+
+
+def _named_digests(paths: Iterable[str | os.PathLike]) -> tuple[dict[str, str], dict[str, str]]:
+    """(name -> sha256, name -> path): named by file name, by the whole path where two share a name."""
+    paths = [Path(p) for p in paths]
+    counts: dict[str, int] = {}
+    for p in paths:
+        counts[p.name] = counts.get(p.name, 0) + 1
+    digests, where = {}, {}
+    for p in paths:
+        name = p.name if counts[p.name] == 1 else str(p)
+        digests[name], where[name] = file_sha256(p), str(p)
+    return dict(sorted(digests.items())), dict(sorted(where.items()))
+
+
+def find_tokenizer_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The tokenizer files present in ``model_dir`` (``TOKENIZER_FILE_NAMES`` and extra chat templates)."""
+    root = Path(model_dir)
+    files = [root / n for n in TOKENIZER_FILE_NAMES if (root / n).is_file()]
+    extra = root / CHAT_TEMPLATE_DIR
+    if extra.is_dir():
+        files += sorted(p for p in extra.iterdir() if p.is_file())
+    return files
+
+
+def _env(environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    bits, info = {}, {}
+    for k in sorted(environ):
+        if k in INFORMATIONAL_ENV:
+            info[k] = environ[k]
+        elif k in BIT_ENV or k.startswith(BIT_ENV_PREFIXES):
+            bits[k] = environ[k]
+    return bits, info
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _versions_and_gpu() -> tuple[dict[str, str | None], str | None]:
+    from rlrepro import __version__
+
+    versions = {"python": platform.python_version(), "torch": None, "triton": _dist_version("triton"), "cuda": None,
+                "rlrepro": __version__}
+    gpu = None
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return versions, gpu
+    versions["torch"] = torch.__version__
+    versions["cuda"] = torch.version.cuda
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name()
+    return versions, gpu
+
+
+def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: str | None,
+                   data_revision: str | None, model_dir: str | os.PathLike,
+                   tokenizer_files: Iterable[str | os.PathLike] | None = None, weights_digest: str | None,
+                   environ: Mapping[str, str] | None = None) -> dict:
+    """The inputs of a run, as ``inputs.json`` holds them.
+
+    ``data_files``: the data set's local files (or directories) as loaded; ``records_digest``: the digest of the
+    loaded records; ``data_revision``: the data set's revision (None when it has none); ``model_dir``: the
+    starting model's directory, whose tokenizer files are hashed (``tokenizer_files`` lists them instead);
+    ``weights_digest``: the starting weights' digest (the trainer's); ``environ``: default ``os.environ``.
+    Raises FileNotFoundError for a data or tokenizer file that is missing."""
+    model_dir = Path(model_dir)
+    files, paths = _named_digests(data_files)
+    tok = [Path(p) for p in tokenizer_files] if tokenizer_files is not None else find_tokenizer_files(model_dir)
+    tok_digests, _ = _named_digests(tok)
+    bits, info = _env(os.environ if environ is None else environ)
+    versions, gpu = _versions_and_gpu()
+    return {"format": INPUTS_FORMAT,
+            "data": {"files": files, "paths": paths, "records_digest": records_digest, "revision": data_revision},
+            "weights_digest": weights_digest,
+            "tokenizer": {"model_dir": str(model_dir), "files": tok_digests},
+            "env": bits, "env_informational": info,
+            "versions": versions, "gpu": gpu}
+
+
+
+def write_inputs(run_dir: str | os.PathLike, inputs: Mapping) -> Path:
+    """Write ``RUN/inputs.json`` atomically (readers see the old file or the new one)."""
+    path = Path(run_dir) / INPUTS_FILE
+    atomic_write_bytes(path, (json.dumps(inputs, indent=2, sort_keys=True) + "\n").encode())
+    return path
+
+
+def read_inputs(run_dir: str | os.PathLike) -> dict | None:
+    """``RUN/inputs.json``, or None when the run has none (runs from before it existed). Raises ReproError for a
+    file that is not a JSON object of a known format."""
+    path = Path(run_dir) / INPUTS_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ReproError(f"{path}: cannot read ({e})") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ReproError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ReproError(f"{path}: expected a JSON object")
+    if data.get("format") != INPUTS_FORMAT:
+        raise ReproError(f"{path}: unknown format {data.get('format')!r} (expected {INPUTS_FORMAT!r})")
+    return data
+
+
+# ------------------------------------------------------------------------------------------------ comparison
+
+
+@dataclass
+class InputDiff:
+    what: str        # data_file | data_records | data_revision | weights | tokenizer_file | version | gpu | env
+    key: str         # the file, variable or package name ("" where there is one of a kind)
+    a: Any           # the values in run A and run B (None: absent / unset)
+    b: Any
+    bits: bool       # can this difference change bits?
+    message: str     # the sentence compare_inputs gives
+
+
+def _short(d: Any) -> str:
+    return "none" if d is None else str(d)[:_HEX] + ("..." if len(str(d)) > _HEX else "")
+
+
+def _file_diffs(what: str, label: str, fa: Mapping, fb: Mapping) -> list[InputDiff]:
+    out = []
+    for name in sorted(set(fa) | set(fb)):
+        a, b = fa.get(name), fb.get(name)
+        if a == b:
+            continue
+        if a is None or b is None:
+            msg = f"{label} {name} is in {'B' if a is None else 'A'} only"
+        else:
+            msg = f"{label} {name} changed (sha256 {_short(a)} vs {_short(b)})"
+        out.append(InputDiff(what, name, a, b, True, msg))
+    return out
+
+
+def _value(v: Any) -> str:
+    return "unset" if v is None else repr(v)
+
+
+def input_differences(a: Mapping, b: Mapping) -> list[InputDiff]:
+    """What differs between two runs' inputs (``collect_inputs`` dicts), A first; bit-relevant ones first."""
+    out: list[InputDiff] = []
+    da, db = a.get("data") or {}, b.get("data") or {}
+    out += _file_diffs("data_file", "data file", da.get("files") or {}, db.get("files") or {})
+    if da.get("records_digest") != db.get("records_digest"):
+        out.append(InputDiff("data_records", "", da.get("records_digest"), db.get("records_digest"), True,
+                             f"data records differ (digest {_short(da.get('records_digest'))} vs "
+                             f"{_short(db.get('records_digest'))})"))
+    if da.get("revision") != db.get("revision"):
+        out.append(InputDiff("data_revision", "", da.get("revision"), db.get("revision"), True,
+                             f"data revision differs: {_value(da.get('revision'))} vs {_value(db.get('revision'))}"))
+    if a.get("weights_digest") != b.get("weights_digest"):
+        out.append(InputDiff("weights", "", a.get("weights_digest"), b.get("weights_digest"), True,
+                             f"starting weights differ (weights digest {_short(a.get('weights_digest'))} vs "
+                             f"{_short(b.get('weights_digest'))})"))
+    ta, tb = a.get("tokenizer") or {}, b.get("tokenizer") or {}
+    out += _file_diffs("tokenizer_file", "tokenizer file", ta.get("files") or {}, tb.get("files") or {})
+    va, vb = a.get("versions") or {}, b.get("versions") or {}
+    for name in sorted(set(va) | set(vb)):
+        if va.get(name) != vb.get(name):
+            out.append(InputDiff("version", name, va.get(name), vb.get(name), True,
+                                 f"{name} version differs: {va.get(name) or 'none'} vs {vb.get(name) or 'none'}"))
+    if a.get("gpu") != b.get("gpu"):
+        out.append(InputDiff("gpu", "", a.get("gpu"), b.get("gpu"), True,
+                             f"GPU differs: {a.get('gpu') or 'none'} vs {b.get('gpu') or 'none'}"))
+    for field, bits in (("env", True), ("env_informational", False)):
+        ea, eb = a.get(field) or {}, b.get(field) or {}
+        for name in sorted(set(ea) | set(eb)):
+            if ea.get(name) != eb.get(name):
+                note = "" if bits else " (informational: cannot change bits)"
+                out.append(InputDiff("env", name, ea.get(name), eb.get(name), bits,
+                                     f"{name} differs: {_value(ea.get(name))} vs {_value(eb.get(name))}{note}"))
+    return out
+
+
+def compare_inputs(a: Mapping, b: Mapping) -> list[str]:
+    """Sentences naming what differs between two runs' inputs, e.g. ``"data file gsm8k.jsonl changed (sha256
+    ab12... vs cd34...)"``, ``"RLREPRO_ATTENTION_BWD differs: 'torch' vs unset"``, ``"torch version differs:
+    2.13.0 vs 2.11.0"``; empty when they are the same."""
+    return [d.message for d in input_differences(a, b)]

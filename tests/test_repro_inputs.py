@@ -1,0 +1,272 @@
+"""inputs.json: the run's inputs (data, tokenizer, starting weights, environment, versions) as part of its record,
+and ``rlrepro diff`` naming their differences first."""
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlrepro.repro.diff import diff_runs, main_diff
+from rlrepro.repro.inputs import (INPUTS_FILE, INPUTS_FORMAT, collect_inputs, compare_inputs, input_differences,
+                                  read_inputs, write_inputs)
+from rlrepro.repro.records import ReproError
+from test_repro_diff import make_run
+
+
+def sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """A clean environment: none of the knobs that collect_inputs records is inherited from the test process."""
+    for k in list(os.environ):
+        if k.startswith(("RLREPRO_", "NCCL_")) or k in ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED",
+                                                         "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"):
+            monkeypatch.delenv(k)
+    return monkeypatch
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """A small model directory (tokenizer files and a weight file that is not a tokenizer file) and a data file."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "b", "chat_template": "{{ x }}"}))
+    (model / "merges.txt").write_text("a b\n")
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    data = tmp_path / "data" / "gsm8k.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answer": "4"}\n')
+    return model, data
+
+
+def collect(model, data, **kw):
+    args = dict(data_files=[data], records_digest="r" * 64, data_revision=None, model_dir=model,
+                weights_digest="w" * 64)
+    args.update(kw)
+    return collect_inputs(**args)
+
+
+def test_collect_records_every_input(env, setup):
+    model, data = setup
+    env.setenv("RLREPRO_ATTENTION_BWD", "torch")
+    env.setenv("NCCL_ALGO", "Ring")
+    env.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    env.setenv("PYTHONHASHSEED", "0")
+    env.setenv("RLREPRO_STACK_DUMP_S", "30")
+    env.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    env.setenv("SOME_OTHER_VARIABLE", "x")
+    rec = collect(model, data, data_revision="v1.2")
+    assert rec["format"] == INPUTS_FORMAT
+    assert rec["data"]["files"] == {"gsm8k.jsonl": sha(data)}
+    assert rec["data"]["records_digest"] == "r" * 64 and rec["data"]["revision"] == "v1.2"
+    assert rec["weights_digest"] == "w" * 64
+    assert rec["tokenizer"]["files"] == {n: sha(model / n) for n in ("merges.txt", "tokenizer.json",
+                                                                      "tokenizer_config.json")}
+    assert rec["env"] == {"RLREPRO_ATTENTION_BWD": "torch", "NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                          "PYTHONHASHSEED": "0"}
+    assert rec["env_informational"] == {"RLREPRO_STACK_DUMP_S": "30", "CUDA_VISIBLE_DEVICES": "0,1"}
+    v = rec["versions"]
+    assert v["python"] == platform.python_version() and v["torch"] == torch.__version__
+    assert v["cuda"] == torch.version.cuda and v["rlrepro"] == __import__("rlrepro").__version__
+    assert rec["gpu"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    json.dumps(rec)  # plain JSON
+    assert collect(model, data, data_revision="v1.2") == rec  # a pure function of the inputs
+    assert compare_inputs(rec, collect(model, data, data_revision="v1.2")) == []
+
+
+def test_chat_template_files_and_explicit_tokenizer_files(env, setup):
+    model, data = setup
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m }}{% endfor %}")
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    files = collect(model, data)["tokenizer"]["files"]
+    assert files["chat_template.jinja"] == sha(model / "chat_template.jinja")
+    assert files["tool_use.jinja"] == sha(model / "additional_chat_templates" / "tool_use.jinja")
+    assert "config.json" not in files and "model.safetensors" not in files
+    only = collect(model, data, tokenizer_files=[model / "tokenizer.json"])["tokenizer"]["files"]
+    assert only == {"tokenizer.json": sha(model / "tokenizer.json")}
+
+
+def test_data_directories_and_files_of_one_name(env, setup, tmp_path):
+    model, data = setup
+    other = tmp_path / "other" / "gsm8k.jsonl"
+    other.parent.mkdir()
+    other.write_text("{}\n")
+    files = collect(model, data, data_files=[data, other])["data"]["files"]
+    assert files == {str(data): sha(data), str(other): sha(other)}  # both kept, named by their paths
+    d = tmp_path / "hfdata"
+    (d / "train").mkdir(parents=True)
+    (d / "train" / "part0.arrow").write_bytes(b"abc")
+    before = collect(model, data, data_files=[d])["data"]["files"]["hfdata"]
+    (d / "train" / "part0.arrow").write_bytes(b"abd")
+    assert collect(model, data, data_files=[d])["data"]["files"]["hfdata"] != before
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        collect(model, data, data_files=[tmp_path / "nope.jsonl"])
+
+
+def flip_last_byte(path):
+    b = bytearray(path.read_bytes())
+    b[-2] ^= 1
+    path.write_bytes(bytes(b))
+
+
+def test_a_changed_data_byte_is_named(env, setup):
+    model, data = setup
+    a = collect(model, data)
+    flip_last_byte(data)
+    b = collect(model, data)
+    assert a["data"]["files"]["gsm8k.jsonl"] != b["data"]["files"]["gsm8k.jsonl"]
+    ha, hb = a["data"]["files"]["gsm8k.jsonl"], b["data"]["files"]["gsm8k.jsonl"]
+    assert compare_inputs(a, b) == [f"data file gsm8k.jsonl changed (sha256 {ha[:12]}... vs {hb[:12]}...)"]
+    assert [d.bits for d in input_differences(a, b)] == [True]
+
+
+def test_a_changed_tokenizer_byte_is_named(env, setup):
+    model, data = setup
+    a = collect(model, data)
+    flip_last_byte(model / "tokenizer_config.json")
+    b = collect(model, data)
+    msgs = compare_inputs(a, b)
+    assert len(msgs) == 1 and msgs[0].startswith("tokenizer file tokenizer_config.json changed (sha256 ")
+    (model / "merges.txt").unlink()
+    assert "tokenizer file merges.txt is in A only" in compare_inputs(a, collect(model, data))
+
+
+def test_an_attention_backward_override_is_named(env, setup):
+    model, data = setup
+    a = collect(model, data)
+    env.setenv("RLREPRO_ATTENTION_BWD", "torch")
+    b = collect(model, data)
+    assert compare_inputs(a, b) == ["RLREPRO_ATTENTION_BWD differs: unset vs 'torch'"]
+    assert compare_inputs(b, a) == ["RLREPRO_ATTENTION_BWD differs: 'torch' vs unset"]
+    assert input_differences(b, a)[0].bits
+
+
+def test_informational_variables_are_named_as_such(env, setup):
+    model, data = setup
+    a = collect(model, data)
+    env.setenv("RLREPRO_DEBUG", "1")
+    b = collect(model, data)
+    (d,) = input_differences(a, b)
+    assert not d.bits and d.message == "RLREPRO_DEBUG differs: unset vs '1' (informational: cannot change bits)"
+
+
+def test_other_inputs_are_named(env, setup):
+    model, data = setup
+    a = collect(model, data)
+    b = json.loads(json.dumps(a))
+    b["versions"]["torch"], b["gpu"], b["weights_digest"] = "2.11.0", "NVIDIA H200", "v" * 64
+    b["data"]["records_digest"], b["data"]["revision"] = "s" * 64, "main"
+    msgs = compare_inputs(a, b)
+    assert f"torch version differs: {torch.__version__} vs 2.11.0" in msgs
+    assert "starting weights differ (weights digest wwwwwwwwwwww... vs vvvvvvvvvvvv...)" in msgs
+    assert "data records differ (digest rrrrrrrrrrrr... vs ssssssssssss...)" in msgs
+    assert "data revision differs: unset vs 'main'" in msgs
+    assert any(m.startswith("GPU differs: ") and m.endswith(" vs NVIDIA H200") for m in msgs)
+    assert len(msgs) == 5
+
+
+def test_write_and_read(env, setup, tmp_path):
+    model, data = setup
+    run = tmp_path / "run"
+    assert read_inputs(run) is None  # no run dir, no inputs.json: an older run
+    rec = collect(model, data)
+    path = write_inputs(run, rec)
+    assert path == run / INPUTS_FILE and read_inputs(run) == rec
+    assert sorted(p.name for p in run.iterdir()) == [INPUTS_FILE]  # no temporary file left
+    write_inputs(run, {**rec, "weights_digest": "x"})  # replaced whole
+    assert read_inputs(run)["weights_digest"] == "x"
+    path.write_text("{not json")
+    with pytest.raises(ReproError, match="inputs.json: not valid JSON"):
+        read_inputs(run)
+    path.write_text(json.dumps({"format": "rlrepro.inputs.v999"}))
+    with pytest.raises(ReproError, match="unknown format"):
+        read_inputs(run)
+
+
+def test_the_module_does_not_import_torch():
+    code = "import sys, rlrepro.repro.inputs, rlrepro.repro.diff; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------------------------ rlrepro diff
+
+
+def two_runs(tmp_path, env, setup, *, mutate=None):
+    model, data = setup
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b", mutate=mutate)
+    write_inputs(a, collect(model, data))
+    env.setenv("RLREPRO_ATTENTION_BWD", "torch")
+    flip_last_byte(data)
+    write_inputs(b, collect(model, data))
+    return a, b
+
+
+def test_diff_names_the_input_differences_first(tmp_path, env, setup, capsys):
+    a, b = two_runs(tmp_path, env, setup)
+    rep = diff_runs(a, b)
+    assert rep.inputs_compared and rep.verdict == "identical"  # the records decide the verdict
+    assert [(d.what, d.key) for d in rep.input_diffs] == [("data_file", "gsm8k.jsonl"),
+                                                          ("env", "RLREPRO_ATTENTION_BWD")]
+    assert main_diff([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("inputs: 2 difference(s)") < out.index("config:")
+    assert "  data file gsm8k.jsonl changed (sha256 " in out
+    assert "  RLREPRO_ATTENTION_BWD differs: unset vs 'torch'" in out
+    assert "verdict: IDENTICAL (although inputs that can change bits differ)" in out
+    assert main_diff([str(a), str(b), "--strict"]) == 0           # --strict is about the steps recorded
+    assert main_diff([str(a), str(b), "--strict-inputs"]) == 1
+    capsys.readouterr()
+    assert main_diff([str(a), str(b), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["inputs_compared"] and report["inputs_differ_in_bits"]
+    assert [d["message"] for d in report["input_diffs"]] == [d.message for d in rep.input_diffs]
+    assert report["input_diffs"][1] == {"what": "env", "key": "RLREPRO_ATTENTION_BWD", "a": None, "b": "torch",
+                                        "bits": True, "message": "RLREPRO_ATTENTION_BWD differs: unset vs 'torch'"}
+
+
+def test_diff_of_diverged_runs_prints_the_inputs_before_the_divergence(tmp_path, env, setup, capsys):
+    def mutate(step, samples, weights):
+        if step >= 3:
+            samples[2]["token_ids"][4] += 1
+    a, b = two_runs(tmp_path, env, setup, mutate=mutate)
+    assert main_diff([str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert out.index("RLREPRO_ATTENTION_BWD differs") < out.index("FIRST DIVERGENCE: step 3")
+
+
+def test_informational_differences_do_not_fail_strict_inputs(tmp_path, env, setup, capsys):
+    model, data = setup
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
+    write_inputs(a, collect(model, data))
+    env.setenv("RLREPRO_STACK_DUMP_S", "60")
+    write_inputs(b, collect(model, data))
+    assert main_diff([str(a), str(b), "--strict-inputs"]) == 0
+    out = capsys.readouterr().out
+    assert "RLREPRO_STACK_DUMP_S differs: unset vs '60' (informational" in out and "verdict: IDENTICAL\n" in out
+
+
+def test_runs_without_inputs_diff_as_before(tmp_path, env, setup, capsys):
+    model, data = setup
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
+    assert main_diff([str(a), str(b), "--strict-inputs"]) == 0
+    before = capsys.readouterr().out
+    rep = diff_runs(a, b)
+    assert not rep.inputs_compared and rep.input_diffs == [] and "inputs:" not in before and INPUTS_FILE not in before
+    write_inputs(a, collect(model, data))
+    assert main_diff([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "note: inputs not compared: no inputs.json in run B" in out
+    write_inputs(b, collect(model, data))
+    assert main_diff([str(a), str(b)]) == 0
+    assert "inputs: same (inputs.json" in capsys.readouterr().out
+    (b / INPUTS_FILE).write_text("[]")
+    assert main_diff([str(a), str(b)]) == 2  # a corrupt record is an error, as for the other files
