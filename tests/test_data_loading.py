@@ -97,9 +97,9 @@ def test_directory_without_split_names_is_train(tmp_path):
 
 
 def test_source_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist locally .* pass allow_hub=True"):
+    with pytest.raises(FileNotFoundError, match=r"does not exist locally .* set data.allow_hub=true \(allow_hub=True"):
         load_records(str(tmp_path / "nope.jsonl"))
-    with pytest.raises(FileNotFoundError, match="allow_hub=True"):
+    with pytest.raises(FileNotFoundError, match="data.allow_hub=true"):
         load_records("openai/gsm8k")
     (tmp_path / "x.csv").write_text("prompt,answer\n")
     with pytest.raises(ValueError, match=r"unsupported file type '.csv'"):
@@ -108,7 +108,7 @@ def test_source_errors(tmp_path):
     with pytest.raises(ValueError, match="no data files in this directory"):
         load_records(str(tmp_path / "empty"))
     f = write_lines(tmp_path / "ok.jsonl", [{"prompt": "a", "answer": "1"}])
-    with pytest.raises(ValueError, match="on_bad_row"):
+    with pytest.raises(ValueError, match="data.on_bad_row=error or data.on_bad_row=skip"):
         load_records(str(f), on_bad_row="ignore")
     with pytest.raises(ValueError, match="limit"):
         load_records(str(f), limit=0)
@@ -119,7 +119,8 @@ def test_missing_field_lists_existing_fields(tmp_path):
     with pytest.raises(ValueError) as e:
         load_records(str(f), on_bad_row="skip")
     assert str(e.value) == (f"{f}: the prompt field 'prompt' is not in the data set; fields that exist: "
-                            f"['question', 'answer']. Fix: pass prompt_field=<one of those>.")
+                            f"['question', 'answer']. Fix: set data.prompt_field=<one of those>, e.g. "
+                            f"data.prompt_field=question (prompt_field=).")
     with pytest.raises(ValueError, match="the id field 'uid' is not in the data set"):
         load_records(str(f), prompt_field="question", id_field="uid")
 
@@ -139,21 +140,22 @@ def test_bad_row_error_and_skip(tmp_path, row, field, reason, problem):
     f = write_lines(tmp_path / "d.jsonl", [{"prompt": "good", "answer": "1"}, row, {"prompt": "ok", "answer": "2"}])
     with pytest.raises(ValueError) as e:
         load_records(str(f))
-    assert str(e.value).startswith(f"{f}: row 1: field '{field}': {problem}. Fix: give every row a non-empty text")
-    assert str(e.value).endswith("or pass on_bad_row='skip' to skip such rows and count them in LoadStats.")
+    assert str(e.value).startswith(f"{f}: line 2: field '{field}': {problem}. Fix: give every row a non-empty text")
+    assert str(e.value).endswith("or set data.on_bad_row=skip (on_bad_row='skip') to leave such rows out (each is "
+                                 "logged and listed in LoadStats.skipped).")
     recs, stats = load_records(str(f), on_bad_row="skip")
     assert [r.uid for r in recs] == ["d.jsonl:0", "d.jsonl:2"]
     assert stats.num_rows == 3 and stats.num_records == 2 and stats.skipped_by_reason() == {reason: 1}
     (s,) = stats.skipped
-    assert (s.file, s.row_index, s.field, s.reason) == (str(f), 1, field, reason)
+    assert (s.file, s.row_index, s.position, s.field, s.reason) == (str(f), 1, "line 2", field, reason)
 
 
 def test_wrong_types(tmp_path):
     f = write_lines(tmp_path / "d.jsonl", [{"prompt": ["a", "b"], "answer": True}])
-    with pytest.raises(ValueError, match=r"row 0: field 'prompt': expected text, got list \(\['a', 'b'\]\)"):
+    with pytest.raises(ValueError, match=r"line 1: field 'prompt': expected text, got list \(\['a', 'b'\]\)"):
         load_records(str(f))
     f = write_lines(tmp_path / "e.jsonl", [{"prompt": "a", "answer": True}, {"prompt": "b", "answer": False}])
-    with pytest.raises(ValueError, match=r"row 0: field 'answer': expected text, got a boolean \(True\)"):
+    with pytest.raises(ValueError, match=r"line 1: field 'answer': expected text, got a boolean \(True\)"):
         load_records(str(f))
     f = write_lines(tmp_path / "g.jsonl", [{"prompt": "a", "answer": {"x": 1}}, {"prompt": "b", "answer": {"x": 2}}])
     with pytest.raises(ValueError, match=r"no records loaded .*: 2 rows read, 2 skipped \{'wrong type': 2\}"):
@@ -164,7 +166,7 @@ def test_non_utf8_bytes_row(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "bad \xff", "answer": "2"}\n'
                   b'{"prompt": "fine", "answer": "3"}\n')
-    with pytest.raises(ValueError, match=r"row 1: field 'prompt': the text is not valid UTF-8 \(invalid start byte "
+    with pytest.raises(ValueError, match=r"line 2: field 'prompt': the text is not valid UTF-8 \(invalid start byte "
                                          r"at byte 4\). Fix: re-encode the file as UTF-8"):
         load_records(str(f))
     recs, stats = load_records(str(f), on_bad_row="skip")
@@ -175,11 +177,12 @@ def test_unparseable_lines_are_rows_too(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"prompt": "ok", "answer": "1"}\n\n{"prompt": "sur \\ud800", "answer": "2"}\n'
                  '{"prompt": "broken", "answer": \n{"prompt": "last", "answer": "4"}\n', encoding="utf-8")
-    with pytest.raises(ValueError, match=r"row 1 \(line 3\): a string holds a lone surrogate escape"):
+    with pytest.raises(ValueError, match=r"d.jsonl: line 3: a string holds a lone surrogate escape"):
         load_records(str(f))
     recs, stats = load_records(str(f), on_bad_row="skip")
     assert [(r.uid, r.prompt) for r in recs] == [("d.jsonl:0", "ok"), ("d.jsonl:3", "last")]
-    assert [(s.row_index, s.reason) for s in stats.skipped] == [(1, "not UTF-8"), (2, "invalid JSON")]
+    assert [(s.row_index, s.position, s.reason) for s in stats.skipped] == [(1, "line 3", "not UTF-8"),
+                                                                            (2, "line 4", "invalid JSON")]
     assert stats.num_rows == 4 and stats.files[0]["num_rows"] == 4
 
 
@@ -188,13 +191,15 @@ def test_parquet_binary_column(tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([b"ok", b"bad\xff"], pa.binary()), "answer": ["1", "2"]}), p)
     recs, stats = load_records(str(p), on_bad_row="skip")
     assert [r.prompt for r in recs] == ["ok"]
-    assert stats.skipped[0].detail == f"{p}: row 1: field 'prompt': the bytes are not valid UTF-8 (invalid start byte at byte 3)"
+    assert stats.skipped[0].detail == (f"{p}: row 2: field 'prompt': the bytes are not valid UTF-8 (invalid start "
+                                       f"byte at byte 3)")
+    assert stats.skipped[0].position == "row 2" and stats.skipped[0].row_index == 1
 
 
 def test_duplicate_ids_always_raise(tmp_path):
     f = write_lines(tmp_path / "d.jsonl", [{"id": "a", "prompt": "x", "answer": "1"},
                                            {"id": "a", "prompt": "y", "answer": "2"}])
-    with pytest.raises(ValueError, match=f"duplicate uid 'a' at {f} row 1 and at {f} row 0"):
+    with pytest.raises(ValueError, match=f"duplicate uid 'a' at {f} line 2 and at {f} line 1"):
         load_records(str(f), id_field="id", on_bad_row="skip")
 
 
@@ -294,5 +299,5 @@ def test_bad_rows_property(tmp_path, rows):
         first = bad[0]
         p, a = rows[first]
         field = "prompt" if not good(p) else "answer"
-        with pytest.raises(ValueError, match=f"^{f}: row {first}: field '{field}': "):
+        with pytest.raises(ValueError, match=f"^{f}: line {first + 1}: field '{field}': "):  # no blank lines
             load_records(str(f))

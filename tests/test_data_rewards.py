@@ -137,17 +137,21 @@ def test_load_reward_fn_builtins_and_paths(tmp_path, monkeypatch):
     assert fn("abcde", rec("x")) == 0.5
     assert load_reward_fn("myrewards.fns.length_reward") is fn
     assert load_reward_fn("myrewards.fns:Holder.score")("", rec("x")) == 1.0
-    with pytest.raises(ValueError, match=r"unknown reward 'exactmatch'.*\['exact_match', 'hash', 'math', 'prefix_match'\]"):
+    with pytest.raises(ValueError, match=r"unknown reward 'exactmatch' \(reward.fn=exactmatch\). Fix: set reward.fn "
+                                         r"to one of the built-ins \['exact_match', 'hash', 'math', 'prefix_match'\] "
+                                         r"\(e.g. reward.fn=exact_match\)"):
         load_reward_fn("exactmatch")
-    with pytest.raises(ValueError, match="cannot import module 'nopkg.mod' .*ModuleNotFoundError.*PYTHONPATH"):
+    with pytest.raises(ValueError, match="reward.fn='nopkg.mod:fn': cannot import module 'nopkg.mod' "
+                                         ".*ModuleNotFoundError.*PYTHONPATH"):
         load_reward_fn("nopkg.mod:fn")
-    with pytest.raises(ValueError, match=r"has no attribute 'missing'; callables there: .*'length_reward'"):
+    with pytest.raises(ValueError, match=r"has no attribute 'missing'; callables there: .*'length_reward'.*\. "
+                                         r"Fix: set reward.fn=myrewards.fns:<one of those>"):
         load_reward_fn("myrewards.fns:missing")
     with pytest.raises(ValueError, match="names a int, not a function"):
         load_reward_fn("myrewards.fns:NOT_CALLABLE")
     with pytest.raises(ValueError, match=r"must accept \(completion: str, record: PromptRecord\)"):
         load_reward_fn("myrewards.fns:wrong_sig")
-    with pytest.raises(ValueError, match="non-empty string"):
+    with pytest.raises(ValueError, match="reward.fn must be a non-empty string"):
         load_reward_fn("")
 
 
@@ -191,7 +195,7 @@ def test_compute_rewards_invalid_values(value, problem):
 
 
 def test_compute_rewards_argument_errors():
-    with pytest.raises(ValueError, match="policy must be 'raise' or 'zero'"):
+    with pytest.raises(ValueError, match=r"reward.on_error \(policy\) must be raise or zero"):
         compute_rewards(exact_match_reward, ["a"], RECS[:1], policy="skip")
     with pytest.raises(ValueError, match="2 completions but 3 records"):
         compute_rewards(exact_match_reward, ["a", "b"], RECS)
@@ -235,8 +239,10 @@ def test_overlong_penalty_by_hand():
     assert overlong_penalty(100, 100, 20) == -1.0
     assert overlong_penalty(90, 100, 20, factor=0.5) == -0.25
     assert overlong_penalty(100, 100, 0) == 0.0  # buffer 0: off
-    for args, needle in [((-1, 100, 20), "length must be an int"), ((10, 100, 100), "buffer=100 must lie"),
-                         ((10, 100, -1), "buffer=-1 must lie"), ((True, 100, 20), "length must be an int")]:
+    for args, needle in [((-1, 100, 20), "length must be an int"),
+                         ((10, 100, 100), r"reward.overlong_buffer=100 \(buffer\) must lie"),
+                         ((10, 100, -1), r"overlong_buffer=-1 \(buffer\) must lie in \[0, rollout.max_tokens=100\)"),
+                         ((True, 100, 20), "length must be an int")]:
         with pytest.raises(ValueError, match=needle):
             overlong_penalty(*args)
 

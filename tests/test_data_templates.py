@@ -70,9 +70,9 @@ def test_template_errors():
 
 
 def test_mode_errors():
-    with pytest.raises(ValueError, match="system_prompt needs use_chat_template=True"):
+    with pytest.raises(ValueError, match="data.system_prompt needs data.use_chat_template=true"):
         render_prompt(REC, None, system_prompt="s")
-    with pytest.raises(ValueError, match="chat messages, which need use_chat_template=True"):
+    with pytest.raises(ValueError, match="chat messages, which need data.use_chat_template=true"):
         render_prompt(CHAT, None)
     with pytest.raises(ValueError, match="has no apply_chat_template"):
         render_prompt(REC, object(), use_chat_template=True)

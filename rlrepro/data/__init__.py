@@ -7,10 +7,12 @@ See docs/DATA.md.
     order = EpochOrder(len(records), seed=run_seed)          # order.state_dict() goes into checkpoints
     batch = [records[i] for i in order.next_batch(64)]
     ids = [tokenize_prompt(r, tok, template="{prompt}\\nPut the final answer in \\\\boxed{{}}.") for r in batch]
+    prompts, prompt_stats = build_prompts(records, tok, max_prompt_tokens=512, on_unknown_token="warn")
     rewards, num_errors = compute_rewards(load_reward_fn("math"), completions, batch, policy="raise")
 """
 from .loading import DATA_FILE_FORMATS, LoadStats, SkippedRow, load_records
 from .order import EpochOrder
+from .prompts import ON_UNKNOWN_TOKEN, Prompt, PromptStats, build_prompts
 from .records import PromptRecord, records_digest, write_jsonl
 from .rewards import (
     BUILTIN_REWARDS,
@@ -32,6 +34,7 @@ __all__ = [
     "PromptRecord", "records_digest", "write_jsonl",
     "load_records", "LoadStats", "SkippedRow", "DATA_FILE_FORMATS",
     "render_prompt", "tokenize_prompt", "check_template",
+    "Prompt", "PromptStats", "build_prompts", "ON_UNKNOWN_TOKEN",
     "EpochOrder",
     "make_synthetic_records", "SYNTHETIC_KINDS", "SYNTHETIC_CHARSET",
     "RewardFn", "RewardError", "exact_match_reward", "prefix_match_reward", "math_reward", "MathReward",

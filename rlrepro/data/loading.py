@@ -7,7 +7,12 @@ stale from the cache, a silent change of the training data.
 
 Row order is file order (sorted relative paths in a directory) then row order within a file. Without an
 ``id_field`` a record's uid is ``f"{source_name}:{row_index}"``: the file name (``train.jsonl:17``), or
-``"{dir}/{relative path}"`` for a file in a directory, with the row index counted within that file.
+``"{dir}/{relative path}"`` for a file in a directory, with the 0-based row index counted within that file.
+
+Messages are written for the person who typed the command line: they name the config key of the fix
+(``data.on_bad_row=skip``, with the Python argument in parentheses) and place a row where that person finds it
+in the file: ``line N`` (1-based, blank lines counted) in a JSON-lines file, ``row N`` (1-based) in a parquet
+file, a JSON array or a hub data set.
 """
 from __future__ import annotations
 
@@ -18,12 +23,15 @@ import math
 import numbers
 import re
 import tempfile
+import warnings
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 from .records import PromptRecord, records_digest
+from .rows import BadRow, FieldSpec, NotUTF8, RowPositions, row_to_record, utf8_encodable
 
 __all__ = ["load_records", "LoadStats", "SkippedRow", "DATA_FILE_FORMATS"]
 
@@ -32,18 +40,27 @@ logger = logging.getLogger(__name__)
 # file suffix -> datasets builder
 DATA_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _KNOWN_SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")
-_SKIP_HINT = "or pass on_bad_row='skip' to skip such rows and count them in LoadStats"
+_SKIP_HINT = ("or set data.on_bad_row=skip (on_bad_row='skip') to leave such rows out (each is logged and listed "
+              "in LoadStats.skipped)")
+
+
+_Seen = dict[str, tuple[str, RowPositions, int]]  # uid -> (label, positions, row index) of its first row
 
 
 @dataclass(frozen=True)
 class SkippedRow:
-    """A row left out under ``on_bad_row="skip"``. ``reason`` is a short category, ``detail`` the full message."""
+    """A row left out under ``on_bad_row="skip"``. ``reason`` is a short category, ``detail`` the full message.
+
+    ``row_index`` is 0-based among the file's rows (as in uids: ``train.jsonl:5``); ``position`` is where a person
+    finds the row: ``"line 6"`` in a JSON-lines file, ``"row 6"`` in a parquet file, JSON array or hub data set.
+    """
 
     file: str
     row_index: int
     field: str | None
     reason: str
     detail: str
+    position: str = ""
 
 
 @dataclass
@@ -66,12 +83,6 @@ class LoadStats:
     def skipped_by_reason(self) -> dict[str, int]:
         """Counts of skipped rows per reason, e.g. ``{"missing": 2, "empty": 1}``."""
         return dict(sorted(Counter(s.reason for s in self.skipped).items()))
-
-
-class _BadRow(Exception):
-    def __init__(self, field: str | None, reason: str, problem: str, fix: str) -> None:
-        super().__init__(problem)
-        self.field, self.reason, self.problem, self.fix = field, reason, problem, fix
 
 
 def load_records(
@@ -107,19 +118,20 @@ def load_records(
     ``limit`` keeps only the first ``limit`` records.
     """
     if on_bad_row not in ("error", "skip"):
-        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+        raise ValueError(f"data.on_bad_row (on_bad_row) must be error or skip, got {on_bad_row!r}. "
+                         f"Fix: set data.on_bad_row=error or data.on_bad_row=skip")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
+        raise ValueError(f"data.limit (limit) must be a positive integer or null, got {limit!r}")
     for name, value in (("prompt_field", prompt_field), ("answer_field", answer_field),
                         ("id_field", id_field), ("messages_field", messages_field)):
         if value is not None and (not isinstance(value, str) or not value):
-            raise ValueError(f"{name} must be a non-empty string{' or None' if name in ('id_field', 'messages_field') else ''}, "
-                             f"got {value!r}")
+            optional = " or null" if name in ("id_field", "messages_field") else ""
+            raise ValueError(f"data.{name} ({name}) must be a non-empty column name{optional}, got {value!r}")
 
-    spec = _FieldSpec(prompt_field, answer_field, id_field, messages_field)
+    spec = FieldSpec(prompt_field, answer_field, id_field, messages_field)
     stats = LoadStats(source=str(source), split=split)
     records: list[PromptRecord] = []
-    seen_uids: dict[str, str] = {}
+    seen_uids: _Seen = {}
 
     path = Path(source)
     if path.exists():
@@ -132,21 +144,24 @@ def load_records(
     else:
         raise FileNotFoundError(
             f"data source {str(source)!r} does not exist locally (looked for {path.resolve()}). "
-            f"Fix: give the path of a .jsonl/.json/.parquet file or a directory of them; to load a Hugging Face hub "
-            f"dataset by name pass allow_hub=True (it needs network access or a populated HF cache)."
+            f"Fix: set data.source to the path of a .jsonl/.json/.parquet file or a directory of them; to load a "
+            f"Hugging Face hub dataset by name set data.allow_hub=true (allow_hub=True; it needs network access or "
+            f"a populated HF cache)."
         )
 
     if not records:
         raise ValueError(
             f"no records loaded from {str(source)!r} (split {split!r}): {stats.num_rows} rows read, "
-            f"{stats.num_skipped} skipped {stats.skipped_by_reason()}. Fix: check the path, split and field names."
+            f"{stats.num_skipped} skipped {stats.skipped_by_reason()}. Fix: check data.source, data.split and the "
+            f"field names (data.prompt_field, data.answer_field, data.messages_field)."
         )
     stats.num_records = len(records)
     stats.records_digest = records_digest(records)
     for w in stats.warnings:
         logger.warning(w)
     if stats.skipped:
-        logger.warning("skipped %d bad rows of %s: %s", stats.num_skipped, source, stats.skipped_by_reason())
+        logger.warning("data.on_bad_row=skip: left out %d bad row(s) of %s: %s; first: %s", stats.num_skipped,
+                       source, stats.skipped_by_reason(), stats.skipped[0].detail)
     return records, stats
 
 
@@ -157,7 +172,8 @@ def _local_files(path: Path, split: str) -> list[tuple[Path, str]]:
     """(file, source_name) pairs in load order."""
     if path.is_file():
         if path.suffix.lower() not in DATA_FILE_FORMATS:
-            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; supported: {sorted(DATA_FILE_FORMATS)}")
+            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; supported: {sorted(DATA_FILE_FORMATS)}. "
+                             f"Fix: convert it, or set data.source to a file or directory of those types.")
         return [(path, path.name)]
     root = path.resolve()
     files = sorted(
@@ -167,7 +183,8 @@ def _local_files(path: Path, split: str) -> list[tuple[Path, str]]:
         key=lambda p: p.relative_to(root).as_posix(),
     )
     if not files:
-        raise ValueError(f"{path}: no data files in this directory (looked for {sorted(DATA_FILE_FORMATS)}, recursively)")
+        raise ValueError(f"{path}: no data files in this directory (looked for {sorted(DATA_FILE_FORMATS)}, "
+                         f"recursively). Fix: set data.source to a directory that holds them, or to one file.")
     rels = [f.relative_to(root).as_posix() for f in files]
     chosen = [f for f, rel in zip(files, rels) if _in_split(rel, split)]
     if not chosen:
@@ -177,7 +194,8 @@ def _local_files(path: Path, split: str) -> list[tuple[Path, str]]:
         else:
             raise ValueError(
                 f"{path}: no files for split {split!r}; splits found: {found or ['train (no split names)']}; "
-                f"files: {rels[:10]}{' ...' if len(rels) > 10 else ''}. Fix: pass one of the splits found."
+                f"files: {rels[:10]}{' ...' if len(rels) > 10 else ''}. Fix: set data.split=<one of the splits "
+                f"found> (split=)."
             )
     return [(f, f"{root.name}/{f.relative_to(root).as_posix()}") for f in chosen]
 
@@ -195,10 +213,28 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _load_local_file(file: Path, source_name: str, spec: "_FieldSpec", on_bad_row: str, limit: int | None,
-                     stats: LoadStats, records: list[PromptRecord], seen_uids: dict[str, str]) -> None:
-    import datasets  # imported here: it is slow to import and only loading needs it
+@contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """``datasets`` without its progress bars ("Generating train split: ...") for one local load, then as it
+    was. Its logging (warnings and errors) is left alone; HF_DATASETS_DISABLE_PROGRESS_BARS=0 keeps the bars."""
+    import datasets
 
+    if datasets.are_progress_bars_disabled():
+        yield
+        return
+    with warnings.catch_warnings():  # datasets warns when the environment variable forces the bars on
+        warnings.simplefilter("ignore")
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            datasets.enable_progress_bars()
+
+
+def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: str, limit: int | None,
+                     stats: LoadStats, records: list[PromptRecord], seen_uids: _Seen) -> None:
     builder = DATA_FILE_FORMATS[file.suffix.lower()]
     stats.files.append({"path": str(file), "sha256": _sha256_file(file)})
     if builder == "json" and not file.read_bytes().strip():
@@ -207,7 +243,9 @@ def _load_local_file(file: Path, source_name: str, spec: "_FieldSpec", on_bad_ro
         return
 
     row_map: list[int] | None = None  # row index in the cleaned copy -> row index in the file
-    with tempfile.TemporaryDirectory(prefix="rlrepro-data-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rlrepro-data-") as tmp, _quiet_datasets():
+        import datasets  # imported here: it is slow to import and only loading needs it
+
         try:
             ds = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=tmp)
         except Exception as e:  # datasets raises several kinds (DatasetGenerationError, UnicodeDecodeError, ...)
@@ -220,7 +258,7 @@ def _load_local_file(file: Path, source_name: str, spec: "_FieldSpec", on_bad_ro
                                  f"JSON object per line (.jsonl) or a JSON array of objects (.json), UTF-8.") from e
             if on_bad_row == "error":
                 row, line_no, reason, problem = bad_lines[0]
-                raise ValueError(f"{file}: row {row} (line {line_no}): {problem}. Fix: correct or remove that line "
+                raise ValueError(f"{file}: line {line_no}: {problem}. Fix: correct or remove that line "
                                  f"(the file must be UTF-8 JSON, one object per line), {_SKIP_HINT}.") from e
             clean, row_map = _clean_copy(file, Path(tmp), bad_lines, stats)
             ds = None
@@ -234,24 +272,26 @@ def _load_local_file(file: Path, source_name: str, spec: "_FieldSpec", on_bad_ro
         stats.warnings.append(f"{file}: no rows")
         return
     spec.check_columns(columns, str(file))
+    where = RowPositions(file, stats.files[-1]["num_rows"])
     for i, row in enumerate(rows):
         if limit is not None and len(records) >= limit:
             break
         row_index = i if row_map is None else row_map[i]
-        _add_row(row, row_index, str(file), source_name, spec, on_bad_row, stats, records, seen_uids)
+        _add_row(row, row_index, str(file), where, source_name, spec, on_bad_row, stats, records, seen_uids)
 
 
-def _load_hub(source: str, split: str, hub_config: str | None, revision: str | None, spec: "_FieldSpec",
+def _load_hub(source: str, split: str, hub_config: str | None, revision: str | None, spec: FieldSpec,
               on_bad_row: str, limit: int | None, stats: LoadStats, records: list[PromptRecord],
-              seen_uids: dict[str, str]) -> None:
+              seen_uids: _Seen) -> None:
     import datasets
 
     try:
         ds = datasets.load_dataset(source, hub_config, split=split, revision=revision)
     except Exception as e:
         raise ValueError(f"could not load hub dataset {source!r} (config {hub_config!r}, split {split!r}, revision "
-                         f"{revision!r}): {_describe(e)}. Fix: check the name, config and split, and that the hub "
-                         f"is reachable or the dataset is in the HF cache.") from e
+                         f"{revision!r}): {_describe(e)}. Fix: check data.source (the dataset name), data.split and "
+                         f"data.revision (and hub_config), and that the hub is reachable or the dataset is in the HF "
+                         f"cache.") from e
     label = f"{source} (split {split})"
     source_name = "/".join(x for x in (source, hub_config, split) if x)
     stats.files.append({"path": source, "config": hub_config, "revision": revision, "split": split,
@@ -259,10 +299,11 @@ def _load_hub(source: str, split: str, hub_config: str | None, revision: str | N
     columns, rows = _rows_as_python(ds, spec, label, stats)
     stats.num_rows += len(rows)
     spec.check_columns(columns, label)
+    where = RowPositions()
     for i, row in enumerate(rows):
         if limit is not None and len(records) >= limit:
             break
-        _add_row(row, i, label, source_name, spec, on_bad_row, stats, records, seen_uids)
+        _add_row(row, i, label, where, source_name, spec, on_bad_row, stats, records, seen_uids)
 
 
 def _describe(e: BaseException) -> str:
@@ -294,12 +335,13 @@ def _scan_json_lines(file: Path) -> list[tuple[int, int, str, str]]:
             obj = json.loads(line.decode("utf-8"))
         except UnicodeDecodeError as e:
             problem = ("not UTF-8", f"the line is not valid UTF-8 ({e.reason} at byte {e.start})")
-        except ValueError as e:
-            problem = ("invalid JSON", f"the line is not valid JSON ({e})")
+        except ValueError as e:  # json's own "line 1 column 12" counts within the line: give the column only
+            why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+            problem = ("invalid JSON", f"the line is not valid JSON ({why})")
         else:
             if not isinstance(obj, dict):
                 problem = ("invalid JSON", f"the line is a JSON {type(obj).__name__}, not an object")
-            elif not _utf8_encodable(obj):
+            elif not utf8_encodable(obj):
                 problem = ("not UTF-8", "a string holds a lone surrogate escape (like \\ud800), which is not UTF-8")
         if problem:
             bad.append((row, line_no, problem[0], problem[1]))
@@ -307,26 +349,13 @@ def _scan_json_lines(file: Path) -> list[tuple[int, int, str, str]]:
     return bad
 
 
-def _utf8_encodable(obj: Any) -> bool:
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return False
-        return True
-    if isinstance(obj, dict):
-        return all(_utf8_encodable(k) and _utf8_encodable(v) for k, v in obj.items())
-    if isinstance(obj, list):
-        return all(_utf8_encodable(v) for v in obj)
-    return True
-
-
 def _clean_copy(file: Path, tmp: Path, bad_lines: list[tuple[int, int, str, str]],
                 stats: LoadStats) -> tuple[Path, list[int]]:
     """Copy a JSON-lines file without its bad lines (recorded as skipped); return it and its row map."""
     bad_rows = {b[0] for b in bad_lines}
     for row, line_no, reason, problem in bad_lines:
-        stats.skipped.append(SkippedRow(str(file), row, None, reason, f"{file}: row {row} (line {line_no}): {problem}"))
+        stats.skipped.append(SkippedRow(str(file), row, None, reason, f"{file}: line {line_no}: {problem}",
+                                        f"line {line_no}"))
     stats.num_rows += len(bad_lines)
     data = file.read_bytes()
     if data.startswith(b"\xef\xbb\xbf"):
@@ -344,7 +373,7 @@ def _clean_copy(file: Path, tmp: Path, bad_lines: list[tuple[int, int, str, str]
     return clean, row_map
 
 
-def _rows_as_python(ds: Any, spec: "_FieldSpec", label: str, stats: LoadStats) -> tuple[list[str], list[dict]]:
+def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats) -> tuple[list[str], list[dict]]:
     """The data set's column names and rows as Python dicts, undoing datasets' lossy JSON typing where it can.
 
     ``datasets`` stores a JSON column whose values mix types (strings and numbers, say) as JSON text and
@@ -387,16 +416,6 @@ def _rows_as_python(ds: Any, spec: "_FieldSpec", label: str, stats: LoadStats) -
     return columns, rows
 
 
-class _NotUTF8:
-    """Stands for a stored string whose bytes are not valid UTF-8."""
-
-    def __init__(self, error: UnicodeDecodeError) -> None:
-        self.error = error
-
-    def __repr__(self) -> str:
-        return f"<not UTF-8: {self.error.reason} at byte {self.error.start}>"
-
-
 def _column_to_pylist(column: Any) -> list[Any]:
     try:
         return column.to_pylist()
@@ -407,7 +426,7 @@ def _column_to_pylist(column: Any) -> list[Any]:
                 try:
                     out.append(chunk[j].as_py())
                 except UnicodeDecodeError as e:
-                    out.append(_NotUTF8(e))
+                    out.append(NotUTF8(e))
         return out
 
 
@@ -424,127 +443,24 @@ def _json_storage_text(text: Any) -> Any:
 # ------------------------------------------------------------------------------------------------------ rows
 
 
-@dataclass(frozen=True)
-class _FieldSpec:
-    prompt_field: str
-    answer_field: str
-    id_field: str | None
-    messages_field: str | None
-
-    def text_fields(self) -> list[str]:
-        fields = [self.answer_field] if self.messages_field else [self.prompt_field, self.answer_field]
-        return fields + ([self.id_field] if self.id_field else [])
-
-    def used(self) -> list[tuple[str, str, str]]:
-        """(column, role, parameter name) of the columns read."""
-        out = [(self.messages_field, "messages", "messages_field") if self.messages_field
-               else (self.prompt_field, "prompt", "prompt_field"),
-               (self.answer_field, "answer", "answer_field")]
-        if self.id_field:
-            out.append((self.id_field, "id", "id_field"))
-        return out
-
-    def check_columns(self, columns: list[str], label: str) -> None:
-        for col, role, param in self.used():
-            if col not in columns:
-                raise ValueError(f"{label}: the {role} field {col!r} is not in the data set; fields that exist: "
-                                 f"{columns}. Fix: pass {param}=<one of those>.")
-
-
-def _add_row(row: dict, row_index: int, label: str, source_name: str, spec: _FieldSpec, on_bad_row: str,
-             stats: LoadStats, records: list[PromptRecord], seen_uids: dict[str, str]) -> None:
+def _add_row(row: dict, row_index: int, label: str, where: RowPositions, source_name: str, spec: FieldSpec,
+             on_bad_row: str, stats: LoadStats, records: list[PromptRecord], seen_uids: _Seen) -> None:
     try:
-        record = _row_to_record(row, row_index, source_name, spec)
-    except _BadRow as bad:
-        where = f"{label}: row {row_index}"
+        record = row_to_record(row, row_index, source_name, spec)
+    except BadRow as bad:
+        position = where(row_index)
+        text = f"{label}: {position}: field {bad.field!r}: {bad.problem}"
         if on_bad_row == "error":
-            raise ValueError(f"{where}: field {bad.field!r}: {bad.problem}. Fix: {bad.fix}, {_SKIP_HINT}.") from None
-        stats.skipped.append(SkippedRow(label, row_index, bad.field, bad.reason,
-                                        f"{where}: field {bad.field!r}: {bad.problem}"))
+            raise ValueError(f"{text}. Fix: {bad.fix}, {_SKIP_HINT}.") from None
+        stats.skipped.append(SkippedRow(label, row_index, bad.field, bad.reason, text, position))
         return
     previous = seen_uids.get(record.uid)
     if previous is not None:
+        prev_label, prev_where, prev_index = previous
+        fix = (f"make the {spec.id_field!r} column unique, or set data.id_field=null (id_field=None) to use "
+               f"'<source>:<row index>' uids" if spec.id_field else "give the files distinct names")
         raise ValueError(
-            f"duplicate uid {record.uid!r} at {label} row {row_index} and at {previous}. Uids key the sampling seeds "
-            f"and the sample order, so they must be unique. Fix: make the {spec.id_field!r} column unique, or pass "
-            f"id_field=None to use '<source>:<row index>' uids.")
-    seen_uids[record.uid] = f"{label} row {row_index}"
+            f"duplicate uid {record.uid!r} at {label} {where(row_index)} and at {prev_label} {prev_where(prev_index)}"
+            f". Uids key the sampling seeds and the sample order, so they must be unique. Fix: {fix}.")
+    seen_uids[record.uid] = (label, where, row_index)  # positions are worked out only for a message
     records.append(record)
-
-
-def _row_to_record(row: dict, row_index: int, source_name: str, spec: _FieldSpec) -> PromptRecord:
-    for col, value in row.items():
-        if isinstance(value, _NotUTF8):
-            raise _BadRow(col, "not UTF-8", f"the text is not valid UTF-8 ({value.error.reason} at byte "
-                          f"{value.error.start})", "re-encode the file as UTF-8")
-    if spec.messages_field:
-        messages = _as_messages(row.get(spec.messages_field), spec.messages_field)
-        prompt = None
-    else:
-        prompt = _as_text(row.get(spec.prompt_field), spec.prompt_field, "prompt")
-        messages = None
-    answer = _as_text(row.get(spec.answer_field), spec.answer_field, "answer")
-    if spec.id_field:
-        uid = _as_text(row.get(spec.id_field), spec.id_field, "id")
-    else:
-        uid = f"{source_name}:{row_index}"
-    used = {c for c, _, _ in spec.used()}
-    meta = {k: v for k, v in row.items() if k not in used}
-    return PromptRecord(uid=uid, prompt=prompt, messages=messages, answer=answer, meta=meta)
-
-
-def _as_text(value: Any, field: str, role: str) -> str:
-    fix = f"give every row a non-empty text {role} in {field!r}"
-    if value is None:
-        raise _BadRow(field, "missing", "the value is missing (null or absent)", fix)
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise _BadRow(field, "not UTF-8", f"the bytes are not valid UTF-8 ({e.reason} at byte {e.start})",
-                          "re-encode the text as UTF-8") from None
-    if isinstance(value, bool):
-        raise _BadRow(field, "wrong type", f"expected text, got a boolean ({value!r})", fix)
-    if isinstance(value, numbers.Integral):
-        value = str(int(value))
-    elif isinstance(value, numbers.Real):
-        if not math.isfinite(value):
-            raise _BadRow(field, "wrong type", f"expected text, got the number {value!r}", fix)
-        value = str(float(value))
-    if not isinstance(value, str):
-        raise _BadRow(field, "wrong type", f"expected text, got {type(value).__name__} ({_short(value)})", fix)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _BadRow(field, "not UTF-8", "the text holds a lone surrogate, which is not UTF-8",
-                      "re-encode the text as UTF-8") from None
-    if not value.strip():
-        raise _BadRow(field, "empty", f"the {role} is empty" + (" (only whitespace)" if value else ""), fix)
-    return value
-
-
-def _as_messages(value: Any, field: str) -> list[dict[str, str]]:
-    fix = f"give every row in {field!r} a non-empty list of {{'role': str, 'content': str}} turns"
-    if value is None:
-        raise _BadRow(field, "missing", "the value is missing (null or absent)", fix)
-    if not isinstance(value, list):
-        raise _BadRow(field, "wrong type", f"expected a list of chat turns, got {type(value).__name__}", fix)
-    if not value:
-        raise _BadRow(field, "empty", "the list of chat turns is empty", fix)
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise _BadRow(field, "wrong type", f"turn {i} is {type(m).__name__}, not a dict", fix)
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role or not isinstance(content, str):
-            raise _BadRow(field, "wrong type", f"turn {i} needs a string 'role' and 'content', got {_short(m)}", fix)
-        if not _utf8_encodable(content) or not _utf8_encodable(role):
-            raise _BadRow(field, "not UTF-8", f"turn {i} holds a lone surrogate, which is not UTF-8",
-                          "re-encode the text as UTF-8")
-        out.append({"role": role, "content": content})  # other keys (tool calls, names) are not used
-    return out
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -30,7 +30,7 @@ class EpochOrder:
     def __init__(self, num_items: int, seed: int, shuffle: bool = True) -> None:
         if isinstance(num_items, numbers.Integral) and not isinstance(num_items, bool) and num_items == 0:
             raise ValueError("num_items is 0: the data set is empty, there is nothing to order. "
-                             "Fix: check that the data set loaded records.")
+                             "Fix: check that the data set (data.source) loaded records.")
         self.num_items = _check_int("num_items", num_items, 1)
         self.seed = _check_int("seed", seed, 0)
         if not isinstance(shuffle, bool):
@@ -89,7 +89,8 @@ class EpochOrder:
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"EpochOrder state has {key}={state[key]!r} but this order has {key}={getattr(self, key)!r}. "
-                    f"Fix: resume with the same data set and data seed as the checkpoint.")
+                    f"Fix: resume with the data set (data.source, data.limit), run.seed and data.shuffle of the "
+                    f"checkpoint.")
         epoch = _check_int("epoch", state["epoch"], 0)
         cursor = _check_int("cursor", state["cursor"], 0)
         if cursor >= self.num_items:

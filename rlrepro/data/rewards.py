@@ -154,12 +154,16 @@ class MathReward:
 
         gold = _parse_gold(record.answer)
         if not gold:
-            raise ValueError(f"math_reward: the gold answer {record.answer!r} of record {record.uid!r} does not parse")
+            raise ValueError(f"math_reward: the gold answer {record.answer!r} of record {record.uid!r} does not "
+                             f"parse. Fix: correct the answer in the data set (the data.answer_field column), or "
+                             f"choose another reward.fn")
         try:
             self._check_cost(gold)
         except _TooCostly as e:
             raise ValueError(f"math_reward: the gold answer {record.answer!r} of record {record.uid!r} exceeds "
-                             f"the deterministic limits ({e}); raise the MathReward limits") from None
+                             f"the deterministic limits ({e}). Fix: correct the answer in the data set, or raise "
+                             f"the limits: reward.fn=pkg.module:name naming a MathReward(...) with larger ones"
+                             ) from None
 
         boxed = extract_last_boxed(completion)
         if boxed is not None:
@@ -317,7 +321,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     ``"pkg.module:function"`` or ``"pkg.module.function"`` (``"pkg.module:Class.attr"`` also works).
     The callable must take ``(completion, record)``."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"reward spec must be a non-empty string, got {spec!r}; built-ins: {sorted(BUILTIN_REWARDS)}")
+        raise ValueError(f"reward.fn must be a non-empty string, got {spec!r}. Fix: set reward.fn to one of the "
+                         f"built-ins {sorted(BUILTIN_REWARDS)} (e.g. reward.fn=exact_match) or to "
+                         f"reward.fn=pkg.module:function")
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
@@ -326,30 +332,35 @@ def load_reward_fn(spec: str) -> RewardFn:
     elif "." in spec:
         module_name, _, attr_path = spec.rpartition(".")
     else:
-        raise ValueError(f"unknown reward {spec!r}. Fix: use one of the built-ins {sorted(BUILTIN_REWARDS)} or a "
-                         f"dotted path to your function, 'pkg.module:function'.")
+        raise ValueError(f"unknown reward {spec!r} (reward.fn={spec}). Fix: set reward.fn to one of the built-ins "
+                         f"{sorted(BUILTIN_REWARDS)} (e.g. reward.fn=exact_match), or to the dotted path of your "
+                         f"function, reward.fn=pkg.module:function.")
     if not module_name or not attr_path:
-        raise ValueError(f"reward spec {spec!r} must look like 'pkg.module:function' or 'pkg.module.function'")
+        raise ValueError(f"reward.fn={spec!r} must look like reward.fn=pkg.module:function or "
+                         f"reward.fn=pkg.module.function")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise ValueError(f"reward spec {spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e}). "
+        raise ValueError(f"reward.fn={spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e}). "
                          f"Fix: install the package or put its directory on PYTHONPATH (on every worker), "
-                         f"and check the spelling.") from e
+                         f"and check the spelling in reward.fn.") from e
     obj: Any = module
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             names = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
-            raise ValueError(f"reward spec {spec!r}: {getattr(obj, '__name__', module_name)!r} has no attribute "
-                             f"{part!r}; callables there: {names[:20]}")
+            raise ValueError(f"reward.fn={spec!r}: {getattr(obj, '__name__', module_name)!r} has no attribute "
+                             f"{part!r}; callables there: {names[:20]}. Fix: set reward.fn={module_name}:<one of "
+                             f"those>.")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"reward spec {spec!r} names a {type(obj).__name__}, not a function")
+        raise ValueError(f"reward.fn={spec!r} names a {type(obj).__name__}, not a function. Fix: point reward.fn "
+                         f"at a function (completion, record) -> float.")
     try:
         inspect.signature(obj).bind("completion", "record")
     except TypeError:
-        raise ValueError(f"reward spec {spec!r}: the function must accept (completion: str, record: PromptRecord); "
-                         f"its signature is {inspect.signature(obj)}") from None
+        raise ValueError(f"reward.fn={spec!r}: the function must accept (completion: str, record: PromptRecord); "
+                         f"its signature is {inspect.signature(obj)}. Fix: change the function, or point reward.fn "
+                         f"at one that takes those two arguments.") from None
     except ValueError:
         pass  # builtins without a signature: trust them
     return obj
@@ -377,7 +388,7 @@ def compute_rewards(fn: RewardFn, completions: Sequence[str], records: Sequence[
     (the original exception is chained). ``policy="zero"``: that item scores 0.0, is counted and logged.
     """
     if policy not in ("raise", "zero"):
-        raise ValueError(f"reward policy must be 'raise' or 'zero', got {policy!r}")
+        raise ValueError(f"reward.on_error (policy) must be raise or zero, got {policy!r}")
     if len(completions) != len(records):
         raise ValueError(f"{len(completions)} completions but {len(records)} records; they must pair up one to one")
     name = getattr(fn, "__qualname__", None) or repr(fn)
@@ -392,7 +403,7 @@ def compute_rewards(fn: RewardFn, completions: Sequence[str], records: Sequence[
             message = f"reward {name} raised on record uid={record.uid!r} (item {i}): {type(e).__name__}: {e}"
             if policy == "raise":
                 raise RewardError(message) from e
-            logger.warning("%s; scored 0.0 (policy 'zero')", message)
+            logger.warning("%s; scored 0.0 (reward.on_error=zero)", message)
             rewards.append(0.0)
             num_errors += 1
             continue
@@ -401,7 +412,7 @@ def compute_rewards(fn: RewardFn, completions: Sequence[str], records: Sequence[
             message = f"reward {name} on record uid={record.uid!r} (item {i}) {problem}"
             if policy == "raise":
                 raise RewardError(message)
-            logger.warning("%s; scored 0.0 (policy 'zero')", message)
+            logger.warning("%s; scored 0.0 (reward.on_error=zero)", message)
             rewards.append(0.0)
             num_errors += 1
             continue
@@ -417,7 +428,8 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int, factor: float = 
     if isinstance(length, bool) or not isinstance(length, int) or length < 0:
         raise ValueError(f"overlong_penalty: length must be an int >= 0, got {length!r}")
     if not 0 <= buffer < max_tokens:
-        raise ValueError(f"overlong_penalty: buffer={buffer} must lie in [0, max_tokens={max_tokens})")
+        raise ValueError(f"overlong_penalty: reward.overlong_buffer={buffer} (buffer) must lie in "
+                         f"[0, rollout.max_tokens={max_tokens})")
     if buffer == 0:
         return 0.0
     start = max_tokens - buffer

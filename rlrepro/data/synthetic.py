@@ -39,15 +39,17 @@ _ADD_OPTIONS = {"max_value": 20}
 def make_synthetic_records(kind: str, num: int, seed: int, **kw: Any) -> list[PromptRecord]:
     """``num`` records of task ``kind`` (see the module table); uids are ``f"{kind}-s{seed}:{i}"``."""
     if kind not in SYNTHETIC_KINDS:
-        raise ValueError(f"unknown synthetic kind {kind!r}; known: {sorted(SYNTHETIC_KINDS)}")
+        raise ValueError(f"unknown synthetic kind {kind!r} (data.synthetic.task); known: {sorted(SYNTHETIC_KINDS)}. "
+                         f"Fix: set data.synthetic.task=<one of those>")
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-        raise ValueError(f"num must be a positive integer, got {num!r}")
+        raise ValueError(f"data.synthetic.num (num) must be a positive integer, got {num!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        raise ValueError(f"data.synthetic.seed (seed) must be a non-negative integer, got {seed!r}")
     defaults = _ADD_OPTIONS if kind == "add" else _STRING_OPTIONS
     unknown = sorted(set(kw) - set(defaults))
     if unknown:
-        raise ValueError(f"synthetic kind {kind!r} takes the options {sorted(defaults)}, not {unknown}")
+        raise ValueError(f"synthetic kind {kind!r} takes the options {sorted(defaults)}, not {unknown}. Fix: set "
+                         f"only those in data.synthetic.kwargs (e.g. data.synthetic.kwargs.{sorted(defaults)[0]}=...)")
     opts = {**defaults, **kw}
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, SYNTHETIC_KINDS[kind]])))
     meta = {"kind": kind}
@@ -56,7 +58,7 @@ def make_synthetic_records(kind: str, num: int, seed: int, **kw: Any) -> list[Pr
     if kind == "add":
         max_value = opts["max_value"]
         if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 0:
-            raise ValueError(f"max_value must be a non-negative integer, got {max_value!r}")
+            raise ValueError(f"data.synthetic.kwargs.max_value must be a non-negative integer, got {max_value!r}")
         for i in range(num):
             a, b = (int(x) for x in rng.integers(0, max_value, size=2, endpoint=True))
             records.append(PromptRecord(uid=f"{kind}-s{seed}:{i}", prompt=f"{a}+{b}=", answer=str(a + b),
@@ -66,15 +68,17 @@ def make_synthetic_records(kind: str, num: int, seed: int, **kw: Any) -> list[Pr
     min_len, max_len, alphabet = opts["min_len"], opts["max_len"], opts["alphabet"]
     for name, value in (("min_len", min_len), ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ValueError(f"data.synthetic.kwargs.{name} must be a positive integer, got {value!r}")
     if min_len > max_len:
-        raise ValueError(f"min_len ({min_len}) must not exceed max_len ({max_len})")
+        raise ValueError(f"data.synthetic.kwargs.min_len ({min_len}) must not exceed data.synthetic.kwargs.max_len "
+                         f"({max_len})")
     if not isinstance(alphabet, str) or not alphabet:
-        raise ValueError(f"alphabet must be a non-empty string, got {alphabet!r}")
+        raise ValueError(f"data.synthetic.kwargs.alphabet must be a non-empty string, got {alphabet!r}")
     not_allowed = sorted((set(alphabet) - set(SYNTHETIC_CHARSET)) | (set(alphabet) & set("= \n")))
     if not_allowed:
-        raise ValueError(f"alphabet {alphabet!r} has the characters {not_allowed}: outside the tiny tokenizer's "
-                         f"vocabulary, or '=' (ends the prompt), space or newline (stripped from answers). "
+        raise ValueError(f"data.synthetic.kwargs.alphabet={alphabet!r} has the characters {not_allowed}: outside "
+                         f"the tiny tokenizer's vocabulary, or '=' (ends the prompt), space or newline (stripped from "
+                         f"answers). "
                          f"Use characters of {SYNTHETIC_CHARSET.strip()!r} other than '=' and space.")
     chars = np.array(list(alphabet))
     for i in range(num):

@@ -19,19 +19,19 @@ __all__ = ["render_prompt", "tokenize_prompt", "check_template"]
 def check_template(template: str) -> None:
     """Raise ValueError unless ``template`` is a format string whose only field is ``{prompt}`` (at least once)."""
     if not isinstance(template, str):
-        raise ValueError(f"template must be a string or None, got {type(template).__name__}")
+        raise ValueError(f"data.template (template) must be a string or null, got {type(template).__name__}")
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as e:
-        raise ValueError(f"template {template!r} is not a valid format string ({e}). "
-                         f"Fix: write literal braces doubled, e.g. \\boxed{{{{}}}}.") from None
+        raise ValueError(f"data.template={template!r} is not a valid format string ({e}). "
+                         f"Fix: write literal braces doubled in data.template, e.g. \\boxed{{{{}}}}.") from None
     others = sorted({f for f in fields if f != "prompt"})
     if others:
-        raise ValueError(f"template {template!r} uses the fields {others}; only {{prompt}} is filled in. "
-                         f"Fix: write literal braces doubled ({{{{ and }}}}), e.g. \\boxed{{{{}}}}.")
+        raise ValueError(f"data.template={template!r} uses the fields {others}; only {{prompt}} is filled in. "
+                         f"Fix: write literal braces doubled in data.template ({{{{ and }}}}), e.g. \\boxed{{{{}}}}.")
     if "prompt" not in fields:
-        raise ValueError(f"template {template!r} has no {{prompt}} field, so the record's text would be dropped. "
-                         f"Fix: put {{prompt}} where the question goes.")
+        raise ValueError(f"data.template={template!r} has no {{prompt}} field, so the record's text would be "
+                         f"dropped. Fix: put {{prompt}} in data.template where the question goes.")
 
 
 def _fill(template: str | None, text: str) -> str:
@@ -57,14 +57,17 @@ def render_prompt(record: PromptRecord, tokenizer: Any = None, *, template: str 
     if not isinstance(record, PromptRecord):
         raise TypeError(f"record must be a PromptRecord, got {type(record).__name__}")
     if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ValueError(f"system_prompt must be a string or None, got {type(system_prompt).__name__}")
+        raise ValueError(f"data.system_prompt (system_prompt) must be a string or null, got "
+                         f"{type(system_prompt).__name__}")
     if not use_chat_template:
         if system_prompt is not None:
-            raise ValueError("system_prompt needs use_chat_template=True. Fix: enable the chat template, or put the "
-                             "text in the template string (e.g. 'You are ...\\n{prompt}').")
+            raise ValueError("data.system_prompt needs data.use_chat_template=true (use_chat_template=True). Fix: "
+                             "set data.use_chat_template=true, or set data.system_prompt=null and put the text in "
+                             "data.template (e.g. 'You are ...\\n{prompt}').")
         if record.messages is not None:
-            raise ValueError(f"record {record.uid!r} holds chat messages, which need use_chat_template=True "
-                             f"(or load the data set with a plain prompt_field).")
+            raise ValueError(f"record {record.uid!r} holds chat messages, which need data.use_chat_template=true "
+                             f"(use_chat_template=True). Fix: set data.use_chat_template=true, or load a text column "
+                             f"with data.messages_field=null and data.prompt_field=<column>.")
         return _fill(template, record.prompt)  # type: ignore[arg-type]
 
     if record.messages is None:
@@ -74,12 +77,12 @@ def render_prompt(record: PromptRecord, tokenizer: Any = None, *, template: str 
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         if template is not None:
             if not users:
-                raise ValueError(f"record {record.uid!r}: the template fills the last user turn, but the "
-                                 f"messages have none")
+                raise ValueError(f"record {record.uid!r}: data.template fills the last user turn, but the "
+                                 f"messages have none. Fix: set data.template=null, or give every chat a user turn.")
             messages[users[-1]]["content"] = _fill(template, messages[users[-1]]["content"])
         if system_prompt is not None and any(m["role"] == "system" for m in messages):
-            raise ValueError(f"record {record.uid!r} already has a system turn and a system_prompt was given. "
-                             f"Fix: drop system_prompt, or the system turns from the data set.")
+            raise ValueError(f"record {record.uid!r} already has a system turn and data.system_prompt is set. "
+                             f"Fix: set data.system_prompt=null, or drop the system turns from the data set.")
     if system_prompt is not None:
         messages.insert(0, {"role": "system", "content": system_prompt})
     return _apply_chat_template(tokenizer, messages)
@@ -88,8 +91,9 @@ def render_prompt(record: PromptRecord, tokenizer: Any = None, *, template: str 
 def _apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     fn = getattr(tokenizer, "apply_chat_template", None)
     if fn is None:
-        raise ValueError(f"use_chat_template=True but the tokenizer ({type(tokenizer).__name__}) has no "
-                         f"apply_chat_template. Fix: set use_chat_template=False and use a template string.")
+        raise ValueError(f"data.use_chat_template=true (use_chat_template=True) but the tokenizer "
+                         f"({type(tokenizer).__name__}) has no apply_chat_template. Fix: set "
+                         f"data.use_chat_template=false and use data.template.")
     kwargs: dict[str, Any] = {"add_generation_prompt": True}
     try:
         params = inspect.signature(fn).parameters
@@ -99,7 +103,8 @@ def _apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
         kwargs["tokenize"] = False  # Hugging Face tokenizers return token ids unless told otherwise
     text = fn(messages, **kwargs)
     if not isinstance(text, str):
-        raise ValueError(f"tokenizer.apply_chat_template returned {type(text).__name__}, expected str")
+        raise ValueError(f"tokenizer.apply_chat_template returned {type(text).__name__}, expected str. "
+                         f"Fix: set data.use_chat_template=false and use data.template, or use another tokenizer.")
     return text
 
 
@@ -111,8 +116,10 @@ def tokenize_prompt(record: PromptRecord, tokenizer: Any, *, template: str | Non
     ids = tokenizer.encode(text)
     ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
     if not ids:
-        raise ValueError(f"record {record.uid!r}: the prompt encodes to no tokens (text {text[:80]!r})")
+        raise ValueError(f"record {record.uid!r}: the prompt encodes to no tokens (text {text[:80]!r}). "
+                         f"Fix: check the row, data.template, or the tokenizer.")
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0]
     if bad:
-        raise ValueError(f"record {record.uid!r}: tokenizer.encode returned non-token values {bad[:5]!r}")
+        raise ValueError(f"record {record.uid!r}: tokenizer.encode returned non-token values {bad[:5]!r}. "
+                         f"Fix: use a tokenizer whose encode returns token ids.")
     return [int(t) for t in ids]

@@ -28,6 +28,9 @@ class Tokenizer:
         self.chat_template: str | None = self.config.get("chat_template")
         self.eos_token = self._token_str(self.config.get("eos_token"))
         self.pad_token = self._token_str(self.config.get("pad_token")) or self.eos_token
+        # the token that stands for text the vocabulary lacks (the tiny character tokenizer's "<unk>"); None for a
+        # byte-level BPE (Qwen's), which covers every text
+        self.unk_token = self._token_str(self.config.get("unk_token")) or getattr(self._tok.model, "unk_token", None)
 
     @staticmethod
     def _token_str(tok) -> str | None:
@@ -48,8 +51,18 @@ class Tokenizer:
     def pad_token_id(self) -> int | None:
         return None if self.pad_token is None else self.token_to_id(self.pad_token)
 
+    @property
+    def unk_token_id(self) -> int | None:
+        return None if self.unk_token is None else self.token_to_id(self.unk_token)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_offsets(self, text: str, add_special_tokens: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text)`` with each token's (start, end) character offsets in ``text``: what the unknown token
+        stood for is ``text[start:end]``."""
+        enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return list(enc.ids), [tuple(o) for o in enc.offsets]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

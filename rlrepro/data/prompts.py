@@ -1,0 +1,188 @@
+"""Records to the prompts a run samples from: token ids through the template, the length limit, the checks.
+
+``build_prompts`` is what the driver runs once at set-up, after ``load_records``:
+
+    records, load_stats = load_records(source, ...)
+    prompts, stats = build_prompts(records, tokenizer, template=..., system_prompt=..., use_chat_template=...,
+                                   max_prompt_tokens=512, on_bad_row="error", on_unknown_token="warn")
+
+Each record is tokenized with ``tokenize_prompt``. A prompt longer than ``max_prompt_tokens`` raises, or with
+``on_bad_row="skip"`` is left out (its uid listed in ``PromptStats.skipped``, one line on stderr). Prompt uids
+must be unique. Tokens that are the tokenizer's unknown token (``tokenizer.unk_token_id``; a character
+tokenizer maps text outside its vocabulary, such as uppercase letters, to it) are counted per prompt: with
+``on_unknown_token="warn"`` one line on stderr names how many prompts and tokens, the first prompt's uid and the
+characters that became the unknown token; with ``"error"`` a ``ValueError`` names the first such prompt and the
+fix. Neither changes the prompts or their token ids. Answers are text given to the reward, never tokenized, so
+only prompts count.
+
+Every message names the config key a command-line user types (``data.max_prompt_tokens``, ``data.on_bad_row``,
+``data.on_unknown_token``).
+"""
+from __future__ import annotations
+
+import numbers
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+from .records import PromptRecord
+from .templates import render_prompt, tokenize_prompt
+
+__all__ = ["Prompt", "PromptStats", "build_prompts", "ON_UNKNOWN_TOKEN"]
+
+ON_UNKNOWN_TOKEN = ("warn", "error")
+_MAX_PIECES_SHOWN = 10
+
+
+@dataclass
+class Prompt:
+    """One prompt of a run: the record's uid, its prompt token ids and the record (the reward reads its answer)."""
+
+    uid: str
+    token_ids: list[int]
+    record: PromptRecord
+
+
+@dataclass
+class PromptStats:
+    """What ``build_prompts`` did besides building the prompts.
+
+    ``skipped``: uids left out under ``on_bad_row="skip"`` (longer than ``max_prompt_tokens``), in record order.
+    ``unknown_token_id``: the tokenizer's unknown token id (None: it has none, nothing is counted).
+    ``unknown_by_uid``: uid -> number of unknown tokens, for the kept prompts that hold any, in record order.
+    ``unknown_pieces``: text piece -> how many times it became the unknown token, in order of first appearance
+    (empty when the tokenizer cannot give token offsets: it needs ``encode_offsets``).
+    ``warnings``: the lines printed to stderr.
+    """
+
+    num_records: int = 0
+    num_prompts: int = 0
+    skipped: list[str] = field(default_factory=list)
+    unknown_token_id: int | None = None
+    unknown_by_uid: dict[str, int] = field(default_factory=dict)
+    unknown_pieces: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def num_unknown_prompts(self) -> int:
+        return len(self.unknown_by_uid)
+
+    @property
+    def num_unknown_tokens(self) -> int:
+        return sum(self.unknown_by_uid.values())
+
+    @property
+    def first_unknown_uid(self) -> str | None:
+        return next(iter(self.unknown_by_uid), None)
+
+
+def build_prompts(
+    records: Sequence[PromptRecord],
+    tokenizer: Any,
+    *,
+    template: str | None = None,
+    system_prompt: str | None = None,
+    use_chat_template: bool = False,
+    max_prompt_tokens: int | None = None,
+    on_bad_row: Literal["error", "skip"] = "error",
+    on_unknown_token: Literal["warn", "error"] = "warn",
+    source: str | None = None,
+) -> tuple[list[Prompt], PromptStats]:
+    """The prompts of ``records`` in their order, and what was left out or looked wrong (see the module doc).
+
+    ``max_prompt_tokens`` None means no limit. ``source`` only names the data set in the message raised when
+    no prompt is left. Raises ``ValueError`` for a prompt over the limit (unless ``on_bad_row="skip"``), when
+    no prompt is left, for duplicate uids, and for unknown tokens under ``on_unknown_token="error"``.
+    """
+    if on_bad_row not in ("error", "skip"):
+        raise ValueError(f"data.on_bad_row (on_bad_row) must be error or skip, got {on_bad_row!r}")
+    if on_unknown_token not in ON_UNKNOWN_TOKEN:
+        raise ValueError(f"data.on_unknown_token (on_unknown_token) must be warn or error, got {on_unknown_token!r}. "
+                         f"Fix: set data.on_unknown_token=warn or data.on_unknown_token=error")
+    if max_prompt_tokens is not None and (isinstance(max_prompt_tokens, bool)
+                                          or not isinstance(max_prompt_tokens, numbers.Integral)
+                                          or max_prompt_tokens < 1):
+        raise ValueError(f"data.max_prompt_tokens (max_prompt_tokens) must be a positive integer, "
+                         f"got {max_prompt_tokens!r}")
+    unk = getattr(tokenizer, "unk_token_id", None)
+    unk = int(unk) if isinstance(unk, numbers.Integral) and not isinstance(unk, bool) else None
+    render = dict(template=template, system_prompt=system_prompt, use_chat_template=use_chat_template)
+    stats = PromptStats(num_records=len(records), unknown_token_id=unk)
+    prompts: list[Prompt] = []
+    for rec in records:
+        ids = tokenize_prompt(rec, tokenizer, **render)
+        # (tokenize_prompt itself raises for a prompt that encodes to no tokens, whatever on_bad_row says)
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            if on_bad_row != "skip":
+                raise ValueError(f"prompt {rec.uid!r} has {len(ids)} tokens > data.max_prompt_tokens="
+                                 f"{max_prompt_tokens}; raise the limit, filter the data set, or set "
+                                 "data.on_bad_row=skip to leave such prompts out")
+            stats.skipped.append(rec.uid)
+            continue
+        if unk is not None and unk in ids:
+            stats.unknown_by_uid[rec.uid] = ids.count(unk)
+            _collect_pieces(rec, tokenizer, render, ids, unk, stats.unknown_pieces)
+        prompts.append(Prompt(rec.uid, ids, rec))
+    stats.num_prompts = len(prompts)
+    if stats.skipped:
+        _warn(stats, f"rlrepro: data.on_bad_row=skip: left out {len(stats.skipped)} prompt(s) that are empty or "
+                     f"longer than data.max_prompt_tokens={max_prompt_tokens} (first: {stats.skipped[0]!r})")
+    if not prompts:
+        of = f" of {source}" if source is not None else ""
+        raise ValueError(f"no prompt{of} is left after leaving out {len(stats.skipped)} empty or too long ones; "
+                         "raise data.max_prompt_tokens")
+    seen: set[str] = set()
+    for p in prompts:
+        if p.uid in seen:
+            raise ValueError(f"prompt uids are not unique ({p.uid!r} twice); set data.id_field to a unique column")
+        seen.add(p.uid)
+    if stats.unknown_by_uid:
+        _unknown_tokens(stats, tokenizer, on_unknown_token)
+    return prompts, stats
+
+
+def _collect_pieces(rec: PromptRecord, tokenizer: Any, render: dict, ids: list[int], unk: int,
+                    pieces: dict[str, int]) -> None:
+    """Add the text pieces that became the unknown token in ``rec``'s prompt (needs ``encode_offsets``)."""
+    encode_offsets = getattr(tokenizer, "encode_offsets", None)
+    if encode_offsets is None:
+        return
+    text = render_prompt(rec, tokenizer, **render)
+    try:
+        ids2, offsets = encode_offsets(text)
+    except Exception:  # a duck-typed tokenizer with another signature: the counts are still right
+        return
+    if list(ids2) != ids:
+        return
+    for t, (start, end) in zip(ids2, offsets):
+        if t == unk:
+            piece = text[start:end]
+            pieces[piece] = pieces.get(piece, 0) + 1
+
+
+def _describe_pieces(pieces: dict[str, int]) -> str:
+    if not pieces:
+        return ""
+    shown = ", ".join(repr(p) for p in list(pieces)[:_MAX_PIECES_SHOWN])
+    more = f" and {len(pieces) - _MAX_PIECES_SHOWN} more" if len(pieces) > _MAX_PIECES_SHOWN else ""
+    return f"; the text that became it: {shown}{more}"
+
+
+def _unknown_tokens(stats: PromptStats, tokenizer: Any, policy: str) -> None:
+    name = getattr(tokenizer, "unk_token", None)
+    token = f"{name!r} (id {stats.unknown_token_id})" if isinstance(name, str) else f"id {stats.unknown_token_id}"
+    first = stats.first_unknown_uid
+    counts = (f"{stats.num_unknown_prompts} of {stats.num_prompts} prompts hold {stats.num_unknown_tokens} "
+              f"unknown tokens {token}, text the tokenizer's vocabulary lacks, all read by the model as that one "
+              f"token{_describe_pieces(stats.unknown_pieces)}")
+    if policy == "error":
+        raise ValueError(f"prompt {first!r} has {stats.unknown_by_uid[first]} unknown token(s): {counts}. Fix: use "
+                         f"a tokenizer that covers the text (model.path), change the data or data.template, or set "
+                         f"data.on_unknown_token=warn to allow it")
+    _warn(stats, f"rlrepro: data.on_unknown_token=warn: {counts} (first: {first!r}); use a tokenizer that covers "
+                 f"the text, or data.on_unknown_token=error to stop on it")
+
+
+def _warn(stats: PromptStats, line: str) -> None:
+    stats.warnings.append(line)
+    print(line, file=sys.stderr)

@@ -1,0 +1,193 @@
+"""One data-set row to one ``PromptRecord``, and where a row is in its file (for messages).
+
+Internal to ``rlrepro.data.loading``: the checks that make a bad row a ``BadRow`` (missing or empty value,
+wrong type, not UTF-8), the field specification with its config keys, and ``RowPositions``, which turns a
+row's 0-based index into what a person finds in the file: ``line N`` in a JSON-lines file, ``row N`` elsewhere.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .records import PromptRecord
+
+# likely column names per role, for the example in a missing-field message
+_FIELD_GUESSES = {
+    "prompt": ("question", "problem", "prompt", "query", "input", "instruction", "text"),
+    "messages": ("messages", "conversations", "chat", "turns"),
+    "answer": ("answer", "solution", "final_answer", "target", "output", "label", "response"),
+    "id": ("id", "uid", "idx", "index", "key", "unique_id"),
+}
+
+
+class BadRow(Exception):
+    def __init__(self, field: str | None, reason: str, problem: str, fix: str) -> None:
+        super().__init__(problem)
+        self.field, self.reason, self.problem, self.fix = field, reason, problem, fix
+
+
+class NotUTF8:
+    """Stands for a stored string whose bytes are not valid UTF-8."""
+
+    def __init__(self, error: UnicodeDecodeError) -> None:
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"<not UTF-8: {self.error.reason} at byte {self.error.start}>"
+
+
+def utf8_encodable(obj: Any) -> bool:
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(obj, dict):
+        return all(utf8_encodable(k) and utf8_encodable(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return all(utf8_encodable(v) for v in obj)
+    return True
+
+
+def json_lines_numbers(data: bytes) -> list[int] | None:
+    """1-based line numbers of the non-blank lines of a JSON-lines file (``datasets`` makes each one a row), or
+    None for a JSON array file, whose rows are not lines."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    if data.lstrip().startswith(b"["):
+        return None
+    return [n for n, line in enumerate(data.split(b"\n"), start=1) if line.strip()]
+
+
+class RowPositions:
+    """``position(row_index)``: ``"line N"`` for a row of a JSON-lines file (blank lines counted, as an editor
+    counts them), ``"row N"`` (1-based) for a parquet file, a JSON array, a hub data set, or when the lines do
+    not match the rows one to one. The file is read only when a message needs a position."""
+
+    def __init__(self, file: Path | None = None, num_rows: int | None = None) -> None:
+        self._file, self._num_rows = file, num_rows
+        self._lines: list[int] | None = None
+        self._read = file is None or file.suffix.lower() == ".parquet"
+
+    def __call__(self, row_index: int) -> str:
+        if not self._read:
+            self._read = True
+            lines = json_lines_numbers(self._file.read_bytes())  # type: ignore[union-attr]
+            if lines is not None and (self._num_rows is None or len(lines) == self._num_rows):
+                self._lines = lines
+        if self._lines is not None and 0 <= row_index < len(self._lines):
+            return f"line {self._lines[row_index]}"
+        return f"row {row_index + 1}"
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    prompt_field: str
+    answer_field: str
+    id_field: str | None
+    messages_field: str | None
+
+    def text_fields(self) -> list[str]:
+        fields = [self.answer_field] if self.messages_field else [self.prompt_field, self.answer_field]
+        return fields + ([self.id_field] if self.id_field else [])
+
+    def used(self) -> list[tuple[str, str, str]]:
+        """(column, role, parameter name) of the columns read; the config key is ``data.<parameter name>``."""
+        out = [(self.messages_field, "messages", "messages_field") if self.messages_field
+               else (self.prompt_field, "prompt", "prompt_field"),
+               (self.answer_field, "answer", "answer_field")]
+        if self.id_field:
+            out.append((self.id_field, "id", "id_field"))
+        return out
+
+    def check_columns(self, columns: list[str], label: str) -> None:
+        used = {c for c, _, _ in self.used()}
+        for col, role, param in self.used():
+            if col not in columns:
+                free = [c for c in columns if c not in used]
+                guess = next((c for c in _FIELD_GUESSES[role] if c in free), free[0] if free else None)
+                example = f", e.g. data.{param}={guess}" if guess is not None else ""
+                raise ValueError(f"{label}: the {role} field {col!r} is not in the data set; fields that exist: "
+                                 f"{columns}. Fix: set data.{param}=<one of those>{example} ({param}=).")
+
+
+def row_to_record(row: dict, row_index: int, source_name: str, spec: FieldSpec) -> PromptRecord:
+    for col, value in row.items():
+        if isinstance(value, NotUTF8):
+            raise BadRow(col, "not UTF-8", f"the text is not valid UTF-8 ({value.error.reason} at byte "
+                         f"{value.error.start})", "re-encode the file as UTF-8")
+    if spec.messages_field:
+        messages = _as_messages(row.get(spec.messages_field), spec.messages_field)
+        prompt = None
+    else:
+        prompt = _as_text(row.get(spec.prompt_field), spec.prompt_field, "prompt")
+        messages = None
+    answer = _as_text(row.get(spec.answer_field), spec.answer_field, "answer")
+    if spec.id_field:
+        uid = _as_text(row.get(spec.id_field), spec.id_field, "id")
+    else:
+        uid = f"{source_name}:{row_index}"
+    used = {c for c, _, _ in spec.used()}
+    meta = {k: v for k, v in row.items() if k not in used}
+    return PromptRecord(uid=uid, prompt=prompt, messages=messages, answer=answer, meta=meta)
+
+
+def _as_text(value: Any, field: str, role: str) -> str:
+    fix = f"give every row a non-empty text {role} in {field!r}"
+    if value is None:
+        raise BadRow(field, "missing", "the value is missing (null or absent)", fix)
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadRow(field, "not UTF-8", f"the bytes are not valid UTF-8 ({e.reason} at byte {e.start})",
+                         "re-encode the text as UTF-8") from None
+    if isinstance(value, bool):
+        raise BadRow(field, "wrong type", f"expected text, got a boolean ({value!r})", fix)
+    if isinstance(value, numbers.Integral):
+        value = str(int(value))
+    elif isinstance(value, numbers.Real):
+        if not math.isfinite(value):
+            raise BadRow(field, "wrong type", f"expected text, got the number {value!r}", fix)
+        value = str(float(value))
+    if not isinstance(value, str):
+        raise BadRow(field, "wrong type", f"expected text, got {type(value).__name__} ({_short(value)})", fix)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRow(field, "not UTF-8", "the text holds a lone surrogate, which is not UTF-8",
+                     "re-encode the text as UTF-8") from None
+    if not value.strip():
+        raise BadRow(field, "empty", f"the {role} is empty" + (" (only whitespace)" if value else ""), fix)
+    return value
+
+
+def _as_messages(value: Any, field: str) -> list[dict[str, str]]:
+    fix = f"give every row in {field!r} a non-empty list of {{'role': str, 'content': str}} turns"
+    if value is None:
+        raise BadRow(field, "missing", "the value is missing (null or absent)", fix)
+    if not isinstance(value, list):
+        raise BadRow(field, "wrong type", f"expected a list of chat turns, got {type(value).__name__}", fix)
+    if not value:
+        raise BadRow(field, "empty", "the list of chat turns is empty", fix)
+    out = []
+    for i, m in enumerate(value, start=1):  # turns counted from 1, as a person counts them
+        if not isinstance(m, dict):
+            raise BadRow(field, "wrong type", f"turn {i} is {type(m).__name__}, not a dict", fix)
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role or not isinstance(content, str):
+            raise BadRow(field, "wrong type", f"turn {i} needs a string 'role' and 'content', got {_short(m)}", fix)
+        if not utf8_encodable(content) or not utf8_encodable(role):
+            raise BadRow(field, "not UTF-8", f"turn {i} holds a lone surrogate, which is not UTF-8",
+                         "re-encode the text as UTF-8")
+        out.append({"role": role, "content": content})  # other keys (tool calls, names) are not used
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
