@@ -204,7 +204,8 @@ def test_duplicate_ids_always_raise(tmp_path):
 
 
 def test_limit(tmp_path):
-    f = write_lines(tmp_path / "d.jsonl", [{"prompt": "", "answer": "1"}] + [{"prompt": f"p{i}", "answer": "1"} for i in range(5)])
+    rows = [{"prompt": "", "answer": "1"}] + [{"prompt": f"p{i}", "answer": "1"} for i in range(5)]
+    f = write_lines(tmp_path / "d.jsonl", rows)
     recs, stats = load_records(str(f), limit=3, on_bad_row="skip")
     assert [r.uid for r in recs] == ["d.jsonl:1", "d.jsonl:2", "d.jsonl:3"] and stats.num_records == 3
 

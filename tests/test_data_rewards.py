@@ -172,7 +172,8 @@ def test_compute_rewards_exception_policy():
             raise KeyError("boom")
         return 1.0
 
-    with pytest.raises(RewardError, match=r"reward .*flaky raised on record uid='u:1' \(item 1\): KeyError: 'boom'") as e:
+    with pytest.raises(RewardError,
+                       match=r"reward .*flaky raised on record uid='u:1' \(item 1\): KeyError: 'boom'") as e:
         compute_rewards(flaky, ["a", "b", "c"], RECS, policy="raise")
     assert isinstance(e.value.__cause__, KeyError)
     assert compute_rewards(flaky, ["a", "b", "c"], RECS, policy="zero") == ([1.0, 0.0, 1.0], 1)

@@ -60,7 +60,8 @@ def test_pinned_records():
 def test_tasks_are_correct_pure_and_in_vocabulary(kind):
     recs = make_synthetic_records(kind, 200, seed=11, **({} if kind == "add" else {"min_len": 2, "max_len": 6}))
     assert recs == make_synthetic_records(kind, 200, seed=11, **({} if kind == "add" else {"min_len": 2, "max_len": 6}))
-    assert recs[:50] == make_synthetic_records(kind, 50, seed=11, **({} if kind == "add" else {"min_len": 2, "max_len": 6}))
+    options = {} if kind == "add" else {"min_len": 2, "max_len": 6}
+    assert recs[:50] == make_synthetic_records(kind, 50, seed=11, **options)
     assert recs != make_synthetic_records(kind, 200, seed=12, **({} if kind == "add" else {"min_len": 2, "max_len": 6}))
     assert len({r.uid for r in recs}) == 200
     for r in recs:
