@@ -160,6 +160,19 @@ def test_reward_loading_names_reward_fn():
         load_reward_fn("json:decoder")
 
 
+def test_order_and_synthetic_name_their_keys():
+    from rlrepro.data import EpochOrder, make_synthetic_records
+
+    with pytest.raises(ValueError, match=r"seed \(run.seed\) must be an integer >= 0"):
+        EpochOrder(3, seed=-1)
+    with pytest.raises(ValueError, match=r"shuffle \(data.shuffle\) must be a bool"):
+        EpochOrder(3, seed=0, shuffle="yes")
+    with pytest.raises(ValueError, match=r"data.synthetic.task\); known: .*Fix: set data.synthetic.task="):
+        make_synthetic_records("sort", 3, 0)
+    with pytest.raises(ValueError, match=r"data.synthetic.kwargs.min_len \(3\) must not exceed"):
+        make_synthetic_records("copy", 3, 0, min_len=3, max_len=2)
+
+
 def test_no_message_tells_a_user_to_pass_a_python_argument():
     """A command-line user cannot 'pass allow_hub=True'; the messages name data.allow_hub=true and the like."""
     offenders = []
