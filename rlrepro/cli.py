@@ -1,11 +1,17 @@
-"""The ``rlrepro`` command line.
+"""usage: rlrepro COMMAND [ARGS ...]
 
-    rlrepro train recipe=NAME key=value ...      hydra overrides after the subcommand
-    rlrepro diff RUN_A RUN_B [--json]            exit 0 identical, 1 diverged, 2 error
-    rlrepro verify RUN [--from-step K] [--steps N]
-    rlrepro plot RUN [RUN ...] [--out DIR]
-    rlrepro generate [--model DIR] [--prompt TEXT] ...   a generation smoke run on a tiny model
-    rlrepro recipes                              list the shipped recipes
+rlrepro: GRPO reinforcement learning for LLMs, bitwise reproducible. Commands:
+
+  train     recipe=NAME [key=value ...]       run a recipe; hydra overrides follow, --cfg prints the config
+  diff      RUN_A RUN_B [--json]              compare two runs: exit 0 identical, 1 diverged, 2 error
+  verify    RUN [--from-step K] [--steps N]   re-execute recorded steps and diff them against the record
+  show      RUN [--step K] [--n 8]            print a step's prompts, completions, rewards and advantages
+  plot      RUN [RUN ...] [--out DIR]         PNG overlays of the runs' curves, first divergence marked
+  generate  [--model DIR] [--prompt TEXT]     sample from a model, a run or a checkpoint (tiny model by default)
+  recipes                                     list the shipped recipes, one line each
+
+rlrepro diff|verify|show|plot|generate --help shows that command's options;
+rlrepro train recipe=NAME --cfg prints every config key of a recipe.
 """
 from __future__ import annotations
 
@@ -19,6 +25,34 @@ RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 
 def list_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def recipe_description(name: str) -> str:
+    """One line from the header comment of ``recipes/NAME.yaml``: the first sentence of its first paragraph (all
+    of that paragraph when it has no sentence end); "" when the file has no header comment."""
+    import re
+
+    lines = []
+    for line in (RECIPES_DIR / f"{name}.yaml").read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#").strip()
+        if not text:
+            if lines:
+                break
+            continue
+        lines.append(text)
+    if not lines:
+        return ""
+    return re.split(r"(?<=[.!?])\s", " ".join(lines), maxsplit=1)[0]
+
+
+def cmd_recipes() -> int:
+    names = list_recipes()
+    width = max((len(n) for n in names), default=0)
+    for name in names:
+        print(f"{name:<{width}}  {recipe_description(name) or '(no header comment)'}".rstrip())
+    return 0
 
 
 def compose_config(overrides: list[str]):
@@ -229,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["RLREPRO_STACK_DUMP_S"]), repeat=True)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
@@ -247,12 +281,16 @@ def main(argv: list[str] | None = None) -> int:
         from rlrepro.repro.plot import main_plot
 
         return main_plot(rest)
+    if cmd == "show":
+        from rlrepro.repro.show import main_show
+
+        return main_show(rest)
     if cmd == "generate":
         return cmd_generate(rest)
     if cmd == "recipes":
-        print("\n".join(list_recipes()))
-        return 0
-    print(f"rlrepro: unknown command {cmd!r}; commands: train, diff, verify, plot, generate, recipes", file=sys.stderr)
+        return cmd_recipes()
+    commands = "train, diff, verify, show, plot, generate, recipes"
+    print(f"rlrepro: unknown command {cmd!r}; commands: {commands} (rlrepro --help)", file=sys.stderr)
     return 2
 
 
