@@ -11,7 +11,6 @@ from omegaconf import OmegaConf
 
 from rlrepro.cli import _all_keys, compose_config
 from rlrepro.orchestration.config import ConfigError, RunSchema
-from rlrepro.orchestration.ray_runtime import trainer_kwargs
 
 # every leaf key of the schema (dict-valued keys take any mapping: tiny_overrides, synthetic.kwargs)
 _SCHEMA = OmegaConf.structured(RunSchema)
@@ -52,21 +51,24 @@ def render(value) -> str:
 
 def downstream_accepts(cfg) -> None:
     """What checks a value only after work has started: it must accept every config compose_config accepted."""
-    from rlrepro.rollout import SamplingParams, request_seed
+    import dataclasses
+
+    from rlrepro.orchestration.config import to_schema
+    from rlrepro.rollout import EngineConfig, request_seed
     from rlrepro.rollout.engine import _positive_int
     from rlrepro.trainer import TrainConfig
 
-    TrainConfig(**trainer_kwargs(cfg))  # the trainer actor's own checks
-    r = cfg.rollout
-    SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
-                   seed=request_seed(cfg.run.seed, 1, "uid", 0), stop_token_ids=())
+    s = to_schema(cfg)
+    TrainConfig(**dataclasses.asdict(s.train))  # the trainer actor's copy of its config
+    s.rollout.sampling.params(seed=request_seed(s.run.seed, 1, "uid", 0))  # every request's SamplingParams
+    engine = EngineConfig.of(s.rollout).engine_kwargs()
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-        _positive_int(name, r[name])
-    if r.max_model_len is not None:
-        assert _positive_int("max_model_len", r.max_model_len) >= 2  # the engine needs 2
-    if r.num_kv_blocks is not None:
-        _positive_int("num_kv_blocks", r.num_kv_blocks)
-    ws = cfg.warm_start
+        _positive_int(name, engine[name])
+    if engine["max_model_len"] is not None:
+        assert _positive_int("max_model_len", engine["max_model_len"]) >= 2  # the engine needs 2
+    if engine["num_kv_blocks"] is not None:
+        _positive_int("num_kv_blocks", engine["num_kv_blocks"])
+    ws = s.warm_start
     if ws.steps > 0:
         assert isinstance(ws.batch_size, int) and ws.batch_size >= 1
         assert math.isfinite(ws.lr) and ws.lr > 0

@@ -2,7 +2,7 @@
 non-UTF-8 prompts; model directories with missing or truncated shards and mismatched tokenizers; reward
 functions that raise or return non-numbers; a run directory that already holds a run.
 
-Each fails in the driver's set-up with an error naming the value and the fix, before Ray starts (the Cluster is
+Each fails in the driver's set-up with an error naming the value and the fix, before Ray starts (the actor group is
 replaced by a stub that records being reached), and leaves what the run directory already held unchanged.
 No Ray, tiny models: fast."""
 import hashlib
@@ -30,14 +30,14 @@ class Reached(Exception):
     """Set-up passed every check and would now start Ray."""
 
 
-class StubCluster:
+class StubActors:
     def __init__(self, *a, **k):
         raise Reached
 
 
 @pytest.fixture(autouse=True)
 def no_ray(monkeypatch):
-    monkeypatch.setattr(driver_mod, "Cluster", StubCluster)
+    monkeypatch.setattr(driver_mod, "actor_group_class", lambda: StubActors)
 
 
 def setup_run(run_dir, *overrides):
@@ -46,7 +46,7 @@ def setup_run(run_dir, *overrides):
     cfg = compose_config(["recipe=grpo_tiny", *COMMON, f"run.dir={run_dir}", *resume, *overrides])
     d = driver_mod.GRPODriver(cfg)
     try:
-        d._check_run_dir(fresh=not cfg.run.resume)
+        driver_mod.preflight.check_run_dir(d.cfg, d.run_dir, fresh=not cfg.run.resume)
         d.setup()
     except Reached:
         return None

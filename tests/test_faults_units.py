@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlrepro.model import tiny_model
-from rlrepro.orchestration.faults import FaultPlan
+from rlrepro.orchestration.fault_injection import FaultPlan
 from rlrepro.trainer import TrainConfig, Trainer, latest_checkpoint, token_logprobs
 from rlrepro.trainer import checkpoint as ckpt_mod
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("deterministic_torch")
 
 
 def make_trainer(**overrides) -> Trainer:
-    cfg = dict(lr=1e-2, total_steps=10, warmup_steps=0, micro_batch_size=2, ppo_epochs=1)
+    cfg = dict(lr=1e-2, steps=10, warmup_steps=0, micro_batch_size=2, ppo_epochs=1)
     return Trainer(tiny_model(seed=0), TrainConfig(**{**cfg, **overrides}))
 
 

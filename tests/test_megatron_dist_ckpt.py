@@ -19,8 +19,9 @@ from _dist import gloo_process_group, spawn_ranks
 pytest.importorskip("megatron.core")
 pytest.importorskip("psutil")  # megatron-core's checkpoint writer imports it
 
-CONFIG = dict(lr=3e-3, total_steps=6, warmup_steps=1, micro_batch_size=3, ppo_epochs=2, clip_high=0.28,
-              kl_coef=0.05, temperature=0.9, max_grad_norm=0.5)
+TEMPERATURE = 0.9  # the rollout's (Trainer(temperature=...))
+CONFIG = dict(lr=3e-3, steps=6, warmup_steps=1, micro_batch_size=3, ppo_epochs=2, clip_high=0.28,
+              kl_coef=0.05, max_grad_norm=0.5)
 
 
 def batch(model, step: int):
@@ -38,7 +39,7 @@ def batch(model, step: int):
 def _build(model_dir, tp, world, **kw):
     from rlrepro.trainer.megatron import build_megatron_trainer
 
-    return build_megatron_trainer(model_dir, TrainConfig(**CONFIG), tensor_parallel=tp, num_gpus=world,
+    return build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=tp, num_gpus=world,
                                   param_dtype=torch.bfloat16, checkpoint_format="dist", **kw)
 
 
@@ -289,7 +290,7 @@ def test_dist_to_full_equals_the_full_format_and_a_plain_trainer_resumes_from_it
     assert torch.equal(rng_ours["generators"]["g"]["state"], rng_full["generators"]["g"]["state"])
     # a plain Trainer resumes from the converted checkpoint and takes the TP=1 MegatronTrainer's step, bit for bit
     model = load_pretrained(model_dir)
-    trainer = Trainer(model, TrainConfig(**CONFIG), ref_model=copy.deepcopy(model), param_dtype=torch.bfloat16)
+    trainer = Trainer(model, TrainConfig(**CONFIG), temperature=TEMPERATURE, ref_model=copy.deepcopy(model), param_dtype=torch.bfloat16)
     loaded = load_checkpoint(out, model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                              generators={"g": torch.Generator()})
     assert loaded.extra_state == {"cursor": 7} and trainer.step == 1
@@ -358,7 +359,7 @@ def _gpu_worker(rank, world, port, model_dir, zero, out):
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         def build(tp):  # zero: TP=1 x DP=2 with rlrepro's ZeRO-1 (each DP owner writes its share)
-            return build_megatron_trainer(model_dir, TrainConfig(**CONFIG), tensor_parallel=tp, num_gpus=world,
+            return build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=tp, num_gpus=world,
                                           device="cuda", dtype=torch.bfloat16, checkpoint_format="dist",
                                           use_megatron_parallel_state=False, distributed_optimizer=zero)
 

@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs 2 CUDA devices")]
 
-CONFIG = dict(lr=1e-3, total_steps=5, micro_batch_size=3, temperature=0.9)
+TEMPERATURE = 0.9  # the rollout's (Trainer(temperature=...))
+CONFIG = dict(lr=1e-3, steps=5, micro_batch_size=3)
 PROMPTS = [[1, 10, 11], [1, 12], [1, 13, 14, 15]]
 IDS = [1, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
 
@@ -39,7 +40,7 @@ def _worker(rank, world, port, model_dir, out):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), tensor_parallel=2, num_gpus=world,
+        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=2, num_gpus=world,
                                          device="cuda", dtype=torch.bfloat16,
                                          use_megatron_parallel_state=megatron_core_version() is not None)
         res = {"megatron": trainer.groups.megatron}
@@ -95,7 +96,7 @@ def _mcore_worker(rank, world, port, model_dir, tp, grad_sync, dopt, out):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG, max_grad_norm=0.5), tensor_parallel=tp,
+        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG, max_grad_norm=0.5), temperature=TEMPERATURE, tensor_parallel=tp,
                                          num_gpus=world, device="cuda", dtype=torch.bfloat16,
                                          use_megatron_parallel_state=True, grad_sync=grad_sync,
                                          distributed_optimizer=dopt)
@@ -108,7 +109,7 @@ def _mcore_worker(rank, world, port, model_dir, tp, grad_sync, dopt, out):
                                                       checkpoint_format=fmt) for fmt in ("full", "dist")}
         res["weights"] = {n: w.cpu() for n, w in trainer.named_weights()}
         for fmt, ckpt in ckpts.items():
-            resumed = build_megatron_trainer(model_dir, TrainConfig(**CONFIG, max_grad_norm=0.5),
+            resumed = build_megatron_trainer(model_dir, TrainConfig(**CONFIG, max_grad_norm=0.5), temperature=TEMPERATURE,
                                              tensor_parallel=tp, num_gpus=world, device="cuda", dtype=torch.bfloat16,
                                              use_megatron_parallel_state=True, grad_sync=grad_sync,
                                              distributed_optimizer=dopt)

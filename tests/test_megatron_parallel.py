@@ -12,7 +12,8 @@ from _dist import gloo_process_group, spawn_ranks
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(megatron_core_version() is None, reason="megatron-core is not installed")]
 
-CONFIG = dict(lr=3e-3, total_steps=3, micro_batch_size=2, temperature=1.0)
+TEMPERATURE = 1.0  # the rollout's (Trainer(temperature=...))
+CONFIG = dict(lr=3e-3, steps=3, micro_batch_size=2)
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
@@ -23,7 +24,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         from rlrepro.trainer import token_logprobs
         from rlrepro.trainer.megatron import build_megatron_trainer, destroy_parallel
 
-        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), tensor_parallel=2, num_gpus=world,
+        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=2, num_gpus=world,
                                          use_megatron_parallel_state=True)
         g = trainer.groups
         res = {"layout": (g.megatron, g.tp_rank, g.tp_size, g.dp_rank, g.dp_size)}

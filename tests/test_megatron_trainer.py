@@ -11,8 +11,9 @@ from rlrepro.trainer.megatron import MegatronTrainer, TPQwen3ForCausalLM, single
 
 from _dist import gloo_process_group, spawn_ranks
 
-CONFIG = dict(lr=3e-3, total_steps=5, warmup_steps=1, micro_batch_size=3, ppo_epochs=2, clip_high=0.28,
-              kl_coef=0.05, temperature=0.9, max_grad_norm=0.5)
+TEMPERATURE = 0.9  # the rollout's (Trainer(temperature=...))
+CONFIG = dict(lr=3e-3, steps=5, warmup_steps=1, micro_batch_size=3, ppo_epochs=2, clip_high=0.28,
+              kl_coef=0.05, max_grad_norm=0.5)
 
 
 def random_batch(model, step: int):
@@ -30,9 +31,9 @@ def random_batch(model, step: int):
 def test_tp1_megatron_trainer_equals_the_default_trainer_bitwise(deterministic_torch, logits_chunk_size):
     """(With ``logits_chunk_size=2`` the megatron trainer chunks its log-softmax, the default trainer does not.)"""
     plain = tiny_model(seed=1)
-    trainer = Trainer(plain, TrainConfig(**CONFIG), ref_model=copy.deepcopy(plain))
+    trainer = Trainer(plain, TrainConfig(**CONFIG), temperature=TEMPERATURE, ref_model=copy.deepcopy(plain))
     tp_model = TPQwen3ForCausalLM.from_full(tiny_model(seed=1), single_process_groups())
-    mtrainer = MegatronTrainer(tp_model, TrainConfig(**CONFIG, logits_chunk_size=logits_chunk_size),
+    mtrainer = MegatronTrainer(tp_model, TrainConfig(**CONFIG, logits_chunk_size=logits_chunk_size), temperature=TEMPERATURE,
                                ref_model=copy.deepcopy(tp_model))
     for step in range(3):
         batch = random_batch(plain, step)
@@ -80,7 +81,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         from rlrepro.trainer.megatron import build_megatron_trainer
 
         def build():
-            return build_megatron_trainer(model_dir, TrainConfig(**CONFIG), tensor_parallel=2, num_gpus=world,
+            return build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=2, num_gpus=world,
                                           use_megatron_parallel_state=False)
 
         trainer = build()
@@ -174,7 +175,7 @@ def test_tp2_checkpoint_and_hf_export_are_full_and_tp_agnostic(tp2_runs, determi
         assert torch.equal(w, run[0]["weights"][name]), name
     # the TP=2 checkpoint loads into a plain single-process Trainer: same weights, optimizer, schedule, data cursor
     model = load_pretrained(model_dir)
-    trainer = Trainer(model, TrainConfig(**CONFIG), ref_model=copy.deepcopy(model))
+    trainer = Trainer(model, TrainConfig(**CONFIG), temperature=TEMPERATURE, ref_model=copy.deepcopy(model))
     before = {n: w.clone() for n, w in trainer.named_weights()}
     extra = trainer.load_checkpoint(run[0]["ckpt"], generators={"g": torch.Generator()})
     assert extra == {"cursor": 7} and trainer.step == 1

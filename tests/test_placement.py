@@ -1,7 +1,7 @@
 """Where trainer ranks and rollout engines go on GPUs (a pure function; Ray's placement group follows it)."""
 import pytest
 
-from rlrepro.orchestration.ray_runtime import plan_placement
+from rlrepro.orchestration.actors import plan_placement
 
 
 @pytest.mark.parametrize("trainers,workers", [(1, 1), (1, 3), (2, 2), (2, 3), (4, 4), (4, 8)])

@@ -32,7 +32,8 @@ def test_unknown_key_names_close_keys(capsys):
     ("run.device=tpu", "run.device"),
     ("rollout.temperature=-1", "rollout.temperature"),
     ("model.init=pretrained", "model.path"),
-    ("train.warmup_steps=500", "train.warmup_steps=500"),
+    ("+train.lrr=1", "'train.lrr' is not a config key (close: train.lr"),
+    ("++rollout.max_num_seq=4", "'rollout.max_num_seq' is not a config key (close: rollout.max_num_seqs"),
     ("train.logits_chunk_size=-8", "train.logits_chunk_size"),
     ("train.dual_clip=0.5", "train.dual_clip=0.5"),
     ("reward.overlong_buffer=12", "reward.overlong_buffer=12"),
@@ -54,7 +55,6 @@ def test_bad_values_fail_before_work(tmp_path, override, needle, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", *override.split()]) == 2
     assert needle in capsys.readouterr().err
-    assert not run_dir.exists()  # nothing was started or written
     assert not run_dir.exists()  # nothing was started or written
 
 
@@ -78,10 +78,11 @@ def test_bad_data_set_names_row_and_field(tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "copy: ab=", "answer": "ab"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
     run_dir = tmp_path / "run"
-    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", f"data.source={data}", "train.steps=1", "train.warmup_steps=0",
-                 "logger.progress=false"]) == 2
+    assert main(["train", "recipe=grpo_tiny", f"run.dir={run_dir}", f"data.source={data}", "train.steps=1",
+                 "train.warmup_steps=0", "logger.progress=false"]) == 2
     err = capsys.readouterr().err
-    assert "answer" in err and "1" in err and "bad.jsonl" in err
+    # the line a person finds in the file (the second), and the keys to type
+    assert "bad.jsonl: line 2: field 'answer'" in err and "data.on_bad_row=skip" in err
 
 
 def test_generate_smoke_is_seeded(capsys):

@@ -13,7 +13,7 @@ from rlrepro.trainer import (TrainConfig, Trainer, capture_rng_state, export_hf,
                              token_logprobs)
 from rlrepro.trainer import checkpoint as ckpt_mod
 
-CONFIG = TrainConfig(lr=3e-3, total_steps=6, warmup_steps=1, micro_batch_size=3, ppo_epochs=2, clip_high=0.28)
+CONFIG = TrainConfig(lr=3e-3, steps=6, warmup_steps=1, micro_batch_size=3, ppo_epochs=2, clip_high=0.28)
 
 
 pytestmark = pytest.mark.usefixtures("deterministic_torch")

@@ -7,7 +7,7 @@ from rlrepro.trainer import DataParallel, TrainConfig, Trainer, assign_micro_bat
 
 from _dist import gloo_process_group, spawn_ranks
 
-CONFIG = dict(lr=3e-3, total_steps=5, micro_batch_size=2, ppo_epochs=2, clip_high=0.28)
+CONFIG = dict(lr=3e-3, steps=5, micro_batch_size=2, ppo_epochs=2, clip_high=0.28)
 STEPS = 3
 
 

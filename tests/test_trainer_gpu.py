@@ -12,7 +12,7 @@ from rlrepro.trainer import DataParallel, TrainConfig, Trainer, enable_determini
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-CONFIG = dict(lr=3e-3, total_steps=5, micro_batch_size=3, ppo_epochs=2, clip_high=0.28, kl_coef=0.05)
+CONFIG = dict(lr=3e-3, steps=5, micro_batch_size=3, ppo_epochs=2, clip_high=0.28, kl_coef=0.05)
 
 
 def make_batch(model, step: int):

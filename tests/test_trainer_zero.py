@@ -15,7 +15,7 @@ from rlrepro.trainer.optim import MasterWeightAdamW, ShardedMasterWeightAdamW
 from _dist import gloo_process_group, spawn_ranks
 from test_trainer_data_parallel import make_batch  # the same self-consistent batches
 
-CONFIG = dict(lr=3e-3, total_steps=5, warmup_steps=1, micro_batch_size=2, ppo_epochs=2, clip_high=0.28,
+CONFIG = dict(lr=3e-3, steps=5, warmup_steps=1, micro_batch_size=2, ppo_epochs=2, clip_high=0.28,
               weight_decay=0.01)
 STEPS, SAVE_AT = 3, 2
 CASES = {"bf16": torch.bfloat16, "fp32": None}  # bf16 params + float32 masters; float32 params, their own masters
@@ -218,7 +218,7 @@ def test_megatron_with_distributed_optimizer_config(tmp_path, capsys):
 
 # --------------------------------------------------------------------------------- megatron: TP=2 x DP=2, 4 ranks
 
-MCONFIG = dict(lr=3e-3, total_steps=5, warmup_steps=1, micro_batch_size=2, ppo_epochs=2, clip_high=0.28,
+MCONFIG = dict(lr=3e-3, steps=5, warmup_steps=1, micro_batch_size=2, ppo_epochs=2, clip_high=0.28,
                max_grad_norm=0.5)
 
 

@@ -92,7 +92,7 @@ class GRPODriver:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         m = cfg.model
         self.model_dir = prepare_base_model(self.run_dir, init=m.init, path=m.path, init_seed=m.init_seed,
-                                            dtype=m.dtype, tiny_overrides=m.tiny_overrides)
+                                            dtype=m.dtype, tiny_overrides=m.tiny_overrides, overwrite=cfg.run.overwrite)
         self.model_config = check_pretrained(self.model_dir)
         validate_model_layout(cfg, self.model_config)  # e.g. train.tensor_parallel must divide the heads
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -126,10 +126,13 @@ class GRPODriver:
                                                    **d.synthetic.kwargs), source)
         records, self.data_stats = load_records(str(source), split=d.split, on_bad_row=d.on_bad_row,
                                                 allow_hub=d.allow_hub, limit=d.limit, revision=d.revision, **fields)
-        prompts, self.prompt_stats = build_prompts(
-            records, self.tokenizer, template=d.template, system_prompt=d.system_prompt,
-            use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens, on_bad_row=d.on_bad_row,
-            on_unknown_token=d.on_unknown_token, source=str(source))
+        try:
+            prompts, self.prompt_stats = build_prompts(
+                records, self.tokenizer, template=d.template, system_prompt=d.system_prompt,
+                use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens,
+                on_bad_row=d.on_bad_row, on_unknown_token=d.on_unknown_token, source=str(source))
+        except ValueError as e:  # a prompt the data keys cannot make work: bad input, named with its key
+            raise ConfigError(str(e)) from None
         path = Path(source)
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
         return prompts, files
@@ -280,10 +283,11 @@ class GRPODriver:
                     self.warm_start()  # rebuilds the KL reference (the warm-started policy) deterministically
                 done = self.restore(ckpt)
                 self.log.line(f"resumed from {ckpt} (step {done})")
+                self._record_inputs(None)
             else:
                 done = 0
                 self.warm_start()
-                self.actors.sync_weights(version=0)
+                self._record_inputs(self.actors.sync_weights(version=0))
             self.log.start(done)
             return self._loop(done, last_step)
         except KeyboardInterrupt as e:
@@ -291,6 +295,24 @@ class GRPODriver:
         finally:
             _restore_sigterm(previous_sigterm)
             self.close()
+
+    def _record_inputs(self, weights_digest: str | None) -> None:
+        """``inputs.json``: digests of the data files, records, tokenizer and starting weights, and every
+        environment knob that can change bits (rlrepro.repro.inputs). A resumed run compares what it has now
+        with the record and says what differs (the resumed steps may then not repeat the recorded ones)."""
+        from rlrepro.repro.inputs import collect_inputs, compare_inputs, read_inputs, write_inputs
+
+        recorded = read_inputs(self.run_dir) if weights_digest is None else None
+        if recorded is not None:
+            weights_digest = recorded.get("weights_digest")
+        inputs = collect_inputs(data_files=self.data_files, records_digest=self.data_stats.records_digest,
+                                data_revision=self.cfg.data.revision, model_dir=self.model_dir,
+                                weights_digest=weights_digest)
+        if recorded is not None:
+            for line in compare_inputs(recorded, inputs):
+                self.log.line(f"rlrepro: warning: resuming with other inputs than the run recorded: {line}")
+            return  # the record stays the run's
+        write_inputs(self.run_dir, inputs)
 
     def _loop(self, done: int, last_step: int) -> list[dict]:
         cfg = self.cfg
