@@ -1,4 +1,4 @@
-"""The seams of DESIGN.md §2 are import-linter contracts in pyproject.toml; this test runs them. It also checks,
+"""The seams of docs/DESIGN.md are import-linter contracts in pyproject.toml; this test runs them. It also checks,
 with grimp (import-linter's graph builder), that no modules of rlrepro import each other in a circle, counting
 imports inside functions (grimp reads every import statement of a module, wherever it is), and that no module
 of rlrepro is longer than 600 lines."""

@@ -1,8 +1,9 @@
 """The Ray actors of one run (:class:`ActorGroup`): the rollout workers and the trainer ranks, where they are
 placed, how requests are dealt to workers and results gathered, and how workers that die are replaced.
 
-This module, :mod:`.workers`' callers and the driver are the only places that use ray (DESIGN: only orchestration
-and the CLI import it).
+Ray is imported here, in :mod:`.ray_start` (starting or joining it), :mod:`.errors` (recognising its failures),
+:mod:`.workers` (the node address) and :mod:`.fault_injection`: all inside ``rlrepro.orchestration``, the only
+package that may import it (an import-linter contract, docs/DESIGN.md).
 """
 from __future__ import annotations
 
