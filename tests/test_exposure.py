@@ -1,5 +1,6 @@
 """Exposure: the local Ray that `rlrepro train` starts listens on loopback only, with no dashboard and no usage
-statistics. The test starts Ray the way ray_runtime does, in a child process (so the environment it sets cannot
+statistics, and prints no token-authentication warning. The test starts Ray the way `rlrepro train` does
+(rlrepro.orchestration.ray_start.start_ray), in a child process (so the environment it sets cannot
 leak into other tests), creates an actor, and lists the listening TCP sockets of every process of that Ray
 (from /proc/net/tcp{,6} and /proc/<pid>/fd: no psutil needed)."""
 import json
@@ -7,6 +8,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -15,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 CHILD = textwrap.dedent("""
     import json, os, sys
-    from rlrepro.orchestration.ray_runtime import start_ray
+    from rlrepro.orchestration.ray_start import start_ray
 
     start_ray(None, 1)
     import ray
@@ -96,13 +98,16 @@ def test_local_ray_listens_on_loopback_only_without_dashboard_or_usage_stats():
     import os
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # as a user's shell would have it
+    err = tempfile.TemporaryFile(mode="w+")
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+                             stderr=err, text=True, env=env, start_new_session=True)
     try:
         line = ""
         while not line.startswith("READY"):
             line = child.stdout.readline()
-            assert line, "the child exited before Ray was up"
+            if not line:
+                err.seek(0)
+                raise AssertionError(f"the child exited before Ray was up: {err.read()[-3000:]}")
         info = json.loads(line.split(" ", 1)[1])
         listeners = listening_sockets()
         found, commands = [], []
@@ -124,6 +129,8 @@ def test_local_ray_listens_on_loopback_only_without_dashboard_or_usage_stats():
         # without the web frontend, on loopback
         heads = [cmd for cmd in commands if "dashboard/dashboard.py" in cmd]
         assert all("--disable-frontend" in cmd and "--modules-to-load=UsageStatsHead " in cmd + " " for cmd in heads)
+        err.seek(0)
+        assert "Token authentication is enabled for this Ray cluster" not in err.read()  # RAY_AUTH_MODE=token is set
     finally:
         try:
             child.stdin.write("\n")
@@ -136,3 +143,4 @@ def test_local_ray_listens_on_loopback_only_without_dashboard_or_usage_stats():
                 os.kill(pid, 9)
             except OSError:
                 pass
+        err.close()
