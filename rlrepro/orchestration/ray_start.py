@@ -15,7 +15,9 @@ and raises (``tests/test_ray_start.py`` pins both paths, ``tests/test_exposure.p
 
 Token authentication: a new local instance enables it when ``RAY_AUTH_MODE`` is unset, and warns on every run
 that it did. Local mode sets ``RAY_AUTH_MODE=token`` (Ray's documented setting; it keeps what Ray does by default,
-minus the warning) unless the user set it; authentication errors still raise.
+minus the warning) unless the user set it; authentication errors still raise. A ray imported before start_ray
+has read its mode already: it then enables token authentication itself and says so once. Joining a cluster, the
+mode is the user's to set (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN_PATH``), as Ray documents.
 """
 from __future__ import annotations
 
