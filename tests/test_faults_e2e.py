@@ -304,3 +304,38 @@ def test_run_killed_at_random_moments_resumes_identical(ref, tmp_path, seed):
         pytest.fail(f"the run did not finish after {cycle + 1} starts; see {tmp_path / 'log'}")
     assert_identical(ref, run)
     record(test="driver_sigkill_random", seed=seed, kills=kills, starts=cycle + 1, at=where, identical=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_cleanly_and_resume_is_identical(ref, tmp_path, sig):
+    """Ctrl-C (SIGINT) or SIGTERM during the step loop: no traceback, exit 130, the message names the
+    checkpoint left and `run.resume=true`; the resumed run ends identical to the undisturbed one."""
+    run = tmp_path / "run"
+    env = dict(os.environ)
+    env.pop("RLREPRO_FAULTS", None)
+    p = subprocess.Popen([sys.executable, "-m", "rlrepro.cli", "train", *BASE, f"run.dir={run}",
+                          "logger.progress=true"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in p.stderr:
+            lines.append(line)
+            if "] step 2/4" in line:
+                p.send_signal(sig)
+                break
+        lines.extend(p.stderr)
+    finally:
+        rc = finish(p)
+    err = "".join(lines)
+    assert rc == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "interrupted during step" in err and "rerun with run.resume=true" in err
+    assert "The last complete checkpoint is" in err
+    assert train(run, "run.resume=true") == 0
+    assert_identical(ref, run)
+
+
+def test_resume_without_a_checkpoint_says_it_starts_at_step_one(ref, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(run, "run.resume=true", "train.steps=1", "checkpoint.every=0", "logger.progress=true") == 0
+    assert "run.resume=true but no checkpoint exists yet: starting at step 1" in capsys.readouterr().err

@@ -265,9 +265,10 @@ class GRPODriver:
         last_step = cfg.train.steps if last_step is None else last_step
         preflight.check_run_dir(cfg, self.run_dir, fresh=start_checkpoint is None and not cfg.run.resume)
         self._done_step, self._done_order, self._trainer_step, self._saving = 0, None, 0, False
-        previous_sigterm = _sigterm_as_interrupt()
+        previous_sigterm = None
         try:
             self.setup()
+            previous_sigterm = _sigterm_as_interrupt()  # after Ray started: it installs a SIGTERM handler of its own
             preflight.remove_partial_checkpoints(self.checkpoint_root(), self.log.line)
             ckpt = start_checkpoint
             if ckpt is None and cfg.run.resume:
@@ -393,6 +394,8 @@ def _sigterm_as_interrupt():
 
 
 def _restore_sigterm(handler) -> None:
+    if handler is None:
+        return
     try:
         signal.signal(signal.SIGTERM, handler)
     except (ValueError, TypeError):  # not the main thread, or no handler to put back
