@@ -160,8 +160,12 @@ def cmd_train(args: list[str]) -> int:
     from rlrepro.orchestration import run_training
     from rlrepro.orchestration.errors import RunFailed, RunInterrupted
 
+    from rlrepro.orchestration.config import migrate_override
+
+    # the keys this command line sets: what a resume may change (rlrepro.orchestration.resume)
+    override_keys = [migrate_override(a, warn=False).lstrip("+~").split("=", 1)[0] for a in args if "=" in a]
     try:
-        run_training(cfg)
+        run_training(cfg, override_keys=override_keys)
     except RunInterrupted as e:
         # Ctrl-C or SIGTERM: the message names the checkpoint left and how to continue.
         print(f"rlrepro train: {e}", file=sys.stderr)

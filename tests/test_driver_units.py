@@ -80,3 +80,45 @@ def test_repro_ignore_keys_is_a_schema_key():
     assert list(cfg.repro.ignore_keys) == ["rollout.num_workers"]
     with pytest.raises(Exception, match="repro.ignore_keys"):
         compose_config(["recipe=grpo_tiny", "repro.ignore_keys=[1]"])
+
+
+# ------------------------------------------------------------------------------------------------ resume
+def _recorded_run(tmp_path, *overrides):
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = compose_config([*COMMON, f"run.dir={run}", *overrides])
+    (run / "config.yaml").write_text(driver_mod.config_yaml(driver_mod.to_schema(cfg)))
+    return run
+
+
+def _resume(run, *overrides):
+    args = ["recipe=grpo_tiny", f"run.dir={run}", "run.resume=true", *overrides]
+    keys = [a.split("=", 1)[0] for a in args[1:]]
+    d = driver_mod.GRPODriver(compose_config(args), override_keys=keys)
+    d._reconcile_resume()
+    return d
+
+
+def test_a_resume_takes_the_recorded_config(tmp_path):
+    run = _recorded_run(tmp_path, "rollout.num_workers=2", "train.steps=4", "train.lr=0.01")
+    d = _resume(run, "train.steps=4")  # the recipe's defaults are not asked for: the record stands
+    assert (d.cfg.rollout.num_workers, d.cfg.train.steps, d.cfg.train.lr) == (2, 4, 0.01)
+    assert not (run / "amendments.jsonl").exists()
+
+
+def test_a_resume_that_would_change_bits_is_refused_and_writes_nothing(tmp_path):
+    run = _recorded_run(tmp_path, "train.steps=4")
+    before = (run / "config.yaml").read_bytes()
+    with pytest.raises(Exception) as e:
+        _resume(run, "train.steps=2", "train.warmup_steps=1")
+    assert "train.warmup_steps: 10 -> 1" in str(e.value) and "train.steps: 4 -> 2" in str(e.value)
+    assert (run / "config.yaml").read_bytes() == before and not (run / "amendments.jsonl").exists()
+
+
+def test_bit_neutral_changes_on_resume_are_recorded_as_amendments(tmp_path):
+    run = _recorded_run(tmp_path, "train.steps=4")
+    d = _resume(run, "rollout.max_num_seqs=32", "logger.progress=true")
+    assert d.cfg.rollout.max_num_seqs == 32
+    lines = [json.loads(x) for x in (run / "amendments.jsonl").read_text().splitlines()]
+    assert {a["key"]: (a["old"], a["new"], a["from_step"]) for a in lines} == {
+        "rollout.max_num_seqs": (256, 32, 1), "logger.progress": (False, True, 1)}

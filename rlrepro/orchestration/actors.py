@@ -29,10 +29,10 @@ class ActorGroup:
 
     def __init__(self, cfg, model_dir: str) -> None:
         """``cfg``: the run's typed config (:class:`~.config.RunSchema`)."""
+        self.cfg = cfg
+        start_ray(cfg.ray.address, cfg.ray.num_cpus)  # before anything imports ray: it reads its settings then
         import ray
 
-        self.cfg = cfg
-        start_ray(cfg.ray.address, cfg.ray.num_cpus)
         self._ray = ray
         self.max_restarts = cfg.rollout.max_restarts
         self.restarts = 0  # replacements over the whole run

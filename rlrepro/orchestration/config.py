@@ -212,13 +212,14 @@ def migrate_legacy_keys(container: dict, *, warn: bool = True) -> dict:
     return container
 
 
-def migrate_override(override: str) -> str:
+def migrate_override(override: str, *, warn: bool = True) -> str:
     """A command-line override in an old spelling (``trainer.backend=megatron``), rewritten with a warning."""
     prefix = "".join(ch for ch in override[:2] if ch in "+~")
     body = override[len(prefix):]
     key = body.split("=", 1)[0]
     if key in LEGACY_KEY_ALIASES:
-        _warn_legacy(key, LEGACY_KEY_ALIASES[key])
+        if warn:
+            _warn_legacy(key, LEGACY_KEY_ALIASES[key])
         return prefix + LEGACY_KEY_ALIASES[key] + body[len(key):]
     return override
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,11 @@ class _Timer:
 
 
 class GRPODriver:
-    def __init__(self, cfg: Any, run_dir: str | Path | None = None) -> None:
+    def __init__(self, cfg: Any, run_dir: str | Path | None = None, *, override_keys: list[str] | None = None) -> None:
+        """``override_keys``: the dotted keys the command line set (what a resume may change, rlrepro.cli passes
+        them); None compares every key of ``cfg`` with the record on a resume."""
         self.cfg = to_schema(cfg)
+        self.override_keys = override_keys
         self.run_dir = Path(run_dir or self.cfg.run.dir)
         self.actors: ActorGroup | None = None
         self.log: RunLog | None = None
@@ -261,6 +265,8 @@ class GRPODriver:
         it with :class:`RunInterrupted` (exit 130 from the CLI), naming the checkpoint left."""
         from rlrepro.trainer import latest_checkpoint
 
+        if start_checkpoint is None and self.cfg.run.resume:
+            self._reconcile_resume()  # the recorded config, with the bit-neutral changes asked for
         cfg = self.cfg
         last_step = cfg.train.steps if last_step is None else last_step
         preflight.check_run_dir(cfg, self.run_dir, fresh=start_checkpoint is None and not cfg.run.resume)
@@ -296,6 +302,45 @@ class GRPODriver:
         finally:
             _restore_sigterm(previous_sigterm)
             self.close()
+
+    def _reconcile_resume(self) -> None:
+        """A resume runs with the recorded config.yaml. The keys given on the command line (``override_keys``;
+        all keys when the driver was built without the list) that differ from the record are refused, except the
+        ones that cannot change bits (rlrepro.orchestration.resume), which are applied and appended to
+        ``amendments.jsonl`` with the step they take effect from. Refused before anything is written."""
+        import json
+
+        from omegaconf import OmegaConf
+
+        from rlrepro.repro.records import atomic_write_bytes as write
+        from rlrepro.trainer import latest_checkpoint
+
+        from .config import migrate_legacy_keys, validate
+        from .resume import reconcile_resume
+
+        path = self.run_dir / CONFIG_FILE
+        if not path.is_file():
+            return
+        recorded = migrate_legacy_keys(OmegaConf.to_container(OmegaConf.load(path), resolve=True), warn=False)
+        composed = OmegaConf.to_container(OmegaConf.create(config_yaml(self.cfg)), resolve=True)
+        if self.override_keys is None:
+            requested = composed
+        else:
+            requested = _with_keys(recorded, composed, self.override_keys)
+        found = latest_checkpoint(self.checkpoint_root())
+        done = int(found.name.split("_")[1]) if found is not None else 0
+        config, amendments = reconcile_resume(recorded, requested, completed_step=done)
+        self.cfg = validate(config)
+        # how this command started the run is not an amendment of the run
+        amendments = [a for a in amendments if a["key"] not in ("run.resume", "run.dir", "run.overwrite")]
+        if amendments:
+            log_path = self.run_dir / "amendments.jsonl"
+            old = log_path.read_bytes() if log_path.is_file() else b""
+            new = "".join(json.dumps(a, sort_keys=True) + "\n" for a in amendments).encode()
+            write(log_path, old + new)
+            for a in amendments:
+                print(f"rlrepro: resume amends {a['key']}: {a['old']!r} -> {a['new']!r} from step {a['from_step']} "
+                      "(recorded in amendments.jsonl)", file=sys.stderr)
 
     def _record_inputs(self, weights_digest: str | None) -> None:
         """``inputs.json``: digests of the data files, records, tokenizer and starting weights, and every
@@ -402,6 +447,33 @@ def _restore_sigterm(handler) -> None:
         pass
 
 
-def run_training(cfg: Any) -> list[dict]:
-    return GRPODriver(cfg).run()
+def _with_keys(recorded: dict, composed: dict, keys: list[str]) -> dict:
+    """``recorded`` with the value ``composed`` holds at each of ``keys`` (dotted; a key inside a mapping-valued
+    field sets that entry; a key ``composed`` lacks is dropped)."""
+    import copy
+
+    out = copy.deepcopy(recorded)
+    for key in keys:
+        parts = key.split(".")
+        src: Any = composed
+        for part in parts:
+            src = src.get(part, _MISSING) if isinstance(src, dict) else _MISSING
+        dst = out
+        for part in parts[:-1]:
+            dst = dst.setdefault(part, {}) if isinstance(dst, dict) else None
+            if dst is None:
+                break
+        if isinstance(dst, dict):
+            if src is _MISSING:
+                dst.pop(parts[-1], None)
+            else:
+                dst[parts[-1]] = copy.deepcopy(src)
+    return out
+
+
+_MISSING = object()
+
+
+def run_training(cfg: Any, *, override_keys: list[str] | None = None) -> list[dict]:
+    return GRPODriver(cfg, override_keys=override_keys).run()
 
