@@ -7,8 +7,8 @@ import pytest
 from rlrepro.cli import compose_config
 from rlrepro.model import tiny_model
 from rlrepro.data.config import DataConfig, RewardConfig
-from rlrepro.orchestration.config import (ConfigError, ModelConfig, RolloutConfig, RunSchema, migrate_legacy_keys, to_schema,
-                                          validate)
+from rlrepro.orchestration.config import (ConfigError, ModelConfig, RolloutConfig, RunSchema, migrate_legacy_keys,
+                                          to_schema, validate)
 from rlrepro.rollout import EngineConfig, SamplingConfig, SamplingParams
 from rlrepro.samples import Sample
 from rlrepro.trainer import TrainConfig, Trainer, token_logprobs

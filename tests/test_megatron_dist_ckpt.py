@@ -31,7 +31,7 @@ def batch(model, step: int):
     prompts = [torch.randint(vocab, (1 + i % 3,), generator=gen).tolist() for i in range(6)]
     completions = [torch.randint(vocab, (1 + (i * 5) % 5,), generator=gen).tolist() for i in range(6)]
     with torch.no_grad():
-        lps = token_logprobs(model, prompts, completions, CONFIG["temperature"])
+        lps = token_logprobs(model, prompts, completions, TEMPERATURE)
     return [dict(prompt_token_ids=p, completion_token_ids=c, rollout_logprobs=lp.float().tolist(),
                  advantage=(-1.0) ** i * (1 + i / 10)) for i, (p, c, lp) in enumerate(zip(prompts, completions, lps))]
 
@@ -39,7 +39,8 @@ def batch(model, step: int):
 def _build(model_dir, tp, world, **kw):
     from rlrepro.trainer.megatron import build_megatron_trainer
 
-    return build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=tp, num_gpus=world,
+    return build_megatron_trainer(model_dir, TrainConfig(**CONFIG),
+                                  temperature=TEMPERATURE, tensor_parallel=tp, num_gpus=world,
                                   param_dtype=torch.bfloat16, checkpoint_format="dist", **kw)
 
 
@@ -290,7 +291,8 @@ def test_dist_to_full_equals_the_full_format_and_a_plain_trainer_resumes_from_it
     assert torch.equal(rng_ours["generators"]["g"]["state"], rng_full["generators"]["g"]["state"])
     # a plain Trainer resumes from the converted checkpoint and takes the TP=1 MegatronTrainer's step, bit for bit
     model = load_pretrained(model_dir)
-    trainer = Trainer(model, TrainConfig(**CONFIG), temperature=TEMPERATURE, ref_model=copy.deepcopy(model), param_dtype=torch.bfloat16)
+    trainer = Trainer(model, TrainConfig(**CONFIG),
+                      temperature=TEMPERATURE, ref_model=copy.deepcopy(model), param_dtype=torch.bfloat16)
     loaded = load_checkpoint(out, model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                              generators={"g": torch.Generator()})
     assert loaded.extra_state == {"cursor": 7} and trainer.step == 1
@@ -359,7 +361,8 @@ def _gpu_worker(rank, world, port, model_dir, zero, out):
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         def build(tp):  # zero: TP=1 x DP=2 with rlrepro's ZeRO-1 (each DP owner writes its share)
-            return build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=tp, num_gpus=world,
+            return build_megatron_trainer(model_dir, TrainConfig(**CONFIG),
+                                          temperature=TEMPERATURE, tensor_parallel=tp, num_gpus=world,
                                           device="cuda", dtype=torch.bfloat16, checkpoint_format="dist",
                                           use_megatron_parallel_state=False, distributed_optimizer=zero)
 

@@ -26,7 +26,7 @@ def engine_batch(weights, model_dir, step, device, tp=2):
     model.load_state_dict(weights, strict=True)
     engine = Engine(model, device=device, seed=step, max_num_seqs=4)
     prompts = [p for p in PROMPTS for _ in range(2)]
-    outs = engine.generate(prompts, [SamplingParams(temperature=CONFIG["temperature"], max_tokens=6, seed=10 * step + i)
+    outs = engine.generate(prompts, [SamplingParams(temperature=TEMPERATURE, max_tokens=6, seed=10 * step + i)
                                      for i in range(len(prompts))])
     return [dict(prompt_token_ids=p, completion_token_ids=o.token_ids, rollout_logprobs=o.logprobs,
                  advantage=(-1.0) ** i) for i, (p, o) in enumerate(zip(prompts, outs))]
@@ -40,7 +40,8 @@ def _worker(rank, world, port, model_dir, out):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=2, num_gpus=world,
+        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG),
+                                         temperature=TEMPERATURE, tensor_parallel=2, num_gpus=world,
                                          device="cuda", dtype=torch.bfloat16,
                                          use_megatron_parallel_state=megatron_core_version() is not None)
         res = {"megatron": trainer.groups.megatron}
@@ -96,7 +97,8 @@ def _mcore_worker(rank, world, port, model_dir, tp, grad_sync, dopt, out):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG, max_grad_norm=0.5), temperature=TEMPERATURE, tensor_parallel=tp,
+        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG, max_grad_norm=0.5),
+                                         temperature=TEMPERATURE, tensor_parallel=tp,
                                          num_gpus=world, device="cuda", dtype=torch.bfloat16,
                                          use_megatron_parallel_state=True, grad_sync=grad_sync,
                                          distributed_optimizer=dopt)
@@ -109,7 +111,8 @@ def _mcore_worker(rank, world, port, model_dir, tp, grad_sync, dopt, out):
                                                       checkpoint_format=fmt) for fmt in ("full", "dist")}
         res["weights"] = {n: w.cpu() for n, w in trainer.named_weights()}
         for fmt, ckpt in ckpts.items():
-            resumed = build_megatron_trainer(model_dir, TrainConfig(**CONFIG, max_grad_norm=0.5), temperature=TEMPERATURE,
+            resumed = build_megatron_trainer(model_dir, TrainConfig(**CONFIG, max_grad_norm=0.5),
+                                             temperature=TEMPERATURE,
                                              tensor_parallel=tp, num_gpus=world, device="cuda", dtype=torch.bfloat16,
                                              use_megatron_parallel_state=True, grad_sync=grad_sync,
                                              distributed_optimizer=dopt)

@@ -21,7 +21,8 @@ from _dist import gloo_process_group, spawn_ranks
 pytest.importorskip("megatron.core")
 
 TEMPERATURE = 0.9  # the rollout's (Trainer(temperature=...))
-CONFIG = dict(lr=3e-3, steps=6, warmup_steps=1, micro_batch_size=2, ppo_epochs=2, clip_high=0.28, max_grad_norm=0.0, weight_decay=0.01)
+CONFIG = dict(lr=3e-3, steps=6, warmup_steps=1, micro_batch_size=2, ppo_epochs=2, clip_high=0.28, max_grad_norm=0.0,
+              weight_decay=0.01)
 
 
 def batch(step: int, vocab: int):
@@ -36,7 +37,8 @@ def batch(step: int, vocab: int):
 def _run(model_dir, tp, world, grad_sync, *, steps=3, dopt=False, dtype=None, ckpt=None, **overrides):
     from rlrepro.trainer.megatron import build_megatron_trainer, destroy_parallel
 
-    t = build_megatron_trainer(model_dir, TrainConfig(**{**CONFIG, **overrides}), temperature=TEMPERATURE, tensor_parallel=tp,
+    t = build_megatron_trainer(model_dir, TrainConfig(**{**CONFIG, **overrides}),
+                               temperature=TEMPERATURE, tensor_parallel=tp,
                                num_gpus=world, use_megatron_parallel_state=True, grad_sync=grad_sync,
                                distributed_optimizer=dopt, param_dtype=dtype)
     out = {"metrics": [], "ckpt": None}
@@ -99,7 +101,8 @@ def _worker(rank, world, port, model_dir, out):
                                      ("dist_ordered_zero", "ordered", True, "dist_ckpt")):
             from rlrepro.trainer.megatron import build_megatron_trainer
 
-            r = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=1, num_gpus=world,
+            r = build_megatron_trainer(model_dir, TrainConfig(**CONFIG),
+                                       temperature=TEMPERATURE, tensor_parallel=1, num_gpus=world,
                                        use_megatron_parallel_state=True, grad_sync=kind, distributed_optimizer=dopt,
                                        param_dtype=bf16)
             extra = r.load_checkpoint(run[fmt])
@@ -118,7 +121,8 @@ def _nonfinite_check(model_dir, world) -> dict:
     rank, the weights and the optimizer state are those from before the step, and the trainer carries on."""
     from rlrepro.trainer.megatron import build_megatron_trainer, destroy_parallel
 
-    t = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=1, num_gpus=world,
+    t = build_megatron_trainer(model_dir, TrainConfig(**CONFIG),
+                               temperature=TEMPERATURE, tensor_parallel=1, num_gpus=world,
                                use_megatron_parallel_state=True, grad_sync="megatron", distributed_optimizer=True,
                                param_dtype=torch.bfloat16)
     t.train_step(batch(0, t.model.config.vocab_size))  # optimizer state to protect

@@ -24,7 +24,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         from rlrepro.trainer import token_logprobs
         from rlrepro.trainer.megatron import build_megatron_trainer, destroy_parallel
 
-        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=2, num_gpus=world,
+        trainer = build_megatron_trainer(model_dir, TrainConfig(**CONFIG),
+                                         temperature=TEMPERATURE, tensor_parallel=2, num_gpus=world,
                                          use_megatron_parallel_state=True)
         g = trainer.groups
         res = {"layout": (g.megatron, g.tp_rank, g.tp_size, g.dp_rank, g.dp_size)}

@@ -22,7 +22,7 @@ def random_batch(model, step: int):
     prompts = [torch.randint(vocab, (1 + i % 3,), generator=gen).tolist() for i in range(7)]
     completions = [torch.randint(vocab, ((i * 5) % 6,), generator=gen).tolist() for i in range(7)]
     with torch.no_grad():
-        lps = token_logprobs(model, prompts, completions, CONFIG["temperature"])
+        lps = token_logprobs(model, prompts, completions, TEMPERATURE)
     return [dict(prompt_token_ids=p, completion_token_ids=c, rollout_logprobs=lp.tolist(), advantage=(-1.0) ** i)
             for i, (p, c, lp) in enumerate(zip(prompts, completions, lps))]
 
@@ -33,7 +33,8 @@ def test_tp1_megatron_trainer_equals_the_default_trainer_bitwise(deterministic_t
     plain = tiny_model(seed=1)
     trainer = Trainer(plain, TrainConfig(**CONFIG), temperature=TEMPERATURE, ref_model=copy.deepcopy(plain))
     tp_model = TPQwen3ForCausalLM.from_full(tiny_model(seed=1), single_process_groups())
-    mtrainer = MegatronTrainer(tp_model, TrainConfig(**CONFIG, logits_chunk_size=logits_chunk_size), temperature=TEMPERATURE,
+    mtrainer = MegatronTrainer(tp_model, TrainConfig(**CONFIG, logits_chunk_size=logits_chunk_size),
+                               temperature=TEMPERATURE,
                                ref_model=copy.deepcopy(tp_model))
     for step in range(3):
         batch = random_batch(plain, step)
@@ -70,7 +71,7 @@ def engine_batch(weights: dict, model_dir: str, step: int):
     model.load_state_dict(weights, strict=True)
     engine = Engine(model, device="cpu", seed=step, max_num_seqs=4)
     prompts = [p for p in PROMPTS for _ in range(2)]
-    outs = engine.generate(prompts, [SamplingParams(temperature=CONFIG["temperature"], max_tokens=6, seed=10 * step + i)
+    outs = engine.generate(prompts, [SamplingParams(temperature=TEMPERATURE, max_tokens=6, seed=10 * step + i)
                                      for i in range(len(prompts))])
     return [dict(prompt_token_ids=p, completion_token_ids=o.token_ids, rollout_logprobs=o.logprobs,
                  advantage=(-1.0) ** i * (1 + i / 10)) for i, (p, o) in enumerate(zip(prompts, outs))]
@@ -81,7 +82,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         from rlrepro.trainer.megatron import build_megatron_trainer
 
         def build():
-            return build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=2, num_gpus=world,
+            return build_megatron_trainer(model_dir, TrainConfig(**CONFIG),
+                                          temperature=TEMPERATURE, tensor_parallel=2, num_gpus=world,
                                           use_megatron_parallel_state=False)
 
         trainer = build()
@@ -144,8 +146,8 @@ def test_the_on_policy_check_can_fail(tp2_runs, one_thread):
     prompts = [s["prompt_token_ids"] for s in batch]
     comps = [s["completion_token_ids"] for s in batch]
     with torch.no_grad():
-        a = token_logprobs(plain, prompts, comps, CONFIG["temperature"])
-        b = token_logprobs(emulated, prompts, comps, CONFIG["temperature"])
+        a = token_logprobs(plain, prompts, comps, TEMPERATURE)
+        b = token_logprobs(emulated, prompts, comps, TEMPERATURE)
     assert not all(torch.equal(x, y) for x, y in zip(a, b))
 
 

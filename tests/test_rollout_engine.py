@@ -424,3 +424,45 @@ def test_abort_the_only_request_before_it_runs(model):
     outs = engine.step()
     assert [(o.request_id, o.finish_reason, o.token_ids) for o in outs] == [(rid, "abort", [])]
     assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == 64
+
+
+def test_receive_weights_fills_in_place_with_the_unfinished_requests_guard():
+    """The collective weight-sync path writes parameters through Engine.receive_weights: the same guard as
+    load_weights, the version set, the prefix cache dropped, and the same outputs as the new model's own."""
+    a, b = tiny_model(seed=1, initializer_range=0.3), tiny_model(seed=2, initializer_range=0.3)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [3, 1, 4, 1, 5, 9, 2, 6, 8]]
+    p = SamplingParams(temperature=0.8, max_tokens=10, seed=3)
+    ref_b = key(Engine(b, block_size=4, num_kv_blocks=64).generate(prompts, p))
+    engine = Engine(a, block_size=4, num_kv_blocks=64)
+    engine.generate(prompts, p)
+    assert engine.block_manager.num_cached_blocks > 0
+    source = dict(b.named_parameters())
+
+    def fill(params):
+        for name, t in params.items():
+            t.copy_(source[name])
+        return 7
+
+    rid = engine.add_request(prompts[0], p)
+    with pytest.raises(RuntimeError, match="receive_weights while requests are unfinished"):
+        engine.receive_weights(fill)
+    engine.abort(rid)
+    engine.step()
+    assert engine.receive_weights(fill) == 7
+    assert engine.weight_version == 7 and engine.block_manager.num_cached_blocks == 0
+    assert key(engine.generate(prompts, p)) == ref_b
+    with pytest.raises(ValueError, match="not an integer"):
+        engine.receive_weights(lambda params: None)
+
+
+def test_engine_from_config_takes_the_rollout_keys():
+    from rlrepro.rollout import EngineConfig
+
+    model = tiny_model(seed=1)
+    engine = Engine.from_config(model, EngineConfig(max_num_seqs=3, prefix_cache=False, block_size=4,
+                                                    num_kv_blocks=40, max_num_batched_tokens=64), seed=5)
+    assert (engine.max_num_seqs, engine.enable_prefix_cache, engine.block_size, engine.num_kv_blocks,
+            engine.max_num_batched_tokens, engine.seed) == (3, False, 4, 40, 64, 5)
+    p = SamplingParams(temperature=0.8, max_tokens=6, seed=3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    assert key(engine.generate(prompts, p)) == key(Engine(model, num_kv_blocks=64).generate(prompts, p))

@@ -135,9 +135,11 @@ class Engine:
         On CUDA without ``num_kv_blocks`` the KV cache takes ``gpu_memory_fraction`` of the GPU's memory."""
         engine_kwargs = config.engine_kwargs()
         fraction = engine_kwargs.pop("gpu_memory_fraction")
-        if torch.device(device).type == "cuda" and engine_kwargs.get("num_kv_blocks") is None and fraction:
+        on_cuda = torch.device(device).type == "cuda"
+        if on_cuda and engine_kwargs.get("num_kv_blocks") is None and fraction:
             index = torch.device(device).index or 0
-            engine_kwargs["kv_cache_memory_bytes"] = int(fraction * torch.cuda.get_device_properties(index).total_memory)
+            total = torch.cuda.get_device_properties(index).total_memory
+            engine_kwargs["kv_cache_memory_bytes"] = int(fraction * total)
         return cls(model_or_path, device=device, dtype=dtype, deterministic=deterministic, seed=seed,
                    **engine_kwargs, **kwargs)
 
