@@ -1,4 +1,5 @@
-"""File-mode policy for everything rlrepro writes (plain Python, nothing else of rlrepro, no torch).
+"""File-mode policy for everything rlrepro writes, and file digests (plain Python, nothing else of rlrepro, no
+torch).
 
 A file rlrepro writes gets the mode an ordinary ``open(path, "w")`` would give it: ``0o666`` masked by the
 process umask (``0o644`` under the usual umask 022). Atomic writers create a private temp file
@@ -7,9 +8,19 @@ process umask (``0o644`` under the usual umask 022). Atomic writers create a pri
 """
 from __future__ import annotations
 
+import hashlib
 import os
 
-__all__ = ["current_umask", "default_file_mode", "apply_default_mode"]
+__all__ = ["current_umask", "default_file_mode", "apply_default_mode", "sha256_file"]
+
+
+def sha256_file(path: str | os.PathLike, block: int = 1 << 24) -> str:
+    """The hex sha256 of a file's bytes, read in blocks of ``block`` bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(block), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def current_umask() -> int:

@@ -23,7 +23,6 @@ deleted before anything is written; they are never read.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -33,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+
+from rlrepro._files import sha256_file
 
 from .checkpoint_io import TOKENIZER_FILES, save_pretrained
 from .config import Qwen3Config
@@ -57,11 +58,7 @@ class BaseModelError(ValueError):
 # ----------------------------------------------------------------------------------------------------- helpers
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+    return sha256_file(path)
 
 
 def _fsync(path: Path) -> None:

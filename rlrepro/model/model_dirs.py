@@ -23,7 +23,6 @@ files are present with their recorded sizes (what ``latest_checkpoint`` consider
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from rlrepro._files import sha256_file
 
 from .base_model import BASE_MODEL_DIR
 from .checkpoint_io import iter_checkpoint_tensors, load_pretrained, require_all_tensors
@@ -238,11 +239,7 @@ def resolve_model_dir(path: str | os.PathLike, *, base: str | os.PathLike | None
 # ------------------------------------------------------------------------------------------------------ load
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+    return sha256_file(path)
 
 
 def _stored_dtype(f: Path) -> torch.dtype:
