@@ -195,13 +195,16 @@ class GRPODriver:
         return penalties, num_errors
 
     def compute_advantages(self, samples: list[Sample]) -> None:
-        """Group-relative advantages (``train.advantage``) into ``sample.advantage``."""
+        """The advantages (``train.advantage``, ``train.advantage_std``) of the step's batch into
+        ``sample.advantage``."""
         import torch
 
         from rlrepro.trainer import compute_advantages
 
+        train = self.cfg.train
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32).view(-1, self.cfg.rollout.group_size)
-        for s, a in zip(samples, compute_advantages(rewards, mode=self.cfg.train.advantage).view(-1).tolist()):
+        advantages = compute_advantages(rewards, mode=train.advantage, std=train.advantage_std)
+        for s, a in zip(samples, advantages.view(-1).tolist()):
             s.advantage = a
 
     def train(self, step: int, samples: list[Sample]) -> dict:

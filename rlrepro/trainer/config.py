@@ -13,8 +13,8 @@ from typing import ClassVar
 
 from rlrepro.checks import Checker
 
-from .advantages import ADVANTAGE_MODES
-from .losses import KL_ESTIMATORS, LOSS_AGG_MODES
+from .advantages import ADVANTAGE_MODES, ADVANTAGE_STDS, uses_std
+from .losses import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, policy_loss_problems
 
 __all__ = ["TrainConfig", "CheckpointConfig", "WarmStartConfig", "BACKENDS", "GRAD_SYNCS", "CHECKPOINT_FORMATS",
            "NONFINITE_POLICIES", "WARM_START_TARGETS"]
@@ -53,7 +53,14 @@ class TrainConfig:
     # entropy bonus (verl's entropy_coeff): loss -= entropy_coef * agg(entropy); 0 = off (entropy only reported)
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"  # rlrepro.trainer.losses.LOSS_AGG_MODES
+    # the per-token policy loss (rlrepro.trainer.losses.POLICY_LOSSES): ppo_clip (PPO/DAPO clipped surrogate) |
+    # gspo (sequence-level ratio and clip; needs loss_agg=seq-mean-token-mean, clips ~3e-4/4e-4) | cispo (clipped,
+    # detached IS weight times logp; clip_low=1: no lower bound)
+    policy_loss: str = "ppo_clip"
     advantage: str = "grpo"  # rlrepro.trainer.advantages.ADVANTAGE_MODES
+    # the std the advantage divides by (grpo's group std, reinforce_pp's batch std): population (divide by n) |
+    # sample (by n - 1: verl's and TRL's GRPO)
+    advantage_std: str = "population"
     # advantages clipped to [-advantage_clip, advantage_clip] before the loss (0 = off); bounds the step a
     # group with one outlier reward can take
     advantage_clip: float = 0.0
@@ -85,9 +92,18 @@ class TrainConfig:
         c.in_range("min_lr_ratio", 0, 1)
         c.in_range("adam_beta1", 0, 1, high_inclusive=False)
         c.in_range("adam_beta2", 0, 1, high_inclusive=False)
-        c.in_range("clip_low", 0, 1, high_inclusive=False)
+        # cispo's weight may have no lower bound (clip_low=1: 1 - clip_low = 0, as MiniMax-M1 runs it)
+        c.in_range("clip_low", 0, 1, high_inclusive=self.policy_loss == "cispo")
         c.choice("loss_agg", LOSS_AGG_MODES)
         c.choice("advantage", ADVANTAGE_MODES)
+        c.choice("advantage_std", ADVANTAGE_STDS)
+        c.require(self.advantage_std == "population" or uses_std(self.advantage), "advantage_std",
+                  f"changes nothing with train.advantage={self.advantage}, which divides by no std; leave "
+                  f"train.advantage_std=population (or an advantage that divides by a std: "
+                  f"{', '.join(m for m in ADVANTAGE_MODES if uses_std(m))})")
+        c.choice("policy_loss", POLICY_LOSSES)
+        for name, why in policy_loss_problems(self.policy_loss, loss_agg=self.loss_agg, dual_clip=self.dual_clip):
+            c.fail(name, why)
         c.choice("kl_estimator", KL_ESTIMATORS)
         c.choice("on_nonfinite", NONFINITE_POLICIES)
         c.choice("backend", BACKENDS)

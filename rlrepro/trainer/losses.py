@@ -1,24 +1,42 @@
-"""GRPO / PPO policy loss: clipped surrogate with clip-higher, three aggregation modes, optional KL penalty.
+"""GRPO / PPO policy losses: the clipped surrogate (PPO, clip-higher, dual clip), GSPO's sequence-level ratio and
+CISPO's clipped IS weight; four aggregation modes; optional KL and entropy terms.
 
 Pure functions over padded tensors ``[B, T]`` with a boolean ``mask`` (True at real completion tokens);
-:func:`pad_sequences` turns per-sample 1-D tensors into that form. Per token ``t`` of sample ``i``::
+:func:`pad_sequences` turns per-sample 1-D tensors into that form. Per token ``t`` of sample ``i``, with
+``train.policy_loss`` choosing ``pg`` (:data:`POLICY_LOSSES`)::
 
     ratio     = exp(logp - old_logp)                                   (old_logp: the rollout's logprobs)
-    pg        = max(-A_i * ratio, -A_i * clip(ratio, 1 - clip_low, 1 + clip_high))
-    pg        = min(pg, -A_i * dual_clip)  where A_i < 0                 (only with dual_clip > 1)
+    ppo_clip: pg = max(-A_i * ratio, -A_i * clip(ratio, 1 - clip_low, 1 + clip_high))
+              pg = min(pg, -A_i * dual_clip)  where A_i < 0             (only with dual_clip > 1)
+    gspo:     s_i = exp((1/L_i) sum_t (logp - old_logp))                (one ratio per sequence)
+              pg = max(-A_i * s_i, -A_i * clip(s_i, 1 - clip_low, 1 + clip_high))   (every token of sequence i)
+    cispo:    pg = -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A_i * logp      (sg: stop-gradient)
     kl        = k1 | k2 | k3 (logp, ref_logp)                           (only with ref_logp)
     loss      = agg(pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)
 
-* Clipped surrogate: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7, written as a loss
-  (negated), with GRPO's per-sample advantage broadcast over the tokens (Shao et al. 2024, "DeepSeekMath", eq. 3).
+* Clipped surrogate (``ppo_clip``, the default): Schulman et al. 2017, "Proximal Policy Optimization
+  Algorithms", eq. 7, written as a loss (negated), with GRPO's per-sample advantage broadcast over the tokens
+  (Shao et al. 2024, "DeepSeekMath", eq. 3).
 * Separate ``clip_low`` / ``clip_high`` ("clip-higher"): Yu et al. 2025, "DAPO", §3.1 and eq. 10 (they use
   0.2 / 0.28). Equal values give PPO.
 * Dual clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning", §3.3
   (their ``c``, e.g. 3): for a negative advantage the surrogate is also bounded by ``-A * c``, so a token whose
   ratio has grown large under a negative advantage cannot dominate the loss (verl's ``clip_ratio_c``).
+* GSPO (``gspo``): Zheng et al. 2025, "Group Sequence Policy Optimization" (Qwen): the importance ratio is the
+  sequence's, the geometric mean of its token ratios ``s_i = (pi(y_i) / pi_old(y_i)) ** (1 / |y_i|)``, and it is
+  clipped per sequence; the objective is a mean over sequences, ``(1/G) sum_i min(s_i A_i, clip(s_i) A_i)``, so it
+  takes ``loss_agg=seq-mean-token-mean`` only (which gives exactly that; verl's ``gspo`` forces it too). Its clip
+  ranges are far smaller than PPO's because ``s_i`` is a per-token geometric mean: the paper uses ``clip_low=3e-4,
+  clip_high=4e-4``. No dual clip (not in the paper; verl's ``gspo`` has none either).
+* CISPO (``cispo``): MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+  §3.1: the importance-sampling weight is clipped and detached, and multiplies ``A * logp`` (a REINFORCE term), so
+  no token loses its gradient, ``d pg / d logp = -clip(ratio) * A``. The paper sets no lower bound (a large
+  ``eps_low``): ``clip_low=1`` gives that here (``1 - clip_low = 0``; only with cispo). No dual clip: the weight is
+  already bounded above by ``1 + clip_high``. The paper's objective is a token mean (``token-mean``); the others
+  are allowed. ``pg`` is ``-w A logp``, not a ratio-sized value, so ``train/pg_loss`` reads on another scale.
 * Entropy bonus: ``entropy`` is the per-token entropy of the tempered policy distribution (it carries grad);
   ``entropy_coef > 0`` rewards it (Mnih et al. 2016, "Asynchronous Methods for Deep RL", §4; verl's
-  ``entropy_coeff``).
+  ``entropy_coeff``). KL and entropy terms combine with every ``policy_loss``.
 * KL estimators of ``KL(pi || pi_ref)`` from samples of pi, with ``log_r = ref_logp - logp``: Schulman 2020,
   "Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html)::
 
@@ -28,12 +46,19 @@ Pure functions over padded tensors ``[B, T]`` with a boolean ``mask`` (True at r
 
   The penalty is added to the loss (DeepSeekMath) rather than folded into the reward (InstructGPT).
 
+Clip fraction (``clip_frac``, a token mean): ``ppo_clip``, tokens where a clip bound (including the dual clip)
+is strictly the active term (no gradient); ``gspo``, every token of a sequence whose clip bound is active (the
+GSPO paper's "fraction of clipped tokens"); ``cispo``, tokens whose IS weight was clipped (they keep a gradient,
+scaled by the clipped weight).
+
 Aggregation ``agg`` over the tokens of a batch of ``S`` sequences with ``L_i`` tokens each:
 
 * ``"token-mean"``: ``sum_{i,t} x_it / sum_i L_i`` — every token weighs the same (DAPO §3.3).
 * ``"seq-mean-token-mean"``: ``(1/S) sum_i (1/L_i) sum_t x_it`` — the original GRPO objective (DeepSeekMath eq. 3).
 * ``"seq-mean-token-sum-norm"``: ``(1/S) sum_i (1/C) sum_t x_it`` with the constant ``C = max_response_length``
   — Dr. GRPO (Liu et al. 2025, §3.1), which removes GRPO's response-length bias.
+* ``"seq-mean-token-sum"``: ``(1/S) sum_i sum_t x_it`` — verl's mode of that name (a sequence's tokens summed,
+  sequences averaged; ``seq-mean-token-sum-norm`` times ``C``).
 
 Gradient accumulation: pass the *whole batch's* ``num_tokens`` (token-mean) or ``num_seqs`` (seq modes) and each
 micro-batch returns its share of the whole-batch loss, so the shares sum to the full-batch loss whatever the
@@ -47,13 +72,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LOSS_AGG_MODES", "KL_ESTIMATORS", "LossOutput", "pad_sequences", "aggregate", "kl_penalty",
-           "clipped_surrogate", "policy_loss", "register_loss_agg", "register_kl_estimator"]
+__all__ = ["LOSS_AGG_MODES", "KL_ESTIMATORS", "POLICY_LOSSES", "LossOutput", "pad_sequences", "aggregate",
+           "kl_penalty", "clipped_surrogate", "policy_loss", "register_loss_agg", "register_kl_estimator",
+           "register_policy_loss", "policy_loss_problems"]
 
-# The registries: name -> implementation. ``train.loss_agg`` / ``train.kl_estimator`` accept exactly these names
-# (rlrepro.trainer.TrainConfig checks against them), so a new mode is one decorated function here.
+# The registries: name -> implementation. ``train.loss_agg`` / ``train.kl_estimator`` / ``train.policy_loss``
+# accept exactly these names (rlrepro.trainer.TrainConfig checks against them), so a new mode is one decorated
+# function here.
 LOSS_AGG_MODES: dict[str, Callable[..., torch.Tensor]] = {}
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+# what a policy loss refuses: name -> (why train.dual_clip > 0 is refused or None, the loss_agg modes it takes or
+# None for every one, why the others are refused)
+_POLICY_LOSS_RULES: dict[str, tuple[str | None, tuple[str, ...] | None, str]] = {}
 
 
 def register_loss_agg(name: str):
@@ -71,6 +102,32 @@ def register_kl_estimator(name: str):
         KL_ESTIMATORS[name] = fn
         return fn
     return wrap
+
+
+def register_policy_loss(name: str, *, dual_clip: str | None = None, loss_aggs: tuple[str, ...] | None = None,
+                         loss_agg_why: str = ""):
+    """Register ``fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip) -> (pg [B, T], clipped
+    [B, T] bool)`` as ``train.policy_loss=name``. ``dual_clip``: why the loss refuses ``dual_clip > 0`` (None: it
+    applies it); ``loss_aggs``: the only aggregations it takes (None: every one), ``loss_agg_why`` saying why."""
+    def wrap(fn):
+        POLICY_LOSSES[name] = fn
+        _POLICY_LOSS_RULES[name] = (dual_clip, loss_aggs, loss_agg_why)
+        return fn
+    return wrap
+
+
+def policy_loss_problems(mode: str, *, loss_agg: str, dual_clip: float) -> list[tuple[str, str]]:
+    """``(field, why)`` for each setting ``train.policy_loss=mode`` cannot be combined with (empty: none), e.g.
+    ``("dual_clip", "is not used by ...")``; what TrainConfig and :func:`policy_loss` refuse."""
+    dual_why, aggs, agg_why = _POLICY_LOSS_RULES.get(mode, (None, None, ""))
+    problems = []
+    if dual_clip and dual_why is not None:
+        problems.append(("dual_clip", f"cannot be used with train.policy_loss={mode}: {dual_why}; set "
+                                      "train.dual_clip=0"))
+    if aggs is not None and loss_agg not in aggs:
+        problems.append(("loss_agg", f"cannot be used with train.policy_loss={mode}: {agg_why}; set "
+                                     f"train.loss_agg={aggs[0]}"))
+    return problems
 
 
 @register_loss_agg("token-mean")
@@ -91,6 +148,12 @@ def _seq_mean_token_sum_norm(masked, mask, num_tokens, num_seqs, max_response_le
     s = masked.shape[0] if num_seqs is None else num_seqs
     per_seq = masked.sum(dim=-1) / float(max_response_length)
     return per_seq.sum() / max(s, 1)
+
+
+@register_loss_agg("seq-mean-token-sum")
+def _seq_mean_token_sum(masked, mask, num_tokens, num_seqs, max_response_length):
+    s = masked.shape[0] if num_seqs is None else num_seqs
+    return masked.sum(dim=-1).sum() / max(s, 1)
 
 
 @register_kl_estimator("k1")
@@ -180,6 +243,49 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
     return pg, no_grad
 
 
+@register_policy_loss("ppo_clip")
+def _ppo_clip(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip):
+    """PPO's clipped surrogate with clip-higher and dual clip: :func:`clipped_surrogate`."""
+    return clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high, dual_clip)
+
+
+def _per_sequence(advantages: torch.Tensor, mode: str) -> torch.Tensor:
+    if advantages.dim() != 1:
+        raise ValueError(f"policy_loss {mode!r} needs one advantage per sequence ([B]), got shape "
+                         f"{tuple(advantages.shape)}")
+    return advantages
+
+
+@register_policy_loss(
+    "gspo", dual_clip="GSPO (Zheng et al. 2025) clips the sequence ratio and has no dual clip",
+    loss_aggs=("seq-mean-token-mean",),
+    loss_agg_why="GSPO's objective is a mean over sequences of one sequence-level term each (Zheng et al. 2025), "
+                 "which only seq-mean-token-mean gives")
+def _gspo(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip):
+    """GSPO: ``s_i = exp(mean_t(logp - old_logp))``, ``pg_i = max(-A_i s_i, -A_i clip(s_i, 1 - clip_low,
+    1 + clip_high))`` on every token of sequence ``i``; ``clipped`` marks every token of a clipped sequence."""
+    adv = _per_sequence(advantages, "gspo")
+    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+    s = torch.exp(log_ratio.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1).to(logp.dtype))
+    unclipped = -adv * s
+    clipped = -adv * torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high)
+    pg, no_grad = torch.maximum(unclipped, clipped), clipped > unclipped
+    return pg.unsqueeze(-1).expand_as(logp), no_grad.unsqueeze(-1).expand_as(mask)
+
+
+@register_policy_loss(
+    "cispo", dual_clip="CISPO's IS weight (MiniMax-M1 §3.1) is already bounded above by 1 + clip_high, and its "
+                       "loss -w A logp is no ratio-sized surrogate for a dual clip to bound")
+def _cispo(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip):
+    """CISPO: ``pg = -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * logp``; ``clipped`` marks the tokens whose
+    weight was clipped (``ratio`` outside the bounds); they keep their gradient."""
+    adv = advantages.unsqueeze(-1) if advantages.dim() == logp.dim() - 1 else advantages
+    ratio = torch.exp(logp - old_logp).detach()
+    low, high = 1.0 - clip_low, 1.0 + clip_high
+    weight = torch.clamp(ratio, low, high)
+    return -weight * adv * logp, (ratio < low) | (ratio > high)
+
+
 @dataclass
 class LossOutput:
     """``loss`` carries grad; the rest are detached float metrics, token means over this call's tokens."""
@@ -201,9 +307,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 clip_low: float = 0.2, clip_high: float = 0.2, loss_agg: str = "token-mean",
                 max_response_length: int | None = None, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None,
                 kl_estimator: str = "k3", entropy: torch.Tensor | None = None, num_tokens: int | None = None,
-                num_seqs: int | None = None, dual_clip: float = 0.0, entropy_coef: float = 0.0) -> LossOutput:
-    """``agg(pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)`` over padded ``[B, T]`` tensors; see the module
-    docstring for the formulas.
+                num_seqs: int | None = None, dual_clip: float = 0.0, entropy_coef: float = 0.0,
+                mode: str = "ppo_clip") -> LossOutput:
+    """``agg(pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)`` over padded ``[B, T]`` tensors, ``pg`` the
+    per-token loss of ``mode`` (one of :data:`POLICY_LOSSES`); see the module docstring for the formulas.
 
     ``ref_logp`` is needed when ``kl_coef != 0``; given with ``kl_coef == 0`` the KL is still reported.
     ``entropy`` (``[B, T]``, optional) is reported, and with ``entropy_coef != 0`` (which needs it, with grad) it
@@ -211,6 +318,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     :func:`aggregate`).
     """
     _check_mode(loss_agg, max_response_length)
+    if mode not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {mode!r}; choose one of {list(POLICY_LOSSES)}")
+    for name, why in policy_loss_problems(mode, loss_agg=loss_agg, dual_clip=dual_clip):
+        raise ValueError(f"{name}={dual_clip if name == 'dual_clip' else loss_agg!r} {why}")
     if kl_coef != 0.0 and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp (the reference policy's logprobs); "
                          "pass ref_logp or set kl_coef=0")
@@ -218,7 +329,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         raise ValueError(f"entropy_coef={entropy_coef} needs entropy (per-token entropies with grad); "
                          "pass entropy or set entropy_coef=0")
     agg = dict(loss_agg=loss_agg, max_response_length=max_response_length, num_tokens=num_tokens, num_seqs=num_seqs)
-    pg, clipped = clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high, dual_clip)
+    pg, clipped = POLICY_LOSSES[mode](logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                                      dual_clip=dual_clip)
     loss = aggregate(pg, mask, **agg)
     if entropy_coef != 0.0:
         loss = loss - entropy_coef * aggregate(entropy, mask, **agg)

@@ -262,7 +262,7 @@ class Trainer:
                                   loss_agg=cfg.loss_agg, max_response_length=self.max_response_length,
                                   kl_coef=cfg.kl_coef, ref_logp=ref, kl_estimator=cfg.kl_estimator,
                                   entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
-                                  dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef)
+                                  dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef, mode=cfg.policy_loss)
                 out.loss.backward()
                 self.optimizer.accumulate_grads()
                 loss_sum += float(out.loss.detach())
