@@ -26,6 +26,7 @@ from . import preflight
 from .actors import ActorGroup
 from .config import ConfigError, RunSchema, to_schema, validate_model_layout
 from .errors import RunFailed, RunInterrupted, describe, is_actor_death, unwrap
+from .run_lock import RunLock
 from .runlog import RunLog, perf_memory_metrics, step_metrics
 from .workers import Request
 
@@ -107,7 +108,8 @@ class GRPODriver:
                               f"{cfg.rollout.prompts_per_step}")
         preflight.check_lengths(cfg, self.prompts, self.model_config)
         preflight.check_reward(cfg, self.reward_fn, self.prompts)
-        atomic_write_bytes(self.run_dir / CONFIG_FILE, config_yaml(cfg).encode("utf-8"))
+        if not cfg.run.resume:  # a resume writes it in run(), once the checkpoint and data order are accepted
+            atomic_write_bytes(self.run_dir / CONFIG_FILE, config_yaml(cfg).encode("utf-8"))
         self.order = EpochOrder(len(self.prompts), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         eos = self.tokenizer.eos_token_id
         self.stop_token_ids = [eos] if eos is not None else []
@@ -265,10 +267,18 @@ class GRPODriver:
     def run(self, *, start_checkpoint: str | None = None, last_step: int | None = None) -> list[dict]:
         """Run steps up to ``last_step`` (default train.steps). Resumes from ``start_checkpoint`` if given, else
         from the latest complete checkpoint when run.resume is true, else from scratch. Ctrl-C or SIGTERM stops
-        it with :class:`RunInterrupted` (exit 130 from the CLI), naming the checkpoint left."""
-        from rlrepro.trainer import latest_checkpoint
+        it with :class:`RunInterrupted` (exit 130 from the CLI), naming the checkpoint left. The run directory
+        is locked for the whole run (:class:`~.run_lock.RunLock`): a second run into it is refused first."""
+        lock = RunLock(self.run_dir).acquire()  # before anything is read, written or deleted
+        try:
+            return self._run_locked(start_checkpoint, last_step)
+        finally:
+            lock.release()
 
-        if start_checkpoint is None and self.cfg.run.resume:
+    def _run_locked(self, start_checkpoint: str | None, last_step: int | None) -> list[dict]:
+        resume_from = None
+        if start_checkpoint is None and self.cfg.run.resume:  # names each checkpoint it skips; refuses when
+            resume_from = preflight.resume_checkpoint(self.checkpoint_root())  # there are some but none is usable
             self._reconcile_resume()  # the recorded config, with the bit-neutral changes asked for
         cfg = self.cfg
         last_step = cfg.train.steps if last_step is None else last_step
@@ -279,12 +289,7 @@ class GRPODriver:
             self.setup()
             previous_sigterm = _sigterm_as_interrupt()  # after Ray started: it installs a SIGTERM handler of its own
             preflight.remove_partial_checkpoints(self.checkpoint_root(), self.log.line)
-            ckpt = start_checkpoint
-            if ckpt is None and cfg.run.resume:
-                found = latest_checkpoint(self.checkpoint_root())
-                ckpt = None if found is None else str(found)
-                if found is None:
-                    self.log.line("rlrepro: run.resume=true but no checkpoint exists yet: starting at step 1")
+            ckpt = start_checkpoint if start_checkpoint is not None else resume_from
             if cfg.train.warmup_steps > cfg.train.steps:
                 self.log.line(f"rlrepro: train.warmup_steps={cfg.train.warmup_steps} > train.steps="
                               f"{cfg.train.steps}: the LR warm-up is capped at {cfg.train.steps} steps")
@@ -298,6 +303,8 @@ class GRPODriver:
                 done = 0
                 self.warm_start()
                 self._record_inputs(self.actors.sync_weights(version=0))
+            if cfg.run.resume:  # written once nothing can refuse the resume any more (setup writes a fresh run's)
+                atomic_write_bytes(self.run_dir / CONFIG_FILE, config_yaml(cfg).encode("utf-8"))
             self.log.start(done)
             return self._loop(done, last_step)
         except KeyboardInterrupt as e:

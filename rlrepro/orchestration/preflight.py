@@ -3,6 +3,7 @@ prompt lengths, the reward on a gold answer). Each raises :class:`ConfigError` n
 before Ray starts and before ``config.yaml`` is written."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,8 @@ from rlrepro.repro.records import (CHECKPOINTS_DIR, CONFIG_FILE, FINGERPRINTS_FI
 from .config import ConfigError, RunSchema
 from .errors import log
 
-__all__ = ["check_devices", "check_run_dir", "check_tokenizer", "check_lengths", "check_reward",
-           "remove_partial_checkpoints"]
+__all__ = ["check_devices", "check_run_dir", "overwrite_plan", "check_tokenizer", "check_lengths", "check_reward",
+           "remove_partial_checkpoints", "resume_checkpoint", "RUN_FILES", "RUN_DIRS"]
 
 
 def check_devices(cfg: RunSchema) -> None:
@@ -35,10 +36,19 @@ def check_devices(cfg: RunSchema) -> None:
                           f"but {have} are visible; set ray.colocate=true or lower the counts")
 
 
+# What rlrepro writes into a run directory: the files run.overwrite=true deletes, and nothing else.
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, FINGERPRINTS_FILE, "inputs.json", "amendments.jsonl")
+# directories only rlrepro writes into, with the names of the entries it makes there
+RUN_DIRS = {ROLLOUTS_DIR: ("step_*.jsonl.gz", ".step_*.tmp"), CHECKPOINTS_DIR: ("step_*",), "verify": ("from_*",),
+            "data": ("synthetic_*.jsonl", ".synthetic_*.tmp")}
+RUN_GLOBS = ("base_model", "base_model.tmp*")  # rlrepro's own model directory (model.init=tiny|random)
+
+
 def check_run_dir(cfg: RunSchema, run_dir: Path, fresh: bool) -> None:
     """A fresh run refuses a run.dir that already holds a run: starting over would truncate its records. With
-    run.overwrite=true that run's files are deleted first."""
-    from rlrepro.trainer import list_checkpoints
+    run.overwrite=true that run's files (:func:`overwrite_plan`) are deleted first, and nothing else; refused
+    when the run's inputs lie among them or one is a symbolic link."""
+    from rlrepro.trainer.checkpoint import scan_checkpoints
 
     if not fresh:
         return
@@ -47,20 +57,88 @@ def check_run_dir(cfg: RunSchema, run_dir: Path, fresh: bool) -> None:
         f = run_dir / name
         if f.is_file() and f.stat().st_size > 0:
             found.append(name)
-    ckpts = list_checkpoints(run_dir / CHECKPOINTS_DIR)
-    if ckpts:
-        found.append(f"checkpoints up to step {ckpts[-1][0]}")
+    ckpts = scan_checkpoints(run_dir / CHECKPOINTS_DIR)
+    usable = [step for step, _, problem in ckpts if problem is None]
+    if usable:
+        found.append(f"checkpoints up to step {usable[0]}")
+    elif ckpts:
+        found.append(f"{len(ckpts)} damaged checkpoint directories")
     if not found:
         return
     if not cfg.run.overwrite:
         raise ConfigError(f"run.dir={str(run_dir)!r} already holds a run ({', '.join(found)}). Fix: continue "
-                          "it with run.resume=true, start it over with run.overwrite=true (deletes its records, "
-                          "checkpoints, base_model and data), or choose another run.dir")
-    log(f"run.overwrite=true: deleting the run in {run_dir}")
-    for name in (METRICS_FILE, FINGERPRINTS_FILE, CONFIG_FILE):
-        (run_dir / name).unlink(missing_ok=True)
-    for name in (ROLLOUTS_DIR, CHECKPOINTS_DIR, "base_model", "data", "verify"):
-        shutil.rmtree(run_dir / name, ignore_errors=True)
+                          "it with run.resume=true, start it over with run.overwrite=true (deletes the files that "
+                          "run wrote: its records, checkpoints, rollouts, base_model, verify runs and synthetic data, "
+                          "nothing else), or choose another run.dir")
+    plan = overwrite_plan(run_dir)
+    _refuse_inputs_inside(cfg, run_dir, plan)
+    links = [q for q in plan if q.is_symlink()]
+    if links:
+        raise ConfigError(f"run.overwrite=true would delete {links[0]}, a symbolic link to {os.readlink(links[0])!r}; "
+                          "rlrepro never deletes through a link (its target is not in the run directory). Move or "
+                          "empty the target and remove the link yourself, or choose another run.dir")
+    shown = ", ".join(str(q.relative_to(run_dir)) for q in plan)
+    log(f"run.overwrite=true: deleting the run in {run_dir}: {shown}")
+    for q in plan:
+        if q.is_dir():
+            shutil.rmtree(q)
+        else:
+            q.unlink(missing_ok=True)
+    for name in RUN_DIRS:
+        d = run_dir / name
+        if d.is_dir() and not d.is_symlink():
+            left = sorted(e.name for e in d.iterdir())
+            if left:
+                log(f"run.overwrite=true: kept {d}, which holds files rlrepro did not write: {', '.join(left[:8])}")
+            else:
+                d.rmdir()
+
+
+def overwrite_plan(run_dir: Path) -> list[Path]:
+    """The files and directories rlrepro wrote into ``run_dir`` (what run.overwrite=true deletes), in that order:
+    :data:`RUN_FILES`, the entries matching :data:`RUN_DIRS` inside those directories, :data:`RUN_GLOBS`. A
+    directory that is a symbolic link is listed itself (not looked into)."""
+    plan = [run_dir / n for n in RUN_FILES if (run_dir / n).is_symlink() or (run_dir / n).exists()]
+    for name, patterns in RUN_DIRS.items():
+        d = run_dir / name
+        if d.is_symlink():
+            plan.append(d)
+        elif d.is_dir():
+            plan += sorted({e for pattern in patterns for e in d.glob(pattern)})
+    plan += sorted(q for pattern in RUN_GLOBS for q in run_dir.glob(pattern))
+    return plan
+
+
+def _config_paths(cfg: RunSchema) -> list[tuple[str, str]]:
+    """(key, value) of every config value that names an existing file or directory, run.dir aside;
+    data.source and model.path first."""
+    from omegaconf import OmegaConf
+
+    from .resume import flatten
+
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    out = []
+    for key, value in sorted(flatten(tree), key=lambda kv: kv[0] not in ("data.source", "model.path")):
+        if key != "run.dir" and isinstance(value, str) and value.strip() and len(value) < 4096:
+            try:
+                if Path(value).exists():
+                    out.append((key, value))
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def _refuse_inputs_inside(cfg: RunSchema, run_dir: Path, plan: list[Path]) -> None:
+    """run.overwrite=true must not delete what the run reads: data.source, model.path, eval data or any other
+    path a key names."""
+    real = [(q, Path(os.path.realpath(q))) for q in plan if not q.is_symlink()]
+    for key, value in _config_paths(cfg):
+        target = Path(os.path.realpath(value))
+        for q, r in real:
+            if target == r or r in target.parents:
+                raise ConfigError(f"run.overwrite=true would delete {q}, and {key}={value!r} lies inside it: the run "
+                                  "would delete its own input. Move it out of the run directory (or choose another "
+                                  "run.dir); nothing was deleted")
 
 
 def check_tokenizer(model_config: Any, tokenizer: Any, model_dir: Path) -> None:
@@ -119,10 +197,38 @@ def check_reward(cfg: RunSchema, reward_fn: Any, prompts: list) -> None:
 
 
 def remove_partial_checkpoints(root: Path, say) -> None:
-    """Delete ``step_NNNNNN.tmp-<pid>`` directories that a killed run left (never loaded; they only take disk)."""
+    """Delete ``step_NNNNNN.tmp-<pid>`` directories that a killed run left (never loaded; they only take disk).
+    A symbolic link of that name is left alone (rlrepro never made it and does not follow it), and said so."""
     if not root.is_dir():
         return
     for d in sorted(root.glob("step_*.tmp-*")):
-        if d.is_dir():
+        if d.is_symlink():
+            say(f"rlrepro: leaving {d} alone: a symbolic link (to {os.readlink(d)!r}), not a partial checkpoint "
+                "rlrepro wrote; links are not followed")
+        elif d.is_dir():
             say(f"rlrepro: removing the partial checkpoint {d} (a write that did not finish)")
             shutil.rmtree(d, ignore_errors=True)
+            if d.exists():
+                say(f"rlrepro: could not remove all of {d} (permissions?); it is never loaded")
+
+
+def resume_checkpoint(root: Path, say=log) -> str | None:
+    """The checkpoint ``run.resume=true`` continues from: the newest complete one under ``root``. Each newer
+    directory that is not a complete checkpoint is named with the reason it is skipped. None when there is no
+    checkpoint directory at all (the run starts at step 1); ConfigError when there are some but none is usable
+    (starting over would silently rewrite every record)."""
+    from rlrepro.trainer.checkpoint import scan_checkpoints
+
+    entries = scan_checkpoints(root)
+    for step, path, problem in entries:
+        if problem is None:
+            return str(path)
+        say(f"run.resume=true: skipping {path}, not a complete checkpoint: {problem}")
+    if not entries:
+        say("run.resume=true but no checkpoint exists yet: starting at step 1")
+        return None
+    names = ", ".join(path.name for _, path, _ in entries)
+    raise ConfigError(f"run.resume=true, but none of the {len(entries)} checkpoint directories in {root} is usable "
+                      f"({names}; the reasons are above). Resuming would start over at step 1 and rewrite every "
+                      "record, so nothing was changed. Fix: restore the missing or damaged files (from a copy), or "
+                      "start the run over with run.resume=false run.overwrite=true, or choose another run.dir")

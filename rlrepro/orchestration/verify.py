@@ -33,6 +33,7 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
 
     from .config import validate
     from .driver import GRPODriver
+    from .run_lock import RunLock
 
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
@@ -51,17 +52,22 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
     cfg = validate(migrate_legacy_keys(recorded, warn=False))
     start_step, ckpt = _checkpoint_before(run / "checkpoints", from_step - 1)
     out = run / "verify" / f"from_{from_step}"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    if ckpt is not None and (run / "base_model").is_dir():
-        os.symlink((run / "base_model").resolve(), out / "base_model")  # overwritten by the checkpoint anyway
-    cfg.run.dir = str(out)
-    cfg.run.resume = False
-    cfg.logger.wandb = False
-    cfg.logger.progress = progress
-    cfg.checkpoint.every = 0
-    driver = GRPODriver(cfg, out)
-    driver.run(start_checkpoint=None if ckpt is None else str(ckpt), last_step=last)
+    with RunLock(run):  # verify writes into RUN/verify/: never beside a run (or another verify) of RUN
+        for d in (out.parent, out):
+            if d.is_symlink():
+                raise ReproError(f"{d} is a symbolic link (to {os.readlink(d)!r}); rlrepro verify does not write or "
+                                 "delete through links: remove it")
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        if ckpt is not None and (run / "base_model").is_dir():
+            os.symlink((run / "base_model").resolve(), out / "base_model")  # overwritten by the checkpoint anyway
+        cfg.run.dir = str(out)
+        cfg.run.resume = False
+        cfg.logger.wandb = False
+        cfg.logger.progress = progress
+        cfg.checkpoint.every = 0
+        driver = GRPODriver(cfg, out)
+        driver.run(start_checkpoint=None if ckpt is None else str(ckpt), last_step=last)
     return diff_runs(run, out, steps=range(from_step, last + 1)), start_step
 
 

@@ -22,6 +22,7 @@ under umask 022), whatever the writing library does (safetensors 0.8 creates its
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -41,7 +42,8 @@ from rlrepro.model import save_pretrained
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "verify_checkpoint",
            "capture_rng_state",
-           "restore_rng_state", "export_hf", "LoadedCheckpoint", "checkpoint_dir_name"]
+           "restore_rng_state", "export_hf", "LoadedCheckpoint", "checkpoint_dir_name", "load_pt", "scan_checkpoints",
+           "write_error"]
 
 FORMAT = "rlrepro-checkpoint"
 VERSION = 1
@@ -207,6 +209,52 @@ def commit_checkpoint_dir(tmp: Path, final: Path) -> None:
     _fsync_dir(root)
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXT = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122", "storagefull")
+# torch's zip writer reports a short write (a full disk) as "[enforce fail at inline_container.cc:NNN] . unexpected
+# pos A vs B" or "PytorchStreamWriter failed writing file ...", without an errno
+_TORCH_SHORT_WRITE = re.compile(r"inline_container\.cc.*unexpected pos|PytorchStreamWriter failed writing")
+_NEARLY_FULL = 16 << 20  # bytes free under which a short write is taken for a full disk
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _mib(n: int | None) -> str:
+    return "unknown space" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def write_error(exc: BaseException, path: Path, what: str, free: int | None) -> OSError | None:
+    """The error to raise for ``exc``, raised while writing ``path`` (part of ``what``), when its own words hide
+    the cause: a full disk (``ENOSPC``/``EDQUOT``, or torch's "unexpected pos" short write with little space left)
+    becomes ``OSError(ENOSPC, "disk full at PATH ...")``; None: raise ``exc`` as it is."""
+    text = " ".join(str(e) for e in _chain(exc))
+    full = any(isinstance(e, OSError) and e.errno in _DISK_FULL for e in _chain(exc))
+    full = full or any(t in text.lower() for t in _DISK_FULL_TEXT)
+    short = _TORCH_SHORT_WRITE.search(text) is not None
+    if not full and not (short and free is not None and free < _NEARLY_FULL):
+        if short:
+            return OSError(errno.EIO, f"writing {path} stopped short ({_mib(free)} still free on that file system: "
+                                      f"a quota or a file-size limit?); {what} was not written. torch said: "
+                                      f"{str(exc).strip().splitlines()[0][:200]}")
+        return None
+    return OSError(errno.ENOSPC, f"disk full at {path} (No space left on device; {_mib(free)} free on that file "
+                                 f"system): {what} was not written, and nothing partial is left. Free some space "
+                                 "there (or lower checkpoint.keep_last, or choose a run.dir on a larger disk)")
+
+
 def save_checkpoint(ckpt_root: str | os.PathLike, step: int, *, model=None, optimizer=None, scheduler=None,
                     extra_state: Mapping | None = None, rng_state: Mapping | None = None,
                     keep_last: int | None = None) -> Path:
@@ -226,25 +274,34 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, *, model=None, opti
         shutil.rmtree(tmp)
     tmp.mkdir()
     rng_state = capture_rng_state() if rng_state is None else rng_state
+    writers: list[tuple[str, Callable[[Path], None]]] = []
+    if model is not None:
+        writers.append(("model.safetensors",
+                        lambda p: save_file(_model_state(model), str(p), metadata={"format": "pt"})))
+    if optimizer is not None:
+        writers.append(("optimizer.pt", lambda p: torch.save(optimizer.state_dict(), p)))
+    if scheduler is not None:
+        writers.append(("scheduler.pt", lambda p: torch.save(scheduler.state_dict(), p)))
+    writers.append(("rng.pt", lambda p: torch.save(dict(rng_state), p)))
+    writers.append(("extra_state.pt", lambda p: torch.save(dict(extra_state or {}), p)))
     files: dict[str, dict] = {}
+    current = tmp
     try:
-        if model is not None:
-            state = _model_state(model)
-            files["model.safetensors"] = _write_file(
-                tmp / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-        if optimizer is not None:
-            files["optimizer.pt"] = _write_file(tmp / "optimizer.pt", lambda p: torch.save(optimizer.state_dict(), p))
-        if scheduler is not None:
-            files["scheduler.pt"] = _write_file(tmp / "scheduler.pt", lambda p: torch.save(scheduler.state_dict(), p))
-        files["rng.pt"] = _write_file(tmp / "rng.pt", lambda p: torch.save(dict(rng_state), p))
-        files["extra_state.pt"] = _write_file(tmp / "extra_state.pt",
-                                              lambda p: torch.save(dict(extra_state or {}), p))
+        for name, write in writers:
+            current = tmp / name
+            files[name] = _write_file(current, write)
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": dict(sorted(files.items()))}
-        _write_file(tmp / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n"))
+        current = tmp / MANIFEST
+        _write_file(current, lambda p: p.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n"))
+        current = tmp
         _fsync_dir(tmp)
         commit_checkpoint_dir(tmp, final)
-    except BaseException:
+    except BaseException as e:
+        free = _free_bytes(root)  # before the partial files are removed
         shutil.rmtree(tmp, ignore_errors=True)
+        clear = write_error(e, current, f"the checkpoint of step {step}", free)
+        if clear is not None:
+            raise clear from e
         raise
     if keep_last is not None:
         for old in _complete_steps(root)[keep_last:]:
@@ -264,8 +321,14 @@ def _read_manifest(path: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{mpath} is not valid JSON ({e}); the checkpoint is corrupt, "
                          "resume from an earlier one (latest_checkpoint skips it only if files are missing)") from e
-    if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
-        raise ValueError(f"{mpath} is not an {FORMAT} manifest (format {manifest.get('format')!r})")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"),
+                                                                                           dict):
+        fmt = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(f"{mpath} is not an {FORMAT} manifest (format {fmt!r})")
+    bad = [n for n, e in manifest["files"].items() if not isinstance(e, dict) or not isinstance(e.get("size"), int)
+           or not isinstance(e.get("sha256"), str)]
+    if bad:
+        raise ValueError(f"{mpath} lists {bad[0]!r} without an integer size and a sha256; the manifest is damaged")
     if manifest.get("version") != VERSION:
         raise ValueError(f"{mpath} has format version {manifest.get('version')}; this rlrepro reads version {VERSION}")
     return manifest
@@ -295,21 +358,34 @@ def verify_checkpoint(path: str | os.PathLike, check_hashes: bool = True) -> dic
     return manifest
 
 
-def _complete_steps(root: Path) -> list[int]:
-    """Steps of complete checkpoints (manifest present, every listed file of the recorded size), newest first."""
-    steps = []
+def scan_checkpoints(ckpt_root: str | os.PathLike) -> list[tuple[int, Path, str | None]]:
+    """Every ``step_NNNNNN`` entry under ``ckpt_root``, newest first, as ``(step, path, problem)``: ``problem`` is
+    None for a complete checkpoint (manifest present, every listed file of the recorded size; hashes are checked
+    when it is loaded), else why it is not one. ``*.tmp-*`` (a write that did not finish) and other names are
+    not listed."""
+    root = Path(ckpt_root)
+    out = []
     if not root.is_dir():
-        return steps
+        return out
     for d in root.iterdir():
         m = _STEP_DIR.match(d.name)
-        if not m or not d.is_dir():
+        if not m:
             continue
-        try:
-            verify_checkpoint(d, check_hashes=False)
-        except ValueError:
-            continue
-        steps.append(int(m.group(1)))
-    return sorted(steps, reverse=True)
+        problem = None
+        if not d.is_dir():
+            problem = f"{d} is not a directory"
+        else:
+            try:
+                verify_checkpoint(d, check_hashes=False)
+            except ValueError as e:
+                problem = str(e)
+        out.append((int(m.group(1)), d, problem))
+    return sorted(out, key=lambda t: t[0], reverse=True)
+
+
+def _complete_steps(root: Path) -> list[int]:
+    """Steps of complete checkpoints (manifest present, every listed file of the recorded size), newest first."""
+    return [step for step, _, problem in scan_checkpoints(root) if problem is None]
 
 
 def list_checkpoints(ckpt_root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -335,8 +411,31 @@ class LoadedCheckpoint:
     rng_state: dict
 
 
-def _load_pt(path: Path, map_location):
-    return torch.load(path, map_location=map_location, weights_only=True)
+def load_pt(path: str | os.PathLike, map_location="cpu"):
+    """``torch.load(path, weights_only=True)``: tensors and plain containers only. A file that holds anything else
+    (a pickle with code, objects of other classes) or is not a torch file raises ValueError naming the file; the
+    way to load it anyway is never suggested (it would run the code)."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        code = re.search(r"GLOBAL ([\w.]+)", str(e))
+        other = re.search(r"Unsupported (operand \d+|class [\w.]+)", str(e))
+        if code:
+            what = f"holds pickled code or objects of other classes than tensors and plain containers ({code[1]})"
+        else:
+            what = ("is not a file of tensors and plain containers" + (f" ({other[1]})" if other else ""))
+        raise ValueError(f"checkpoint file {path} {what}: rlrepro writes no such file, so it was made elsewhere or "
+                         "damaged or tampered with, and it is not loaded (no code in it runs). Delete this checkpoint "
+                         "and resume from an earlier one, or from a copy you trust") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"checkpoint file {path} cannot be read as a torch file ({type(e).__name__}: {first}); "
+                         "delete this checkpoint and resume from an earlier one") from None
+
+
+_load_pt = load_pt
 
 
 def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, scheduler=None,
