@@ -252,11 +252,19 @@ def cmd_generate(args: list[str]) -> int:
 def _pin_hash_seed(argv: list[str]) -> None:
     """Re-run the command with PYTHONHASHSEED=0 unless it is pinned already: sympy (inside math-verify) iterates
     sets, whose order follows the string hash seed, and a reward must not depend on it. Only the console
-    entry point does this (``main(None)``); callers passing argv keep their process."""
+    entry point does this (``main(None)``); callers passing argv keep their process.
+
+    The new interpreter runs with ``-P`` (no script directory or working directory put first on ``sys.path``; a
+    ``python -m`` would put the working directory there, and a ``difflib.py`` in it would replace the standard
+    library's). The working directory is searched last instead, in both processes, so a module found only there
+    (a ``reward.fn`` module next to the data) still imports, and none there can shadow an installed one."""
+    cwd = os.path.abspath(os.getcwd())
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != cwd] + [cwd]
     if os.environ.get("PYTHONHASHSEED") == "0" or os.environ.get("RLREPRO_NO_REEXEC"):
         return
     env = dict(os.environ, PYTHONHASHSEED="0")
-    os.execve(sys.executable, [sys.executable, "-m", "rlrepro.cli", *argv], env)
+    reexec = "import sys; from rlrepro.cli import main; sys.exit(main())"
+    os.execve(sys.executable, [sys.executable, "-P", "-c", reexec, *argv], env)
 
 
 def main(argv: list[str] | None = None) -> int:
