@@ -320,8 +320,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     _check_mode(loss_agg, max_response_length)
     if mode not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {mode!r}; choose one of {list(POLICY_LOSSES)}")
-    for name, why in policy_loss_problems(mode, loss_agg=loss_agg, dual_clip=dual_clip):
-        raise ValueError(f"{name}={dual_clip if name == 'dual_clip' else loss_agg!r} {why}")
+    problems = policy_loss_problems(mode, loss_agg=loss_agg, dual_clip=dual_clip)
+    if problems:
+        name, why = problems[0]
+        raise ValueError(f"{name}={dual_clip if name == 'dual_clip' else repr(loss_agg)} {why}")
     if kl_coef != 0.0 and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp (the reference policy's logprobs); "
                          "pass ref_logp or set kl_coef=0")
