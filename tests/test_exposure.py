@@ -2,7 +2,13 @@
 statistics, and prints no token-authentication warning. The test starts Ray the way `rlrepro train` does
 (rlrepro.orchestration.ray_start.start_ray), in a child process (so the environment it sets cannot
 leak into other tests), creates an actor, and lists the listening TCP sockets of every process of that Ray
-(from /proc/net/tcp{,6} and /proc/<pid>/fd: no psutil needed)."""
+(from /proc/net/tcp{,6} and /proc/<pid>/fd: no psutil needed).
+
+The second test is a whole `rlrepro train` with the listeners rlrepro makes itself (a CPU data-parallel trainer's
+gloo group, the collective weight sync's TCPStore and gloo group), run where the hostname resolves to the
+machine's outward address, as on many cloud machines: a private /etc/hosts bind-mounted in a mount namespace of
+the run's own (`unshare -m`; nothing outside it changes). Every listening socket of every process of the run must
+be on loopback (issue 22, item 2: gloo's default device followed the hostname)."""
 import json
 import socket
 import struct
@@ -144,3 +150,89 @@ def test_local_ray_listens_on_loopback_only_without_dashboard_or_usage_stats():
             except OSError:
                 pass
         err.close()
+
+
+def outward_ipv4() -> str | None:
+    """An IPv4 address of one of this machine's interfaces other than loopback (one a socket can bind)."""
+    import fcntl
+
+    for _, name in socket.if_nameindex():
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            continue
+        finally:
+            s.close()
+        addr = socket.inet_ntoa(raw[20:24])
+        if not addr.startswith("127."):
+            return addr
+    return None
+
+
+def hostname_mapped_outward(tmp_path) -> list[str] | None:
+    """The command prefix that runs a shell command with this machine's hostname resolving to its outward address
+    (a private hosts file bind-mounted over /etc/hosts in a new mount namespace), or None where that cannot be
+    done here (not root, no unshare, no outward interface)."""
+    import shutil
+
+    addr = outward_ipv4()
+    if addr is None or shutil.which("unshare") is None:
+        return None
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
+    prefix = ["unshare", "-m", "sh", "-c", f"mount --bind {hosts} /etc/hosts && exec \"$@\"", "sh"]
+    probe = [sys.executable, "-c", "import socket; print(socket.gethostbyname(socket.gethostname()))"]
+    try:
+        out = subprocess.run(prefix + probe, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return prefix if out.returncode == 0 and out.stdout.strip() == addr else None
+
+
+def test_a_run_with_its_own_listeners_listens_on_loopback_only_where_the_hostname_is_outward(tmp_path):
+    import os
+    import time
+
+    prefix = hostname_mapped_outward(tmp_path)
+    if prefix is None:
+        pytest.skip("cannot map the hostname to an outward address here (needs root, unshare -m and an interface "
+                    "other than loopback)")
+    run = tmp_path / "run"
+    cmd = ["rlrepro", "train", "recipe=grpo_tiny", f"run.dir={run}", "train.num_gpus=2", "rollout.num_workers=2",
+           "rollout.weight_sync=collective", "train.steps=3", "logger.progress=false", "rollout.prompts_per_step=2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "GLOO_", "NCCL_"))}
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    err = tempfile.TemporaryFile(mode="w+")
+    child = subprocess.Popen(prefix + cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env,
+                             start_new_session=True, cwd=tmp_path)
+    found: dict[tuple[int, str, int], str] = {}
+    try:
+        while child.poll() is None:  # the groups live from set-up to the end: sample them all the while
+            listeners = listening_sockets()
+            for pid in session_pids(child.pid):
+                try:
+                    name = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:100]
+                except OSError:
+                    continue
+                for inode in socket_inodes(pid):
+                    if inode in listeners:
+                        found.setdefault((pid, *listeners[inode]), name)
+            time.sleep(0.2)
+        err.seek(0)
+        assert child.returncode == 0, err.read()[-3000:]
+    finally:
+        if child.poll() is None:
+            child.kill()
+        for pid in session_pids(child.pid):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        err.close()
+    actors = {pid for (pid, *_), name in found.items() if "TrainerWorker" in name or "RolloutWorker" in name}
+    assert len(actors) >= 3, found  # two trainer ranks and rollout workers were seen listening
+    exposed = {k: v for k, v in found.items() if k[1] not in LOOPBACK}
+    assert not exposed, f"listening beyond loopback with the hostname resolving outward: {exposed}"
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]

@@ -22,6 +22,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from . import network
+
 __all__ = ["Rendezvous", "WeightBroadcaster", "ipc_handles", "open_ipc_handles", "WeightSync", "WEIGHT_SYNC_MODES",
            "resolve_weight_sync"]
 
@@ -79,12 +81,14 @@ class WeightBroadcaster:
             raise ValueError("rank 0 of a weight-sync group hosts its store: pass rendezvous= on rank 0 only")
         self._tcp = tcp_store(host, port, world_size, rendezvous, timeout)
         store = dist.PrefixStore(f"rlrepro-weight-sync/{generation}", self._tcp)
-        if backend == "nccl":
+        own = network.node_address()  # this member's sockets listen here (127.0.0.1 in local mode), not where
+        if backend == "nccl":  # the hostname resolves to nor on NCCL's first non-loopback interface
+            network.pin_socket_interfaces(own)
             self.device = torch.device("cuda", torch.cuda.current_device())
             self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
         else:
             self.device = torch.device("cpu")
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, network.gloo_options(own, timeout))
 
     # --------------------------------------------------------------------------------- collectives on self.pg
     def _broadcast(self, t: torch.Tensor) -> None:

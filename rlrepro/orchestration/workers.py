@@ -156,11 +156,14 @@ class TrainerWorker:
         if backend == "nccl":
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             torch.cuda.set_device(0)  # Ray gives each trainer rank its own GPU, visible as device 0
+        from .network import pin_socket_interfaces
         from .weight_sync import tcp_store
 
         timeout = datetime.timedelta(seconds=600)
         rdv = self._rendezvous if self.rank == 0 else None
         store = tcp_store(host, port, self.world_size, rdv, timeout)
+        # gloo (and megatron's new_group calls) and NCCL listen on this node's address: loopback in local mode
+        pin_socket_interfaces(_node_address())
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         self._rendezvous = None
         if self.backend == "megatron":
@@ -270,12 +273,9 @@ class TrainerWorker:
 
 def _node_address() -> str:
     """This node's address as Ray knows it (127.0.0.1 in local mode); 127.0.0.1 outside Ray."""
-    try:
-        import ray
+    from .network import node_address
 
-        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    except Exception:  # noqa: BLE001 - outside Ray (in-process tests)
-        return "127.0.0.1"
+    return node_address()
 
 
 def _memory_stats() -> dict:
