@@ -1,0 +1,90 @@
+"""The environment configuration: the run schema's ``env:`` section (:class:`EnvConfig`), with its tools'
+limits in ``env.calculator`` (:class:`~rlrepro.envs.calculator.CalculatorLimits`) and ``env.python``
+(:class:`~rlrepro.envs.sandbox_values.SandboxLimits`).
+
+Every key (defaults are today's single-turn behaviour)::
+
+    env.name                  null | single_turn | tool | calculator_task   (null with env.fn null: single_turn)
+    env.fn                    null | pkg.module:factory    a user factory (its module's top-level code runs)
+    env.max_turns             1      assistant turns per episode; after the last, the episode ends "max_turns"
+    env.max_episode_tokens    null   transcript tokens (prompt + every turn + every observation), counted by the
+                                     caller; reaching it ends the episode "token_budget"; null = no budget
+    env.tools                 null   built-in tools by name (calculator, python); null = the environment's own
+    env.tool_format           qwen3  qwen3 (<tool_call> JSON, real models) | compact ([calc: 1+2], tiny model)
+    env.max_calls_per_turn    4      calls executed per assistant turn; further calls get an error result
+    env.max_observation_chars 4096   a tool result longer than this is cut (with a note)
+    env.on_malformed          observe  observe (error result, episode continues) | end (ends "malformed")
+    env.malformed_penalty     0.0    per-turn penalty of a turn with a malformed call (>= 0)
+    env.kwargs                {}     options of the environment itself (e.g. calculator_task's digits)
+    env.calculator.*          max_chars, max_nodes, max_digits, max_exponent
+    env.python.*              max_steps, max_memory_bytes, max_int_bits, max_str_len, max_container_len,
+                              max_output_bytes, max_code_chars, max_depth
+
+Whether ``env.name`` / ``env.fn`` resolve is checked when the run starts (:func:`rlrepro.envs.load_env`), like
+``reward.fn``; the values' types and ranges are checked here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+from rlrepro.checks import Checker
+
+from .calculator import CalculatorLimits
+from .sandbox_values import SandboxLimits
+from .tool_calls import TOOL_FORMATS
+from .tools import BUILTIN_TOOLS
+
+__all__ = ["EnvConfig", "MALFORMED_POLICIES"]
+
+MALFORMED_POLICIES = ("observe", "end")
+
+
+@dataclass
+class EnvConfig:
+    SECTION: ClassVar[str] = "env"
+
+    name: Optional[str] = None
+    fn: Optional[str] = None
+    max_turns: int = 1
+    max_episode_tokens: Optional[int] = None
+    tools: Optional[list[str]] = None
+    tool_format: str = "qwen3"
+    max_calls_per_turn: int = 4
+    max_observation_chars: int = 4096
+    on_malformed: str = "observe"
+    malformed_penalty: float = 0.0
+    kwargs: dict = field(default_factory=dict)
+    calculator: CalculatorLimits = field(default_factory=CalculatorLimits)
+    python: SandboxLimits = field(default_factory=SandboxLimits)
+
+    def __post_init__(self) -> None:
+        c = Checker(self)
+        for key in ("name", "fn"):
+            value = getattr(self, key)
+            c.require(value is None or (isinstance(value, str) and value.strip() != ""), key,
+                      "must be a non-empty string or null")
+        c.require(self.name is None or self.fn is None, "fn",
+                  f"and env.name={self.name!r} are both set; set one of them (env.name=null to use env.fn)")
+        c.positive_int("max_turns", "max_calls_per_turn", "max_observation_chars")
+        c.positive_int("max_episode_tokens", optional=True)
+        c.choice("tool_format", TOOL_FORMATS)
+        c.choice("on_malformed", MALFORMED_POLICIES)
+        c.non_negative("malformed_penalty")
+        c.require(isinstance(self.kwargs, dict), "kwargs", "must be a mapping of the environment's options")
+        if self.tools is not None:
+            tools = self.tools
+            c.require(isinstance(tools, (list, tuple)) and all(isinstance(t, str) for t in tools), "tools",
+                      f"must be a list of tool names ({sorted(BUILTIN_TOOLS)}) or null")
+            unknown = [t for t in tools if t not in BUILTIN_TOOLS]
+            c.require(not unknown, "tools", f"names unknown tools {unknown}; built-in tools: "
+                      f"{sorted(BUILTIN_TOOLS)}")
+            c.require(len(set(tools)) == len(tools), "tools", "names a tool twice")
+            self.tools = list(tools)
+        c.require(isinstance(self.calculator, CalculatorLimits), "calculator", "must be a CalculatorLimits")
+        c.require(isinstance(self.python, SandboxLimits), "python", "must be a SandboxLimits")
+
+    @property
+    def env_name(self) -> str:
+        """What names the environment in records: env.fn, env.name, or single_turn."""
+        return self.fn or self.name or "single_turn"

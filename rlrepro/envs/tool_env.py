@@ -1,0 +1,103 @@
+"""The built-in environments: :class:`SingleTurnEnv` (today's single-turn tasks, as the one-turn case of the
+API) and :class:`ToolEnv` (the model calls tools until it answers without a call, and the answer is scored).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from rlrepro.data import PromptRecord, RewardFn
+
+from .api import EnvReset, Environment, StepResult
+from .tool_calls import MalformedCall, ToolCallFormat
+from .tools import Tool, ToolResult, truncate_text
+
+__all__ = ["SingleTurnEnv", "ToolEnv", "execute_calls"]
+
+
+class SingleTurnEnv(Environment):
+    """One assistant turn, then done with ``reward = reward_fn(completion, record)``: the record's own prompt
+    (plain or chat) and no tools, so the prompt tokens and the reward are those of a run without environments.
+    The reward function's exceptions propagate (the caller's reward policy, ``reward.on_error``, applies)."""
+
+    def __init__(self, record: PromptRecord, reward_fn: RewardFn) -> None:
+        self.record, self.reward_fn = record, reward_fn
+
+    def reset(self) -> EnvReset:
+        return EnvReset(prompt=self.record.prompt, messages=self.record.messages)
+
+    def step(self, text: str) -> StepResult:
+        return StepResult(done=True, reward=self.reward_fn(text, self.record))
+
+
+def execute_calls(text: str, tools: Sequence[Tool], fmt: ToolCallFormat, *, max_calls: int,
+                  max_observation_chars: int) -> tuple[list[dict[str, str]], int, list[dict[str, Any]]]:
+    """Parse every call in an assistant turn and run it: (result messages in call order, number of malformed
+    calls, per-call info for the records). Unknown tools and bad arguments are malformed; a call beyond
+    ``max_calls`` is not run and gets an error result (not counted as malformed)."""
+    table = {t.name: t for t in tools}
+    messages, info = [], []
+    malformed = 0
+    for i, call in enumerate(fmt.parse(text, table)):
+        if isinstance(call, MalformedCall):
+            result = ToolResult(f"Error: {call.error}", ok=False, malformed=True)
+            entry: dict[str, Any] = {"tool": None, "malformed": True}
+        elif i >= max_calls:
+            result = ToolResult(f"Error: more than {max_calls} tool calls in one turn; this one was not run",
+                                ok=False)
+            entry = {"tool": call.name, "skipped": True}
+        elif call.name not in table:
+            result = ToolResult(f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(table))}",
+                                ok=False, malformed=True)
+            entry = {"tool": call.name, "malformed": True}
+        else:
+            result = table[call.name].run(call.arguments)
+            entry = {"tool": call.name, "malformed": result.malformed, "ok": result.ok}
+        malformed += result.malformed
+        text_out = truncate_text(result.text, max_observation_chars)
+        messages.append(fmt.result_message(ToolResult(text_out, ok=result.ok, malformed=result.malformed)))
+        info.append(entry)
+    return messages, malformed, info
+
+
+class ToolEnv(Environment):
+    """Multi-turn with tools. Each assistant turn's calls are parsed and run; their results are the observation
+    and the episode continues. A turn without any call is the answer: done with ``reward_fn(answer, record)``,
+    the answer being the turn after its last ``</think>`` (:meth:`answer_text`).
+
+    A turn with a malformed call (bad syntax, unknown tool, bad arguments) costs ``malformed_penalty`` and, with
+    ``on_malformed="end"``, ends the episode (finish reason ``"malformed"``, reward 0.0); otherwise the error is
+    the call's result and the model may retry. ``prompt`` (optional) replaces the record's own prompt text.
+    """
+
+    def __init__(self, record: PromptRecord, *, tools: Sequence[Tool], tool_format: ToolCallFormat,
+                 reward_fn: RewardFn, max_calls_per_turn: int = 4, max_observation_chars: int = 4096,
+                 on_malformed: str = "observe", malformed_penalty: float = 0.0,
+                 prompt: Optional[str] = None) -> None:
+        if on_malformed not in ("observe", "end"):
+            raise ValueError(f"env.on_malformed (on_malformed) must be observe or end, got {on_malformed!r}")
+        self.record, self.tools, self.format, self.reward_fn = record, list(tools), tool_format, reward_fn
+        self.max_calls, self.max_observation_chars = max_calls_per_turn, max_observation_chars
+        self.on_malformed, self.malformed_penalty, self.prompt = on_malformed, float(malformed_penalty), prompt
+
+    def reset(self) -> EnvReset:
+        schemas = self.format.tool_schemas(self.tools)
+        if self.prompt is not None:
+            return EnvReset(prompt=self.prompt, tools=schemas)
+        return EnvReset(prompt=self.record.prompt, messages=self.record.messages, tools=schemas)
+
+    def answer_text(self, text: str) -> str:
+        """The part of the final turn the reward reads: what follows the last ``</think>`` (Qwen3's reasoning is
+        not the answer), else the whole turn."""
+        return text.rpartition("</think>")[2] if "</think>" in text else text
+
+    def step(self, text: str) -> StepResult:
+        messages, malformed, calls = execute_calls(text, self.tools, self.format, max_calls=self.max_calls,
+                                                   max_observation_chars=self.max_observation_chars)
+        if not messages:
+            return StepResult(done=True, reward=self.reward_fn(self.answer_text(text), self.record),
+                              info={"calls": []})
+        penalty = self.malformed_penalty if malformed else 0.0
+        info = {"calls": calls, "malformed": malformed}
+        if malformed and self.on_malformed == "end":
+            return StepResult(done=True, reward=0.0, finish_reason="malformed", penalty=penalty, info=info)
+        return StepResult(messages=messages, penalty=penalty, info=info)

@@ -1,0 +1,147 @@
+"""Tools an environment offers the model: :class:`Tool` (a name, a JSON-schema of its arguments, a pure
+function), argument checking, and the built-in ``calculator`` and ``python`` tools.
+
+A tool's function must be a pure function of its arguments (no clock, no network, no state between calls),
+like a reward. :meth:`Tool.run` never raises for what the model sent: unknown arguments, missing or mistyped
+ones, and an exception inside the tool all come back as a :class:`ToolResult` with ``ok=False`` and an
+``Error: ...`` text. Results longer than the caller's limit are cut deterministically
+(:func:`truncate_text`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .calculator import CalculatorLimits, calculate
+from .sandbox import SandboxLimits, run_python
+
+__all__ = ["Tool", "ToolResult", "check_arguments", "calculator_tool", "python_tool", "BUILTIN_TOOLS",
+           "make_tools", "truncate_text"]
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+    "null": lambda v: v is None,
+}
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a call gave: the text the model reads, and whether the call itself was well formed (``malformed``:
+    unknown tool or bad arguments, which per-turn penalties count) and succeeded (``ok``)."""
+    text: str
+    ok: bool = True
+    malformed: bool = False
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A tool: ``fn(**arguments) -> str``. ``parameters`` is a JSON schema of type object (``properties``,
+    ``required``); arguments are checked against it (types, required, no extra keys) before ``fn`` runs."""
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+    fn: Callable[..., str] = field(compare=False)
+
+    def schema(self) -> dict[str, Any]:
+        """The tool as chat templates take it (``tools=[...]``; Qwen3 renders each inside ``<tools>``)."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": _plain(self.parameters)}}
+
+    def run(self, arguments: Any) -> ToolResult:
+        problem = check_arguments(self.parameters, arguments)
+        if problem is not None:
+            return ToolResult(f"Error: bad arguments for {self.name}: {problem}", ok=False, malformed=True)
+        try:
+            text = self.fn(**arguments)
+        except Exception as e:  # a raising tool is an observation, not a crash
+            return ToolResult(f"Error: {self.name} raised {type(e).__name__}: {e}", ok=False)
+        if not isinstance(text, str):
+            return ToolResult(f"Error: {self.name} returned {type(text).__name__}, not text", ok=False)
+        return ToolResult(text, ok=not text.startswith("Error:"))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def check_arguments(schema: Mapping[str, Any], arguments: Any) -> str | None:
+    """None when ``arguments`` fit ``schema`` (an object schema: ``properties`` with ``type``/``enum``,
+    ``required``, extra keys refused), else what is wrong, for the model to read."""
+    if not isinstance(arguments, dict):
+        return f"arguments must be a JSON object, got {type(arguments).__name__}"
+    props = schema.get("properties", {})
+    missing = [k for k in schema.get("required", ()) if k not in arguments]
+    if missing:
+        return f"missing required argument {missing[0]!r}"
+    extra = sorted(k for k in arguments if k not in props)
+    if extra:
+        return f"unknown argument {extra[0]!r} (expected {', '.join(sorted(props)) or 'none'})"
+    for key, value in arguments.items():
+        spec = props[key]
+        kinds = spec.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+        if kinds and not any(_JSON_TYPES[k](value) for k in kinds if k in _JSON_TYPES):
+            return f"argument {key!r} must be of type {' or '.join(kinds)}, got {type(value).__name__}"
+        if "enum" in spec and value not in spec["enum"]:
+            return f"argument {key!r} must be one of {list(spec['enum'])}"
+    return None
+
+
+def truncate_text(text: str, max_chars: int) -> str:
+    """``text`` cut to ``max_chars`` characters with a note saying how long it was (the same cut every run)."""
+    if len(text) <= max_chars:
+        return text
+    return text[:max_chars] + f"\n[truncated: {len(text)} characters, the first {max_chars} are shown]"
+
+
+def calculator_tool(limits: CalculatorLimits | None = None) -> Tool:
+    """``calculator(expression)``: exact arithmetic (:mod:`rlrepro.envs.calculator`)."""
+    limits = limits if limits is not None else CalculatorLimits()
+    return Tool(
+        name="calculator",
+        description="Evaluate an arithmetic expression exactly: numbers, + - * / // % ** and parentheses.",
+        parameters={"type": "object", "properties": {"expression": {
+            "type": "string", "description": "the expression, e.g. 123*456"}}, "required": ["expression"]},
+        fn=lambda expression: calculate(expression, limits))
+
+
+def python_tool(limits: SandboxLimits | None = None) -> Tool:
+    """``python(code)``: the deterministic sandbox (:mod:`rlrepro.envs.sandbox`); the result is what the program
+    printed (and the value of a last bare expression), then ``Error: ...`` if it failed."""
+    limits = limits if limits is not None else SandboxLimits()
+    return Tool(
+        name="python",
+        description="Run a Python program (math and fractions available, no files or network) and return what "
+                    "it prints. State does not persist between calls.",
+        parameters={"type": "object", "properties": {"code": {
+            "type": "string", "description": "the program"}}, "required": ["code"]},
+        fn=lambda code: run_python(code, limits).observation())
+
+
+BUILTIN_TOOLS: dict[str, Callable[..., Tool]] = {"calculator": calculator_tool, "python": python_tool}
+
+
+def make_tools(names: list[str] | tuple[str, ...], *, calculator: CalculatorLimits | None = None,
+               python: SandboxLimits | None = None) -> list[Tool]:
+    """The built-in tools by name, in the order given (``env.tools``)."""
+    tools = []
+    for name in names:
+        if name == "calculator":
+            tools.append(calculator_tool(calculator))
+        elif name == "python":
+            tools.append(python_tool(python))
+        else:
+            raise ValueError(f"unknown tool {name!r} (env.tools); built-in tools: {sorted(BUILTIN_TOOLS)}. Fix: "
+                             f"set env.tools to a list of those, or write an env.fn factory with your own Tool")
+    if len({t.name for t in tools}) != len(tools):
+        raise ValueError(f"env.tools={list(names)} names a tool twice")
+    return tools
