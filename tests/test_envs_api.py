@@ -248,6 +248,20 @@ def test_env_config_defaults_are_single_turn():
     assert cfg.python.max_steps == 100_000 and cfg.calculator.max_digits == 1000
 
 
+def test_env_config_works_as_a_structured_config_with_overrides():
+    """What the run schema will do with the env: section (omegaconf structured config + dotlist overrides)."""
+    omegaconf = pytest.importorskip("omegaconf")
+    base = omegaconf.OmegaConf.structured(EnvConfig)
+    over = omegaconf.OmegaConf.from_dotlist(["name=calculator_task", "tool_format=compact", "max_turns=3",
+                                             "tools=[calculator]", "python.max_steps=5000", "calculator.max_digits=9",
+                                             "max_episode_tokens=256"])
+    cfg = omegaconf.OmegaConf.to_object(omegaconf.OmegaConf.merge(base, over))
+    assert isinstance(cfg, EnvConfig) and cfg.tools == ["calculator"] and cfg.max_episode_tokens == 256
+    assert (cfg.python.max_steps, cfg.calculator.max_digits, cfg.max_turns) == (5000, 9, 3)
+    with pytest.raises(ConfigError, match="env.python.max_steps=0"):
+        omegaconf.OmegaConf.to_object(omegaconf.OmegaConf.merge(base, {"python": {"max_steps": 0}}))
+
+
 def test_episode_seed_is_pinned_and_apart_from_the_sampling_seed():
     from rlrepro.rollout.seeds import request_seed
     s = episode_seed(1, 2, "copy-s0:3", 4)
@@ -267,7 +281,7 @@ SCRIPTS = [
     ("calculator_task", {}, ['<tool_call>{"name": "calculator", "arguments": {"expression": "108*152"}}</tool_call>',
                              "16416"]),
     ("tool", {"tools": ["python", "calculator"]},
-     ['<tool_call>{"name": "python", "arguments": {"code": "s = {\'kiwi\', \'fig\', \'pear\'}\\nprint(s)"}}'
+     ['<tool_call>{"name": "python", "arguments": {"code": "s = set(\'abcdefghijklmnop\')\\nprint(s, [w for w in s])"}}'
       '</tool_call><tool_call>{"name": "python", "arguments": {"code": "while True:\\n    pass"}}</tool_call>',
       '<tool_call>{"name": "python", "arguments": {"code": "import os"}}</tool_call><tool_call>{bad</tool_call>',
       "16416"]),

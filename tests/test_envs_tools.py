@@ -265,6 +265,16 @@ def test_continuation_text_is_the_observation_between_two_assistant_turns():
         continuation_text(qwen3_apply, obs, end_of_turn="</s>")
 
 
+def test_continuation_text_with_the_tiny_models_chatml_template():
+    from rlrepro.model.tiny import CHAT_TEMPLATE
+
+    def tiny_apply(messages, add_generation_prompt=True, **kwargs):  # as rlrepro.model.Tokenizer renders it
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=add_generation_prompt)
+    assert continuation_text(tiny_apply, [{"role": "tool", "content": "[= 408]"}]) == \
+        "\n<|im_start|>tool\n[= 408]<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_a_transcript_grown_turn_by_turn_equals_the_template_rendering_of_the_conversation():
     """The engine's next request is prompt + generated text + observation text; that must be what the chat
     template makes of the whole conversation (here with reasoning in the template's own layout)."""

@@ -29,7 +29,7 @@ __all__ = ["CalculatorLimits", "CalculatorError", "calculate", "evaluate", "form
 _NUMBER = re.compile(r"(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
-@dataclass(frozen=True)
+@dataclass
 class CalculatorLimits:
     """Limits of the calculator tool (the run schema's ``env.calculator`` section)."""
     SECTION: ClassVar[str] = "env.calculator"

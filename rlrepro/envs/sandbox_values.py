@@ -29,7 +29,7 @@ _BULK = 64                    # elements (or bytes) that C-level bulk work proce
 _QUAD = 1024                  # limb products per step of big-int multiplication / division
 
 
-@dataclass(frozen=True)
+@dataclass
 class SandboxLimits:
     """The limits of one run of the Python sandbox (the run schema's ``env.python`` section).
 
