@@ -8,9 +8,10 @@ rlrepro: GRPO reinforcement learning for LLMs, bitwise reproducible. Commands:
   show      RUN [--step K] [--n 8]            print a step's prompts, completions, rewards and advantages
   plot      RUN [RUN ...] [--out DIR]         PNG overlays of the runs' curves, first divergence marked
   generate  [--model DIR] [--prompt TEXT]     sample from a model, a run or a checkpoint (tiny model by default)
+  export    RUN [--step K] OUT                write a run's checkpoint as an HF model directory (transformers, vLLM)
   recipes                                     list the shipped recipes, one line each
 
-rlrepro diff|verify|show|plot|generate --help shows that command's options;
+rlrepro diff|verify|show|plot|generate|export --help shows that command's options;
 rlrepro train recipe=NAME --cfg prints every config key of a recipe.
 """
 from __future__ import annotations
@@ -301,7 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_generate(rest)
     if cmd == "recipes":
         return cmd_recipes()
-    commands = "train, diff, verify, show, plot, generate, recipes"
+    if cmd == "export":
+        from rlrepro.orchestration.export import main_export
+
+        return main_export(rest)
+    commands = "train, diff, verify, show, plot, generate, export, recipes"
     print(f"rlrepro: unknown command {cmd!r}; commands: {commands} (rlrepro --help)", file=sys.stderr)
     return 2
 

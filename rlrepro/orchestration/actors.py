@@ -215,6 +215,12 @@ class ActorGroup:
     def load_checkpoint(self, path: str) -> dict:
         return self.get([t.load_checkpoint.remote(path) for t in self.trainers])[0]
 
+    def export_hf(self, path: str) -> str:
+        """The policy as an HF directory in ``path`` (rlrepro.orchestration.export); megatron: every rank (a
+        collective), else rank 0 (every rank holds the same weights)."""
+        savers = self.trainers if self.megatron else [self.trainer]
+        return self.get([t.export_hf.remote(path) for t in savers])[0]
+
     def shutdown(self) -> None:
         for actor in self.workers + self.trainers:
             try:

@@ -257,6 +257,34 @@ class GRPODriver:
         extra = {"step": step, "data_order": order, "recipe": self.cfg.recipe}
         return self.actors.save_checkpoint(str(self.checkpoint_root()), step, extra, self.cfg.checkpoint.keep_last)
 
+    def export_hf(self, step: int) -> Path | None:
+        """checkpoint.export_hf: the policy of ``step`` to RUN/export/step_NNNNNN (rlrepro.orchestration.export).
+        A failure is reported and the run goes on: the checkpoints are the record, and rlrepro export redoes it."""
+        from .export import export_run_step
+
+        t = time.perf_counter()
+        try:
+            path = export_run_step(self.actors, self.run_dir, step, self.cfg.checkpoint.keep_last, self.model_dir)
+        except Exception as e:  # noqa: BLE001 - the run's records and checkpoints do not depend on it
+            self.log.line(f"rlrepro: warning: the HF export of step {step} failed ({type(e).__name__}: {e}); the "
+                          f"checkpoints are intact, export one with: rlrepro export {self.run_dir} OUT")
+            return None
+        self.log.line(f"HF export {path}: {time.perf_counter() - t:.1f} s")
+        return path
+
+    def write_summary(self, wall_s: float, steps_run: int) -> None:
+        """RUN/summary.json and summary.txt, printed to stderr (rlrepro.orchestration.summary); from the records,
+        so a resumed run's covers the whole run. Closes the wandb run first (the summary names its directory)."""
+        from .summary import run_summary, write_summary
+
+        self.log.close()
+        try:
+            summary = run_summary(self.run_dir, self.cfg, wall_s=wall_s, steps_this_run=steps_run,
+                                  wandb_dir=self.log.wandb_dir)
+            write_summary(self.run_dir, summary, echo=self.cfg.logger.progress)
+        except Exception as e:  # noqa: BLE001 - the run itself is complete and recorded
+            self.log.line(f"rlrepro: warning: the run summary could not be written ({type(e).__name__}: {e})")
+
     def restore(self, ckpt_path: str) -> int:
         extra = self.actors.load_checkpoint(ckpt_path)
         self.order.load_state_dict(extra["data_order"])
@@ -276,7 +304,7 @@ class GRPODriver:
             lock.release()
 
     def _run_locked(self, start_checkpoint: str | None, last_step: int | None) -> list[dict]:
-        resume_from = None
+        resume_from, t_run = None, time.perf_counter()
         if start_checkpoint is None and self.cfg.run.resume:  # names each checkpoint it skips; refuses when
             resume_from = preflight.resume_checkpoint(self.checkpoint_root())  # there are some but none is usable
             self._reconcile_resume()  # the recorded config, with the bit-neutral changes asked for
@@ -306,7 +334,9 @@ class GRPODriver:
             if cfg.run.resume:  # written once nothing can refuse the resume any more (setup writes a fresh run's)
                 atomic_write_bytes(self.run_dir / CONFIG_FILE, config_yaml(cfg).encode("utf-8"))
             self.log.start(done)
-            return self._loop(done, last_step)
+            history = self._loop(done, last_step)
+            self.write_summary(time.perf_counter() - t_run, len(history))
+            return history
         except KeyboardInterrupt as e:
             raise self._failed(self._done_step + 1, e) from None
         finally:
@@ -390,9 +420,16 @@ class GRPODriver:
                     path = self.save_checkpoint(step)
                     self.log.line(f"checkpoint {path}: {time.perf_counter() - t_ckpt:.1f} s")
                     self._saving = False
+                    if cfg.checkpoint.export_hf:
+                        self.export_hf(step)
             except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure of a step ends the run
                 raise self._failed(step, e) from e
             self.log.progress(step, last_step, done, metrics, time.perf_counter() - t_start)
+        if cfg.checkpoint.export_hf and self._done_step > 0:  # the end's model, when no checkpoint exported it
+            from .export import export_path
+
+            if not export_path(self.run_dir, self._done_step).is_dir():
+                self.export_hf(self._done_step)
         return history
 
     def _failed(self, step: int, error: BaseException) -> RunFailed:

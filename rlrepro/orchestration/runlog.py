@@ -75,6 +75,7 @@ class RunLog:
         self.fingerprints = FingerprintWriter(run_dir)
         self.rollouts = RolloutWriter(run_dir)
         self.wandb_run = None
+        self.wandb_dir: str | None = None  # this run's wandb directory (RUN/wandb/offline-run-...), for the summary
         self._last_samples: list[Sample] = []
 
     def start(self, done: int) -> None:
@@ -140,6 +141,8 @@ class RunLog:
 
     def close(self) -> None:
         if self.wandb_run is not None:
+            files = getattr(self.wandb_run, "dir", None)  # RUN/wandb/<run>/files
+            self.wandb_dir = str(Path(files).parent) if files else None
             self.wandb_run.finish()
             self.wandb_run = None
 

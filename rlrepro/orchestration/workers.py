@@ -269,6 +269,18 @@ class TrainerWorker:
         self._gather_weights()
         return extra
 
+    def export_hf(self, path: str) -> str:
+        """Write the current policy as an HF directory (config.json, safetensors, the model directory's tokenizer
+        files) into ``path``; megatron: a collective (every rank is called, the writer writes). Reads the weights
+        only; the RNG states are forked around it all the same, so that exporting can never change a run's bits."""
+        devices = [torch.cuda.current_device()] if self.device == "cuda" and torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            if self.backend == "megatron":
+                return str(self.trainer.export_hf(path, tokenizer_from=self.model_dir))
+            from rlrepro.trainer import export_hf
+
+            return str(export_hf(self.model, path, tokenizer_from=self.model_dir))
+
 
 
 def _node_address() -> str:

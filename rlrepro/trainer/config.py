@@ -139,6 +139,9 @@ class CheckpointConfig:
     # full: one file set with the whole state (any backend) | dist: train.backend=megatron only, every rank
     # writes its own shards through megatron-core's dist_checkpointing (no gather; loads at another TP size)
     format: str = "full"
+    # also write the policy as an HF directory (config.json, safetensors, tokenizer, generation_config.json) to
+    # RUN/export/step_NNNNNN/ at each checkpoint and at the end (rlrepro.orchestration.export; keep_last applies)
+    export_hf: bool = False
 
     def __post_init__(self) -> None:
         c = Checker(self)
@@ -146,6 +149,7 @@ class CheckpointConfig:
         c.positive_int("keep_last")
         c.boolean("save_last")
         c.choice("format", CHECKPOINT_FORMATS)
+        c.boolean("export_hf")
 
 
 @dataclass

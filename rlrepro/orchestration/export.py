@@ -1,0 +1,207 @@
+"""The trained policy as a Hugging Face directory: during a run (``checkpoint.export_hf=true``) and after it
+(``rlrepro export RUN [--step K] OUT``).
+
+An export is ``RUN/export/step_NNNNNN/`` (or the ``OUT`` given to the command): ``config.json``,
+``model.safetensors`` (the policy's state dict in the compute dtype, the very tensors of the checkpoint of that
+step), the tokenizer files of the run's model directory and ``generation_config.json`` (the model directory's, else
+one with the config's ``bos_token_id`` / ``eos_token_id``). transformers' ``Qwen3ForCausalLM.from_pretrained``,
+vLLM and SGLang load it.
+
+Exports live beside ``checkpoints/``, never inside a checkpoint directory, so a checkpoint stays exactly what its
+manifest lists. An export directory is complete or absent, as a checkpoint is: it is written into
+``NAME.tmp-<pid>/``, every file fsynced, then renamed into place (an existing one is moved aside first and deleted
+after). ``checkpoint.keep_last`` applies to the exports as it does to the checkpoints.
+
+Exporting reads the weights and writes files; it draws no random number and changes no state, so a run with
+``checkpoint.export_hf=true`` has the same fingerprints as one without (``tests/test_export.py``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from rlrepro._files import apply_default_mode
+
+__all__ = ["EXPORT_DIR", "export_path", "list_exports", "finish_export", "new_export_tmp", "prune_exports",
+           "export_checkpoint", "main_export"]
+
+EXPORT_DIR = "export"
+# tokenizer files save_pretrained does not copy itself (it copies rlrepro.model.checkpoint_io.TOKENIZER_FILES)
+_EXTRA_TOKENIZER_FILES = ("added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def export_path(run_dir: str | os.PathLike, step: int) -> Path:
+    """``RUN/export/step_NNNNNN``: where the run's export of ``step`` goes."""
+    return Path(run_dir) / EXPORT_DIR / f"step_{step:06d}"
+
+
+def list_exports(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of each complete export of the run (a ``step_NNNNNN`` holding ``config.json``), oldest
+    first."""
+    root = Path(run_dir) / EXPORT_DIR
+    found = []
+    if root.is_dir():
+        for d in root.iterdir():
+            m = _STEP_DIR.match(d.name)
+            if m and d.is_dir() and (d / "config.json").is_file():
+                found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def new_export_tmp(final: Path) -> Path:
+    """The temporary directory an export of ``final`` is written into (left-over ones of ``final`` removed)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for old in final.parent.glob(f"{final.name}.tmp-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    return final.parent / f"{final.name}.tmp-{os.getpid()}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _generation_config(config: dict) -> dict:
+    out = {"_from_model_config": True}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(key) is not None:
+            out[key] = config[key]
+    return out
+
+
+def finish_export(tmp: Path, final: Path, tokenizer_from: str | os.PathLike | None) -> Path:
+    """Complete the HF directory written into ``tmp`` (the tokenizer files save_pretrained does not copy, a
+    ``generation_config.json`` when the model directory has none), fsync it and rename it to ``final``."""
+    tmp, final = Path(tmp), Path(final)
+    if not (tmp / "config.json").is_file():
+        raise FileNotFoundError(f"the export in {tmp} has no config.json: the trainer did not write it")
+    if tokenizer_from is not None and Path(tokenizer_from).resolve() != tmp.resolve():
+        for name in _EXTRA_TOKENIZER_FILES:
+            src = Path(tokenizer_from) / name
+            if src.is_file() and not (tmp / name).exists():
+                shutil.copyfile(src, tmp / name)
+                apply_default_mode(tmp / name)
+    gen = tmp / "generation_config.json"
+    if not gen.is_file():
+        config = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
+        gen.write_text(json.dumps(_generation_config(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        apply_default_mode(gen)
+    for f in tmp.iterdir():
+        if f.is_file():
+            _fsync(f)
+    _fsync(tmp)
+    if final.exists():
+        aside = final.parent / f"{final.name}.old-{os.getpid()}"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside)
+    else:
+        os.rename(tmp, final)
+    _fsync(final.parent)
+    return final
+
+
+def prune_exports(run_dir: str | os.PathLike, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` exports of the run (as checkpoint.keep_last does checkpoints)."""
+    for _, path in list_exports(run_dir)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def export_run_step(actors, run_dir: str | os.PathLike, step: int, keep_last: int, tokenizer_from) -> Path:
+    """During a run: the trainer writes its current weights (those of ``step``) to ``RUN/export/step_NNNNNN``."""
+    final = export_path(run_dir, step)
+    tmp = new_export_tmp(final)
+    try:
+        actors.export_hf(str(tmp))
+        finish_export(tmp, final, tokenizer_from)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune_exports(run_dir, keep_last)
+    return final
+
+
+# ------------------------------------------------------------------------------------------ after the fact
+
+def _checkpoint_of(run_dir: Path, step: int | None) -> Path:
+    from rlrepro.trainer import list_checkpoints
+    from rlrepro.trainer.checkpoint import checkpoint_dir_name, scan_checkpoints
+
+    root = run_dir / "checkpoints"
+    complete = list_checkpoints(root)
+    if step is None:
+        if not complete:
+            raise ValueError(f"run {run_dir} has no complete checkpoint under {root}; nothing to export")
+        return complete[-1][1]
+    for s, path in complete:
+        if s == step:
+            return path
+    problems = {s: problem for s, _, problem in scan_checkpoints(root)}
+    have = ", ".join(str(s) for s, _ in complete) or "none"
+    why = f" ({problems[step]})" if problems.get(step) else ""
+    raise ValueError(f"run {run_dir} has no complete checkpoint of step {step} ({root / checkpoint_dir_name(step)})"
+                     f"{why}; complete checkpoints: {have}")
+
+
+def export_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
+                      base: str | os.PathLike | None = None) -> Path:
+    """Write the policy of the run's checkpoint of ``step`` (default: the newest complete one) as an HF directory
+    ``out``: from a full checkpoint through ``rlrepro.model.resolve_model_dir`` / ``load_resolved`` (weights in the
+    checkpoint's dtype, sha256 checked), from a ``checkpoint.format=dist`` one through
+    ``rlrepro.trainer.megatron.dist_to_hf``. Tokenizer and config.json come from the run's model directory (or
+    ``base``). ``out`` must not exist or be empty; it is complete or absent."""
+    from rlrepro.model import load_resolved, resolve_model_dir, save_pretrained
+    from rlrepro.model.model_dirs import _checkpoint_base
+    from rlrepro.trainer.checkpoint import verify_checkpoint
+
+    run_dir, out = Path(run_dir), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} already exists and is not an empty directory; choose another OUT or remove it")
+    ckpt = _checkpoint_of(run_dir, step)
+    manifest = verify_checkpoint(ckpt, check_hashes=True)
+    tmp = new_export_tmp(out.resolve())
+    if out.is_dir():
+        out.rmdir()  # empty: replaced by the complete export
+    try:
+        if manifest.get("layout") not in (None, "full"):
+            from rlrepro.trainer.megatron import dist_to_hf
+
+            tok = Path(base) if base is not None else _checkpoint_base(ckpt, run_dir)
+            dist_to_hf(ckpt, tmp, tokenizer_from=tok)
+        else:
+            resolved = resolve_model_dir(ckpt, base=base)
+            tok = resolved.tokenizer_dir
+            save_pretrained(load_resolved(resolved), tmp, tokenizer_from=tok)
+        return finish_export(tmp, out.resolve(), tok)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def main_export(argv: list[str]) -> int:
+    """``rlrepro export RUN [--step K] [--base HF_DIR] OUT``: exit 0, or 2 with a message on a bad argument."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="rlrepro export",
+                                 description="write a run's checkpoint as an HF model directory (transformers, vLLM, "
+                                             "SGLang load it), from full and dist checkpoints")
+    ap.add_argument("run", help="the run directory")
+    ap.add_argument("out", help="the HF directory to write (must not exist, or be empty)")
+    ap.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
+    ap.add_argument("--base", default=None, help="HF dir with the config.json and tokenizer (default: the run's)")
+    ns = ap.parse_args(argv)
+    try:
+        path = export_checkpoint(ns.run, ns.out, step=ns.step, base=ns.base)
+    except (ValueError, OSError) as e:
+        print(f"rlrepro export: {e}", file=sys.stderr)
+        return 2
+    print(f"rlrepro export: wrote {path}", file=sys.stderr)
+    return 0
