@@ -119,6 +119,8 @@ def test_bit_neutral_changes_on_resume_are_recorded_as_amendments(tmp_path):
     run = _recorded_run(tmp_path, "train.steps=4")
     d = _resume(run, "rollout.max_num_seqs=32", "logger.progress=true")
     assert d.cfg.rollout.max_num_seqs == 32
+    assert not (run / "amendments.jsonl").exists()  # written only once the resume is accepted
+    d._write_amendments()
     lines = [json.loads(x) for x in (run / "amendments.jsonl").read_text().splitlines()]
     assert {a["key"]: (a["old"], a["new"], a["from_step"]) for a in lines} == {
         "rollout.max_num_seqs": (256, 32, 1), "logger.progress": (False, True, 1)}

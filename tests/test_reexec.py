@@ -110,8 +110,6 @@ def test_a_reward_module_found_only_in_the_working_directory_is_still_imported(t
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="Ray puts the driver's cwd first on the workers' sys.path until ray_start "
-                   "passes job_config=rlrepro.orchestration.import_path.job_config_without_driver_paths() to ray.init")
 def test_planted_modules_do_not_run_in_the_ray_actors_either(tmp_path):
     """A whole run: the driver and every Ray process (rollout workers, trainer, Ray's own). Ray puts the driver's
     working directory first on each worker's sys.path unless its JobConfig says otherwise."""

@@ -58,6 +58,12 @@ class ActorGroup:
             self._worker_options = [dict(num_gpus=0)] * nw
             self.worker_gpu = []
             trainer_options = [dict(num_gpus=0)] * nt
+        if cfg.ray.network_interface:  # the interface the actors' gloo / NCCL groups use on a cluster (.network)
+            from .network import NETWORK_INTERFACE_ENV
+
+            env = {"env_vars": {NETWORK_INTERFACE_ENV: cfg.ray.network_interface}}
+            self._worker_options = [dict(o, runtime_env=env) for o in self._worker_options]
+            trainer_options = [dict(o, runtime_env=env) for o in trainer_options]
         self._worker_cls = ray.remote(num_cpus=0, max_restarts=0)(RolloutWorker)
         self.megatron = cfg.train.backend == "megatron"
         tp_emulation = cfg.train.tensor_parallel if self.megatron else 1

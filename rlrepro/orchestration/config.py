@@ -150,6 +150,9 @@ class RayConfig:
     address: Optional[str] = None  # None: start a local Ray on 127.0.0.1; else join this cluster
     num_cpus: Optional[int] = None
     colocate: bool = True  # rollout workers and trainer share devices
+    # on a cluster: the network interface (e.g. eth0, ib0) the trainer's and the weight sync's gloo / NCCL groups
+    # use; None: the interface of the node's address (local mode always uses loopback)
+    network_interface: Optional[str] = None
 
     def __post_init__(self) -> None:
         c = Checker(self)

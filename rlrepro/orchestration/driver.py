@@ -332,6 +332,7 @@ class GRPODriver:
                 self.warm_start()
                 self._record_inputs(self.actors.sync_weights(version=0))
             if cfg.run.resume:  # written once nothing can refuse the resume any more (setup writes a fresh run's)
+                self._write_amendments()
                 atomic_write_bytes(self.run_dir / CONFIG_FILE, config_yaml(cfg).encode("utf-8"))
             self.log.start(done)
             history = self._loop(done, last_step)
@@ -348,11 +349,8 @@ class GRPODriver:
         all keys when the driver was built without the list) that differ from the record are refused, except the
         ones that cannot change bits (rlrepro.orchestration.resume), which are applied and appended to
         ``amendments.jsonl`` with the step they take effect from. Refused before anything is written."""
-        import json
-
         from omegaconf import OmegaConf
 
-        from rlrepro.repro.records import atomic_write_bytes as write
         from rlrepro.trainer import latest_checkpoint
 
         from .config import migrate_legacy_keys, validate
@@ -373,14 +371,22 @@ class GRPODriver:
         self.cfg = validate(config)
         # how this command started the run is not an amendment of the run
         amendments = [a for a in amendments if a["key"] not in ("run.resume", "run.dir", "run.overwrite")]
-        if amendments:
-            log_path = self.run_dir / "amendments.jsonl"
-            old = log_path.read_bytes() if log_path.is_file() else b""
-            new = "".join(json.dumps(a, sort_keys=True) + "\n" for a in amendments).encode()
-            write(log_path, old + new)
-            for a in amendments:
-                print(f"rlrepro: resume amends {a['key']}: {a['old']!r} -> {a['new']!r} from step {a['from_step']} "
-                      "(recorded in amendments.jsonl)", file=sys.stderr)
+        self._amendments = amendments  # written with config.yaml once the resume is accepted (_write_amendments)
+        for a in amendments:
+            print(f"rlrepro: resume amends {a['key']}: {a['old']!r} -> {a['new']!r} from step {a['from_step']} "
+                  "(recorded in amendments.jsonl)", file=sys.stderr)
+
+    def _write_amendments(self) -> None:
+        import json
+
+        amendments = getattr(self, "_amendments", None)
+        if not amendments:
+            return
+        log_path = self.run_dir / "amendments.jsonl"
+        old = log_path.read_bytes() if log_path.is_file() else b""
+        new = "".join(json.dumps(a, sort_keys=True) + "\n" for a in amendments).encode()
+        atomic_write_bytes(log_path, old + new)
+        self._amendments = None
 
     def _record_inputs(self, weights_digest: str | None) -> None:
         """``inputs.json``: digests of the data files, records, tokenizer and starting weights, and every

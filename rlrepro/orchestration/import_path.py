@@ -27,5 +27,5 @@ def job_config_without_driver_paths(**kwargs):
     from ray.job_config import JobConfig
 
     job_config = JobConfig(**kwargs)
-    job_config._py_driver_sys_path = _NoDriverPaths(job_config._py_driver_sys_path)
+    job_config._py_driver_sys_path = _NoDriverPaths(getattr(job_config, "_py_driver_sys_path", []))
     return job_config

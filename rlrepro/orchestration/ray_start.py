@@ -25,6 +25,8 @@ import ipaddress
 import os
 import sys
 
+from .import_path import job_config_without_driver_paths
+
 LOOPBACK = "127.0.0.1"
 CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # ray._private.ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
 AUTH_MODE_ENV = "RAY_AUTH_MODE"  # ray._private.authentication.authentication_token_setup.AUTH_MODE_ENV_VAR
@@ -76,7 +78,8 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
     if loopback:
         _loopback_for_imported_ray()
     if not local:
-        ray.init(address=str(address).strip(), include_dashboard=False, log_to_driver=True)
+        ray.init(address=str(address).strip(), include_dashboard=False, log_to_driver=True,
+                 job_config=job_config_without_driver_paths())
         return
     if os.environ.get("RAY_ADDRESS"):
         env_address = os.environ["RAY_ADDRESS"]
@@ -86,7 +89,7 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
 
     # Name the GPUs: a stripped Ray may not detect them, and actors asking for one would wait forever.
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), num_gpus=torch.cuda.device_count(),
-             include_dashboard=False, _node_ip_address=LOOPBACK,
+             include_dashboard=False, _node_ip_address=LOOPBACK, job_config=job_config_without_driver_paths(),
              log_to_driver=True, configure_logging=True, logging_level="WARNING")
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:

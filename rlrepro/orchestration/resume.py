@@ -38,7 +38,7 @@ BIT_NEUTRAL_KEYS: tuple[str, ...] = (
     "checkpoint.every", "checkpoint.keep_last", "checkpoint.save_last",
     "run.resume", "run.overwrite", "run.save_rollouts",
     "run.dir",  # the record's location: the directory the resumed run was found in
-    "ray.address", "ray.num_cpus",
+    "ray.address", "ray.num_cpus", "ray.network_interface",
     "rollout.num_workers", "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.prefix_cache",
     "rollout.num_kv_blocks", "rollout.gpu_memory_fraction", "rollout.weight_sync", "rollout.max_restarts",
 )

@@ -61,6 +61,10 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
         out.mkdir(parents=True)
         if ckpt is not None and (run / "base_model").is_dir():
             os.symlink((run / "base_model").resolve(), out / "base_model")  # overwritten by the checkpoint anyway
+        if ckpt is not None and (run / "inputs.json").is_file():
+            # a re-execution from a checkpoint compares its inputs with the run's record (the starting weights'
+            # digest is the record's: they are not rebuilt) instead of writing a record without that digest
+            shutil.copyfile(run / "inputs.json", out / "inputs.json")
         cfg.run.dir = str(out)
         cfg.run.resume = False
         cfg.logger.wandb = False

@@ -6,14 +6,14 @@ from .checkpoint import (LoadedCheckpoint, capture_rng_state, export_hf, latest_
 from .data_parallel import DataParallel, assign_micro_batches
 from .determinism import enable_determinism
 from .logprobs import entropy, logprobs_and_entropy, token_logprobs
-from .losses import KL_ESTIMATORS, LOSS_AGG_MODES, LossOutput, aggregate, kl_penalty, pad_sequences, policy_loss
+from .losses import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, LossOutput, aggregate, kl_penalty, pad_sequences, policy_loss
 from .optim import MasterWeightAdamW, WarmupCosineLR, clip_grad_norm_, lr_at
 from .train import TrainConfig, Trainer, TrainSample, micro_batches
 
 __all__ = [
     "token_logprobs", "logprobs_and_entropy", "entropy",
     "group_advantages", "compute_advantages", "ADVANTAGE_MODES",
-    "policy_loss", "aggregate", "kl_penalty", "pad_sequences", "LossOutput", "LOSS_AGG_MODES", "KL_ESTIMATORS",
+    "policy_loss", "aggregate", "kl_penalty", "pad_sequences", "LossOutput", "LOSS_AGG_MODES", "KL_ESTIMATORS", "POLICY_LOSSES",
     "MasterWeightAdamW", "WarmupCosineLR", "lr_at", "clip_grad_norm_",
     "TrainConfig", "Trainer", "TrainSample", "micro_batches", "enable_determinism",
     "DataParallel", "assign_micro_batches",
