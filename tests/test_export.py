@@ -174,3 +174,25 @@ def test_export_during_a_run_changes_no_bit(tmp_path):
     _assert_transformers_parity(export_path(a, 3))
     summary = json.loads((a / "summary.json").read_text())
     assert summary["files"]["exported_model"] == str(export_path(a, 3))
+
+
+@pytest.mark.slow
+def test_megatron_tp2_dist_run_exports_what_its_dist_checkpoints_hold(tmp_path):
+    """train.backend=megatron at TP=2 with checkpoint.format=dist: the in-run export (a collective: the shards
+    gathered, one rank writes) equals `rlrepro export` of that step's dist checkpoint (dist_to_hf), bit for bit."""
+    pytest.importorskip("megatron.core")
+    run = tmp_path / "m"
+    args = ["recipe=grpo_tiny", "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            "rollout.max_tokens=6", "warm_start.steps=0", "reward.fn=hash", "logger.progress=false",
+            "train.micro_batch_size=4", "train.warmup_steps=1", "train.num_gpus=2", "rollout.num_workers=2",
+            "train.backend=megatron", "train.tensor_parallel=2", "checkpoint.format=dist", "checkpoint.every=1",
+            "checkpoint.export_hf=true", f"run.dir={run}"]
+    assert main(["train", *args]) == 0
+    assert [s for s, _ in list_exports(run)] == [1, 2]
+    for step in (1, 2):
+        out = tmp_path / f"after{step}"
+        assert main(["export", str(run), "--step", str(step), str(out)]) == 0
+        _assert_same_tensors(export_path(run, step), out / "model.safetensors")
+    a, b = (load_file(str(export_path(run, s) / "model.safetensors")) for s in (1, 2))
+    assert not all(torch.equal(a[k], b[k]) for k in a)  # two different steps' weights
+    _assert_transformers_parity(export_path(run, 2))
