@@ -150,6 +150,10 @@ def test_run_export_is_complete_or_absent_and_keeps_the_last(tmp_path):
     assert (export_path(run, 3) / "tokenizer.json").is_file()
     prune_exports(run, 1)
     assert [s for s, _ in list_exports(run)] == [3]
+    # a run started over in the same directory: the old run's later exports never count among the newest
+    export_run_step(_FakeActors(model), run, 9, keep_last=2, tokenizer_from=base)
+    export_run_step(_FakeActors(model), run, 1, keep_last=1, tokenizer_from=base)
+    assert [s for s, _ in list_exports(run)] == [1]
 
 
 @pytest.mark.slow

@@ -49,6 +49,13 @@ def test_reward_first_last_are_the_means_of_the_edge_steps(tmp_path, capsys):
     assert run_summary(tmp_path, _cfg(wandb=True, mode="online"), wall_s=1, steps_this_run=1,
                        wandb_dir=str(wandb_run))["files"]["wandb_sync"] is None
     assert "upload" not in format_summary(run_summary(tmp_path, _cfg(), wall_s=1, steps_this_run=1))
+    # the exported model is the newest export of a recorded step (never a stale one of a longer, earlier run)
+    for step in (8, 99):
+        (tmp_path / "export" / f"step_{step:06d}").mkdir(parents=True)
+        (tmp_path / "export" / f"step_{step:06d}" / "config.json").write_text("{}")
+    s = run_summary(tmp_path, _cfg(), wall_s=1, steps_this_run=1)
+    assert s["files"]["exported_model"] == str(tmp_path / "export" / "step_000008")
+    assert "HF model   " + str(tmp_path / "export" / "step_000008") in format_summary(s)
 
 
 def test_short_runs_use_one_step_at_each_end(tmp_path):

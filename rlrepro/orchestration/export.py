@@ -109,9 +109,17 @@ def finish_export(tmp: Path, final: Path, tokenizer_from: str | os.PathLike | No
     return final
 
 
-def prune_exports(run_dir: str | os.PathLike, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` exports of the run (as checkpoint.keep_last does checkpoints)."""
-    for _, path in list_exports(run_dir)[:-keep_last]:
+def prune_exports(run_dir: str | os.PathLike, keep_last: int, current: int | None = None) -> None:
+    """Delete all but the newest ``keep_last`` exports of the run (as checkpoint.keep_last does checkpoints).
+    ``current``: the step the run is at; exports of later steps are stale (a run started over in the same
+    directory, or steps a resume re-executes, which write the same bits again) and are deleted first, so that
+    they can never count among the newest."""
+    found = list_exports(run_dir)
+    if current is not None:
+        for _, path in (e for e in found if e[0] > current):
+            shutil.rmtree(path, ignore_errors=True)
+        found = [e for e in found if e[0] <= current]
+    for _, path in found[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -125,7 +133,7 @@ def export_run_step(actors, run_dir: str | os.PathLike, step: int, keep_last: in
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    prune_exports(run_dir, keep_last)
+    prune_exports(run_dir, keep_last, current=step)
     return final
 
 

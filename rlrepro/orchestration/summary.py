@@ -67,7 +67,8 @@ def run_summary(run_dir: str | Path, cfg, *, wall_s: float, steps_this_run: int,
         if seen:
             evals[key] = {"first": seen[0][1], "first_step": seen[0][0], "last": seen[-1][1], "last_step": seen[-1][0]}
     ckpts = list_checkpoints(run_dir / "checkpoints")
-    exports = list_exports(run_dir)
+    last = records[-1]["step"] if records else 0
+    exports = [e for e in list_exports(run_dir) if e[0] <= last]  # none of a longer run this one started over
     plots = run_dir / "plots"
     wandb_runs, this_wandb = _wandb_runs(run_dir, wandb_dir)
     offline = bool(cfg.logger.wandb) and cfg.logger.mode == "offline"
