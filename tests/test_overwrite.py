@@ -46,6 +46,10 @@ def old_run(run: Path) -> None:
     (run / "verify" / "from_1" / "metrics.jsonl").write_text("")
     (run / "data" / "synthetic_first_letter.jsonl").write_text("{}\n")
     (run / "plots" / "loss.png").write_bytes(b"png")
+    (run / "export" / "step_000001").mkdir(parents=True)
+    (run / "export" / "step_000001" / "config.json").write_text("{}")
+    (run / "summary.json").write_text("{}")
+    (run / "summary.txt").write_text("summary")
     # the user's
     (run / "notes.txt").write_text("mine")
     (run / "data" / "mine.jsonl").write_text(json.dumps({"prompt": "first: abc=", "answer": "a"}) + "\n")
@@ -69,7 +73,8 @@ def test_overwrite_deletes_exactly_the_files_rlrepro_wrote(tmp_path, capsys):
     assert (run / "wandb" / "offline-run-1").is_dir()
     err = capsys.readouterr().err
     for name in ("config.yaml", "metrics.jsonl", "inputs.json", "checkpoints/step_000001", "base_model",
-                 "verify/from_1", "data/synthetic_first_letter.jsonl", "rollouts/step_000001.jsonl.gz"):
+                 "verify/from_1", "data/synthetic_first_letter.jsonl", "rollouts/step_000001.jsonl.gz",
+                 "export/step_000001", "summary.json", "summary.txt"):
         assert name in err
     assert "kept" in err and "README" in err  # rollouts/ stays: it holds a file rlrepro did not write
 

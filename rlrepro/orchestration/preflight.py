@@ -37,10 +37,11 @@ def check_devices(cfg: RunSchema) -> None:
 
 
 # What rlrepro writes into a run directory: the files run.overwrite=true deletes, and nothing else.
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, FINGERPRINTS_FILE, "inputs.json", "amendments.jsonl")
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, FINGERPRINTS_FILE, "inputs.json", "amendments.jsonl", "summary.json",
+             "summary.txt")
 # directories only rlrepro writes into, with the names of the entries it makes there
 RUN_DIRS = {ROLLOUTS_DIR: ("step_*.jsonl.gz", ".step_*.tmp"), CHECKPOINTS_DIR: ("step_*",), "verify": ("from_*",),
-            "data": ("synthetic_*.jsonl", ".synthetic_*.tmp")}
+            "data": ("synthetic_*.jsonl", ".synthetic_*.tmp"), "export": ("step_*", "step_*.tmp-*", "step_*.old-*")}
 RUN_GLOBS = ("base_model", "base_model.tmp*")  # rlrepro's own model directory (model.init=tiny|random)
 
 
