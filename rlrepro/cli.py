@@ -9,9 +9,10 @@ rlrepro: GRPO reinforcement learning for LLMs, bitwise reproducible. Commands:
   plot      RUN [RUN ...] [--out DIR]         PNG overlays of the runs' curves, first divergence marked
   generate  [--model DIR] [--prompt TEXT]     sample from a model, a run or a checkpoint (tiny model by default)
   export    RUN [--step K] OUT                write a run's checkpoint as an HF model directory (transformers, vLLM)
+  eval      RUN [--step K] [--json]           evaluate a checkpoint on eval.source: the eval/* numbers the run logs
   recipes                                     list the shipped recipes, one line each
 
-rlrepro diff|verify|show|plot|generate|export --help shows that command's options;
+rlrepro diff|verify|show|plot|generate|export|eval --help shows that command's options;
 rlrepro train recipe=NAME --cfg prints every config key of a recipe.
 """
 from __future__ import annotations
@@ -306,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         from rlrepro.orchestration.export import main_export
 
         return main_export(rest)
-    commands = "train, diff, verify, show, plot, generate, export, recipes"
+    if cmd == "eval":
+        from rlrepro.orchestration.evaluation import main_eval
+
+        return main_eval(rest)
+    commands = "train, diff, verify, show, plot, generate, export, eval, recipes"
     print(f"rlrepro: unknown command {cmd!r}; commands: {commands} (rlrepro --help)", file=sys.stderr)
     return 2
 

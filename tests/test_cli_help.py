@@ -3,7 +3,7 @@ import pytest
 
 import rlrepro.cli as cli
 
-COMMANDS = ("train", "diff", "verify", "show", "plot", "generate", "export", "recipes")
+COMMANDS = ("train", "diff", "verify", "show", "plot", "generate", "export", "eval", "recipes")
 
 
 def test_help_is_plain_usage_text_with_one_line_per_command(capsys):

@@ -1,5 +1,6 @@
 """The data and reward configuration: the run schema's ``data:`` (:class:`DataConfig`, with
-``data.synthetic``: :class:`SyntheticConfig`) and ``reward:`` (:class:`RewardConfig`) sections.
+``data.synthetic``: :class:`SyntheticConfig`), ``reward:`` (:class:`RewardConfig`) and ``eval:`` (:class:`EvalConfig`:
+the held-out data set evaluated during training, rlrepro.orchestration.evaluation) sections.
 
 Each checks its values in ``__post_init__`` and raises :class:`rlrepro.checks.ConfigError` naming the key.
 Whether the files, the fields and the reward function exist is checked when the run starts (before any work),
@@ -14,7 +15,7 @@ from rlrepro.checks import Checker
 
 from .synthetic import SYNTHETIC_KINDS
 
-__all__ = ["DataConfig", "SyntheticConfig", "RewardConfig", "BAD_ROW_POLICIES", "UNKNOWN_TOKEN_POLICIES",
+__all__ = ["DataConfig", "SyntheticConfig", "RewardConfig", "EvalConfig", "BAD_ROW_POLICIES", "UNKNOWN_TOKEN_POLICIES",
            "REWARD_ERROR_POLICIES"]
 
 BAD_ROW_POLICIES = ("error", "skip")
@@ -88,3 +89,39 @@ class RewardConfig:
         c.choice("on_error", REWARD_ERROR_POLICIES)
         c.int_at_least("overlong_buffer", 0)
         c.non_negative("overlong_penalty_factor")
+
+
+@dataclass
+class EvalConfig:
+    """``eval:``: a held-out local file, scored during training (rlrepro.orchestration.evaluation) and after it
+    (``rlrepro eval RUN``). The field and template keys left null take the ``data.*`` value of the same name; the
+    same loaders, templates, reward function (``reward.fn``, no overlong shaping) and chat template as data."""
+    SECTION: ClassVar[str] = "eval"
+
+    source: Optional[str] = None  # a local .jsonl/.parquet file or directory (never the hub)
+    every: int = 0  # 0 = off; else after every N-th step and after the last one (train.steps)
+    num_samples: int = 4  # k: sampled completions per prompt (eval/avg@k, eval/pass@k)
+    temperature: Optional[float] = None  # null: rollout.temperature; 0 = greedy
+    max_tokens: Optional[int] = None  # null: rollout.max_tokens
+    limit: Optional[int] = None  # the first N rows of the file
+    greedy: bool = True  # one extra greedy (temperature 0) completion per prompt: eval/greedy_acc
+    pass_threshold: float = 1.0  # a completion passes (pass@k, greedy_acc) when its reward >= this
+    split: Optional[str] = None
+    prompt_field: Optional[str] = None
+    answer_field: Optional[str] = None
+    id_field: Optional[str] = None
+    messages_field: Optional[str] = None
+    template: Optional[str] = None
+    system_prompt: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        c = Checker(self)
+        c.int_at_least("every", 0)
+        c.positive_int("num_samples")
+        c.positive_int("max_tokens", "limit", optional=True)
+        c.boolean("greedy")
+        c.require(self.temperature is None or (isinstance(self.temperature, (int, float))
+                                               and not isinstance(self.temperature, bool) and self.temperature >= 0),
+                  "temperature", "must be >= 0 (0 = greedy) or null (rollout.temperature)")
+        c.require(isinstance(self.pass_threshold, (int, float)) and not isinstance(self.pass_threshold, bool),
+                  "pass_threshold", "must be a number (rewards are in [0, 1]; 1.0 = only a full score passes)")

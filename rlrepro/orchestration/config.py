@@ -7,6 +7,7 @@ section            class (owner)                                                
 ``model``          :class:`ModelConfig` (here)                                             the starting weights
 ``data``           :class:`rlrepro.data.config.DataConfig`                                 prompts
 ``reward``         :class:`rlrepro.data.config.RewardConfig`                               the reward function
+``eval``           :class:`rlrepro.data.config.EvalConfig`                                 held-out evaluation
 ``rollout``        :class:`RolloutConfig` = ``rollout.EngineConfig`` + ``rollout.SamplingConfig`` + the driver's
                    keys (workers, prompts per step, group size, weight sync, restarts)
 ``train``          :class:`rlrepro.trainer.TrainConfig`                                    the update and its layout
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from rlrepro.checks import Checker, ConfigError
-from rlrepro.data.config import DataConfig, RewardConfig
+from rlrepro.data.config import DataConfig, EvalConfig, RewardConfig
 from rlrepro.rollout.config import EngineConfig, SamplingConfig
 from rlrepro.trainer.config import CheckpointConfig, TrainConfig, WarmStartConfig
 
@@ -181,6 +182,7 @@ class RunSchema:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -269,6 +271,7 @@ def validate(cfg: Any) -> RunSchema:
                           f"{s.rollout.max_tokens} (the penalty ramps over the last overlong_buffer tokens; DAPO "
                           "uses a quarter of the length limit)")
     _validate_trainer_layout(s)
+    _validate_eval(s)
     if s.rollout.weight_sync == "cuda_ipc" and (s.run.device != "cuda" or not s.ray.colocate):
         raise ConfigError(f"rollout.weight_sync=cuda_ipc needs trainer and engines on the same GPUs "
                           f"(run.device=cuda and ray.colocate=true; here run.device={s.run.device}, "
@@ -278,6 +281,19 @@ def validate(cfg: Any) -> RunSchema:
                           "an engine of one GPU into one NCCL communicator, which NCCL refuses (duplicate GPU); "
                           "use rollout.weight_sync=auto (CUDA IPC there) or ray.colocate=false")
     return s
+
+
+def _validate_eval(s: RunSchema) -> None:
+    """eval.* against the rest: a source to evaluate, a usable temperature, a length the prompts leave room for."""
+    from rlrepro.rollout.config import MIN_TEMPERATURE
+
+    e = s.eval
+    if e.every > 0 and not e.source:
+        raise ConfigError(f"eval.every={e.every} needs eval.source=/path/to/held_out.jsonl (a local file or "
+                          "directory, read like data.source); or set eval.every=0 (off)")
+    if e.temperature is not None and 0 < e.temperature < MIN_TEMPERATURE:
+        raise ConfigError(f"eval.temperature={e.temperature!r} is too small (logits / T overflows); use 0 for "
+                          f"greedy decoding or a value >= {MIN_TEMPERATURE}")
 
 
 def _validate_trainer_layout(s: RunSchema, model_config: Any = None) -> None:

@@ -113,6 +113,11 @@ class GRPODriver:
         self.order = EpochOrder(len(self.prompts), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         eos = self.tokenizer.eos_token_id
         self.stop_token_ids = [eos] if eos is not None else []
+        self.evaluator = None
+        if cfg.eval.every:  # held-out evaluation (rlrepro.orchestration.evaluation); its prompts checked now
+            from .evaluation import Evaluator
+
+            self.evaluator = Evaluator(cfg, self.tokenizer, self.reward_fn, self.stop_token_ids, self.model_config)
         self.log = RunLog(cfg, self.run_dir)
         self.actors = actor_group_class()(cfg, str(self.model_dir))
 
@@ -156,10 +161,15 @@ class GRPODriver:
         t("train")
         weights_digest = self.actors.sync_weights(version=step)
         t("sync")
+        t_eval = time.perf_counter()  # eval.every: on the engines, with the weights of this step
+        eval_metrics = self.evaluator(self.actors, step) if self.evaluator is not None else {}
+        t_eval = time.perf_counter() - t_eval
         metrics = step_metrics(step, samples, train_metrics, t.times, weights_digest=weights_digest,
                                num_reward_errors=num_reward_errors, penalties=penalties,
                                restarts=self.actors.restarts)
         metrics.update(perf_memory_metrics(cfg, train_metrics, t.times["train"], self.actors.memory_stats()))
+        if eval_metrics:
+            metrics.update(eval_metrics, **{"perf/eval_s": t_eval})
         self.log.record_step(step, samples, metrics, train_metrics, weights_digest)
         return metrics
 

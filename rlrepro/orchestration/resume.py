@@ -41,6 +41,8 @@ BIT_NEUTRAL_KEYS: tuple[str, ...] = (
     "ray.address", "ray.num_cpus", "ray.network_interface",
     "rollout.num_workers", "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.prefix_cache",
     "rollout.num_kv_blocks", "rollout.gpu_memory_fraction", "rollout.weight_sync", "rollout.max_restarts",
+    # held-out evaluation: its own seed stream (eval_seed), no weight changes (rlrepro.orchestration.evaluation)
+    "eval.*",
 )
 STEPS_KEY = "train.steps"
 # what the LR schedule (rlrepro.trainer.optim.WarmupCosineLR, built in rlrepro.trainer.train) is made of

@@ -122,7 +122,7 @@ class RunLog:
 
         self.wandb_run = wandb.init(project=lc.project, dir=str(self.run_dir), mode=lc.mode,
                                     name=self.run_dir.name, group=self.cfg.recipe, config=_plain(self.cfg))
-        for group in ("rollout", "train", "repro", "perf"):
+        for group in ("rollout", "train", "repro", "perf", "eval"):
             wandb.define_metric(f"{group}/*", step_metric="step")
 
     def log_wandb(self, step: int, metrics: dict) -> None:

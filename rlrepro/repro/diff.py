@@ -40,6 +40,9 @@ SAMPLE_FIELDS = {"prompt_ids": "sample_prompt_ids", "rollout_token_ids": "sample
 KNOWN_FORMATS = ("rlrepro.fingerprint.v1",)
 DEFAULT_IGNORED_CONFIG_KEYS = ("run.dir", "run.resume", "logger.*", "repro.ignore_keys")
 IGNORED_METRIC_PREFIXES = ("perf/",)
+# held-out evaluation (eval.every): compared where both runs logged it, not a difference where one run did not
+# evaluate (a run with eval on trains the same bits as one without)
+OPTIONAL_METRIC_PREFIXES = ("eval/",)
 
 _ABSENT = "<absent>"
 
@@ -420,6 +423,8 @@ def _metric_diffs(step: int, ma: dict, mb: dict) -> list[MetricDiff]:
         if key == "step" or key.startswith(IGNORED_METRIC_PREFIXES):
             continue
         a, b = ma.get(key, _ABSENT), mb.get(key, _ABSENT)
+        if key.startswith(OPTIONAL_METRIC_PREFIXES) and (key not in ma or key not in mb):
+            continue
         if not float_bits_equal(a, b):
             out.append(MetricDiff(step, key, a, b))
     return out

@@ -7,6 +7,7 @@ the batch it shares (see docs/ENGINE.md). ``request_seed`` derives per-sample se
 from .config import EngineConfig, SamplingConfig
 from .engine import Engine
 from .params import RequestOutput, SamplingParams
-from .seeds import derive_seed, request_seed
+from .seeds import derive_seed, eval_seed, request_seed
 
-__all__ = ["Engine", "EngineConfig", "SamplingConfig", "SamplingParams", "RequestOutput", "request_seed", "derive_seed"]
+__all__ = ["Engine", "EngineConfig", "SamplingConfig", "SamplingParams", "RequestOutput", "request_seed", "eval_seed",
+           "derive_seed"]

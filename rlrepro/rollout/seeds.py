@@ -37,6 +37,17 @@ def request_seed(run_seed: int, step: int, prompt_uid: int | str, sample_index: 
     return _seed_from_key(["rlrepro.request", run_seed, step, prompt_uid, sample_index])
 
 
+def eval_seed(run_seed: int, step: int, prompt_uid: int | str, sample_index: int) -> int:
+    """The sampling seed of evaluation sample ``sample_index`` of held-out prompt ``prompt_uid`` after GRPO step
+    ``step``: a stream of its own (another salt than :func:`request_seed`), so evaluating draws no training seed
+    and the two never coincide by construction of the key."""
+    _check_key("run_seed", run_seed)
+    _check_key("step", step)
+    _check_key("prompt_uid", prompt_uid, allow_str=True)
+    _check_key("sample_index", sample_index)
+    return _seed_from_key(["rlrepro.eval", run_seed, step, prompt_uid, sample_index])
+
+
 def derive_seed(engine_seed: int, request_index: int) -> int:
     """The seed of a request submitted without one: ``request_index`` counts every request this engine has
     accepted (0-based, in submission order across ``generate`` calls), so a fresh engine given the same seed

@@ -1,0 +1,288 @@
+"""Evaluation on held-out data: during training (``eval.every``) and after it (``rlrepro eval RUN [--step K]``).
+
+After the weight sync of step k (every ``eval.every``-th step and the run's last, ``train.steps``), every prompt
+of ``eval.source`` gets ``eval.num_samples`` (k) sampled completions (``eval.temperature``, default
+``rollout.temperature``; 0 = greedy) and, with ``eval.greedy=true``, one more at temperature 0. They run on the
+rollout engines as keyed requests, like the step's own: the seed of sample j of prompt uid after step k is
+``eval_seed(run.seed, k, uid, j)`` (rlrepro.rollout.seeds; another salt than the training seeds), results are
+sorted by key, so the numbers are the same whatever the number of workers, their batching or their speed.
+Evaluating draws no training seed and changes no weight: a run with eval on has the fingerprints of one without.
+
+Rewards are ``reward.fn``'s (no overlong shaping). The metrics, in that step's ``metrics.jsonl`` line and wandb:
+
+* ``eval/avg@K``: the mean reward over all sampled completions (K is ``eval.num_samples``);
+* ``eval/pass@K``: Chen et al. 2021's unbiased estimator ``1 - C(n-c, K) / C(n, K)`` with n = K samples per prompt
+  and c of them passing (reward >= ``eval.pass_threshold``, default 1.0: a full score), averaged over prompts; with
+  n = K it is the fraction of prompts with at least one passing sample;
+* ``eval/greedy_acc``: the fraction of prompts whose greedy completion passes (``eval.greedy=true``);
+* ``eval/response_length_mean``: the mean length in tokens of the sampled completions;
+* ``eval/num_prompts``.
+
+``rlrepro eval RUN [--step K]`` loads the run's checkpoint of step K into an engine built as the run's rollout
+workers are (the run's base model, then the checkpoint's weights, as a weight sync loads them) and computes the
+same numbers with the same keys and seeds: equal, bit for bit, to what the run logged at step K.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Callable
+
+from .workers import Request
+
+__all__ = ["pass_at_k", "eval_metrics", "is_eval_step", "load_eval_prompts", "eval_requests", "run_eval",
+           "Evaluator", "evaluate_checkpoint", "main_eval"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al. 2021 (Codex, eq. 1), unbiased: the chance that k of n samples, c of them correct, drawn without
+    replacement, hold at least one correct one: ``1 - C(n-c, k) / C(n, k)``, computed as an exact fraction and
+    rounded once (no cancellation for large n)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return float(1 - Fraction(math.comb(n - c, k), math.comb(n, k)))
+
+
+def eval_metrics(rewards: list[list[float]], lengths: list[list[int]], greedy: list[float] | None, *,
+                 k: int, threshold: float) -> dict:
+    """The ``eval/*`` metrics of per-prompt sampled rewards and lengths (each prompt's list in sample order) and
+    the greedy rewards (one per prompt, or None)."""
+    flat = [r for rs in rewards for r in rs]
+    flat_len = [n for ns in lengths for n in ns]
+    out = {
+        f"eval/avg@{k}": sum(flat) / len(flat),
+        f"eval/pass@{k}": sum(pass_at_k(len(rs), sum(r >= threshold for r in rs), k) for rs in rewards) / len(rewards),
+        "eval/response_length_mean": sum(flat_len) / len(flat_len),
+        "eval/num_prompts": len(rewards),
+    }
+    if greedy is not None:
+        out["eval/greedy_acc"] = sum(r >= threshold for r in greedy) / len(greedy)
+    return out
+
+
+def is_eval_step(cfg, step: int) -> bool:
+    """Whether the run evaluates after ``step``: every ``eval.every``-th step and the last (``train.steps``)."""
+    every = cfg.eval.every
+    return bool(every) and (step % every == 0 or step == cfg.train.steps)
+
+
+def _field(cfg, name: str) -> Any:
+    value = getattr(cfg.eval, name)
+    return getattr(cfg.data, name) if value is None else value
+
+
+def load_eval_prompts(cfg, tokenizer, model_config: Any = None) -> tuple[list, list[Path]]:
+    """The held-out prompts (rlrepro.data.load_records / build_prompts with the data.* keys, eval.* where set)
+    and the files they came from. Raises ConfigError naming the eval key."""
+    from rlrepro.checks import ConfigError
+    from rlrepro.data import build_prompts, load_records
+
+    e, d = cfg.eval, cfg.data
+    if not e.source:
+        raise ConfigError("the run has no eval.source: set eval.source=/path/to/held_out.jsonl")
+    path = Path(e.source)
+    if not path.exists():
+        raise ConfigError(f"eval.source={e.source!r} does not exist; point it at a local .jsonl/.parquet file or a "
+                          "directory of them (the hub is not read for evaluation)")
+    fields = {name: _field(cfg, name) for name in ("prompt_field", "answer_field", "id_field", "messages_field")}
+    try:
+        records, _ = load_records(str(path), split=_field(cfg, "split"), on_bad_row=d.on_bad_row, allow_hub=False,
+                                  limit=e.limit, **fields)
+        prompts, _ = build_prompts(records, tokenizer, template=_field(cfg, "template"),
+                                   system_prompt=_field(cfg, "system_prompt"), use_chat_template=d.use_chat_template,
+                                   max_prompt_tokens=d.max_prompt_tokens, on_bad_row=d.on_bad_row,
+                                   on_unknown_token=d.on_unknown_token, source=str(path))
+    except ConfigError:
+        raise
+    except (ValueError, KeyError) as err:
+        raise ConfigError(f"eval.source={e.source!r}: {err}") from None
+    if not prompts:
+        raise ConfigError(f"eval.source={e.source!r} holds no usable prompt")
+    if model_config is not None:
+        max_len = cfg.rollout.max_model_len or model_config.max_position_embeddings
+        longest = max(prompts, key=lambda p: len(p.token_ids))
+        if len(longest.token_ids) + max_tokens(cfg) > max_len:
+            raise ConfigError(f"eval prompt {longest.uid!r} has {len(longest.token_ids)} tokens; with eval.max_tokens="
+                              f"{max_tokens(cfg)} that is more than {max_len} positions: lower eval.max_tokens or "
+                              "data.max_prompt_tokens (which drops long prompts)")
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return prompts, files
+
+
+def max_tokens(cfg) -> int:
+    return cfg.rollout.max_tokens if cfg.eval.max_tokens is None else cfg.eval.max_tokens
+
+
+def eval_requests(cfg, step: int, prompts: list, stop_token_ids) -> list[Request]:
+    """The keyed requests of the evaluation after ``step``: (uid, j) for j < k sampled, (uid, k) greedy."""
+    from rlrepro.rollout import SamplingParams, eval_seed
+
+    e, r = cfg.eval, cfg.rollout
+    temperature = r.temperature if e.temperature is None else e.temperature
+    n, stops = e.num_samples, tuple(stop_token_ids)
+
+    def params(j: int, t: float) -> SamplingParams:
+        return SamplingParams(temperature=t, top_p=r.top_p, top_k=r.top_k, max_tokens=max_tokens(cfg),
+                              seed=eval_seed(cfg.run.seed, step, p.uid, j), stop_token_ids=stops)
+
+    requests = []
+    for p in prompts:
+        requests += [Request((p.uid, j), p.token_ids, params(j, temperature)) for j in range(n)]
+        if e.greedy:
+            requests.append(Request((p.uid, n), p.token_ids, params(n, 0.0)))
+    return requests
+
+
+def run_eval(generate: Callable[[list[Request]], list], cfg, step: int, prompts: list, tokenizer, reward_fn,
+             stop_token_ids) -> dict:
+    """Generate (``generate(requests) -> [(key, RequestOutput)]`` in any order), score and reduce to the
+    ``eval/*`` metrics of the evaluation after ``step``."""
+    from rlrepro.data import compute_rewards
+
+    n = cfg.eval.num_samples
+    results = sorted(generate(eval_requests(cfg, step, prompts, stop_token_ids)), key=lambda kv: kv[0])
+    record_of = {p.uid: p.record for p in prompts}
+    texts = [tokenizer.decode(out.token_ids) for _, out in results]
+    rewards, _ = compute_rewards(reward_fn, texts, [record_of[uid] for (uid, _), _ in results],
+                                 policy=cfg.reward.on_error)
+    sampled: dict[str, list[float]] = {p.uid: [] for p in prompts}
+    lengths: dict[str, list[int]] = {p.uid: [] for p in prompts}
+    greedy: dict[str, float] = {}
+    for ((uid, j), out), reward in zip(results, rewards):
+        if j < n:
+            sampled[uid].append(reward)
+            lengths[uid].append(len(out.token_ids))
+        else:
+            greedy[uid] = reward
+    uids = [p.uid for p in prompts]
+    return eval_metrics([sampled[u] for u in uids], [lengths[u] for u in uids],
+                        [greedy[u] for u in uids] if cfg.eval.greedy else None, k=n,
+                        threshold=cfg.eval.pass_threshold)
+
+
+class Evaluator:
+    """The driver's evaluation: the held-out prompts, loaded at set-up (bad input fails before any work)."""
+
+    def __init__(self, cfg, tokenizer, reward_fn, stop_token_ids, model_config: Any = None) -> None:
+        self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
+        self.stop_token_ids = list(stop_token_ids)
+        self.prompts, self.files = load_eval_prompts(cfg, tokenizer, model_config)
+
+    def __call__(self, actors, step: int) -> dict:
+        """The ``eval/*`` metrics after ``step`` on the rollout engines, or {} when the step is not evaluated."""
+        if not is_eval_step(self.cfg, step):
+            return {}
+        return run_eval(actors.generate, self.cfg, step, self.prompts, self.tokenizer, self.reward_fn,
+                        self.stop_token_ids)
+
+
+# ------------------------------------------------------------------------------------------ after the fact
+
+def _checkpoint_weights(run_dir: Path, ckpt: Path, tmp: Path) -> dict:
+    """The policy's state dict of a checkpoint (its sha256 checked): a full checkpoint's model.safetensors, a dist
+    one through its HF export."""
+    from safetensors.torch import load_file
+
+    from rlrepro.trainer.checkpoint import verify_checkpoint
+
+    from .export import export_checkpoint
+
+    manifest = verify_checkpoint(ckpt, check_hashes=True)
+    if manifest.get("layout") in (None, "full"):
+        return load_file(str(ckpt / "model.safetensors"))
+    out = export_checkpoint(run_dir, tmp / "hf", step=int(manifest["step"]))
+    weights: dict = {}
+    for f in sorted(out.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def evaluate_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[int, dict]:
+    """``(step, eval/* metrics)`` of the run's checkpoint of ``step`` (default: the newest complete one), as the
+    run computes them after that step."""
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    from rlrepro.data import load_reward_fn
+    from rlrepro.model import load_tokenizer
+    from rlrepro.model.checkpoint_io import check_pretrained
+    from rlrepro.model.model_dirs import _checkpoint_base
+
+    from .config import migrate_legacy_keys, validate
+    from .export import _checkpoint_of
+    from .workers import RolloutWorker
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
+    cfg = validate(migrate_legacy_keys(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"),
+                                                              resolve=True), warn=False))
+    ckpt = _checkpoint_of(run_dir, step)
+    base = _checkpoint_base(ckpt, run_dir)
+    tokenizer = load_tokenizer(base)
+    evaluator = Evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn),
+                          [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+                          check_pretrained(base))
+    tp = cfg.train.tensor_parallel if cfg.train.backend == "megatron" else 1
+    with tempfile.TemporaryDirectory(prefix="rlrepro-eval-") as tmp:
+        weights = _checkpoint_weights(run_dir, ckpt, Path(tmp))
+        worker = RolloutWorker(str(base), cfg.rollout.engine, device=cfg.run.device, dtype=cfg.model.dtype,
+                               deterministic=cfg.run.deterministic, seed=cfg.run.seed, tensor_parallel_emulation=tp)
+        done = int(ckpt.name.split("_")[1])
+        worker.load_weights(weights, version=done)  # as a weight sync loads the trainer's state dict
+        del weights
+
+    def generate(requests: list[Request]) -> list:
+        return [(r.key, out) for r, out in zip(requests, worker.generate(requests))]
+
+    return done, run_eval(generate, cfg, done, evaluator.prompts, tokenizer, evaluator.reward_fn,
+                          evaluator.stop_token_ids)
+
+
+def _logged(run_dir: Path, step: int) -> dict | None:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("step") == step:
+            return {k: v for k, v in rec.items() if k.startswith("eval/")} or None
+    return None
+
+
+def main_eval(argv: list[str]) -> int:
+    """``rlrepro eval RUN [--step K] [--json]``: exit 0; 2 on a bad argument or run; 1 when the run logged other
+    eval/* numbers at that step (a different machine or software; rlrepro diff's inputs.json says which)."""
+    import argparse
+
+    from rlrepro.checks import ConfigError
+
+    ap = argparse.ArgumentParser(prog="rlrepro eval", description="evaluate a run's checkpoint on its eval.source "
+                                 "with the numbers (keys, seeds) the run logs under eval/*")
+    ap.add_argument("run", help="the run directory")
+    ap.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
+    ap.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    ns = ap.parse_args(argv)
+    try:
+        step, metrics = evaluate_checkpoint(ns.run, ns.step)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"rlrepro eval: {e}", file=sys.stderr)
+        return 2
+    logged = _logged(Path(ns.run), step)
+    same = None if logged is None else logged == metrics
+    if ns.json:
+        print(json.dumps({"step": step, **metrics, "matches_run_log": same}, sort_keys=True))
+    else:
+        print(f"step {step}")
+        for key, value in metrics.items():
+            print(f"  {key:<28} {value}")
+        note = {None: "the run logged no eval at this step", True: "equal to what the run logged at this step",
+                False: f"DIFFERENT from what the run logged at this step: {logged}"}[same]
+        print(f"  ({note})")
+    return 1 if same is False else 0
