@@ -182,6 +182,11 @@ def test_eval_during_training_and_after_it(tmp_path, capsys):
     (b / "metrics.jsonl").write_text("\n".join(lines[:3] + [json.dumps(rec)]) + "\n")
     assert main(["eval", str(b), "--step", "4"]) == 1
     assert "DIFFERENT from what the run logged" in capsys.readouterr().out
+    # a run trained without eval: its eval.source is named as missing, --source gives one
+    assert main(["eval", str(a), "--step", "4"]) == 2 and "--source" in capsys.readouterr().err
+    assert main(["eval", str(a), "--step", "4", "--source", str(held), "--json"]) == 0
+    got_a = json.loads(capsys.readouterr().out)
+    assert got_a["matches_run_log"] is None and got_a["eval/num_prompts"] == 6 and "eval/avg@4" in got_a
     assert main(["eval", str(b), "--step", "3"]) == 2   # no checkpoint of step 3
     assert "no complete checkpoint of step 3" in capsys.readouterr().err
 

@@ -84,7 +84,8 @@ def load_eval_prompts(cfg, tokenizer, model_config: Any = None) -> tuple[list, l
 
     e, d = cfg.eval, cfg.data
     if not e.source:
-        raise ConfigError("the run has no eval.source: set eval.source=/path/to/held_out.jsonl")
+        raise ConfigError("the run has no eval.source: set eval.source=/path/to/held_out.jsonl (rlrepro eval: "
+                          "--source FILE)")
     path = Path(e.source)
     if not path.exists():
         raise ConfigError(f"eval.source={e.source!r} does not exist; point it at a local .jsonl/.parquet file or a "
@@ -202,9 +203,9 @@ def _checkpoint_weights(run_dir: Path, ckpt: Path, tmp: Path) -> dict:
     return weights
 
 
-def evaluate_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[int, dict]:
+def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: str | None = None) -> tuple[int, dict]:
     """``(step, eval/* metrics)`` of the run's checkpoint of ``step`` (default: the newest complete one), as the
-    run computes them after that step."""
+    run computes them after that step; ``source``: another held-out file than the run's ``eval.source``."""
     import tempfile
 
     from omegaconf import OmegaConf
@@ -223,6 +224,8 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[i
         raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
     cfg = validate(migrate_legacy_keys(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"),
                                                               resolve=True), warn=False))
+    if source is not None:
+        cfg.eval.source = source
     ckpt = _checkpoint_of(run_dir, step)
     base = _checkpoint_base(ckpt, run_dir)
     tokenizer = load_tokenizer(base)
@@ -257,8 +260,8 @@ def _logged(run_dir: Path, step: int) -> dict | None:
 
 
 def main_eval(argv: list[str]) -> int:
-    """``rlrepro eval RUN [--step K] [--json]``: exit 0; 2 on a bad argument or run; 1 when the run logged other
-    eval/* numbers at that step (a different machine or software; rlrepro diff's inputs.json says which)."""
+    """``rlrepro eval RUN [--step K] [--source FILE] [--json]``: exit 0; 2 on a bad argument or run; 1 when the run
+    logged other eval/* numbers at that step (another eval file, machine or software)."""
     import argparse
 
     from rlrepro.checks import ConfigError
@@ -267,14 +270,16 @@ def main_eval(argv: list[str]) -> int:
                                  "with the numbers (keys, seeds) the run logs under eval/*")
     ap.add_argument("run", help="the run directory")
     ap.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
+    ap.add_argument("--source", default=None, help="another held-out file than the run's eval.source (the numbers "
+                                                   "are then not compared with the run's)")
     ap.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     ns = ap.parse_args(argv)
     try:
-        step, metrics = evaluate_checkpoint(ns.run, ns.step)
+        step, metrics = evaluate_checkpoint(ns.run, ns.step, ns.source)
     except (ConfigError, ValueError, OSError) as e:
         print(f"rlrepro eval: {e}", file=sys.stderr)
         return 2
-    logged = _logged(Path(ns.run), step)
+    logged = _logged(Path(ns.run), step) if ns.source is None else None
     same = None if logged is None else logged == metrics
     if ns.json:
         print(json.dumps({"step": step, **metrics, "matches_run_log": same}, sort_keys=True))
