@@ -4,6 +4,7 @@ and end to end: a run with eval has the fingerprints of one without, its eval nu
 rollout workers, and `rlrepro eval RUN --step K` gives exactly what the run logged at step K."""
 import json
 import math
+import shutil
 from fractions import Fraction
 
 import pytest
@@ -165,6 +166,14 @@ def test_eval_during_training_and_after_it(tmp_path, capsys):
         assert _eval_of(mb[s]) == _eval_of(mc[s])   # 1 or 2 workers, other batching: the same numbers
     assert 0 < mb[4]["eval/avg@3"] < 1, mb[4]   # partial credit: not a degenerate comparison
     assert main(["diff", str(b), str(c)]) == 0
+    # resumed from the checkpoint of step 2: steps 3 and 4 re-run, their eval numbers those of the uninterrupted run
+    d = tmp_path / "d"
+    shutil.copytree(b, d)
+    shutil.rmtree(d / "checkpoints" / "step_000004")
+    assert main(["train", *BASE, f"run.dir={d}", *ev, "run.resume=true"]) == 0
+    md = _metrics(d)
+    assert [_eval_of(md[s]) for s in (3, 4)] == [_eval_of(mb[s]) for s in (3, 4)]
+    assert (d / "fingerprints.jsonl").read_bytes() == (b / "fingerprints.jsonl").read_bytes()
     capsys.readouterr()
     # after the fact: the checkpoint of step 4 evaluated again gives exactly the logged numbers
     assert main(["eval", str(b), "--step", "4", "--json"]) == 0
