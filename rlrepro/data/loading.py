@@ -30,16 +30,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
+from .jsonlines import blank_lines, kept_rows, scan_lines
 from .records import PromptRecord, records_digest
 from .rows import BadRow, FieldSpec, NotUTF8, RowPositions, row_to_record, utf8_encodable
 
-__all__ = ["load_records", "LoadStats", "SkippedRow", "DATA_FILE_FORMATS"]
+__all__ = ["load_records", "LoadStats", "SkippedRow", "DATA_FILE_FORMATS", "MAX_LINE_BYTES"]
 
 logger = logging.getLogger(__name__)
 
 # file suffix -> datasets builder
 DATA_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _KNOWN_SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")
+# the longest JSON line read: 16 MiB holds a prompt of 32,768 tokens at 64 characters of 4 UTF-8 bytes each, with
+# as much again for the answer and other columns. A longer line is refused before it is parsed (a 50 MB line took
+# 248 s and 19.4 GB through datasets and the tokenizer).
+MAX_LINE_BYTES = 16 << 20
 _SKIP_HINT = ("or set data.on_bad_row=skip (on_bad_row='skip') to leave such rows out (each is logged and listed "
               "in LoadStats.skipped)")
 
@@ -98,6 +103,7 @@ def load_records(
     limit: int | None = None,
     hub_config: str | None = None,
     revision: str | None = None,
+    max_line_bytes: int | None = MAX_LINE_BYTES,
 ) -> tuple[list[PromptRecord], LoadStats]:
     """Load a data set into prompt records.
 
@@ -116,12 +122,18 @@ def load_records(
     naming the file, the row and the field; with ``on_bad_row="skip"`` it is skipped and listed in
     ``LoadStats.skipped``. A field absent from a whole file, duplicate uids, or no records at all always raise.
     ``limit`` keeps only the first ``limit`` records.
+
+    JSON-lines files are read line by line first: a line longer than ``max_line_bytes`` bytes (None: no limit)
+    is a bad row refused with its line number before anything parses it (skipped under ``on_bad_row="skip"``).
     """
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"data.on_bad_row (on_bad_row) must be error or skip, got {on_bad_row!r}. "
                          f"Fix: set data.on_bad_row=error or data.on_bad_row=skip")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"data.limit (limit) must be a positive integer or null, got {limit!r}")
+    if max_line_bytes is not None and (isinstance(max_line_bytes, bool) or not isinstance(max_line_bytes, int)
+                                       or max_line_bytes < 1):
+        raise ValueError(f"max_line_bytes must be a positive integer or None, got {max_line_bytes!r}")
     for name, value in (("prompt_field", prompt_field), ("answer_field", answer_field),
                         ("id_field", id_field), ("messages_field", messages_field)):
         if value is not None and (not isinstance(value, str) or not value):
@@ -138,7 +150,7 @@ def load_records(
         for file, source_name in _local_files(path, split):
             if limit is not None and len(records) >= limit:
                 break
-            _load_local_file(file, source_name, spec, on_bad_row, limit, stats, records, seen_uids)
+            _load_local_file(file, source_name, spec, on_bad_row, limit, stats, records, seen_uids, max_line_bytes)
     elif allow_hub:
         _load_hub(str(source), split, hub_config, revision, spec, on_bad_row, limit, stats, records, seen_uids)
     else:
@@ -234,25 +246,43 @@ def _quiet_datasets() -> Iterator[None]:
 
 
 def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: str, limit: int | None,
-                     stats: LoadStats, records: list[PromptRecord], seen_uids: _Seen) -> None:
+                     stats: LoadStats, records: list[PromptRecord], seen_uids: _Seen,
+                     max_line_bytes: int | None = MAX_LINE_BYTES) -> None:
     builder = DATA_FILE_FORMATS[file.suffix.lower()]
     stats.files.append({"path": str(file), "sha256": _sha256_file(file)})
-    if builder == "json" and not file.read_bytes().strip():
+    lines = scan_lines(file, max_line_bytes) if builder == "json" else None  # in chunks, holding no line
+    if lines is not None and lines.blank:
         stats.warnings.append(f"{file}: empty file, no rows")
         stats.files[-1]["num_rows"] = 0
         return
 
     row_map: list[int] | None = None  # row index in the cleaned copy -> row index in the file
+    long_rows: list[int] = []         # rows (of the file) whose line is over max_line_bytes, never parsed
     with tempfile.TemporaryDirectory(prefix="rlrepro-data-") as tmp, _quiet_datasets():
         import datasets  # imported here: it is slow to import and only loading needs it
 
+        src = file
+        if lines is not None and lines.long:
+            row, line_no, size = lines.long[0]
+            problem = (f"the line is {size} bytes, over the limit of {max_line_bytes} bytes; it was not parsed")
+            if on_bad_row == "error":
+                raise ValueError(f"{file}: line {line_no}: {problem}. Fix: shorten or remove that line (a row that "
+                                 f"long cannot be a prompt), {_SKIP_HINT}.")
+            for row, line_no, size in lines.long:
+                stats.skipped.append(SkippedRow(str(file), row, None, "too long",
+                                                f"{file}: line {line_no}: the line is {size} bytes, over the limit "
+                                                f"of {max_line_bytes} bytes; it was not parsed", f"line {line_no}"))
+            stats.num_rows += len(lines.long)
+            long_rows = [row for row, _, _ in lines.long]
+            src = blank_lines(file, Path(tmp) / ("short-" + file.name.rsplit(".", 1)[0] + ".jsonl"),
+                              {line_no for _, line_no, _ in lines.long})
         try:
-            ds = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=tmp)
+            ds = datasets.load_dataset(builder, data_files=str(src), split="train", cache_dir=tmp)
         except Exception as e:  # datasets raises several kinds (DatasetGenerationError, UnicodeDecodeError, ...)
             if builder != "json":
                 raise ValueError(f"{file}: datasets could not read this {builder} file ({_describe(e)}). "
                                  f"Fix: rewrite it with pyarrow/pandas as a valid parquet file.") from e
-            bad_lines = _scan_json_lines(file)
+            bad_lines = _original_rows(_scan_json_lines(src), long_rows)
             if not bad_lines:
                 raise ValueError(f"{file}: datasets could not read this JSON file ({_describe(e)}). Fix: write one "
                                  f"JSON object per line (.jsonl) or a JSON array of objects (.json), UTF-8.") from e
@@ -260,13 +290,15 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
                 row, line_no, reason, problem = bad_lines[0]
                 raise ValueError(f"{file}: line {line_no}: {problem}. Fix: correct or remove that line "
                                  f"(the file must be UTF-8 JSON, one object per line), {_SKIP_HINT}.") from e
-            clean, row_map = _clean_copy(file, Path(tmp), bad_lines, stats)
+            clean, row_map = _clean_copy(src, Path(tmp), bad_lines, stats, file, long_rows)
             ds = None
             if row_map:
                 ds = datasets.load_dataset("json", data_files=str(clean), split="train", cache_dir=tmp + "/cache")
+        if row_map is None and long_rows:
+            row_map = kept_rows(long_rows, lines.num_rows - len(long_rows))
         columns, rows = _rows_as_python(ds, spec, str(file), stats) if ds is not None else ([], [])
 
-    stats.files[-1]["num_rows"] = len(rows) + (0 if row_map is None else len(bad_lines))
+    stats.files[-1]["num_rows"] = len(rows) if row_map is None else lines.num_rows
     stats.num_rows += len(rows)
     if not rows:
         stats.warnings.append(f"{file}: no rows")
@@ -278,6 +310,15 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
             break
         row_index = i if row_map is None else row_map[i]
         _add_row(row, row_index, str(file), where, source_name, spec, on_bad_row, stats, records, seen_uids)
+
+
+def _original_rows(bad_lines: list[tuple[int, int, str, str]],
+                   long_rows: list[int]) -> list[tuple[int, int, str, str]]:
+    """Row indices of a copy whose ``long_rows`` were emptied (no longer rows there) back to the file's."""
+    if not long_rows:
+        return bad_lines
+    kept = kept_rows(long_rows, max((b[0] for b in bad_lines), default=-1) + 1)
+    return [(kept[row], line_no, reason, problem) for row, line_no, reason, problem in bad_lines]
 
 
 def _load_hub(source: str, split: str, hub_config: str | None, revision: str | None, spec: FieldSpec,
@@ -320,56 +361,63 @@ def _scan_json_lines(file: Path) -> list[tuple[int, int, str, str]]:
     Row indices count non-blank lines, as ``datasets`` does. Only for one-object-per-line files; a JSON array
     file gives no per-line diagnosis.
     """
-    data = file.read_bytes()
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    if data.lstrip().startswith(b"["):
+    if scan_lines(file).array:
         return []
     bad = []
     row = 0
-    for line_no, line in enumerate(data.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        problem = None
-        try:
-            obj = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            problem = ("not UTF-8", f"the line is not valid UTF-8 ({e.reason} at byte {e.start})")
-        except ValueError as e:  # json's own "line 1 column 12" counts within the line: give the column only
-            why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
-            problem = ("invalid JSON", f"the line is not valid JSON ({why})")
-        else:
-            if not isinstance(obj, dict):
-                problem = ("invalid JSON", f"the line is a JSON {type(obj).__name__}, not an object")
-            elif not utf8_encodable(obj):
-                problem = ("not UTF-8", "a string holds a lone surrogate escape (like \\ud800), which is not UTF-8")
-        if problem:
-            bad.append((row, line_no, problem[0], problem[1]))
-        row += 1
+    with open(file, "rb") as f:  # line by line: the lines over max_line_bytes were emptied before
+        for line_no, line in enumerate(f, start=1):
+            line = (line[3:] if line_no == 1 and line.startswith(b"\xef\xbb\xbf") else line).rstrip(b"\n")
+            if not line.strip():
+                continue
+            problem = _line_problem(line)
+            if problem:
+                bad.append((row, line_no, problem[0], problem[1]))
+            row += 1
     return bad
 
 
-def _clean_copy(file: Path, tmp: Path, bad_lines: list[tuple[int, int, str, str]],
-                stats: LoadStats) -> tuple[Path, list[int]]:
-    """Copy a JSON-lines file without its bad lines (recorded as skipped); return it and its row map."""
+def _line_problem(line: bytes) -> tuple[str, str] | None:
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return "not UTF-8", f"the line is not valid UTF-8 ({e.reason} at byte {e.start})"
+    except ValueError as e:  # json's own "line 1 column 12" counts within the line: give the column only
+        why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+        return "invalid JSON", f"the line is not valid JSON ({why})"
+    if not isinstance(obj, dict):
+        return "invalid JSON", f"the line is a JSON {type(obj).__name__}, not an object"
+    if not utf8_encodable(obj):
+        return "not UTF-8", "a string holds a lone surrogate escape (like \\ud800), which is not UTF-8"
+    return None
+
+
+def _clean_copy(src: Path, tmp: Path, bad_lines: list[tuple[int, int, str, str]], stats: LoadStats,
+                file: Path | None = None, long_rows: list[int] = ()) -> tuple[Path, list[int]]:
+    """Copy a JSON-lines file without its bad lines (recorded as skipped); return it and its row map (row of the
+    copy -> row of ``file``). ``src`` is ``file`` or a copy of it with ``long_rows`` emptied; ``bad_lines`` hold
+    rows of ``file``. Streamed line by line."""
+    file = file or src
     bad_rows = {b[0] for b in bad_lines}
     for row, line_no, reason, problem in bad_lines:
         stats.skipped.append(SkippedRow(str(file), row, None, reason, f"{file}: line {line_no}: {problem}",
                                         f"line {line_no}"))
     stats.num_rows += len(bad_lines)
-    data = file.read_bytes()
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    kept, row_map, row = [], [], 0
-    for line in data.split(b"\n"):
-        if not line.strip():
-            continue
-        if row not in bad_rows:
-            kept.append(line)
-            row_map.append(row)
-        row += 1
+    gone = set(long_rows)
     clean = tmp / ("clean-" + file.name.rsplit(".", 1)[0] + ".jsonl")
-    clean.write_bytes(b"\n".join(kept) + b"\n")
+    row_map, row = [], 0
+    with open(src, "rb") as f, open(clean, "wb") as out:
+        for n, line in enumerate(f):
+            if n == 0 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
+            if not line.strip():
+                continue
+            while row in gone:  # emptied in src: no longer a line there, still a row of the file
+                row += 1
+            if row not in bad_rows:
+                out.write(line.rstrip(b"\n") + b"\n")
+                row_map.append(row)
+            row += 1
     return clean, row_map
 
 

@@ -6,10 +6,13 @@
     prompts, stats = build_prompts(records, tokenizer, template=..., system_prompt=..., use_chat_template=...,
                                    max_prompt_tokens=512, on_bad_row="error", on_unknown_token="warn")
 
-Each record is tokenized with ``tokenize_prompt``. A prompt longer than ``max_prompt_tokens`` raises, or with
-``on_bad_row="skip"`` is left out (its uid listed in ``PromptStats.skipped``, one line on stderr). Prompt uids
-must be unique. Tokens that are the tokenizer's unknown token (``tokenizer.unk_token_id``; a character
-tokenizer maps text outside its vocabulary, such as uppercase letters, to it) are counted per prompt: with
+Each record is tokenized with ``tokenize_prompt``; one of more than ``max_prompt_tokens * CHARS_PER_TOKEN``
+characters (64 per token, or twice the tokenizer's longest token when that is longer) cannot fit and is refused
+before the tokenizer sees it (a 50 MB prompt would take minutes and gigabytes to tokenize). A prompt longer
+than ``max_prompt_tokens`` tokens raises, or with ``on_bad_row="skip"`` is left out (its uid listed in
+``PromptStats.skipped``, one line on stderr). Prompt uids must be unique. Tokens that are the tokenizer's
+unknown token (``tokenizer.unk_token_id``; a character tokenizer maps text outside its vocabulary, such as
+uppercase letters, to it) are counted per prompt: with
 ``on_unknown_token="warn"`` one line on stderr names how many prompts and tokens, the first prompt's uid and the
 characters that became the unknown token; with ``"error"`` a ``ValueError`` names the first such prompt and the
 fix. Neither changes the prompts or their token ids. Answers are text given to the reward, never tokenized, so
@@ -28,7 +31,7 @@ from typing import Any, Literal, Sequence
 from .records import PromptRecord
 from .templates import render_prompt, tokenize_prompt
 
-__all__ = ["Prompt", "PromptStats", "build_prompts", "ON_UNKNOWN_TOKEN"]
+__all__ = ["Prompt", "PromptStats", "build_prompts", "ON_UNKNOWN_TOKEN", "CHARS_PER_TOKEN"]
 
 ON_UNKNOWN_TOKEN = ("warn", "error")
 _MAX_PIECES_SHOWN = 10
@@ -109,7 +112,18 @@ def build_prompts(
     render = dict(template=template, system_prompt=system_prompt, use_chat_template=use_chat_template)
     stats = PromptStats(num_records=len(records), unknown_token_id=unk)
     prompts: list[Prompt] = []
+    bound = _CharBound(tokenizer, max_prompt_tokens)
     for rec in records:
+        chars = bound.over(rec, render)
+        if chars is not None:  # far too long to fit: refused before the tokenizer sees it
+            problem = (f"prompt {rec.uid!r} has {chars} characters > {bound.limit} = data.max_prompt_tokens="
+                       f"{max_prompt_tokens} x {bound.per_token} characters per token, so more than "
+                       f"{max_prompt_tokens} tokens (it was not tokenized)")
+            if on_bad_row != "skip":
+                raise ValueError(f"{problem}; raise the limit, filter the data set, or set data.on_bad_row=skip "
+                                 "to leave such prompts out")
+            stats.skipped.append(rec.uid)
+            continue
         ids = tokenize_prompt(rec, tokenizer, **render)
         # (tokenize_prompt itself raises for a prompt that encodes to no tokens, whatever on_bad_row says)
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
@@ -139,6 +153,65 @@ def build_prompts(
     if stats.unknown_by_uid:
         _unknown_tokens(stats, tokenizer, on_unknown_token)
     return prompts, stats
+
+
+# a token stands for at most this many characters (or twice the tokenizer's longest token, when that is longer)
+CHARS_PER_TOKEN = 64
+
+
+class _CharBound:
+    """A prompt of more than ``max_prompt_tokens * per_token`` characters cannot fit in ``max_prompt_tokens``
+    tokens: ``per_token`` is ``CHARS_PER_TOKEN`` or, when the tokenizer's longest token is longer than half of
+    that, twice its length (a tokenizer's normalisation can merge characters, as NFC does with an accent). The
+    longest token is looked up only for a prompt over the first bound, so normal prompts cost one ``len``."""
+
+    def __init__(self, tokenizer: Any, max_prompt_tokens: int | None):
+        self.tokenizer, self.max_tokens = tokenizer, max_prompt_tokens
+        self.per_token, self._asked = CHARS_PER_TOKEN, False
+
+    @property
+    def limit(self) -> int:
+        return int(self.max_tokens or 0) * self.per_token
+
+    def over(self, rec: PromptRecord, render: dict) -> int | None:
+        """The prompt's length in characters when it is over the bound, else None."""
+        if self.max_tokens is None:
+            return None
+        raw = len(rec.prompt) if rec.prompt is not None else sum(len(m["content"]) for m in rec.messages or ())
+        if raw <= self.limit:
+            return None  # the rendered text holds the raw text, and a template rarely trims it
+        chars = len(render_prompt(rec, self.tokenizer, **render))
+        if chars > self.limit and not self._asked:
+            self._asked = True
+            self.per_token = max(CHARS_PER_TOKEN, 2 * _longest_token(self.tokenizer))
+        return chars if chars > self.limit else None
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """Characters in the tokenizer's longest token: its ``max_token_chars``, the longest string of its
+    ``get_vocab()`` (byte-level BPE vocabularies spell a byte as one character, so this is no shorter), or the
+    longest ``decode([i])`` over its ``vocab_size`` ids; 0 when it can tell none of them."""
+    known = getattr(tokenizer, "max_token_chars", None)
+    if isinstance(known, numbers.Integral) and not isinstance(known, bool):
+        return int(known)
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if callable(get_vocab):
+        try:
+            return max((len(t) for t in get_vocab()), default=0)
+        except Exception:  # a duck-typed tokenizer: try the next way
+            pass
+    size, decode = getattr(tokenizer, "vocab_size", None), getattr(tokenizer, "decode", None)
+    if not isinstance(size, numbers.Integral) or not callable(decode):
+        return 0
+    longest = 0
+    for i in range(int(size)):
+        try:
+            longest = max(longest, len(decode([i], skip_special_tokens=False)))
+        except TypeError:
+            longest = max(longest, len(decode([i])))
+        except Exception:  # an id without a token
+            continue
+    return longest
 
 
 def _collect_pieces(rec: PromptRecord, tokenizer: Any, render: dict, ids: list[int], unk: int,

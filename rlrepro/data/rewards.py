@@ -7,21 +7,25 @@ Interface::
 Purity rule: a reward must be a pure function of (completion, record): no clock, no randomness, no network,
 no state carried between calls. Two runs of a recipe must score the same completion the same way; the
 reward enters the advantages, so one differing reward changes every weight after it. In particular no
-wall-clock timeout may decide a reward: math-verify's timeouts are disabled here and replaced by
-deterministic size limits (see ``MathReward``).
+wall-clock timeout may decide a reward: math-verify's timeouts are disabled here and replaced by a
+deterministic cost rule (``MathReward``, ``rlrepro.data.math_cost``).
 
 Exception policy (``compute_rewards``): ``"raise"`` (default) stops with a ``RewardError`` naming the record
-uid and the exception; ``"zero"`` scores 0.0 and counts the error. A returned value that is not a real
-number (bools included), is NaN, or lies outside [0, 1] is an error under the same policy.
+uid and the exception (any ``BaseException`` but ``KeyboardInterrupt``: ``sys.exit`` in a reward too);
+``"zero"`` scores 0.0 and counts the error. A returned value that is not a real number (bools included), is
+NaN, lies outside [0, 1] or cannot be converted by ``float()`` (``10**400``) is an error under the same policy.
+An interrupt while a reward runs names the sample on stderr and propagates.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
 import logging
 import math
 import numbers
+import sys
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
@@ -97,22 +101,14 @@ def extract_last_boxed(text: str) -> str | None:
     return None
 
 
-class _TooCostly(Exception):
-    pass
-
-
-# Functions whose value is no larger than their arguments' (or bounded): they do not blow numbers up.
-_TAME_FUNCTIONS = frozenset({
-    "sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot", "asec", "acsc", "atan2",
-    "sinh", "cosh", "tanh", "coth", "sech", "csch", "asinh", "acosh", "atanh", "acoth", "asech", "acsch",
-    "log", "ln", "Abs", "sign", "floor", "ceiling", "frac", "re", "im", "arg", "conjugate", "Min", "Max",
-    "Mod", "gcd", "lcm", "Piecewise", "Heaviside",
-})
+_LIMITS = ("max_completion_chars", "max_answer_chars", "max_number_bits", "max_expansion_terms",
+           "max_function_arg", "max_latex_depth", "max_latex_weight", "max_nodes", "max_depth",
+           "max_function_factors", "max_degree")
 
 
 @dataclass(frozen=True)
 class MathReward:
-    """Math answer reward on math-verify, with deterministic limits instead of wall-clock timeouts.
+    """Math answer reward on math-verify, with a deterministic cost rule instead of wall-clock timeouts.
 
     Extraction: the content of the last ``\\boxed{...}`` in the completion; a completion with no ``\\boxed``
     is handed (its last ``max_completion_chars`` characters) to math-verify's own extraction ("final answer
@@ -122,29 +118,46 @@ class MathReward:
 
     math-verify guards parse and verify with ``signal.alarm`` timeouts (5 s by default), so a slow machine or
     a busy step could score the same completion differently; they are disabled (``parsing_timeout=None``,
-    ``timeout_seconds=None``). What the timeouts protected against, sympy working on an expression for
-    minutes (``9^{9^{9}}``, ``100!!!``, ``(x+y+z+w)^{100}``), is prevented by limits on the text and the
-    parsed expression, checked before verify; an answer over a limit scores 0.0, the same in every run:
+    ``timeout_seconds=None``). What the timeouts protected against, the parser or sympy working on an answer
+    for minutes (``9^{9^{9}}``, ``100!!!``, ``\\sum_{n=1}^{10^{7}} \\frac{1}{n}``, ``\\int e^{x^{7}} dx``,
+    twenty nested braces), is prevented by the cost rule of ``rlrepro.data.math_cost``: limits on the LaTeX
+    text checked before each parse, and on the parsed expression checked before verify. An answer outside the
+    rule scores 0.0, the same in every run:
 
-    - ``max_answer_chars``: length of the extracted answer text;
-    - ``max_number_bits``: bound on log2 of any number the expression denotes (powers, products, exp);
-    - ``max_expansion_terms``: terms a polynomial power/product would expand to (``(x+1)^{300}`` has 301);
-    - ``max_function_arg``: arguments of factorial-like functions (factorial, binomial, gamma, ...).
+    - ``max_answer_chars``: length of the extracted answer and of every LaTeX string parsed;
+    - ``max_latex_depth``: nesting of brackets and braces; ``max_latex_weight``: every opening bracket weighs its
+      depth, every ``^``/``_`` twice its depth plus one, every ``|`` four times (the parser's work grows with them);
+    - commands never evaluated (``math_cost.REFUSED_COMMANDS``: sums, products, integrals, limits, ``\\det``, ...);
+    - ``max_nodes`` / ``max_depth``: size and depth of the parsed expression;
+    - ``max_number_bits``: bound on log2 of any number the expression denotes (powers, products, exp, ...);
+    - ``max_expansion_terms``: terms a polynomial power/product would expand to (``(x+1)^{200}`` has 201; a
+      negative power of a sum counts 8 times);
+    - ``max_function_arg``: arguments of factorial-like functions (factorial, binomial, gamma, ...);
+    - ``max_function_factors``: trigonometric, hyperbolic, exp and log factors over the expanded terms, a
+      trigonometric one weighing its largest integer multiple (``\\sin(8x)``: 8), a hyperbolic one twice that;
+    - ``max_degree``: degree in the symbols of an equation or inequality (verify solves them) and of an
+      expression beside a function (simplify factors it).
 
-    A gold answer over a limit raises ``ValueError`` (a data problem, handled by the reward policy).
-    The checks bound the known sympy blow-ups; they are not a proof that every accepted expression is fast,
-    and an expression that still takes long stalls the step rather than being scored by the clock.
+    A gold answer outside the rule raises ``ValueError`` (a data problem, handled by the reward policy).
+    The rule bounds the blow-ups fuzzing found (``tests/test_reward_fuzz.py``); it is not a proof that every
+    accepted expression is fast, and an expression that still takes long stalls the step rather than being
+    scored by the clock.
     """
 
     max_completion_chars: int = 4096
     max_answer_chars: int = 256
     max_number_bits: int = 65536
-    max_expansion_terms: int = 256
+    max_expansion_terms: int = 128
     max_function_arg: int = 1000
+    max_latex_depth: int = 6
+    max_latex_weight: int = 48
+    max_nodes: int = 200
+    max_depth: int = 24
+    max_function_factors: int = 16
+    max_degree: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("max_completion_chars", "max_answer_chars", "max_number_bits", "max_expansion_terms",
-                     "max_function_arg"):
+        for name in _LIMITS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MathReward.{name} must be a positive integer, got {value!r}")
@@ -152,139 +165,54 @@ class MathReward:
     def __call__(self, completion: str, record: PromptRecord) -> float:
         from math_verify import verify
 
-        gold = _parse_gold(record.answer)
-        if not gold:
-            raise ValueError(f"math_reward: the gold answer {record.answer!r} of record {record.uid!r} does not "
-                             f"parse. Fix: correct the answer in the data set (the data.answer_field column), or "
-                             f"choose another reward.fn")
+        from .math_cost import TooCostly
+
         try:
-            self._check_cost(gold)
-        except _TooCostly as e:
+            gold = _parse_gold(record.answer, self)
+        except TooCostly as e:
             raise ValueError(f"math_reward: the gold answer {record.answer!r} of record {record.uid!r} exceeds "
                              f"the deterministic limits ({e}). Fix: correct the answer in the data set, or raise "
                              f"the limits: reward.fn=pkg.module:name naming a MathReward(...) with larger ones"
                              ) from None
-
+        if not gold:
+            raise ValueError(f"math_reward: the gold answer {record.answer!r} of record {record.uid!r} does not "
+                             f"parse. Fix: correct the answer in the data set (the data.answer_field column), or "
+                             f"choose another reward.fn")
         boxed = extract_last_boxed(completion)
         if boxed is not None:
             if len(boxed) > self.max_answer_chars:
                 return 0.0
-            pred = _parse(f"${boxed}$")
+            text = f"${boxed}$"
         elif _BOXED.search(completion):
             return 0.0  # the last \boxed is unclosed: truncated, no answer
         else:
-            pred = _parse(completion[-self.max_completion_chars:])
-        if not pred:
-            return 0.0
-        if any(isinstance(p, str) and len(p) > self.max_answer_chars for p in pred):
-            return 0.0
+            text = completion[-self.max_completion_chars:]
         try:
-            self._check_cost(pred)
-        except _TooCostly:
+            pred = self._parse_checked(text)
+        except TooCostly:
+            return 0.0
+        if not pred or any(isinstance(p, str) and len(p) > self.max_answer_chars for p in pred):
             return 0.0
         return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
 
-    # --- deterministic cost limits ---------------------------------------------------------------------
+    def _parse_checked(self, text: str) -> list[Any]:
+        from .math_cost import check_parsed, parse_guarded
 
-    def _check_cost(self, parsed: list[Any]) -> None:
-        for item in parsed:
-            if isinstance(item, str):
-                continue
-            self._log2_magnitude(item)
-            if self._expansion_terms(item) > self.max_expansion_terms:
-                raise _TooCostly(f"expands to more than {self.max_expansion_terms} terms")
-
-    def _log2_magnitude(self, e: Any) -> float:
-        """Upper bound on log2(|value|) of every numeric subexpression of ``e``; raises _TooCostly above the limit."""
-        import sympy
-
-        if isinstance(e, sympy.MatrixBase):
-            return max((self._log2_magnitude(x) for x in e), default=0.0)
-        if not isinstance(e, sympy.Basic):
-            return 0.0
-        if e.is_Integer:
-            bound = math.log2(max(abs(int(e)), 1))
-        elif e.is_Rational:
-            bound = math.log2(max(abs(int(e.p)), abs(int(e.q)), 1))
-        elif e.is_Float:
-            _, man, exp, bc = e._mpf_
-            bound = float(abs(exp) + abs(bc))
-        elif not e.args:
-            bound = 2.0  # symbols, pi, E, I, oo
-        elif e.is_Pow:
-            base, expo = self._log2_magnitude(e.base), self._log2_magnitude(e.exp)
-            if e.exp.free_symbols:
-                bound = max(base, expo)
-            else:
-                if expo > 62:
-                    raise _TooCostly("an exponent above 2^62")
-                bound = base * 2.0 ** expo
-        elif e.is_Mul:
-            bound = sum(self._log2_magnitude(a) for a in e.args)
-        elif e.is_Add:
-            bound = max(self._log2_magnitude(a) for a in e.args) + math.log2(len(e.args))
-        elif isinstance(e, sympy.exp):
-            arg = self._log2_magnitude(e.args[0])
-            if arg > 62:
-                raise _TooCostly("exp of a number above 2^62")
-            bound = 1.4427 * 2.0 ** arg
-        elif isinstance(e, sympy.Function) and type(e).__name__ not in _TAME_FUNCTIONS:
-            # factorial, binomial, gamma, fibonacci, ...: sympy evaluates them exactly, so bound the arguments
-            args = [self._log2_magnitude(a) for a in e.args]
-            limit = math.log2(self.max_function_arg)
-            if any(a > limit for a, x in zip(args, e.args) if not x.free_symbols):
-                raise _TooCostly(f"{type(e).__name__} of an argument above {self.max_function_arg}")
-            n = 2.0 ** max(args, default=0.0)
-            bound = n * max(math.log2(max(n, 2.0)), 1.0)
-        else:
-            args = [self._log2_magnitude(a) for a in e.args]
-            bound = max(args, default=0.0) + math.log2(max(len(args), 1))
-        if bound > self.max_number_bits:
-            raise _TooCostly(f"a number above 2^{self.max_number_bits}")
-        return bound
-
-    def _expansion_terms(self, e: Any) -> int:
-        """Terms of ``e`` fully expanded, capped just above the limit (only symbolic subexpressions count)."""
-        import sympy
-
-        cap = self.max_expansion_terms + 1
-        if isinstance(e, sympy.MatrixBase):
-            return min(sum(self._expansion_terms(x) for x in e), cap)
-        if not isinstance(e, sympy.Basic) or not e.args or not e.free_symbols:
-            return 1
-        if e.is_Add:
-            return min(sum(self._expansion_terms(a) for a in e.args), cap)
-        if e.is_Mul:
-            total = 1
-            for a in e.args:
-                total = min(total * self._expansion_terms(a), cap)
-            return total
-        if e.is_Pow:
-            base = self._expansion_terms(e.base)
-            if e.exp.free_symbols or not e.exp.is_Rational or base == 1:
-                return base
-            n = abs(int(e.exp.p)) // int(e.exp.q)
-            if n >= cap:
-                return cap
-            return min(math.comb(n + base - 1, base - 1), cap)
-        return min(sum(self._expansion_terms(a) for a in e.args), cap)
-
-
-def _parse(text: str) -> list[Any]:
-    from math_verify import parse
-
-    return parse(text, parsing_timeout=None)
+        parsed = parse_guarded(text, self)
+        check_parsed(parsed, self)
+        return parsed
 
 
 @functools.lru_cache(maxsize=4096)
-def _parse_gold_cached(answer: str) -> tuple[Any, ...]:
-    text = answer if _BOXED.search(answer) else f"${answer}$"
-    return tuple(_parse(text))
+def _parse_gold_cached(answer: str, limits: MathReward) -> tuple[Any, ...]:
+    # keyed on the limits too: a gold answer one MathReward admits another may refuse (TooCostly is not cached)
+    return tuple(limits._parse_checked(answer if _BOXED.search(answer) else f"${answer}$"))
 
 
-def _parse_gold(answer: str) -> list[Any]:
-    # cached: a prompt's gold answer is parsed once, not once per sample; sympy objects are immutable
-    return list(_parse_gold_cached(answer))
+def _parse_gold(answer: str, limits: MathReward) -> list[Any]:
+    # cached: a prompt's gold answer is parsed once, not once per sample; sympy objects are immutable.
+    # A gold answer is data: its length is not limited (max_answer_chars bounds what a completion gives).
+    return list(_parse_gold_cached(answer, dataclasses.replace(limits, max_answer_chars=sys.maxsize)))
 
 
 _DEFAULT_MATH_REWARD = MathReward()
@@ -369,45 +297,101 @@ def load_reward_fn(spec: str) -> RewardFn:
 # ------------------------------------------------------------------------------------------------- policy
 
 
-def _invalid_value(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return f"returned {value!r} ({type(value).__name__}), not a real number (return a float)"
-    v = float(value)
+def _describe(value: Any) -> str:
+    """A short, safe description of a returned value: its repr (at most 80 characters), or its size for an int
+    too long to print; never an exception of its own."""
+    try:
+        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+            return f"an int of {math.floor(value.bit_length() * math.log10(2)) + 1} digits (int)"
+        text = repr(value)
+        text = text if len(text) <= 80 else text[:77] + "..."
+        return f"{text} ({type(value).__name__})" if not isinstance(value, float) else text
+    except BaseException as e:  # noqa: BLE001 - a hostile __repr__ must not escape the policy either
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        return f"a {type(value).__name__} whose repr raised {type(e).__name__}"
+
+
+def _checked_value(value: Any) -> tuple[float | None, str | None]:
+    """``(reward, None)`` for a real number in [0, 1], else ``(None, problem)``. Every conversion of the value
+    happens here, inside the error policy: ``float(10**400)`` raises OverflowError, a ``__float__`` may raise
+    anything."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return None, f"returned {_describe(value)}, not a real number (return a float)"
+        v = float(value)
+    except BaseException as e:  # noqa: BLE001
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        return None, f"returned {_describe(value)}, which is not a float in [0, 1] (float() raised " \
+                     f"{type(e).__name__}: {e})"
+    if not isinstance(v, float):
+        return None, f"returned {_describe(value)}, whose float() is not a float"
     if math.isnan(v):
-        return "returned NaN"
+        return None, "returned NaN"
     if not 0.0 <= v <= 1.0:
-        return f"returned {v!r}, outside [0, 1]"
-    return None
+        return None, f"returned {_describe(value)}, outside [0, 1]"
+    return v + 0.0, None  # + 0.0 turns -0.0 into 0.0, so digests of equal rewards agree
+
+
+def _reward_name(fn: Any) -> str:
+    """``fn`` as a person would write it in ``reward.fn``: a built-in's name, else module:qualname."""
+    for name, builtin in BUILTIN_REWARDS.items():
+        if fn is builtin:
+            return name
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"{module}:{qualname}" if module else qualname
 
 
 def compute_rewards(fn: RewardFn, completions: Sequence[str], records: Sequence[PromptRecord],
-                    policy: Literal["raise", "zero"] = "raise") -> tuple[list[float], int]:
+                    policy: Literal["raise", "zero"] = "raise", *,
+                    sample_indices: Sequence[int] | None = None) -> tuple[list[float], int]:
     """Score ``completions[i]`` against ``records[i]``; return the rewards (Python floats) and the error count.
 
-    ``policy="raise"``: an exception in ``fn`` or an invalid value raises ``RewardError`` naming the record uid
-    (the original exception is chained). ``policy="zero"``: that item scores 0.0, is counted and logged.
+    ``policy="raise"``: an exception in ``fn`` (any ``BaseException`` but ``KeyboardInterrupt``: ``SystemExit``
+    too) or an invalid value (not a real number, NaN, outside [0, 1], one that ``float()`` cannot convert)
+    raises ``RewardError`` naming the record uid and the value (the original exception is chained).
+    ``policy="zero"``: that item scores 0.0, is counted and logged.
+
+    Ctrl-C or SIGTERM while ``fn`` runs (``KeyboardInterrupt``) prints which sample it was scoring to stderr and
+    propagates. ``sample_indices[i]`` is the sample index of item ``i``; without it, the number of earlier items
+    of the same record (the sample index when a prompt's samples come in order, as the driver passes them).
     """
     if policy not in ("raise", "zero"):
         raise ValueError(f"reward.on_error (policy) must be raise or zero, got {policy!r}")
     if len(completions) != len(records):
         raise ValueError(f"{len(completions)} completions but {len(records)} records; they must pair up one to one")
-    name = getattr(fn, "__qualname__", None) or repr(fn)
+    if sample_indices is not None and len(sample_indices) != len(records):
+        raise ValueError(f"{len(sample_indices)} sample indices but {len(records)} records")
+    name = _reward_name(fn)
     rewards: list[float] = []
     num_errors = 0
+    seen: dict[str, int] = {}
     for i, (completion, record) in enumerate(zip(completions, records)):
+        index = seen.get(record.uid, 0) if sample_indices is None else sample_indices[i]
+        seen[record.uid] = seen.get(record.uid, 0) + 1
         if not isinstance(completion, str):
             raise TypeError(f"completion {i} (record {record.uid!r}) is {type(completion).__name__}, not str")
         try:
             value = fn(completion, record)
-        except Exception as e:
-            message = f"reward {name} raised on record uid={record.uid!r} (item {i}): {type(e).__name__}: {e}"
+            reward, problem = _checked_value(value)
+        except KeyboardInterrupt:
+            print(f"rlrepro: interrupted while scoring sample {record.uid}/{index} (item {i} of "
+                  f"{len(records)}) with reward.fn={name}", file=sys.stderr, flush=True)
+            raise
+        except BaseException as e:  # noqa: BLE001 - SystemExit and friends in a reward are reward errors
+            kind = type(e).__name__
+            if isinstance(e, SystemExit):
+                kind = f"SystemExit (code {e.code!r}; a reward must return a number, not exit)"
+            detail = f": {e}" if str(e) and not isinstance(e, SystemExit) else ""
+            message = f"reward {name} raised on record uid={record.uid!r} (item {i}): {kind}{detail}"
             if policy == "raise":
                 raise RewardError(message) from e
             logger.warning("%s; scored 0.0 (reward.on_error=zero)", message)
             rewards.append(0.0)
             num_errors += 1
             continue
-        problem = _invalid_value(value)
         if problem is not None:
             message = f"reward {name} on record uid={record.uid!r} (item {i}) {problem}"
             if policy == "raise":
@@ -416,7 +400,7 @@ def compute_rewards(fn: RewardFn, completions: Sequence[str], records: Sequence[
             rewards.append(0.0)
             num_errors += 1
             continue
-        rewards.append(float(value) + 0.0)  # + 0.0 turns -0.0 into 0.0, so digests of equal rewards agree
+        rewards.append(reward)
     return rewards, num_errors
 
 

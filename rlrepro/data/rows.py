@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .jsonlines import scan_lines
 from .records import PromptRecord
 
 # likely column names per role, for the example in a missing-field message
@@ -76,7 +77,7 @@ class RowPositions:
     def __call__(self, row_index: int) -> str:
         if not self._read:
             self._read = True
-            lines = json_lines_numbers(self._file.read_bytes())  # type: ignore[union-attr]
+            lines = scan_lines(self._file, numbers=True).numbers  # type: ignore[arg-type]  # in chunks
             if lines is not None and (self._num_rows is None or len(lines) == self._num_rows):
                 self._lines = lines
         if self._lines is not None and 0 <= row_index < len(self._lines):
