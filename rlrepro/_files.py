@@ -11,7 +11,16 @@ from __future__ import annotations
 import hashlib
 import os
 
-__all__ = ["current_umask", "default_file_mode", "apply_default_mode", "sha256_file"]
+__all__ = ["current_umask", "default_file_mode", "apply_default_mode", "sha256_file", "fsync_path"]
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """``fsync`` a file or a directory by its path (a directory: its entries, after a rename into it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: str | os.PathLike, block: int = 1 << 24) -> str:

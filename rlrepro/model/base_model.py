@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from rlrepro._files import sha256_file
+from rlrepro._files import sha256_file, fsync_path
 
 from .checkpoint_io import TOKENIZER_FILES, save_pretrained
 from .config import Qwen3Config
@@ -62,11 +62,7 @@ def _sha256(path: Path) -> str:
 
 
 def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def _plain(obj):

@@ -24,7 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from rlrepro._files import apply_default_mode
+from rlrepro._files import apply_default_mode, fsync_path
 
 __all__ = ["EXPORT_DIR", "export_path", "list_exports", "finish_export", "new_export_tmp", "prune_exports",
            "export_checkpoint", "main_export"]
@@ -62,11 +62,7 @@ def new_export_tmp(final: Path) -> Path:
 
 
 def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def _generation_config(config: dict) -> dict:

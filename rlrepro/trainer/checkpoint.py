@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlrepro._files import apply_default_mode
+from rlrepro._files import apply_default_mode, fsync_path
 from rlrepro.model import save_pretrained
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "verify_checkpoint",
@@ -137,11 +137,7 @@ def restore_rng_state(state: Mapping, generators: Mapping[str, object] | None = 
 # ------------------------------------------------------------------------------------------------------ writing
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def _file_digest(path: Path) -> dict:
