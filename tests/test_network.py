@@ -13,9 +13,22 @@ from test_exposure import LOOPBACK, hostname_mapped_outward, listening_sockets, 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for var in (*network.SOCKET_IFNAME_ENVS, network.NETWORK_INTERFACE_ENV):
+    """No interface variables during the test, and exactly the ones from before it afterwards: pin_socket_interfaces
+    sets them in os.environ itself, which monkeypatch alone would not undo (a GLOO_SOCKET_IFNAME=eth7 left behind
+    broke every later gloo group of the session)."""
+    import os
+
+    names = (*network.SOCKET_IFNAME_ENVS, network.NETWORK_INTERFACE_ENV)
+    saved = {name: os.environ.get(name) for name in names}
+    for var in names:
         monkeypatch.delenv(var, raising=False)
-    return monkeypatch
+    yield monkeypatch
+    monkeypatch.undo()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def test_local_mode_pins_both_libraries_to_loopback_whatever_was_set(clean_env, capsys):
