@@ -117,14 +117,14 @@ def test_rollout_workers_killed_at_random_moments(ref, tmp_path):
     done = threading.Event()
     kills = []
 
-    def pids(cluster):
-        return [ray.get(w.pid.remote(), timeout=30) for w in list(cluster.workers)]
+    def pids(actors):
+        return [ray.get(w.pid.remote(), timeout=30) for w in list(actors.workers)]
 
     def killer():
-        while not done.is_set() and (driver.cluster is None or driver.cluster.weight_version < 0):
+        while not done.is_set() and (driver.actors is None or driver.actors.weight_version < 0):
             time.sleep(0.005)
         try:
-            known = pids(driver.cluster)
+            known = pids(driver.actors)
             for _ in range(3):
                 time.sleep(rng.uniform(0.0, 0.25))
                 if done.is_set():
@@ -132,7 +132,7 @@ def test_rollout_workers_killed_at_random_moments(ref, tmp_path):
                 pid = rng.choice(known)
                 os.kill(pid, signal.SIGKILL)
                 kills.append(pid)
-                known = pids(driver.cluster)  # waits for the replacement
+                known = pids(driver.actors)  # waits for the replacement
         except Exception:  # noqa: BLE001 - the run ended (Ray shut down) or a worker was replaced meanwhile
             return
 
