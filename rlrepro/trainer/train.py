@@ -11,7 +11,9 @@
    (data parallel: order-fixed gradient sum) clip by global norm and take an AdamW step.
 3. Advance the LR schedule (once per train step; every epoch of a step uses the same rate).
 
-The "old" logprobs of the PPO ratio are the rollout's, as the engine reported them.
+The "old" logprobs of the PPO ratio are the rollout's, as the engine reported them. A sample's ``loss_mask``
+(multi-turn episodes: 0 at tool / environment tokens) keeps its 0 tokens in the forward pass as context and out of
+everything else; without one (or with all ones) the step's arithmetic is the unmasked one, bit for bit.
 """
 from __future__ import annotations
 
@@ -41,6 +43,14 @@ class TrainSample:
     completion_token_ids: list[int]
     rollout_logprobs: list[float]
     advantage: float
+    # one 0/1 per completion token (1: sampled by the policy, trained on; 0: context only, e.g. a tool's output in
+    # a multi-turn episode); None: every token is trained (a mask of all ones is normalised to None)
+    loss_mask: list[int] | None = None
+
+    @property
+    def num_trained(self) -> int:
+        """The completion tokens the loss sees (the count that ``token-mean`` divides by)."""
+        return len(self.completion_token_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 def _field(sample, name: str, index: int):
@@ -61,7 +71,51 @@ def _as_train_sample(sample, index: int) -> TrainSample:
                          f"{len(s.rollout_logprobs)} rollout logprobs; they must be one per token")
     if not math.isfinite(s.advantage):
         raise ValueError(f"sample {index} has advantage {s.advantage}; advantages must be finite")
+    s.loss_mask = _loss_mask(sample, index, len(s.completion_token_ids))
     return s
+
+
+def _loss_mask(sample, index: int, num_completion: int) -> list[int] | None:
+    """The sample's ``loss_mask`` checked (one 0 or 1 per completion token) as a list of ints; None when it has
+    none or when every entry is 1 (so such a sample takes exactly the unmasked path)."""
+    mask = sample.get("loss_mask") if isinstance(sample, Mapping) else getattr(sample, "loss_mask", None)
+    if mask is None:
+        return None
+    if isinstance(mask, (str, bytes)) or not hasattr(mask, "__len__"):
+        raise ValueError(f"sample {index} has loss_mask of type {type(mask).__name__}; it must be a list of 0/1, "
+                         "one per completion token")
+    mask = list(mask)
+    if len(mask) != num_completion:
+        raise ValueError(f"sample {index} has {num_completion} completion tokens but a loss_mask of {len(mask)} "
+                         "entries; it must be one 0/1 per completion token")
+    bad = [m for m in mask if isinstance(m, str) or not (m == 0 or m == 1)]
+    if bad:
+        raise ValueError(f"sample {index} has loss_mask values {bad[:5]!r}; each entry must be 0 (context only) "
+                         "or 1 (trained)")
+    out = [int(m) for m in mask]
+    return None if all(out) else out
+
+
+def _trained_positions(part: Sequence[TrainSample], device) -> torch.Tensor | None:
+    """The micro-batch's loss masks concatenated (bool, one per completion token, on ``device``), or None when no
+    sample of it has one (then the step runs exactly the unmasked arithmetic)."""
+    if all(s.loss_mask is None for s in part):
+        return None
+    flat = [bool(m) for s in part
+            for m in (s.loss_mask if s.loss_mask is not None else [1] * len(s.completion_token_ids))]
+    return torch.tensor(flat, dtype=torch.bool, device=device)
+
+
+def _max_abs_diff(current: list[torch.Tensor], rollout: list[torch.Tensor],
+                  trained: list[torch.Tensor | None]) -> float:
+    """``max |trainer - rollout|`` over the trained tokens of the micro-batches (0.0 when none is trained)."""
+    diff = (torch.cat(current) - torch.cat(rollout)).abs()
+    if any(t is not None for t in trained):
+        lengths = [r.shape[0] for r in rollout]
+        keep = torch.cat([torch.ones(n, dtype=torch.bool, device=diff.device) if t is None else t
+                          for n, t in zip(lengths, trained)])
+        diff = diff[keep]
+    return float(diff.max()) if diff.numel() else 0.0
 
 
 def micro_batches(num_samples: int, micro_batch_size: int) -> list[range]:
@@ -200,7 +254,8 @@ class Trainer:
 
     def train_step(self, samples: Sequence) -> dict:
         """One GRPO update on ``samples`` (each with prompt_token_ids, completion_token_ids, rollout_logprobs,
-        advantage). Returns ``train/*`` metrics (Python floats) and the raw ``loss`` / ``grad_norm`` floats (means
+        advantage, and optionally loss_mask: its 0 entries are context only, out of the loss, its metrics, its token
+        counts and the on-policy check; docs/TRAINER.md, "Loss masks"). Returns ``train/*`` metrics (Python floats) and the raw ``loss`` / ``grad_norm`` floats (means
         over the PPO epochs; per epoch in ``loss_per_epoch`` / ``grad_norm_per_epoch``) for fingerprints."""
         cfg = self.config
         batch = [_as_train_sample(s, i) for i, s in enumerate(samples)]
@@ -209,7 +264,7 @@ class Trainer:
         dp = self.data_parallel
         device = self.model.device
         chunks = self._my_chunks(len(batch))
-        num_tokens = sum(len(s.completion_token_ids) for s in batch)
+        num_tokens = sum(s.num_trained for s in batch)  # the loss's tokens: masked-out ones do not count
         num_seqs = len(batch)
         lr = self.scheduler.get_last_lr()
 
@@ -227,6 +282,7 @@ class Trainer:
         max_diff = 0.0
         current_all: list[torch.Tensor] = []  # epoch 0: the policy's logprobs and the rollout's, per micro-batch
         rollout_all: list[torch.Tensor] = []
+        trained_all: list[torch.Tensor | None] = []  # epoch 0: each micro-batch's trained positions (None: all)
 
         # 2. ppo_epochs optimizer steps over the whole batch. A non-finite loss or gradient norm stops the step
         # before the optimizer moves (with several epochs, the state from before the first epoch is put back).
@@ -240,8 +296,8 @@ class Trainer:
             sums = [0.0] * 5
             for k, chunk in enumerate(chunks):
                 part = [batch[i] for i in chunk]
-                if not any(s.completion_token_ids for s in part):
-                    continue  # nothing to learn from; contributes 0 to the loss
+                if not any(s.num_trained for s in part):
+                    continue  # nothing to learn from (no completion tokens, or all masked out); contributes 0
                 lps, ents = logprobs_and_entropy(self.model, [s.prompt_token_ids for s in part],
                                                  [s.completion_token_ids for s in part], self.temperature,
                                                  chunk_rows=cfg.logits_chunk_size,
@@ -249,10 +305,20 @@ class Trainer:
                 logp, mask = pad_sequences(lps)
                 flat_old = torch.tensor([x for s in part for x in s.rollout_logprobs], dtype=torch.float32,
                                         device=device)  # one host->device copy per micro-batch
+                trained = _trained_positions(part, device)  # None: every token of the micro-batch is trained
                 if epoch == 0:
                     current_all.extend(lp.detach() for lp in lps)
                     rollout_all.append(flat_old)
+                    trained_all.append(trained)
                 old, _ = pad_sequences(list(torch.split(flat_old, [len(s.rollout_logprobs) for s in part])))
+                if trained is not None:
+                    # masked-out tokens stay in the forward pass as context and leave the loss, its metrics and
+                    # its counts: out of `mask`; their old logprob (the rollout's placeholder) is replaced by the
+                    # current one so their ratio is 1, as at padding, and no value there can reach a gradient
+                    trained, _ = pad_sequences(list(torch.split(trained, [len(s.rollout_logprobs) for s in part])),
+                                               width=mask.shape[1])
+                    mask = mask & trained
+                    old = torch.where(trained, old, logp.detach())
                 entropy, _ = pad_sequences(ents)
                 ref = pad_sequences(ref_lps[k])[0] if self.ref_model is not None else None
                 adv = torch.tensor([s.advantage for s in part], dtype=torch.float32, device=device)
@@ -269,13 +335,14 @@ class Trainer:
                 n = out.num_tokens
                 for j, v in enumerate((out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)):
                     sums[j] += v
-            if epoch == 0:  # the on-policy check (one device->host transfer for the batch)
+            if epoch == 0:  # the on-policy check over the trained tokens (one device->host transfer for the batch)
                 if rollout_all:
-                    max_diff = float((torch.cat(current_all) - torch.cat(rollout_all)).abs().max())
+                    max_diff = _max_abs_diff(current_all, rollout_all, trained_all)
                 if dp is not None:
                     max_diff = dp.max_float(max_diff)
                 current_all.clear()
                 rollout_all.clear()
+                trained_all.clear()
             grads = self._reduce_grads(self.optimizer.grads())
             if dp is not None:
                 loss_sum, *sums = dp.sum_floats([loss_sum, *sums])
