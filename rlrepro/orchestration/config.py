@@ -90,6 +90,9 @@ class ModelConfig:
                               "directory (rlrepro never downloads weights)")
 
 
+ROUND_CAP_POLICIES = ("fill", "partial", "error")
+
+
 @dataclass
 class RolloutConfig(EngineConfig, SamplingConfig):
     """``rollout:``: each engine's settings (:class:`EngineConfig`), the shared sampling settings
@@ -105,6 +108,14 @@ class RolloutConfig(EngineConfig, SamplingConfig):
     # a rollout worker that dies (process killed, actor lost) is replaced, loaded with the current weights, and
     # its unfinished requests are re-run (same keys, same samples); at most this many replacements per step
     max_restarts: int = 3
+    # DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose rewards are all equal (zero advantage)
+    # is dropped and further prompts are drawn, round after round, until prompts_per_step groups are kept
+    dynamic_sampling: bool = False
+    prompts_per_round: Optional[int] = None  # prompts drawn per generation round; None: prompts_per_step
+    max_generation_rounds: int = 4  # rounds per step at most (dynamic_sampling=true)
+    # when the rounds run out with fewer groups kept: fill (the batch is topped up with dropped groups, in draw
+    # order) | partial (train on the groups kept; on the dropped ones when none was kept) | error (stop the run)
+    on_round_cap: str = "fill"
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
@@ -116,6 +127,10 @@ class RolloutConfig(EngineConfig, SamplingConfig):
         c.int_at_least("max_restarts", 0)
         c.choice("weight_sync", ("auto", *WEIGHT_SYNC_MODES))
         c.require(self.group_size >= 2, "group_size", "must be >= 2: GRPO compares samples within a group")
+        c.boolean("dynamic_sampling")
+        c.positive_int("prompts_per_round", optional=True)
+        c.positive_int("max_generation_rounds")
+        c.choice("on_round_cap", ROUND_CAP_POLICIES)
 
     @property
     def engine(self) -> EngineConfig:

@@ -71,6 +71,11 @@ class _Timer:
         self.times[phase] = now - self._t
         self._t = now
 
+    def add(self, phase: str, seconds: float) -> None:
+        """Record ``seconds`` measured elsewhere as ``phase``; the next phase starts now."""
+        self.times[phase] = self.times.get(phase, 0.0) + seconds
+        self._t = time.perf_counter()
+
 
 class GRPODriver:
     def __init__(self, cfg: Any, run_dir: str | Path | None = None, *, override_keys: list[str] | None = None) -> None:
@@ -151,11 +156,7 @@ class GRPODriver:
     # ------------------------------------------------------------------------------------------------ one step
     def run_step(self, step: int) -> dict:
         cfg, t = self.cfg, _Timer()
-        batch = [self.prompts[i] for i in self.order.next_batch(cfg.rollout.prompts_per_step)]
-        samples = self.generate(step, batch)
-        t("rollout")
-        penalties, num_reward_errors = self.score(samples, {p.uid: p.record for p in batch})
-        t("reward")
+        samples, penalties, num_reward_errors, round_metrics = self.collect(step, t)
         self.compute_advantages(samples)
         train_metrics = self.train(step, samples)
         t("train")
@@ -167,21 +168,105 @@ class GRPODriver:
         metrics = step_metrics(step, samples, train_metrics, t.times, weights_digest=weights_digest,
                                num_reward_errors=num_reward_errors, penalties=penalties,
                                restarts=self.actors.restarts)
+        metrics.update(round_metrics)
         metrics.update(perf_memory_metrics(cfg, train_metrics, t.times["train"], self.actors.memory_stats()))
         if eval_metrics:
             metrics.update(eval_metrics, **{"perf/eval_s": t_eval})
         self.log.record_step(step, samples, metrics, train_metrics, weights_digest)
         return metrics
 
-    def generate(self, step: int, batch: list) -> list[Sample]:
+    def collect(self, step: int, t: "_Timer") -> tuple[list[Sample], list[float] | None, int, dict]:
+        """The step's scored samples, in (prompt uid, sample index) order, with their reward-shaping penalties,
+        the number of reward errors and the dynamic-sampling metrics ({} when it is off).
+
+        ``rollout.dynamic_sampling`` (DAPO, Yu et al. 2025, section 3.2): round after round, the next
+        ``prompts_per_round`` prompts of the data order are generated and scored; a group whose rewards are all
+        equal (no learning signal under a group baseline) is dropped, the others are kept in draw order until
+        ``prompts_per_step`` groups are kept; what is drawn beyond that in the last round is discarded. At the
+        ``max_generation_rounds`` cap ``rollout.on_round_cap`` decides: ``fill`` tops the batch up with dropped
+        groups (draw order), ``partial`` trains on the kept groups alone (on the dropped ones when none was kept),
+        ``error`` stops the run. Every prompt drawn advances the data cursor, and the rounds depend on rewards
+        only, so the kept batch is a pure function of the data order and the seeds (the checkpointed cursor makes
+        a resumed run draw what the uninterrupted one draws)."""
+        r = self.cfg.rollout
+        per_step = r.prompts_per_step
+        occurrences: dict = {}  # a prompt drawn twice in a step (an epoch boundary) gets other sample indices
+
+        def draw(n: int) -> tuple[list, list[int]]:
+            batch = [self.prompts[i] for i in self.order.next_batch(n)]
+            bases = []
+            for p in batch:
+                k = occurrences.get(p.uid, 0)
+                occurrences[p.uid] = k + 1
+                bases.append(k * r.group_size)
+            return batch, bases
+
+        gen_s = reward_s = 0.0
+        kept: list[list[Sample]] = []
+        dropped: list[list[Sample]] = []
+        penalty_of: dict = {}
+        num_errors = drawn = rounds = 0
+        while True:
+            rounds += 1
+            t0 = time.perf_counter()
+            batch, bases = draw(per_step if not r.dynamic_sampling else r.prompts_per_round or per_step)
+            drawn += len(batch)
+            samples = self.generate(step, batch, bases)
+            t1 = time.perf_counter()
+            penalties, errors = self.score(samples, {p.uid: p.record for p in batch})
+            reward_s += time.perf_counter() - t1
+            gen_s += t1 - t0
+            num_errors += errors
+            if penalties is not None:
+                penalty_of.update((s.key, pen) for s, pen in zip(samples, penalties))
+            if not r.dynamic_sampling:
+                kept = [samples]
+                break
+            groups = {}
+            for s in samples:
+                groups.setdefault((s.prompt_uid, s.sample_index // r.group_size), []).append(s)
+            for p, base in zip(batch, bases):  # draw order
+                group = groups[(p.uid, base // r.group_size)]
+                informative = any(s.reward != group[0].reward for s in group)
+                if informative and len(kept) < per_step:
+                    kept.append(group)
+                elif not informative:
+                    dropped.append(group)
+            if len(kept) >= per_step or rounds >= r.max_generation_rounds:
+                break
+        t.add("rollout", gen_s)
+        t.add("reward", reward_s)
+        metrics = {}
+        if r.dynamic_sampling:
+            metrics = {"rollout/groups_kept": len(kept), "rollout/groups_dropped": len(dropped),
+                       "rollout/generation_rounds": rounds, "rollout/prompts_drawn": drawn}
+            if len(kept) < per_step:
+                metrics["rollout/round_cap_hit"] = 1.0
+                if r.on_round_cap == "error":
+                    raise RuntimeError(
+                        f"dynamic sampling kept {len(kept)} of rollout.prompts_per_step={per_step} groups after "
+                        f"rollout.max_generation_rounds={r.max_generation_rounds} rounds ({drawn} prompts drawn; "
+                        f"{len(dropped)} groups had equal rewards). Fix: raise rollout.max_generation_rounds or "
+                        f"rollout.prompts_per_round, or set rollout.on_round_cap=fill|partial")
+                if r.on_round_cap == "fill" or not kept:
+                    kept = kept + dropped[:per_step - len(kept)]
+                self.log.line(f"step {step}: dynamic sampling kept {metrics['rollout/groups_kept']}/{per_step} "
+                              f"groups in {rounds} rounds (rollout.on_round_cap={r.on_round_cap})")
+        samples = sorted((s for g in kept for s in g), key=lambda s: s.key)
+        penalties = [penalty_of[s.key] for s in samples] if penalty_of else None
+        return samples, penalties, num_errors, metrics
+
+    def generate(self, step: int, batch: list, bases: list[int] | None = None) -> list[Sample]:
         """``group_size`` samples of every prompt, in (prompt uid, sample index) order; a lost worker is replaced
-        and its part re-run."""
+        and its part re-run. ``bases[i]`` is the first sample index of ``batch[i]`` (0; a multiple of group_size
+        for a prompt drawn again in the same step)."""
         from rlrepro.rollout import request_seed
 
         sampling = self.cfg.rollout.sampling
-        requests = [Request((p.uid, j), p.token_ids, sampling.params(
-                    seed=request_seed(self.cfg.run.seed, step, p.uid, j), stop_token_ids=self.stop_token_ids))
-                    for p in batch for j in range(self.cfg.rollout.group_size)]
+        bases = [0] * len(batch) if bases is None else bases
+        requests = [Request((p.uid, b + j), p.token_ids, sampling.params(
+                    seed=request_seed(self.cfg.run.seed, step, p.uid, b + j), stop_token_ids=self.stop_token_ids))
+                    for p, b in zip(batch, bases) for j in range(self.cfg.rollout.group_size)]
         prompt_of = {p.uid: p for p in batch}
         results = sorted(self.actors.generate(requests), key=lambda kv: kv[0])  # arrival order never matters
         decode = self.tokenizer.decode
