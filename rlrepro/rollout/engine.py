@@ -244,7 +244,8 @@ class Engine:
     def _output(self, s: Sequence) -> RequestOutput:
         return RequestOutput(prompt_token_ids=s.prompt_token_ids, token_ids=s.output_token_ids,
                              logprobs=list(s.output_logprobs), finish_reason=s.finish_reason, seed=s.seed,
-                             weight_version=self.weight_version, request_id=s.seq_id)
+                             weight_version=self.weight_version, request_id=s.seq_id,
+                             num_cached_tokens=s.num_cached_tokens)
 
     def _abort_all(self) -> None:
         """After an exception (or interrupt) mid-step: drop the step in flight and free every request."""

@@ -81,3 +81,6 @@ class RequestOutput:
     seed: int  # the sampling seed actually used (given or derived)
     weight_version: int  # engine.weight_version when the request ran
     request_id: int = -1  # the engine's index of the request (what add_request returned; generate's in order)
+    # prompt tokens found in the prefix cache at the request's last admission: a statistic of scheduling (it
+    # depends on what else ran), never a result, so not compared
+    num_cached_tokens: int = field(default=0, compare=False)
