@@ -14,6 +14,7 @@ from rlrepro.model import load_pretrained, load_tokenizer, write_tiny_checkpoint
 from rlrepro.orchestration.episodes import EpisodeRequest, EpisodeResult, episode_metrics, run_episodes
 from rlrepro.rollout import Engine, SamplingParams, request_seed
 from rlrepro.trainer import token_logprobs
+from rlrepro.trainer.warm_start import supervised_warm_start
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,6 +64,22 @@ def tok(model_dir):
 @pytest.fixture(scope="module")
 def model(model_dir):
     return load_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def caller(model_dir, tok):
+    """The tiny model taught (a deterministic supervised warm-start) the compact calculator episode
+    ``[calc: a*b]`` -> ``[= c]`` -> ``c``: sampled at T=1 it makes real calls, some malformed, most answers wrong."""
+    model = load_pretrained(model_dir)
+    examples = []
+    for rec in make_calculator_records(16, seed=9):
+        prompt = tok.apply_chat_template([{"role": "user", "content": rec.prompt}])
+        call = f"[calc: {rec.prompt[:-1]}]" + EOT
+        examples.append((tok.encode(prompt), tok.encode(call)))
+        after = prompt + call + f"\n<|im_start|>tool\n[= {rec.answer}]{EOT}\n<|im_start|>assistant\n"
+        examples.append((tok.encode(after), tok.encode(rec.answer + EOT)))
+    supervised_warm_start(model, examples, steps=30, lr=2e-2, batch_size=8, seed=0)
+    return model
 
 
 def make_engine(model, **kw):
@@ -124,28 +141,41 @@ def check_structure(tok, results, chat=True):
 # ---------------------------------------------------------------------------------------------------------- tests
 ENGINE_SETTINGS = [dict(max_num_seqs=8), dict(max_num_seqs=1), dict(max_num_batched_tokens=5),
                    dict(max_num_batched_tokens=4096, enable_prefix_cache=False),
-                   dict(max_num_seqs=3, max_num_batched_tokens=7, num_kv_blocks=40)]
+                   dict(max_num_seqs=4, max_num_batched_tokens=7, num_kv_blocks=48)]  # the last one preempts
+
+
+def env_case(name, model, caller):
+    """(model, EnvSpec) of a test case: the scripted environment on the random model (every episode goes on),
+    or calculator_task (compact calls) on the model that learnt to call the calculator."""
+    if name == "scripted":
+        return model, spec(kwargs={"turns": 3}, max_turns=3)
+    return caller, spec("calculator_task", tool_format="compact", max_turns=3)
 
 
 @pytest.mark.parametrize("env", ["scripted", "calculator"])
-def test_same_results_across_engine_settings_and_orders(model, tok, env):
+def test_same_results_across_engine_settings_and_orders(model, caller, tok, env):
     """(a): max_num_seqs 1 vs 8, token budgets (chunked prefill), prefix cache on/off, a small cache (preemption),
     reversed and shuffled submission orders: equal results (tokens, logprobs, masks, turns, rewards)."""
-    env_spec = spec(kwargs={"turns": 3}, max_turns=3) if env == "scripted" else \
-        spec("calculator_task", tool_format="compact", max_turns=3)
-    reqs = requests(tok, RECORDS)
+    model, env_spec = env_case(env, model, caller)
+    reqs = requests(tok, RECORDS, max_tokens=24)
     ref = run(model, tok, env_spec, reqs)
     assert [r.key for r in ref] == sorted(r.key for r in reqs)
     check_structure(tok, ref)
     if env == "scripted":
         assert all(r.num_turns == 3 and r.finish_reason == "done" for r in ref)
+    else:  # real tool calls: observations from the calculator
+        assert sum(r.num_turns >= 2 for r in ref) >= 3
+        assert any(t.role == "tool" and "[= " in t.text for r in ref for t in r.turns)
     shuffled = list(reqs)
     random.Random(3).shuffle(shuffled)
     for kw, order in zip(ENGINE_SETTINGS, [reqs[::-1], shuffled, reqs, shuffled, reqs[::-1]]):
-        got = run(model, tok, env_spec, order, engine_kw=kw)
+        engine = make_engine(model, **kw)
+        got = run_episodes(engine, order, env_spec, tok, end_of_turn=EOT)
         assert got == ref, kw
         for a, b in zip(got, ref):
             assert torch.equal(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs))
+        if "num_kv_blocks" in kw and env == "scripted":
+            assert engine.stats["num_preemptions"] > 0
 
 
 def test_tool_sleeps_and_thread_counts_change_nothing(model, tok):
@@ -159,12 +189,13 @@ def test_tool_sleeps_and_thread_counts_change_nothing(model, tok):
     assert all(r.metrics["tool_seconds"] > 0 for r in four)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_later_turns_have_the_trainers_logprobs(model, tok, temperature):
+@pytest.mark.parametrize("env,temperature", [("scripted", 1.0), ("scripted", 0.7), ("calculator", 1.0)])
+def test_later_turns_have_the_trainers_logprobs(model, caller, tok, env, temperature):
     """(c): every policy token's engine logprob (turns >= 2 included) equals a fresh scoring of the whole
     transcript by the trainer's function."""
-    reqs = requests(tok, RECORDS, temperature=temperature)
-    results = run(model, tok, spec(kwargs={"turns": 3}, max_turns=3), reqs)
+    model, env_spec = env_case(env, model, caller)
+    reqs = requests(tok, RECORDS, temperature=temperature, max_tokens=16)
+    results = run(model, tok, env_spec, reqs)
     with torch.no_grad():
         scored = token_logprobs(model, [r.prompt_token_ids for r in results],
                                 [r.completion_token_ids for r in results], temperature)
