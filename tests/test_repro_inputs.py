@@ -270,3 +270,16 @@ def test_runs_without_inputs_diff_as_before(tmp_path, env, setup, capsys):
     assert "inputs: same (inputs.json" in capsys.readouterr().out
     (b / INPUTS_FILE).write_text("[]")
     assert main_diff([str(a), str(b)]) == 2  # a corrupt record is an error, as for the other files
+
+
+def test_the_held_out_set_is_recorded_and_a_changed_byte_is_named(env, setup, tmp_path):
+    model, data = setup
+    assert "eval" not in collect(model, data)  # a run that does not evaluate records no eval entry
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text('{"question": "3+3", "answer": "6"}\n')
+    a = collect(model, data, eval_files=[held_out])
+    assert a["eval"]["files"] == {"held_out.jsonl": sha(held_out)}
+    flip_last_byte(held_out)
+    b = collect(model, data, eval_files=[held_out])
+    ha, hb = a["eval"]["files"]["held_out.jsonl"], b["eval"]["files"]["held_out.jsonl"]
+    assert compare_inputs(a, b) == [f"eval file held_out.jsonl changed (sha256 {ha[:12]}... vs {hb[:12]}...)"]

@@ -140,3 +140,24 @@ def test_wandb_comparison_offline(tmp_path, monkeypatch):
         assert "offline-run-" in d
     with pytest.raises(ValueError):
         log_comparison_to_wandb([a], mode="online")
+
+
+def test_eval_and_dynamic_sampling_curves_get_panels_when_recorded(tmp_path):
+    plain = make_run(tmp_path / "plain", steps=3)
+    ev = make_run(tmp_path / "ev", steps=4)
+    recs = [json.loads(x) for x in (ev / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        r["rollout/groups_kept"] = 3
+        if r["step"] % 2 == 0:  # evaluated every 2 steps
+            r.update({"eval/avg@4": 0.1 * r["step"], "eval/pass@4": 0.2 * r["step"], "eval/greedy_acc": 0.5})
+    (ev / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert "eval_avg_at_4" not in build_figures([plain], mark_divergence=False)
+    figs = build_figures([plain, ev], mark_divergence=False)
+    for stem in ("eval_avg_at_4", "eval_pass_at_4", "eval_greedy_acc", "groups_kept"):
+        assert stem in figs, stem
+    ax = figs["eval_avg_at_4"].axes[0]
+    assert ax.get_title() == "eval avg@4 (held out)"
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label() == "ev"]
+    assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [0.2, 0.4]
+    titles = [a.get_title() for a in _visible_axes(figs["overview"])]
+    assert "eval pass@4 (held out)" in titles

@@ -494,7 +494,8 @@ class GRPODriver:
             weights_digest = recorded.get("weights_digest")
         inputs = collect_inputs(data_files=self.data_files, records_digest=self.data_stats.records_digest,
                                 data_revision=self.cfg.data.revision, model_dir=self.model_dir,
-                                weights_digest=weights_digest)
+                                weights_digest=weights_digest,
+                                eval_files=self.evaluator.files if self.evaluator is not None else None)
         if recorded is not None:
             for line in compare_inputs(recorded, inputs):
                 self.log.line(f"rlrepro: warning: resuming with other inputs than the run recorded: {line}")

@@ -146,26 +146,32 @@ def _versions_and_gpu() -> tuple[dict[str, str | None], str | None]:
 def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: str | None,
                    data_revision: str | None, model_dir: str | os.PathLike,
                    tokenizer_files: Iterable[str | os.PathLike] | None = None, weights_digest: str | None,
-                   environ: Mapping[str, str] | None = None) -> dict:
+                   environ: Mapping[str, str] | None = None,
+                   eval_files: Iterable[str | os.PathLike] | None = None) -> dict:
     """The inputs of a run, as ``inputs.json`` holds them.
 
     ``data_files``: the data set's local files (or directories) as loaded; ``records_digest``: the digest of the
     loaded records; ``data_revision``: the data set's revision (None when it has none); ``model_dir``: the
     starting model's directory, whose tokenizer files are hashed (``tokenizer_files`` lists them instead);
-    ``weights_digest``: the starting weights' digest (the trainer's); ``environ``: default ``os.environ``.
-    Raises FileNotFoundError for a data or tokenizer file that is missing."""
+    ``weights_digest``: the starting weights' digest (the trainer's); ``environ``: default ``os.environ``;
+    ``eval_files``: the held-out set's files (eval.source) when the run evaluates (the ``"eval"`` entry, absent
+    otherwise). Raises FileNotFoundError for a data or tokenizer file that is missing."""
     model_dir = Path(model_dir)
     files, paths = _named_digests(data_files)
     tok = [Path(p) for p in tokenizer_files] if tokenizer_files is not None else find_tokenizer_files(model_dir)
     tok_digests, _ = _named_digests(tok)
     bits, info = _env(os.environ if environ is None else environ)
     versions, gpu = _versions_and_gpu()
-    return {"format": INPUTS_FORMAT,
-            "data": {"files": files, "paths": paths, "records_digest": records_digest, "revision": data_revision},
-            "weights_digest": weights_digest,
-            "tokenizer": {"model_dir": str(model_dir), "files": tok_digests},
-            "env": bits, "env_informational": info,
-            "versions": versions, "gpu": gpu}
+    out = {"format": INPUTS_FORMAT,
+           "data": {"files": files, "paths": paths, "records_digest": records_digest, "revision": data_revision},
+           "weights_digest": weights_digest,
+           "tokenizer": {"model_dir": str(model_dir), "files": tok_digests},
+           "env": bits, "env_informational": info,
+           "versions": versions, "gpu": gpu}
+    if eval_files is not None:
+        eval_digests, eval_paths = _named_digests(eval_files)
+        out["eval"] = {"files": eval_digests, "paths": eval_paths}
+    return out
 
 
 
@@ -202,7 +208,8 @@ def read_inputs(run_dir: str | os.PathLike) -> dict | None:
 
 @dataclass
 class InputDiff:
-    what: str        # data_file | data_records | data_revision | weights | tokenizer_file | version | gpu | env
+    what: str        # data_file | data_records | data_revision | weights | eval_file | tokenizer_file | version | gpu
+                     # | env
     key: str         # the file, variable or package name ("" where there is one of a kind)
     a: Any           # the values in run A and run B (None: absent / unset)
     b: Any
@@ -248,6 +255,8 @@ def input_differences(a: Mapping, b: Mapping) -> list[InputDiff]:
         out.append(InputDiff("weights", "", a.get("weights_digest"), b.get("weights_digest"), True,
                              f"starting weights differ (weights digest {_short(a.get('weights_digest'))} vs "
                              f"{_short(b.get('weights_digest'))})"))
+    ea_, eb_ = a.get("eval") or {}, b.get("eval") or {}  # the held-out set changes eval/* metrics, not training
+    out += _file_diffs("eval_file", "eval file", ea_.get("files") or {}, eb_.get("files") or {})
     ta, tb = a.get("tokenizer") or {}, b.get("tokenizer") or {}
     out += _file_diffs("tokenizer_file", "tokenizer file", ta.get("files") or {}, tb.get("files") or {})
     va, vb = a.get("versions") or {}, b.get("versions") or {}

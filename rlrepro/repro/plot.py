@@ -85,10 +85,33 @@ def kl_is_off(run_dirs: Sequence[str | os.PathLike], metrics: Sequence[dict | No
     return True
 
 
+#: panels drawn only when some run recorded the key (evaluation, dynamic sampling); ``@k`` keys are found by prefix
+OPTIONAL_PLOT_METRICS = (
+    ("eval/avg@", "eval_avg", "eval avg@{k} (held out)", "mean reward"),
+    ("eval/pass@", "eval_pass", "eval pass@{k} (held out)", "pass@k"),
+    ("eval/greedy_acc", "eval_greedy_acc", "eval greedy accuracy", "accuracy"),
+    ("rollout/groups_kept", "groups_kept", "dynamic sampling: groups kept", "groups"),
+)
+
+
+def _optional_panels(metrics: Sequence[dict | None]) -> list[tuple]:
+    keys = sorted({k for m in metrics for rec in (m or {}).values() for k in rec})
+    out = []
+    for prefix, stem, title, ylabel in OPTIONAL_PLOT_METRICS:
+        if prefix.endswith("@"):
+            for key in (k for k in keys if k.startswith(prefix) and k[len(prefix):].isdigit()):
+                k = key[len(prefix):]
+                out.append((key, f"{stem}_at_{k}", title.format(k=k), ylabel))
+        elif prefix in keys:
+            out.append((prefix, stem, title, ylabel))
+    return out
+
+
 def plot_panels(run_dirs: Sequence[str | os.PathLike], metrics: Sequence[dict | None]) -> list[tuple]:
-    """The PLOT_METRICS entries drawn for these runs (without KL when :func:`kl_is_off`)."""
+    """The PLOT_METRICS entries drawn for these runs (without KL when :func:`kl_is_off`), then the evaluation and
+    dynamic-sampling curves of OPTIONAL_PLOT_METRICS that some run recorded."""
     skip_kl = kl_is_off(run_dirs, metrics)
-    return [m for m in PLOT_METRICS if not (skip_kl and m[0] == KL_KEY)]
+    return [m for m in PLOT_METRICS if not (skip_kl and m[0] == KL_KEY)] + _optional_panels(metrics)
 
 
 def _logprob_diff_note(labels: list[str], metrics: list[dict | None]) -> str | None:
