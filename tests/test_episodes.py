@@ -295,3 +295,22 @@ def test_bad_inputs(model, tok):
         run_episodes(engine, reqs, env_spec, tok, end_of_turn="ab")
     assert isinstance(run_episodes(engine, [], env_spec, tok), list)
     assert EpisodeResult.__dataclass_fields__["metrics"].compare is False
+
+
+def test_rollout_worker_runs_episodes(model_dir, model, tok):
+    """RolloutWorker.run_episodes (in process): the environment and reward loaded from their specs, the tokenizer
+    from the model directory, EOS as the end of turn; the runner's results on an engine of the same weights."""
+    from rlrepro.orchestration.workers import RolloutWorker
+    from rlrepro.rollout import EngineConfig
+
+    worker = RolloutWorker(str(model_dir), EngineConfig(max_num_seqs=4, block_size=4, num_kv_blocks=128),
+                           device="cpu", dtype=None, deterministic=True, seed=0)
+    torch.set_num_threads(1)
+    reqs = requests(tok, RECORDS)
+    env_config = EnvConfig(name="_test_scripted", kwargs={"turns": 2}, max_turns=2)
+    got = worker.run_episodes(reqs[::-1], env_config, "exact_match", None, True, 3)
+    assert got == run(model, tok, spec(kwargs={"turns": 2}, max_turns=2), reqs)
+    assert worker.run_episodes(reqs, env_config, "exact_match") == got and len(worker._env_specs) == 1
+    plain = worker.run_episodes(reqs, env_config, "exact_match", use_chat_template=False)
+    assert plain == run(model, tok, spec(kwargs={"turns": 2}, max_turns=2), reqs, chat=False)
+    assert worker.run_episodes([], env_config, "exact_match") == []

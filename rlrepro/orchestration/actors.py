@@ -121,7 +121,7 @@ class ActorGroup:
                     f"{describe(error)}. Fix the cause (memory? the Ray logs under /tmp/ray/session_latest/logs "
                     "say why the process ended) or raise rollout.max_restarts")
             self.restarts += 1
-            redo = "its requests are re-run" if during == "generate" else "it gets the weights"
+            redo = "its requests are re-run" if during in ("generate", "run_episodes") else "it gets the weights"
             log(f"rollout worker {i} lost during {during} ({describe(error, 200)}); replacing it "
                 f"({self._restarts_in_step}/{self.max_restarts} this step), {redo}")
             try:
@@ -179,6 +179,23 @@ class ActorGroup:
         results = self._gather(calls, lambda i: self._call(i, "generate", parts[i]), "generate",
                                self.weight_version)
         return [(req.key, out) for i in sorted(results) for req, out in zip(parts[i], results[i])]
+
+    def run_episodes(self, requests: list, env_config, reward_fn_spec: str, *, max_tokens: int | None = None,
+                     use_chat_template: bool = True, tool_threads: int = 2) -> list:
+        """Multi-turn episodes (:class:`~.episodes.EpisodeRequest` objects), dealt to workers by position as
+        :meth:`generate` deals requests; returns the :class:`~.episodes.EpisodeResult` objects sorted by key. A
+        worker that dies is replaced and its episodes re-run from their keys (an episode is a pure function of its
+        request and the weights, so the results are the ones the dead worker would have returned). Fault
+        injection sees this as a ``generate``."""
+        nw = len(self.workers)
+        parts = {i: requests[i::nw] for i in range(nw) if requests[i::nw]}
+        self._restarts_in_step = 0
+        self._before("generate", self.weight_version + 1)
+        args = (env_config, reward_fn_spec, max_tokens, use_chat_template, tool_threads)
+        calls = {i: self._call(i, "run_episodes", part, *args) for i, part in parts.items()}
+        results = self._gather(calls, lambda i: self._call(i, "run_episodes", parts[i], *args), "run_episodes",
+                               self.weight_version)
+        return sorted((r for i in sorted(results) for r in results[i]), key=lambda r: r.key)
 
     def train_step(self, samples: list) -> dict:
         """Every trainer rank gets the whole batch (it computes its own micro-batches of it); rank 0 reports."""

@@ -3,7 +3,8 @@
 Plain classes: :class:`~.actors.ActorGroup` wraps them with ``ray.remote``, and tests can also use them
 in-process. Each fixes its own torch thread count, so CPU results do not depend on how many cores Ray happens to
 give the process. A rollout worker takes :class:`Request` objects (the key, the prompt and its SamplingParams) and
-returns the engine's ``RequestOutput`` objects in the same order; a trainer rank takes :class:`rlrepro.samples.Sample`
+returns the engine's ``RequestOutput`` objects in the same order (or runs multi-turn episodes,
+:meth:`RolloutWorker.run_episodes`); a trainer rank takes :class:`rlrepro.samples.Sample`
 objects.
 """
 from __future__ import annotations
@@ -15,9 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from rlrepro.envs import EnvConfig
     from rlrepro.rollout import EngineConfig, RequestOutput, SamplingParams
     from rlrepro.samples import Sample
     from rlrepro.trainer import TrainConfig
+
+    from .episodes import EpisodeRequest, EpisodeResult
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,42 @@ class RolloutWorker:
             model.set_tensor_parallel_emulation(tensor_parallel_emulation)
         self.engine = Engine.from_config(model, engine_config, device=device, dtype=_dtype(dtype),
                                          deterministic=deterministic, seed=seed)
+        self.model_dir = model_dir
+        self._tokenizer = None
+        self._env_specs: dict = {}  # (env config, reward.fn) -> EnvSpec, built once
 
     def generate(self, requests: list[Request]) -> list["RequestOutput"]:
         """The engine's outputs, one per request, in the order of ``requests``."""
         if not requests:
             return []
         return self.engine.generate([r.prompt_token_ids for r in requests], [r.params for r in requests])
+
+    def run_episodes(self, requests: list["EpisodeRequest"], env_config: "EnvConfig", reward_fn_spec: str,
+                     max_tokens: int | None = None, use_chat_template: bool = True,
+                     tool_threads: int = 2) -> list["EpisodeResult"]:
+        """Multi-turn episodes on this engine (:func:`.episodes.run_episodes`), results in key order. The
+        environment (``env_config`` with the reward ``reward_fn_spec``, loaded as the driver loads ``reward.fn``)
+        and the tokenizer of the model directory are built on the first call and kept. ``use_chat_template``:
+        whether the prompts were rendered with the chat template (then observations are too, and a turn cut by
+        length is closed with the tokenizer's EOS, the template's end of turn); ``max_tokens``: per turn (None:
+        each request's own)."""
+        from .episodes import run_episodes
+
+        if not requests:
+            return []
+        if self._tokenizer is None:
+            from rlrepro.model import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_dir)
+        key = (repr(env_config), reward_fn_spec)
+        if key not in self._env_specs:
+            from rlrepro.data import load_reward_fn
+            from rlrepro.envs import load_env
+
+            self._env_specs[key] = load_env(env_config, load_reward_fn(reward_fn_spec))
+        end_of_turn = self._tokenizer.eos_token if use_chat_template else None
+        return run_episodes(self.engine, requests, self._env_specs[key], self._tokenizer, max_tokens=max_tokens,
+                            end_of_turn=end_of_turn, tool_threads=tool_threads)
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
         self.engine.load_weights(weights.items(), version=version)
