@@ -86,6 +86,7 @@ def build_prompts(
     template: str | None = None,
     system_prompt: str | None = None,
     use_chat_template: bool = False,
+    tools: list[dict] | None = None,
     max_prompt_tokens: int | None = None,
     on_bad_row: Literal["error", "skip"] = "error",
     on_unknown_token: Literal["warn", "error"] = "warn",
@@ -93,7 +94,8 @@ def build_prompts(
 ) -> tuple[list[Prompt], PromptStats]:
     """The prompts of ``records`` in their order, and what was left out or looked wrong (see the module doc).
 
-    ``max_prompt_tokens`` None means no limit. ``source`` only names the data set in the message raised when
+    ``tools``: tool schemas the chat template renders into every prompt (see ``render_prompt``; None or empty:
+    none). ``max_prompt_tokens`` None means no limit. ``source`` only names the data set in the message raised when
     no prompt is left. Raises ``ValueError`` for a prompt over the limit (unless ``on_bad_row="skip"``), when
     no prompt is left, for duplicate uids, and for unknown tokens under ``on_unknown_token="error"``.
     """
@@ -109,7 +111,7 @@ def build_prompts(
                          f"got {max_prompt_tokens!r}")
     unk = getattr(tokenizer, "unk_token_id", None)
     unk = int(unk) if isinstance(unk, numbers.Integral) and not isinstance(unk, bool) else None
-    render = dict(template=template, system_prompt=system_prompt, use_chat_template=use_chat_template)
+    render = dict(template=template, system_prompt=system_prompt, use_chat_template=use_chat_template, tools=tools)
     stats = PromptStats(num_records=len(records), unknown_token_id=unk)
     prompts: list[Prompt] = []
     bound = _CharBound(tokenizer, max_prompt_tokens)

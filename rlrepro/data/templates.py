@@ -2,13 +2,16 @@
 
 The tokenizer is duck-typed: ``encode(text) -> list[int]`` always, and
 ``apply_chat_template(messages, add_generation_prompt=True) -> str`` when ``use_chat_template`` is set
-(a Hugging Face tokenizer works too: ``tokenize=False`` is passed when its signature takes it).
+(a Hugging Face tokenizer works too: ``tokenize=False`` is passed when its signature takes it), and with
+``tools`` (JSON schemas of the functions a multi-turn episode may call) ``apply_chat_template(messages,
+add_generation_prompt=True, tools=tools)``.
 """
 from __future__ import annotations
 
 import inspect
 import numbers
 import string
+from collections.abc import Mapping
 from typing import Any
 
 from .records import PromptRecord
@@ -42,7 +45,8 @@ def _fill(template: str | None, text: str) -> str:
 
 
 def render_prompt(record: PromptRecord, tokenizer: Any = None, *, template: str | None = None,
-                  system_prompt: str | None = None, use_chat_template: bool = False) -> str:
+                  system_prompt: str | None = None, use_chat_template: bool = False,
+                  tools: list[dict] | None = None) -> str:
     """The prompt text for ``record``.
 
     Plain (``use_chat_template=False``): ``template.format(prompt=record.prompt)``, or the prompt itself when
@@ -53,13 +57,21 @@ def render_prompt(record: PromptRecord, tokenizer: Any = None, *, template: str 
     chat record, its turns with the template applied to the last user turn and the system prompt put first
     (a record that has its own system turn plus a ``system_prompt`` raises); then
     ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``.
+
+    ``tools``: the tool schemas the chat template renders (Qwen3's, in its system turn); passed to the template
+    only when non-empty, so a render without tools is the same text as before they existed. They need the chat
+    template.
     """
     if not isinstance(record, PromptRecord):
         raise TypeError(f"record must be a PromptRecord, got {type(record).__name__}")
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ValueError(f"data.system_prompt (system_prompt) must be a string or null, got "
                          f"{type(system_prompt).__name__}")
+    tools = _check_tools(tools)
     if not use_chat_template:
+        if tools:
+            raise ValueError("tools need the chat template, which renders their schemas (use_chat_template=True). "
+                             "Fix: set data.use_chat_template=true, or pass no tools.")
         if system_prompt is not None:
             raise ValueError("data.system_prompt needs data.use_chat_template=true (use_chat_template=True). Fix: "
                              "set data.use_chat_template=true, or set data.system_prompt=null and put the text in "
@@ -85,10 +97,22 @@ def render_prompt(record: PromptRecord, tokenizer: Any = None, *, template: str 
                              f"Fix: set data.system_prompt=null, or drop the system turns from the data set.")
     if system_prompt is not None:
         messages.insert(0, {"role": "system", "content": system_prompt})
-    return _apply_chat_template(tokenizer, messages)
+    return _apply_chat_template(tokenizer, messages, tools)
 
 
-def _apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+def _check_tools(tools: Any) -> list[dict] | None:
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, (list, tuple)):
+        raise ValueError(f"tools must be a list of tool schemas (dicts) or None, got {type(tools).__name__}")
+    bad = [i for i, t in enumerate(tools) if not isinstance(t, Mapping)]
+    if bad:
+        raise ValueError(f"tools[{bad[0]}] is a {type(tools[bad[0]]).__name__}; each tool must be a JSON schema "
+                         f"(a dict such as {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}})")
+    return list(tools)
+
+
+def _apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict] | None = None) -> str:
     fn = getattr(tokenizer, "apply_chat_template", None)
     if fn is None:
         raise ValueError(f"data.use_chat_template=true (use_chat_template=True) but the tokenizer "
@@ -101,6 +125,11 @@ def _apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
         params = {}
     if "tokenize" in params:
         kwargs["tokenize"] = False  # Hugging Face tokenizers return token ids unless told otherwise
+    if tools:  # only then: a template may test `tools is defined`, and renders without tools stay as they were
+        if params and "tools" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise ValueError(f"tools were given but the tokenizer's apply_chat_template ({type(tokenizer).__name__}) "
+                             f"takes no tools argument. Fix: use a tokenizer whose chat template renders tools.")
+        kwargs["tools"] = tools
     text = fn(messages, **kwargs)
     if not isinstance(text, str):
         raise ValueError(f"tokenizer.apply_chat_template returned {type(text).__name__}, expected str. "
@@ -109,10 +138,11 @@ def _apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
 
 
 def tokenize_prompt(record: PromptRecord, tokenizer: Any, *, template: str | None = None,
-                    system_prompt: str | None = None, use_chat_template: bool = False) -> list[int]:
+                    system_prompt: str | None = None, use_chat_template: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
     """``tokenizer.encode(render_prompt(...))`` as a list of Python ints (never empty)."""
     text = render_prompt(record, tokenizer, template=template, system_prompt=system_prompt,
-                         use_chat_template=use_chat_template)
+                         use_chat_template=use_chat_template, tools=tools)
     ids = tokenizer.encode(text)
     ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
     if not ids:

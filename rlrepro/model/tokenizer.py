@@ -15,6 +15,13 @@ def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """The chat templates' ``tojson`` filter as transformers defines it: plain :func:`json.dumps`, keys in insertion
+    order, non-ASCII kept, no HTML escaping of ``<``, ``>``, ``&``, ``'`` (jinja2's own ``tojson`` sorts keys and
+    escapes those, which would render a tool's schema unlike the text the model was trained on)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
@@ -67,12 +74,21 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """The model directory's Jinja chat template rendered as transformers renders it (``trim_blocks``,
+        ``lstrip_blocks``, loop controls, ``raise_exception``, its ``tojson``). ``tools``: JSON schemas of the
+        functions the model may call (Qwen3's template lists them, ``{{ tool | tojson }}``, in its system turn);
+        passed to the template only when given. Other keyword arguments become template variables."""
         if not self.chat_template:
             raise ValueError(f"{self.path}/tokenizer_config.json has no chat_template; "
                              "set data.use_chat_template=false or add a template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        if tools is not None:
+            kwargs["tools"] = tools
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             eos_token=self.eos_token, **kwargs)

@@ -255,7 +255,8 @@ class Trainer:
     def train_step(self, samples: Sequence) -> dict:
         """One GRPO update on ``samples`` (each with prompt_token_ids, completion_token_ids, rollout_logprobs,
         advantage, and optionally loss_mask: its 0 entries are context only, out of the loss, its metrics, its token
-        counts and the on-policy check; docs/TRAINER.md, "Loss masks"). Returns ``train/*`` metrics (Python floats) and the raw ``loss`` / ``grad_norm`` floats (means
+        counts and the on-policy check; docs/TRAINER.md, "Loss masks"). Returns ``train/*`` metrics (Python
+        floats; ``train/num_tokens`` counts the trained tokens) and the raw ``loss`` / ``grad_norm`` floats (means
         over the PPO epochs; per epoch in ``loss_per_epoch`` / ``grad_norm_per_epoch``) for fingerprints."""
         cfg = self.config
         batch = [_as_train_sample(s, i) for i, s in enumerate(samples)]
