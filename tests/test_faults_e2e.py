@@ -173,8 +173,14 @@ def test_nan_gradient_stops_before_the_update_and_resume_is_identical(ref, tmp_p
     assert "step 3 failed: FloatingPointError" in err and "train step 3" in err
     assert "the update was not applied" in err and "train.on_nonfinite=skip" in err
     assert checkpoints(run) == ["step_000002"]  # the last completed step, written on the way out
+    summary = json.loads((run / "summary.json").read_text())  # a failed run says so in its summary too
+    assert summary["status"] == "failed" and "step 3 failed: FloatingPointError" in summary["error"]
+    assert summary["steps"]["recorded"] == 2 and summary["steps"]["this_invocation"] == 2
+    assert summary["resume_command"].endswith(f"run.dir={run} run.resume=true")
+    assert "(FAILED)" in (run / "summary.txt").read_text()
     faults()
     assert train(run, "checkpoint.every=0", "run.resume=true") == 0
+    assert json.loads((run / "summary.json").read_text())["status"] == "complete"
     assert_identical(ref, run)
     record(test="nan_grad_error", error="FloatingPointError", checkpoint="step_000002", identical=True)
 

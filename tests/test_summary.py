@@ -92,3 +92,22 @@ def test_a_resumed_run_summarises_the_whole_run(tmp_path):
     assert wandb_dir.is_dir() and wandb_dir.parent == run / "wandb"
     assert s["files"]["wandb_sync"] == f"wandb sync {wandb_dir}"
     assert "wandb sync" in (run / "summary.txt").read_text()
+
+
+def test_a_failed_or_interrupted_run_says_so(tmp_path):
+    from rlrepro.orchestration.errors import RunFailed, RunInterrupted
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _write_metrics(run, [0.1, 0.2])
+    for cls, status in ((RunFailed, "failed"), (RunInterrupted, "interrupted")):
+        err = cls("step 3 failed: boom. The last complete checkpoint is none", step=3, checkpoint=None,
+                  cause=ValueError("boom"))
+        s = run_summary(run, _cfg(), wall_s=1.0, steps_this_run=2, failure=err)
+        assert s["status"] == status and s["error"] == str(err)
+        assert s["resume_command"] == f"rlrepro train recipe=r run.dir={run} run.resume=true"
+        text = format_summary(s)
+        assert text.splitlines()[0] == f"run summary: {run} ({status.upper()})"
+        assert f"  {status:<10} step 3 failed: boom" in text and s["resume_command"] in text
+    done = run_summary(run, _cfg(), wall_s=1.0, steps_this_run=2)
+    assert done["status"] == "complete" and done["error"] is None and "resume " not in format_summary(done)

@@ -367,18 +367,26 @@ class GRPODriver:
         self.log.line(f"HF export {path}: {time.perf_counter() - t:.1f} s")
         return path
 
-    def write_summary(self, wall_s: float, steps_run: int) -> None:
+    def write_summary(self, wall_s: float, steps_run: int, *, failure: RunFailed | None = None) -> None:
         """RUN/summary.json and summary.txt, printed to stderr (rlrepro.orchestration.summary); from the records,
-        so a resumed run's covers the whole run. Closes the wandb run first (the summary names its directory)."""
+        so a resumed run's covers the whole run. Closes the wandb run first (the summary names its directory).
+        ``failure``: the error a failed or interrupted run ends with (its status, message and resume command)."""
         from .summary import run_summary, write_summary
 
         self.log.close()
         try:
             summary = run_summary(self.run_dir, self.cfg, wall_s=wall_s, steps_this_run=steps_run,
-                                  wandb_dir=self.log.wandb_dir)
+                                  wandb_dir=self.log.wandb_dir, failure=failure)
             write_summary(self.run_dir, summary, echo=self.cfg.logger.progress)
         except Exception as e:  # noqa: BLE001 - the run itself is complete and recorded
             self.log.line(f"rlrepro: warning: the run summary could not be written ({type(e).__name__}: {e})")
+
+    def _summary_of_failure(self, failure: RunFailed, t_run: float) -> None:
+        """The summary of a run that stopped early (only once its records were opened: a set-up failure has
+        none)."""
+        if self.log is None or getattr(self, "_start_step", None) is None:
+            return
+        self.write_summary(time.perf_counter() - t_run, max(0, self._done_step - self._start_step), failure=failure)
 
     def restore(self, ckpt_path: str) -> int:
         extra = self.actors.load_checkpoint(ckpt_path)
@@ -407,6 +415,7 @@ class GRPODriver:
         last_step = cfg.train.steps if last_step is None else last_step
         preflight.check_run_dir(cfg, self.run_dir, fresh=start_checkpoint is None and not cfg.run.resume)
         self._done_step, self._done_order, self._trainer_step, self._saving = 0, None, 0, False
+        self._start_step = None
         previous_sigterm = None
         try:
             self.setup()
@@ -430,11 +439,17 @@ class GRPODriver:
                 self._write_amendments()
                 atomic_write_bytes(self.run_dir / CONFIG_FILE, config_yaml(cfg).encode("utf-8"))
             self.log.start(done)
+            self._start_step = done
             history = self._loop(done, last_step)
             self.write_summary(time.perf_counter() - t_run, len(history))
             return history
         except KeyboardInterrupt as e:
-            raise self._failed(self._done_step + 1, e) from None
+            failure = self._failed(self._done_step + 1, e)
+            self._summary_of_failure(failure, t_run)
+            raise failure from None
+        except RunFailed as failure:
+            self._summary_of_failure(failure, t_run)
+            raise
         finally:
             _restore_sigterm(previous_sigterm)
             self.close()

@@ -9,6 +9,8 @@ in ``metrics.jsonl``), not only the steps of its last invocation:
 * ``eval``: for each ``eval/*`` metric, its first and last recorded value;
 * ``time``: this invocation's wall time, and the sum of ``perf/step_time_s`` over every recorded step;
 * ``throughput``: tokens the trainer processed (prompt + completion) and tokens generated, per second of step time;
+* ``status``: ``complete``, or ``failed`` / ``interrupted`` with the error's message and the resume command (a run
+  that stops early writes its summary too);
 * ``files``: where the records, plots, checkpoints, exported HF model and wandb files are, and the
   ``wandb sync DIR`` command of an offline wandb run.
 
@@ -46,8 +48,10 @@ def _wandb_runs(run_dir: Path, wandb_dir: str | None) -> tuple[list[str], str | 
 
 
 def run_summary(run_dir: str | Path, cfg, *, wall_s: float, steps_this_run: int,
-                wandb_dir: str | None = None) -> dict:
-    """The summary of the run in ``run_dir`` from its records (see the module docstring)."""
+                wandb_dir: str | None = None, failure: BaseException | None = None) -> dict:
+    """The summary of the run in ``run_dir`` from its records (see the module docstring). ``failure``: the
+    ``RunFailed`` / ``RunInterrupted`` the run ended with (``status`` failed / interrupted, its message, the
+    command that resumes it); None: the run completed."""
     from rlrepro.trainer import list_checkpoints
 
     from .export import list_exports
@@ -73,10 +77,19 @@ def run_summary(run_dir: str | Path, cfg, *, wall_s: float, steps_this_run: int,
     wandb_runs, this_wandb = _wandb_runs(run_dir, wandb_dir)
     offline = bool(cfg.logger.wandb) and cfg.logger.mode == "offline"
     sync = f"wandb sync {this_wandb}" if offline and this_wandb else None
+    if failure is None:
+        status, error, resume = "complete", None, None
+    else:
+        from .errors import RunInterrupted
+
+        status = "interrupted" if isinstance(failure, RunInterrupted) else "failed"
+        error = str(failure)
+        resume = f"rlrepro train recipe={getattr(cfg, 'recipe', None)} run.dir={run_dir} run.resume=true"
     return {
         "format": "rlrepro.summary.v1",
         "run_dir": str(run_dir),
         "recipe": getattr(cfg, "recipe", None),
+        "status": status, "error": error, "resume_command": resume,
         "steps": {"recorded": n, "first": records[0]["step"] if records else None,
                   "last": records[-1]["step"] if records else None, "this_invocation": steps_this_run,
                   "planned": cfg.train.steps},
@@ -110,7 +123,8 @@ def format_summary(s: dict) -> str:
     """The summary as a few readable lines (what is printed and written to summary.txt)."""
     st, rw, t, tp, f = s["steps"], s["reward"], s["time"], s["throughput"], s["files"]
     window = f"mean of the first / last {rw['window']} step(s)"
-    lines = [f"run summary: {s['run_dir']}",
+    status = s.get("status", "complete")
+    lines = [f"run summary: {s['run_dir']}" + ("" if status == "complete" else f" ({status.upper()})"),
              f"  steps      {st['recorded']} recorded ({st['first']}-{st['last']}), {st['this_invocation']} run now",
              f"  reward     {_num(rw['first'])} -> {_num(rw['last'])}  ({window})"]
     for key, e in s["eval"].items():
@@ -131,6 +145,9 @@ def format_summary(s: dict) -> str:
         lines.append(f"  wandb      {f['wandb_run']}")
     if f["wandb_sync"]:
         lines.append(f"  upload     {f['wandb_sync']}")
+    if status != "complete":
+        lines.append(f"  {status:<10} {s['error']}")
+        lines.append(f"  resume     {s['resume_command']}")
     return "\n".join(lines) + "\n"
 
 
