@@ -294,6 +294,23 @@ def test_bad_inputs(model, tok):
     with pytest.raises(ValueError, match="one token"):
         run_episodes(engine, reqs, env_spec, tok, end_of_turn="ab")
     assert isinstance(run_episodes(engine, [], env_spec, tok), list)
+    long = spec(kwargs={"turns": 3}, max_turns=3)
+    reqs = requests(tok, RECORDS, max_tokens=24)
+    for kw, match in [(dict(num_kv_blocks=28), "KV blocks"), (dict(max_model_len=60), "no room left")]:
+        engine = make_engine(model, **kw)  # turn 1 fits (capped by the context), a later transcript does not
+        with pytest.raises(ValueError, match=match):
+            run_episodes(engine, reqs, long, tok, end_of_turn=EOT)
+        assert not engine.has_unfinished()
+
+
+def test_to_sample(model, tok):
+    reqs = requests(tok, RECORDS[:1], group=1)
+    (r,) = run(model, tok, spec(kwargs={"turns": 2}, max_turns=2), reqs)
+    s = r.to_sample(tok.decode)
+    assert s.key == r.key and s.loss_mask == r.loss_mask and s.completion_token_ids == r.completion_token_ids
+    assert s.reward == r.total_reward == r.reward - 0.25 - 0.0 and [t.role for t in s.turns] == ["policy", "tool",
+                                                                                                    "policy"]
+    assert s.to_record()["loss_mask"] == r.loss_mask
     assert EpisodeResult.__dataclass_fields__["metrics"].compare is False
 
 

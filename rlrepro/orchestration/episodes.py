@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from rlrepro.envs import continuation_text
-from rlrepro.samples import Turn
+from rlrepro.samples import Sample, Turn
 
 if TYPE_CHECKING:
     from rlrepro.data import PromptRecord
@@ -83,6 +83,19 @@ class EpisodeResult:
     @property
     def total_reward(self) -> float:
         return self.reward - sum(self.penalties) + 0.0
+
+    def to_sample(self, decode) -> Sample:
+        """The trainer's record of this episode: ``loss_mask`` and ``turns`` set, ``reward`` the episode's
+        ``total_reward`` (the environment scores a multi-turn episode; the completion text holds observations,
+        so ``reward.fn`` must not score it again), ``finish_reason`` the episode's; ``decode`` is the tokenizer's
+        (prompt and completion texts)."""
+        return Sample(prompt_uid=self.key[0], sample_index=self.key[1], prompt_token_ids=list(self.prompt_token_ids),
+                      completion_token_ids=list(self.completion_token_ids),
+                      rollout_logprobs=list(self.rollout_logprobs), finish_reason=self.finish_reason, seed=self.seed,
+                      weight_version=self.weight_version, prompt_text=decode(self.prompt_token_ids),
+                      completion_text=decode(self.completion_token_ids), reward=self.total_reward,
+                      loss_mask=list(self.loss_mask),
+                      turns=[Turn(t.role, list(t.token_ids), t.text) for t in self.turns])
 
 
 @dataclass
@@ -241,8 +254,9 @@ def run_episodes(engine: "Engine", requests: list[EpisodeRequest], env_spec: "En
             for f in sorted(done, key=lambda f: stepping[f].request.key):
                 finish(stepping.pop(f), f)
     except BaseException:
-        for rid in running:
-            engine.abort(rid)
+        if engine.has_unfinished():  # an error inside engine.step() has aborted everything already
+            for rid in running:
+                engine.abort(rid)
         while engine.has_unfinished():
             engine.step()
         raise
