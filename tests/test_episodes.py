@@ -99,8 +99,8 @@ def requests(tok, records, group=2, chat=True, temperature=1.0, max_tokens=8, st
         text = tok.apply_chat_template([{"role": "user", "content": rec.prompt}]) if chat else rec.prompt
         ids = tok.encode(text)
         for j in range(group):
-            params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=request_seed(0, step, rec.uid, j),
-                                    stop_token_ids=(tok.eos_token_id,))
+            params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                    seed=request_seed(0, step, rec.uid, j), stop_token_ids=(tok.eos_token_id,))
             out.append(EpisodeRequest((rec.uid, j), rec, ids, params, episode_seed(0, step, rec.uid, j)))
     return out
 
