@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlrepro.data import PromptRecord, load_reward_fn
-from rlrepro.envs import (EnvConfig, EnvError, EnvReset, Environment, StepResult, episode_seed,
+from rlrepro.envs import (BUILTIN_ENVS, EnvConfig, EnvError, EnvReset, Environment, StepResult, episode_seed,
                           make_calculator_records, load_env, register_env)
 from rlrepro.model import load_pretrained, load_tokenizer, write_tiny_checkpoint
 from rlrepro.orchestration.episodes import EpisodeRequest, EpisodeResult, episode_metrics, run_episodes
@@ -45,9 +45,16 @@ class ScriptedEnv(Environment):
                           penalty=0.25, info={"turn": self.n})
 
 
-@register_env("_test_scripted")
 def _scripted(record, seed, *, config, reward_fn):
     return ScriptedEnv(record, seed, **config.kwargs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def scripted_env():
+    """``env.name=_test_scripted`` while this module runs (BUILTIN_ENVS is the process's registry)."""
+    register_env("_test_scripted")(_scripted)
+    yield
+    BUILTIN_ENVS.pop("_test_scripted", None)
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
