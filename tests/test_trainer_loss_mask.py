@@ -213,3 +213,29 @@ def test_megatron_trainer_honours_the_mask_as_the_default_trainer_does():
     assert a == b and a["train/num_tokens"] == 18 and a["train/rollout_logprob_abs_diff"] == 0.0
     for (na, wa), (nb, wb) in zip(plain.named_weights(), mtrainer.named_weights()):
         assert na == nb and torch.equal(wa, wb), na
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_masks_on_cuda_with_bf16_compute():
+    """On CUDA (Triton kernels, bf16 compute, float32 masters): all ones is the unmasked step, masked values change
+    nothing, and the placeholders are no on-policy disagreement."""
+    def run(batch):
+        model = tiny_model(seed=1).to("cuda")
+        ref = copy.deepcopy(model).to(torch.bfloat16)
+        trainer = Trainer(model, TrainConfig(**BASE, kl_coef=0.05, entropy_coef=0.01), ref_model=ref,
+                          param_dtype=torch.bfloat16, temperature=TEMPERATURE)
+        metrics = trainer.train_step(batch)
+        return metrics, {n: w.to("cpu", copy=True) for n, w in trainer.named_weights()}
+
+    model = tiny_model(seed=1).to("cuda").to(torch.bfloat16)
+    masked = on_policy_batch(model)
+    perturbed = copy.deepcopy(masked)
+    perturbed[0]["rollout_logprobs"][2], perturbed[1]["rollout_logprobs"][0] = -1e30, float("nan")
+    plain = [dict(s, loss_mask=None) for s in on_policy_batch(model, shapes=[(n, None) for n, _ in SHAPES])]
+    ones = [dict(s, loss_mask=[1] * len(s["completion_token_ids"])) for s in plain]
+    for a, b in ((masked, perturbed), (plain, ones)):
+        (ma, wa), (mb, wb) = run(a), run(b)
+        assert ma == mb and all(torch.equal(wa[n], wb[n]) for n in wa)
+    m = run(masked)[0]
+    assert m["train/num_tokens"] == 18 and m["train/rollout_logprob_abs_diff"] == 0.0 and m["train/grad_norm"] > 0
