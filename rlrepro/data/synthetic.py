@@ -12,6 +12,9 @@ first_letter   ``first: qbz=``        ``q``     min_len=1, max_len=5, alphabet=a
 copy           ``copy: qbz=``         ``qbz``   min_len=1, max_len=5, alphabet=a-z
 reverse        ``reverse: qbz=``      ``zbq``   min_len=1, max_len=5, alphabet=a-z
 add            ``12+7=``              ``19``    max_value=20 (operands uniform in 0..max_value)
+multiply       ``123*456=``           ``56088`` digits=3 (operands uniform over the digits-digit numbers;
+                                                more than a tiny model can do in its head: ``grpo_tiny_tool``
+                                                gives it a calculator)
 =============  =====================  ========  ==============================================
 """
 from __future__ import annotations
@@ -29,11 +32,12 @@ __all__ = ["make_synthetic_records", "write_jsonl", "SYNTHETIC_KINDS", "SYNTHETI
 SYNTHETIC_CHARSET = string.digits + string.ascii_lowercase + " " + "+-*=?.,:;()[]<>!#'" + "\n"
 
 # kind -> stream id mixed into the seed, so kinds with one seed draw independent streams. Never renumber.
-SYNTHETIC_KINDS = {"copy": 0, "reverse": 1, "add": 2, "first_letter": 3}
+SYNTHETIC_KINDS = {"copy": 0, "reverse": 1, "add": 2, "first_letter": 3, "multiply": 4}
 
 _STRING_PREFIX = {"copy": "copy: ", "reverse": "reverse: ", "first_letter": "first: "}
 _STRING_OPTIONS = {"min_len": 1, "max_len": 5, "alphabet": string.ascii_lowercase}
 _ADD_OPTIONS = {"max_value": 20}
+_MULTIPLY_OPTIONS = {"digits": 3}
 
 
 def make_synthetic_records(kind: str, num: int, seed: int, **kw: Any) -> list[PromptRecord]:
@@ -45,7 +49,7 @@ def make_synthetic_records(kind: str, num: int, seed: int, **kw: Any) -> list[Pr
         raise ValueError(f"data.synthetic.num (num) must be a positive integer, got {num!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"data.synthetic.seed (seed) must be a non-negative integer, got {seed!r}")
-    defaults = _ADD_OPTIONS if kind == "add" else _STRING_OPTIONS
+    defaults = {"add": _ADD_OPTIONS, "multiply": _MULTIPLY_OPTIONS}.get(kind, _STRING_OPTIONS)
     unknown = sorted(set(kw) - set(defaults))
     if unknown:
         raise ValueError(f"synthetic kind {kind!r} takes the options {sorted(defaults)}, not {unknown}. Fix: set "
@@ -55,6 +59,16 @@ def make_synthetic_records(kind: str, num: int, seed: int, **kw: Any) -> list[Pr
     meta = {"kind": kind}
 
     records = []
+    if kind == "multiply":
+        digits = opts["digits"]
+        if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= 9:
+            raise ValueError(f"data.synthetic.kwargs.digits must be an integer in 1..9, got {digits!r}")
+        low = 10 ** (digits - 1) if digits > 1 else 0
+        for i in range(num):
+            a, b = (int(x) for x in rng.integers(low, 10 ** digits, size=2))
+            records.append(PromptRecord(uid=f"{kind}-s{seed}:{i}", prompt=f"{a}*{b}=", answer=str(a * b),
+                                        meta=dict(meta)))
+        return records
     if kind == "add":
         max_value = opts["max_value"]
         if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 0:

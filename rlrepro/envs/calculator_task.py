@@ -25,7 +25,7 @@ from .tool_calls import make_tool_format
 from .tool_env import ToolEnv
 from .tools import make_tools
 
-__all__ = ["make_calculator_records", "make_calculator_task_env", "CALCULATOR_TASK_OPTIONS"]
+__all__ = ["make_calculator_records", "make_calculator_task_env", "CalculatorTaskEnv", "CALCULATOR_TASK_OPTIONS"]
 
 # env.kwargs of calculator_task (the records' options live in make_calculator_records)
 CALCULATOR_TASK_OPTIONS: dict[str, Any] = {}
@@ -54,7 +54,18 @@ def make_calculator_records(num: int, seed: int, *, digits: int = 3) -> list[Pro
     return records
 
 
-def make_calculator_task_env(record: PromptRecord, seed: int, *, config: EnvConfig, reward_fn: RewardFn) -> ToolEnv:
+class CalculatorTaskEnv(ToolEnv):
+    """A :class:`ToolEnv` that can also show a perfect episode (``warm_start.target=demonstration``)."""
+
+    def demonstration(self) -> list[str]:
+        """The assistant turns of a correct episode: the call ``a*b`` (the record's prompt before ``=``) in the
+        episode's tool format, then the answer."""
+        expression = self.record.prompt.rstrip().removesuffix("=")
+        return [self.format.render_call("calculator", {"expression": expression}), self.record.answer]
+
+
+def make_calculator_task_env(record: PromptRecord, seed: int, *, config: EnvConfig,
+                             reward_fn: RewardFn) -> CalculatorTaskEnv:
     """The ``calculator_task`` factory: the ``calculator`` tool (or ``env.tools``), ``env.tool_format`` with the
     tiny alphabet for ``compact``, the run's reward on the final turn. The seed is not used (the task is the
     record)."""
@@ -63,7 +74,7 @@ def make_calculator_task_env(record: PromptRecord, seed: int, *, config: EnvConf
         raise ValueError(f"env.kwargs has {unknown}; calculator_task takes no options. Fix: remove them")
     tools = make_tools(config.tools or ["calculator"], calculator=config.calculator, python=config.python)
     charset = SYNTHETIC_CHARSET if config.tool_format == "compact" else None
-    return ToolEnv(record, tools=tools, tool_format=make_tool_format(config.tool_format, charset=charset),
+    return CalculatorTaskEnv(record, tools=tools, tool_format=make_tool_format(config.tool_format, charset=charset),
                    reward_fn=reward_fn, max_calls_per_turn=config.max_calls_per_turn,
                    max_observation_chars=config.max_observation_chars, on_malformed=config.on_malformed,
                    malformed_penalty=config.malformed_penalty)

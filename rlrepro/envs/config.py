@@ -55,6 +55,9 @@ class EnvConfig:
     on_malformed: str = "observe"
     malformed_penalty: float = 0.0
     kwargs: dict = field(default_factory=dict)
+    # environment steps (tool calls) run concurrently per rollout worker while the other episodes decode; cannot
+    # change a bit (results are put back by key)
+    tool_threads: int = 2
     calculator: CalculatorLimits = field(default_factory=CalculatorLimits)
     python: SandboxLimits = field(default_factory=SandboxLimits)
 
@@ -66,7 +69,7 @@ class EnvConfig:
                       "must be a non-empty string or null")
         c.require(self.name is None or self.fn is None, "fn",
                   f"and env.name={self.name!r} are both set; set one of them (env.name=null to use env.fn)")
-        c.positive_int("max_turns", "max_calls_per_turn", "max_observation_chars")
+        c.positive_int("max_turns", "max_calls_per_turn", "max_observation_chars", "tool_threads")
         c.positive_int("max_episode_tokens", optional=True)
         c.choice("tool_format", TOOL_FORMATS)
         c.choice("on_malformed", MALFORMED_POLICIES)

@@ -70,6 +70,11 @@ class ToolCallFormat:
     def tool_schemas(self, tools: Sequence[Tool]) -> list[dict[str, Any]]:
         return [t.schema() for t in tools]
 
+    def render_call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        """How the model writes a call of ``name`` with ``arguments`` (what :meth:`parse` reads back), for
+        demonstrations (``warm_start.target=demonstration``)."""
+        raise NotImplementedError
+
 
 def _json_depth_ok(text: str, limit: int) -> bool:
     """Bracket nesting outside strings is at most ``limit`` (json recurses in C; a deep body would be judged by
@@ -129,6 +134,10 @@ class Qwen3ToolFormat(ToolCallFormat):
     max_call_chars: int = 65536
     max_json_depth: int = 32
     name = "qwen3"
+
+    def render_call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        body = json.dumps({"name": name, "arguments": dict(arguments)}, ensure_ascii=False)
+        return f"<tool_call>\n{body}\n</tool_call>"
 
     def parse(self, text: str, tools: Mapping[str, Tool]) -> list[ParsedCall]:
         calls: list[ParsedCall] = []
@@ -202,6 +211,12 @@ class CompactToolFormat(ToolCallFormat):
 
     def _tool_name(self, written: str) -> str:
         return self.aliases.get(written, written)
+
+    def render_call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        alias = next((a for a, tool in self.aliases.items() if tool == name), name)
+        if len(arguments) != 1:
+            raise ValueError(f"the compact format writes one argument per call, got {sorted(arguments)}")
+        return f"[{alias}: {next(iter(arguments.values()))}]"
 
     def parse(self, text: str, tools: Mapping[str, Tool]) -> list[ParsedCall]:
         calls: list[ParsedCall] = []

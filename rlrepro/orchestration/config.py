@@ -8,6 +8,7 @@ section            class (owner)                                                
 ``data``           :class:`rlrepro.data.config.DataConfig`                                 prompts
 ``reward``         :class:`rlrepro.data.config.RewardConfig`                               the reward function
 ``eval``           :class:`rlrepro.data.config.EvalConfig`                                 held-out evaluation
+``env``            :class:`rlrepro.envs.EnvConfig`                                         multi-turn episodes, tools
 ``rollout``        :class:`RolloutConfig` = ``rollout.EngineConfig`` + ``rollout.SamplingConfig`` + the driver's
                    keys (workers, prompts per step, group size, weight sync, restarts)
 ``train``          :class:`rlrepro.trainer.TrainConfig`                                    the update and its layout
@@ -35,11 +36,12 @@ from typing import Any, ClassVar, Optional
 
 from rlrepro.checks import Checker, ConfigError
 from rlrepro.data.config import DataConfig, EvalConfig, RewardConfig
+from rlrepro.envs.config import EnvConfig
 from rlrepro.rollout.config import EngineConfig, SamplingConfig
 from rlrepro.trainer.config import CheckpointConfig, TrainConfig, WarmStartConfig
 
 __all__ = ["ConfigError", "RunSchema", "RunConfig", "ModelConfig", "RolloutConfig", "LoggerConfig", "RayConfig",
-           "ReproConfig", "to_schema", "validate", "validate_model_layout", "migrate_legacy_keys",
+           "ReproConfig", "to_schema", "validate", "uses_episodes", "validate_model_layout", "migrate_legacy_keys",
            "LEGACY_KEY_ALIASES"]
 
 
@@ -198,6 +200,7 @@ class RunSchema:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -287,6 +290,7 @@ def validate(cfg: Any) -> RunSchema:
                           "uses a quarter of the length limit)")
     _validate_trainer_layout(s)
     _validate_eval(s)
+    _validate_env(s)
     if s.rollout.weight_sync == "cuda_ipc" and (s.run.device != "cuda" or not s.ray.colocate):
         raise ConfigError(f"rollout.weight_sync=cuda_ipc needs trainer and engines on the same GPUs "
                           f"(run.device=cuda and ray.colocate=true; here run.device={s.run.device}, "
@@ -296,6 +300,32 @@ def validate(cfg: Any) -> RunSchema:
                           "an engine of one GPU into one NCCL communicator, which NCCL refuses (duplicate GPU); "
                           "use rollout.weight_sync=auto (CUDA IPC there) or ray.colocate=false")
     return s
+
+
+def uses_episodes(s: RunSchema) -> bool:
+    """Whether the run's samples come from the episode runner (``env.name`` or ``env.fn`` set; the default, both
+    null, is the single-turn path of ``rollout.*`` with ``reward.fn`` alone)."""
+    return s.env.name is not None or s.env.fn is not None
+
+
+def _validate_env(s: RunSchema) -> None:
+    """env.* against the rest."""
+    if s.warm_start.target == "demonstration" and s.warm_start.steps > 0 and not uses_episodes(s):
+        raise ConfigError("warm_start.target=demonstration replays the environment's demonstration: set env.name "
+                          "(e.g. env.name=calculator_task) or env.fn, or another warm_start.target")
+    if not uses_episodes(s):
+        return
+    if s.reward.overlong_buffer:
+        raise ConfigError(f"reward.overlong_buffer={s.reward.overlong_buffer} shapes single-turn completions by "
+                          "length; with env.* the environment scores the episode (use env.max_episode_tokens and "
+                          "its finish reason token_budget): set reward.overlong_buffer=0")
+    if s.eval.every:
+        raise ConfigError(f"eval.every={s.eval.every}: evaluation runs single-turn prompts; with env.* (episodes) "
+                          "it is not supported yet: set eval.every=0")
+    max_len = s.rollout.max_model_len
+    if max_len is not None and s.env.max_episode_tokens is not None and s.env.max_episode_tokens > max_len:
+        raise ConfigError(f"env.max_episode_tokens={s.env.max_episode_tokens} exceeds rollout.max_model_len="
+                          f"{max_len}: a transcript cannot be longer than the engine's context")
 
 
 def _validate_eval(s: RunSchema) -> None:

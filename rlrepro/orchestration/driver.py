@@ -24,24 +24,13 @@ from rlrepro.samples import Sample
 
 from . import preflight
 from .actors import ActorGroup
-from .config import ConfigError, RunSchema, to_schema, validate_model_layout
+from .config import ConfigError, RunSchema, to_schema, uses_episodes, validate_model_layout
+from .generation import GenerationSteps, shaped_penalties
 from .errors import RunFailed, RunInterrupted, describe, is_actor_death, unwrap
 from .run_lock import RunLock
 from .runlog import RunLog, perf_memory_metrics, step_metrics
-from .workers import Request
 
 __all__ = ["GRPODriver", "run_training", "shaped_penalties", "config_yaml"]
-
-
-def shaped_penalties(lengths: list[int], cfg: RunSchema) -> list[float] | None:
-    """The per-sample reward shaping of ``cfg.reward`` (DAPO's overlong punishment over completion ``lengths``,
-    in tokens), or None when it is off."""
-    from rlrepro.data import overlong_penalty
-
-    buffer = cfg.reward.overlong_buffer
-    if not buffer:
-        return None
-    return [overlong_penalty(n, cfg.rollout.max_tokens, buffer, cfg.reward.overlong_penalty_factor) for n in lengths]
 
 
 def config_yaml(cfg: RunSchema) -> str:
@@ -77,7 +66,7 @@ class _Timer:
         self._t = time.perf_counter()
 
 
-class GRPODriver:
+class GRPODriver(GenerationSteps):
     def __init__(self, cfg: Any, run_dir: str | Path | None = None, *, override_keys: list[str] | None = None) -> None:
         """``override_keys``: the dotted keys the command line set (what a resume may change, rlrepro.cli passes
         them); None compares every key of ``cfg`` with the record on a resume."""
@@ -118,6 +107,14 @@ class GRPODriver:
         self.order = EpochOrder(len(self.prompts), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         eos = self.tokenizer.eos_token_id
         self.stop_token_ids = [eos] if eos is not None else []
+        self.env_spec = None
+        if uses_episodes(cfg):  # multi-turn episodes (rlrepro.envs, orchestration.episodes); checked now
+            from rlrepro.envs import load_env
+
+            try:
+                self.env_spec = load_env(cfg.env, self.reward_fn)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.evaluator = None
         if cfg.eval.every:  # held-out evaluation (rlrepro.orchestration.evaluation); its prompts checked now
             from .evaluation import Evaluator
@@ -175,122 +172,6 @@ class GRPODriver:
         self.log.record_step(step, samples, metrics, train_metrics, weights_digest)
         return metrics
 
-    def collect(self, step: int, t: "_Timer") -> tuple[list[Sample], list[float] | None, int, dict]:
-        """The step's scored samples, in (prompt uid, sample index) order, with their reward-shaping penalties,
-        the number of reward errors and the dynamic-sampling metrics ({} when it is off).
-
-        ``rollout.dynamic_sampling`` (DAPO, Yu et al. 2025, section 3.2): round after round, the next
-        ``prompts_per_round`` prompts of the data order are generated and scored; a group whose rewards are all
-        equal (no learning signal under a group baseline) is dropped, the others are kept in draw order until
-        ``prompts_per_step`` groups are kept; what is drawn beyond that in the last round is discarded. At the
-        ``max_generation_rounds`` cap ``rollout.on_round_cap`` decides: ``fill`` tops the batch up with dropped
-        groups (draw order), ``partial`` trains on the kept groups alone (on the dropped ones when none was kept),
-        ``error`` stops the run. Every prompt drawn advances the data cursor, and the rounds depend on rewards
-        only, so the kept batch is a pure function of the data order and the seeds (the checkpointed cursor makes
-        a resumed run draw what the uninterrupted one draws)."""
-        r = self.cfg.rollout
-        per_step = r.prompts_per_step
-        occurrences: dict = {}  # a prompt drawn twice in a step (an epoch boundary) gets other sample indices
-
-        def draw(n: int) -> tuple[list, list[int]]:
-            batch = [self.prompts[i] for i in self.order.next_batch(n)]
-            bases = []
-            for p in batch:
-                k = occurrences.get(p.uid, 0)
-                occurrences[p.uid] = k + 1
-                bases.append(k * r.group_size)
-            return batch, bases
-
-        gen_s = reward_s = 0.0
-        kept: list[list[Sample]] = []
-        dropped: list[list[Sample]] = []
-        penalty_of: dict = {}
-        num_errors = drawn = rounds = 0
-        while True:
-            rounds += 1
-            t0 = time.perf_counter()
-            batch, bases = draw(per_step if not r.dynamic_sampling else r.prompts_per_round or per_step)
-            drawn += len(batch)
-            samples = self.generate(step, batch, bases)
-            t1 = time.perf_counter()
-            penalties, errors = self.score(samples, {p.uid: p.record for p in batch})
-            reward_s += time.perf_counter() - t1
-            gen_s += t1 - t0
-            num_errors += errors
-            if penalties is not None:
-                penalty_of.update((s.key, pen) for s, pen in zip(samples, penalties))
-            if not r.dynamic_sampling:
-                kept = [samples]
-                break
-            groups = {}
-            for s in samples:
-                groups.setdefault((s.prompt_uid, s.sample_index // r.group_size), []).append(s)
-            for p, base in zip(batch, bases):  # draw order
-                group = groups[(p.uid, base // r.group_size)]
-                informative = any(s.reward != group[0].reward for s in group)
-                if informative and len(kept) < per_step:
-                    kept.append(group)
-                elif not informative:
-                    dropped.append(group)
-            if len(kept) >= per_step or rounds >= r.max_generation_rounds:
-                break
-        t.add("rollout", gen_s)
-        t.add("reward", reward_s)
-        metrics = {}
-        if r.dynamic_sampling:
-            metrics = {"rollout/groups_kept": len(kept), "rollout/groups_dropped": len(dropped),
-                       "rollout/generation_rounds": rounds, "rollout/prompts_drawn": drawn}
-            if len(kept) < per_step:
-                metrics["rollout/round_cap_hit"] = 1.0
-                if r.on_round_cap == "error":
-                    raise RuntimeError(
-                        f"dynamic sampling kept {len(kept)} of rollout.prompts_per_step={per_step} groups after "
-                        f"rollout.max_generation_rounds={r.max_generation_rounds} rounds ({drawn} prompts drawn; "
-                        f"{len(dropped)} groups had equal rewards). Fix: raise rollout.max_generation_rounds or "
-                        f"rollout.prompts_per_round, or set rollout.on_round_cap=fill|partial")
-                if r.on_round_cap == "fill" or not kept:
-                    kept = kept + dropped[:per_step - len(kept)]
-                self.log.line(f"step {step}: dynamic sampling kept {metrics['rollout/groups_kept']}/{per_step} "
-                              f"groups in {rounds} rounds (rollout.on_round_cap={r.on_round_cap})")
-        samples = sorted((s for g in kept for s in g), key=lambda s: s.key)
-        penalties = [penalty_of[s.key] for s in samples] if penalty_of else None
-        return samples, penalties, num_errors, metrics
-
-    def generate(self, step: int, batch: list, bases: list[int] | None = None) -> list[Sample]:
-        """``group_size`` samples of every prompt, in (prompt uid, sample index) order; a lost worker is replaced
-        and its part re-run. ``bases[i]`` is the first sample index of ``batch[i]`` (0; a multiple of group_size
-        for a prompt drawn again in the same step)."""
-        from rlrepro.rollout import request_seed
-
-        sampling = self.cfg.rollout.sampling
-        bases = [0] * len(batch) if bases is None else bases
-        requests = [Request((p.uid, b + j), p.token_ids, sampling.params(
-                    seed=request_seed(self.cfg.run.seed, step, p.uid, b + j), stop_token_ids=self.stop_token_ids))
-                    for p, b in zip(batch, bases) for j in range(self.cfg.rollout.group_size)]
-        prompt_of = {p.uid: p for p in batch}
-        results = sorted(self.actors.generate(requests), key=lambda kv: kv[0])  # arrival order never matters
-        decode = self.tokenizer.decode
-        return [Sample(prompt_uid=uid, sample_index=j, prompt_token_ids=prompt_of[uid].token_ids,
-                       completion_token_ids=list(out.token_ids), rollout_logprobs=list(out.logprobs),
-                       finish_reason=out.finish_reason, seed=out.seed, weight_version=out.weight_version,
-                       prompt_text=decode(prompt_of[uid].token_ids), completion_text=decode(out.token_ids))
-                for (uid, j), out in results]
-
-    def score(self, samples: list[Sample], records: dict) -> tuple[list[float] | None, int]:
-        """Rewards (plus DAPO's overlong shaping when on) into ``sample.reward``; returns the penalties and the
-        number of reward errors scored 0 under reward.on_error=zero."""
-        from rlrepro.data import compute_rewards
-
-        rewards, num_errors = compute_rewards(self.reward_fn, [s.completion_text for s in samples],
-                                              [records[s.prompt_uid] for s in samples],
-                                              policy=self.cfg.reward.on_error)
-        penalties = shaped_penalties([len(s.completion_token_ids) for s in samples], self.cfg)
-        if penalties is not None:  # part of the reward the advantages see
-            rewards = [r + p for r, p in zip(rewards, penalties)]
-        for s, r in zip(samples, rewards):
-            s.reward = r
-        return penalties, num_errors
-
     def compute_advantages(self, samples: list[Sample]) -> None:
         """The advantages (``train.advantage``, ``train.advantage_std``) of the step's batch into
         ``sample.advantage``."""
@@ -333,13 +214,17 @@ class GRPODriver:
             pairs = [(tokenize_prompt(rec, self.tokenizer, template=d.template, system_prompt=d.system_prompt,
                                       use_chat_template=d.use_chat_template), rec.answer) for rec in records]
         else:
+            records = [p.record for p in self.prompts]
             pairs = [(p.token_ids, p.record.answer) for p in self.prompts]
-        rng = random.Random(ws.seed)
-        charset = sorted({c for _, answer in pairs for c in answer})
-        examples = []
-        for ids, answer in pairs:
-            target = answer if ws.target == "answer" else "".join(rng.choice(charset) for _ in answer)
-            examples.append((ids, self.tokenizer.encode(target) + self.stop_token_ids))
+        if ws.target == "demonstration":
+            examples = self.demonstration_examples(records, [ids for ids, _ in pairs])
+        else:
+            rng = random.Random(ws.seed)
+            charset = sorted({c for _, answer in pairs for c in answer})
+            examples = []
+            for ids, answer in pairs:
+                target = answer if ws.target == "answer" else "".join(rng.choice(charset) for _ in answer)
+                examples.append((ids, self.tokenizer.encode(target) + self.stop_token_ids))
         losses = self.actors.warm_start(examples, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, seed=ws.seed)
         self.log.line(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 

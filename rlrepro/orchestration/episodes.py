@@ -253,6 +253,9 @@ def run_episodes(engine: "Engine", requests: list[EpisodeRequest], env_spec: "En
                 raise next(f for f in done if stepping[f] is first).exception()
             for f in sorted(done, key=lambda f: stepping[f].request.key):
                 finish(stepping.pop(f), f)
+        while engine.has_unfinished():  # a step launched ahead (overlapped read-back) of requests now finished
+            if engine.step():
+                raise RuntimeError("the engine returned a request run_episodes did not add")
     except BaseException:
         if engine.has_unfinished():  # an error inside engine.step() has aborted everything already
             for rid in running:

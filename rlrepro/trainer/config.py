@@ -23,7 +23,7 @@ BACKENDS = ("default", "megatron")
 GRAD_SYNCS = ("ordered", "megatron")
 CHECKPOINT_FORMATS = ("full", "dist")
 NONFINITE_POLICIES = ("error", "skip")
-WARM_START_TARGETS = ("format", "answer")
+WARM_START_TARGETS = ("format", "answer", "demonstration")
 
 
 @dataclass
@@ -163,7 +163,9 @@ class WarmStartConfig:
     batch_size: int = 32
     seed: int = 0
     # format: answers replaced by random strings of the same length over the answers' characters, so the model
-    # learns to answer briefly and stop, but nothing about which answer is right; answer: the true answers (SFT)
+    # learns to answer briefly and stop, but nothing about which answer is right; answer: the true answers (SFT);
+    # demonstration: every assistant turn of the environment's own perfect episode (env.*, e.g. calculator_task's
+    # call and answer), each in the transcript the episode runner would build
     target: str = "format"
 
     def __post_init__(self) -> None:

@@ -1,0 +1,248 @@
+"""A step's samples: the GRPO driver's generation phase, a mixin of
+:class:`~rlrepro.orchestration.driver.GRPODriver` (it reads the driver's ``cfg``, ``prompts``, ``order``,
+``tokenizer``, ``reward_fn``, ``env_spec``, ``stop_token_ids``, ``model_config``, ``actors`` and ``log``).
+
+* :meth:`GenerationSteps.collect`: the rounds of a step (one, or DAPO's dynamic sampling), each generated and
+  scored: single-turn requests (:meth:`~GenerationSteps.generate`, rewards from ``reward.fn``) or multi-turn
+  episodes (``env.*``: :meth:`~GenerationSteps.generate_episodes`, samples with loss masks and turns, scored by the
+  environment);
+* the demonstration warm start (``warm_start.target=demonstration``).
+
+Keys and seeds are the single-turn path's: episode ``(prompt uid, sample index)`` samples every turn with
+``request_seed(run.seed, step, uid, index)`` and its environment gets ``episode_seed`` of the same key, so the
+episodes of a step are pure functions of the data order, the seeds and the weights (docs/ENVS.md).
+"""
+from __future__ import annotations
+
+import time
+
+from rlrepro.samples import Sample
+
+from .config import ConfigError, RunSchema
+from .workers import Request
+
+__all__ = ["GenerationSteps", "shaped_penalties"]
+
+
+def shaped_penalties(lengths: list[int], cfg: RunSchema) -> list[float] | None:
+    """The per-sample reward shaping of ``cfg.reward`` (DAPO's overlong punishment over completion ``lengths``,
+    in tokens), or None when it is off."""
+    from rlrepro.data import overlong_penalty
+
+    buffer = cfg.reward.overlong_buffer
+    if not buffer:
+        return None
+    return [overlong_penalty(n, cfg.rollout.max_tokens, buffer, cfg.reward.overlong_penalty_factor) for n in lengths]
+
+
+
+class GenerationSteps:
+    def collect(self, step: int, t) -> tuple[list[Sample], list[float] | None, int, dict]:
+        """The step's scored samples, in (prompt uid, sample index) order, with their reward-shaping penalties,
+        the number of reward errors and the dynamic-sampling metrics ({} when it is off).
+
+        ``rollout.dynamic_sampling`` (DAPO, Yu et al. 2025, section 3.2): round after round, the next
+        ``prompts_per_round`` prompts of the data order are generated and scored; a group whose rewards are all
+        equal (no learning signal under a group baseline) is dropped, the others are kept in draw order until
+        ``prompts_per_step`` groups are kept; what is drawn beyond that in the last round is discarded. At the
+        ``max_generation_rounds`` cap ``rollout.on_round_cap`` decides: ``fill`` tops the batch up with dropped
+        groups (draw order), ``partial`` trains on the kept groups alone (on the dropped ones when none was kept),
+        ``error`` stops the run. Every prompt drawn advances the data cursor, and the rounds depend on rewards
+        only, so the kept batch is a pure function of the data order and the seeds (the checkpointed cursor makes
+        a resumed run draw what the uninterrupted one draws)."""
+        r = self.cfg.rollout
+        per_step = r.prompts_per_step
+        occurrences: dict = {}  # a prompt drawn twice in a step (an epoch boundary) gets other sample indices
+
+        def draw(n: int) -> tuple[list, list[int]]:
+            batch = [self.prompts[i] for i in self.order.next_batch(n)]
+            bases = []
+            for p in batch:
+                k = occurrences.get(p.uid, 0)
+                occurrences[p.uid] = k + 1
+                bases.append(k * r.group_size)
+            return batch, bases
+
+        gen_s = reward_s = 0.0
+        kept: list[list[Sample]] = []
+        dropped: list[list[Sample]] = []
+        penalty_of: dict = {}
+        num_errors = drawn = rounds = 0
+        while True:
+            rounds += 1
+            t0 = time.perf_counter()
+            batch, bases = draw(per_step if not r.dynamic_sampling else r.prompts_per_round or per_step)
+            drawn += len(batch)
+            if self.env_spec is not None:  # the environment scored each episode (outcome reward - penalties)
+                samples = self.generate_episodes(step, batch, bases)
+                t1 = time.perf_counter()
+                penalties, errors = None, 0
+            else:
+                samples = self.generate(step, batch, bases)
+                t1 = time.perf_counter()
+                penalties, errors = self.score(samples, {p.uid: p.record for p in batch})
+            reward_s += time.perf_counter() - t1
+            gen_s += t1 - t0
+            num_errors += errors
+            if penalties is not None:
+                penalty_of.update((s.key, pen) for s, pen in zip(samples, penalties))
+            if not r.dynamic_sampling:
+                kept = [samples]
+                break
+            groups = {}
+            for s in samples:
+                groups.setdefault((s.prompt_uid, s.sample_index // r.group_size), []).append(s)
+            for p, base in zip(batch, bases):  # draw order
+                group = groups[(p.uid, base // r.group_size)]
+                informative = any(s.reward != group[0].reward for s in group)
+                if informative and len(kept) < per_step:
+                    kept.append(group)
+                elif not informative:
+                    dropped.append(group)
+            if len(kept) >= per_step or rounds >= r.max_generation_rounds:
+                break
+        t.add("rollout", gen_s)
+        t.add("reward", reward_s)
+        metrics = dict(self._episode_metrics) if self.env_spec is not None else {}
+        if r.dynamic_sampling:
+            metrics = {"rollout/groups_kept": len(kept), "rollout/groups_dropped": len(dropped),
+                       "rollout/generation_rounds": rounds, "rollout/prompts_drawn": drawn}
+            if len(kept) < per_step:
+                metrics["rollout/round_cap_hit"] = 1.0
+                if r.on_round_cap == "error":
+                    raise RuntimeError(
+                        f"dynamic sampling kept {len(kept)} of rollout.prompts_per_step={per_step} groups after "
+                        f"rollout.max_generation_rounds={r.max_generation_rounds} rounds ({drawn} prompts drawn; "
+                        f"{len(dropped)} groups had equal rewards). Fix: raise rollout.max_generation_rounds or "
+                        f"rollout.prompts_per_round, or set rollout.on_round_cap=fill|partial")
+                if r.on_round_cap == "fill" or not kept:
+                    kept = kept + dropped[:per_step - len(kept)]
+                self.log.line(f"step {step}: dynamic sampling kept {metrics['rollout/groups_kept']}/{per_step} "
+                              f"groups in {rounds} rounds (rollout.on_round_cap={r.on_round_cap})")
+        samples = sorted((s for g in kept for s in g), key=lambda s: s.key)
+        penalties = [penalty_of[s.key] for s in samples] if penalty_of else None
+        return samples, penalties, num_errors, metrics
+
+    def generate(self, step: int, batch: list, bases: list[int] | None = None) -> list[Sample]:
+        """``group_size`` samples of every prompt, in (prompt uid, sample index) order; a lost worker is replaced
+        and its part re-run. ``bases[i]`` is the first sample index of ``batch[i]`` (0; a multiple of group_size
+        for a prompt drawn again in the same step)."""
+        from rlrepro.rollout import request_seed
+
+        sampling = self.cfg.rollout.sampling
+        bases = [0] * len(batch) if bases is None else bases
+        requests = [Request((p.uid, b + j), p.token_ids, sampling.params(
+                    seed=request_seed(self.cfg.run.seed, step, p.uid, b + j), stop_token_ids=self.stop_token_ids))
+                    for p, b in zip(batch, bases) for j in range(self.cfg.rollout.group_size)]
+        prompt_of = {p.uid: p for p in batch}
+        results = sorted(self.actors.generate(requests), key=lambda kv: kv[0])  # arrival order never matters
+        decode = self.tokenizer.decode
+        return [Sample(prompt_uid=uid, sample_index=j, prompt_token_ids=prompt_of[uid].token_ids,
+                       completion_token_ids=list(out.token_ids), rollout_logprobs=list(out.logprobs),
+                       finish_reason=out.finish_reason, seed=out.seed, weight_version=out.weight_version,
+                       prompt_text=decode(prompt_of[uid].token_ids), completion_text=decode(out.token_ids))
+                for (uid, j), out in results]
+
+    def score(self, samples: list[Sample], records: dict) -> tuple[list[float] | None, int]:
+        """Rewards (plus DAPO's overlong shaping when on) into ``sample.reward``; returns the penalties and the
+        number of reward errors scored 0 under reward.on_error=zero."""
+        from rlrepro.data import compute_rewards
+
+        rewards, num_errors = compute_rewards(self.reward_fn, [s.completion_text for s in samples],
+                                              [records[s.prompt_uid] for s in samples],
+                                              policy=self.cfg.reward.on_error)
+        penalties = shaped_penalties([len(s.completion_token_ids) for s in samples], self.cfg)
+        if penalties is not None:  # part of the reward the advantages see
+            rewards = [r + p for r, p in zip(rewards, penalties)]
+        for s, r in zip(samples, rewards):
+            s.reward = r
+        return penalties, num_errors
+
+    def episode_prompt(self, prompt, start) -> list[int]:
+        """The token ids an episode starts from: the prompt's own when the environment's start is the record
+        itself without tools (single_turn: the same bits as the single-turn path), else ``start`` rendered
+        with the data.* template keys and the tools' schemas for the chat template."""
+        from rlrepro.data import tokenize_prompt
+
+        record = start.prompt_record(prompt.record)
+        if not start.tools and record == prompt.record:
+            return prompt.token_ids
+        d = self.cfg.data
+        return tokenize_prompt(record, self.tokenizer, template=d.template, system_prompt=d.system_prompt,
+                               use_chat_template=d.use_chat_template, tools=start.tools or None)
+
+    def episode_requests(self, step: int, batch: list, bases: list[int]) -> list:
+        """One :class:`~.episodes.EpisodeRequest` per (prompt, sample index): the sampling seed
+        ``request_seed(run.seed, step, uid, index)`` (every turn's), the environment's ``episode_seed`` of the
+        same key."""
+        from rlrepro.envs import episode_seed
+        from rlrepro.rollout import request_seed
+
+        from .episodes import EpisodeRequest
+
+        sampling, seed = self.cfg.rollout.sampling, self.cfg.run.seed
+        out = []
+        for p, b in zip(batch, bases):
+            for j in range(b, b + self.cfg.rollout.group_size):
+                env_seed = episode_seed(seed, step, p.uid, j)
+                ids = self.episode_prompt(p, self.env_spec.make(p.record, env_seed).reset())
+                out.append(EpisodeRequest((p.uid, j), p.record, ids, sampling.params(
+                    seed=request_seed(seed, step, p.uid, j), stop_token_ids=self.stop_token_ids), env_seed))
+        return out
+
+    def generate_episodes(self, step: int, batch: list, bases: list[int]) -> list[Sample]:
+        """``group_size`` episodes of every prompt on the rollout workers (``ActorGroup.run_episodes``), as
+        samples in key order with ``loss_mask``, ``turns`` and the episode's reward; the batch's episode metrics
+        (turns, finish reasons, prefix-cache hit rate across turns, tool seconds) into ``_episode_metrics``."""
+        from .episodes import episode_metrics
+
+        cfg = self.cfg
+        results = self.actors.run_episodes(self.episode_requests(step, batch, bases), cfg.env, cfg.reward.fn,
+                                           use_chat_template=cfg.data.use_chat_template,
+                                           tool_threads=cfg.env.tool_threads)
+        metrics = episode_metrics(results)
+        n = len(results)
+        for reason in sorted({r.finish_reason for r in results}):
+            metrics[f"episodes/finish_{reason}_frac"] = sum(r.finish_reason == reason for r in results) / n
+        metrics["episodes/penalty_mean"] = sum(sum(r.penalties) for r in results) / n
+        metrics["episodes/outcome_reward_mean"] = sum(r.reward for r in results) / n
+        metrics["episodes/policy_tokens_mean"] = sum(sum(r.loss_mask) for r in results) / n
+        self._episode_metrics = metrics
+        samples = [r.to_sample(self.tokenizer.decode) for r in results]
+        if self.env_spec.is_single_turn:  # the engine's stop | length, as the single-turn path records it
+            for smp, r in zip(samples, results):
+                smp.finish_reason = r.turn_finish_reasons[0] if r.turn_finish_reasons else r.finish_reason
+        return samples
+
+    def demonstration_examples(self, records: list, prompt_ids: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+        """warm_start.target=demonstration: for each record, the environment's perfect episode
+        (``env.demonstration()``: its assistant turns) replayed through the environment; one supervised example
+        per turn, the transcript before it (built as the episode runner builds it: the turns, each closed by the
+        end-of-turn token, and the observations' continuation text) -> the turn and its end-of-turn token."""
+        from types import SimpleNamespace
+
+        from .episodes import _Turns
+
+        cfg, tok = self.cfg, self.tokenizer
+        end_of_turn = tok.eos_token if cfg.data.use_chat_template else None
+        turns = _Turns(tok, end_of_turn, self.model_config.max_position_embeddings)
+        examples = []
+        for i, record in enumerate(records):
+            env = self.env_spec.make(record, cfg.warm_start.seed + i)
+            start = env.reset()
+            demo = getattr(env, "demonstration", None)
+            if demo is None:
+                raise ConfigError(f"warm_start.target=demonstration: the environment {cfg.env.env_name!r} has no "
+                                  "demonstration() (the assistant turns of a perfect episode); use another "
+                                  "warm_start.target")
+            ids = self.episode_prompt(SimpleNamespace(record=record, token_ids=list(prompt_ids[i])), start)
+            for text in demo():
+                target = tok.encode(text) + self.stop_token_ids
+                examples.append((list(ids), target))
+                result = env.step(text)
+                if result.done:
+                    break
+                obs_ids, _ = turns.observation(SimpleNamespace(start=start), target, result)
+                ids = ids + target + obs_ids
+        return examples
+
