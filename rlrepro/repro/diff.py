@@ -28,15 +28,19 @@ from .records import (
     read_step_records,
 )
 from .inputs import INPUTS_FILE, InputDiff, input_differences, read_inputs
+from .turns import TurnPosition, kind_text, num_turns_text, structure_text, turn_position, turn_spans, where_text
 
-__all__ = ["ReproError", "DiffReport", "ConfigDiff", "Divergence", "TokenDiff", "MetricDiff", "diff_runs",
-           "main_diff", "FIELDS", "DEFAULT_IGNORED_CONFIG_KEYS"]
+__all__ = ["ReproError", "DiffReport", "ConfigDiff", "Divergence", "TokenDiff", "TurnPosition", "MetricDiff",
+           "diff_runs", "main_diff", "FIELDS", "DEFAULT_IGNORED_CONFIG_KEYS"]
 
 # kept in sync with fingerprint.FIELDS / SAMPLE_FIELDS (this module must not import torch)
 FIELDS = ("prompt_ids", "rollout_token_ids", "rollout_logprobs", "rewards", "advantages", "loss", "grad_norm",
           "weights")
 SAMPLE_FIELDS = {"prompt_ids": "sample_prompt_ids", "rollout_token_ids": "sample_token_ids",
                  "rollout_logprobs": "sample_logprobs"}
+# multi-turn steps only (fingerprint.TURN_FIELDS): absent from single-turn records, compared where either run has them
+TURN_SAMPLE_FIELDS = {"loss_masks": "sample_loss_masks", "turns": "sample_turns"}
+COMPARED_FIELDS = FIELDS[:3] + tuple(TURN_SAMPLE_FIELDS) + FIELDS[3:]   # the order diff reports them in
 KNOWN_FORMATS = ("rlrepro.fingerprint.v1",)
 DEFAULT_IGNORED_CONFIG_KEYS = ("run.dir", "run.resume", "logger.*", "repro.ignore_keys")
 IGNORED_METRIC_PREFIXES = ("perf/",)
@@ -58,7 +62,8 @@ class ConfigDiff:
 class TokenDiff:
     """Where two samples first differ, read from the runs' rollout files."""
     what: str                      # "token_ids" | "logprobs" | "prompt_token_ids" | "reward" | "advantage" | "length"
-    position: int | None           # token position (None for reward / advantage)
+    #                                | "loss_mask" | "turns"
+    position: int | None           # token position (None for reward / advantage; the turn index for "turns")
     a: Any                         # the values at that position (token id, logprob, reward, ...)
     b: Any
     token_a: int | None = None     # for logprob differences: the token ids at that position
@@ -67,6 +72,8 @@ class TokenDiff:
     logprob_b: float | None = None
     length_a: int | None = None
     length_b: int | None = None
+    turn_a: TurnPosition | None = None   # multi-turn samples: the turn of ``position`` in each run
+    turn_b: TurnPosition | None = None
 
 
 @dataclass
@@ -81,6 +88,8 @@ class Divergence:
     num_samples_b: int | None = None
     token: TokenDiff | None = None
     detail_note: str | None = None
+    num_turns_a: int | None = None    # the sample is a multi-turn episode (in either run)
+    num_turns_b: int | None = None
 
 
 @dataclass
@@ -181,22 +190,30 @@ class DiffReport:
                 who = f"  sample {dv.sample_index}"
                 if dv.prompt_uid is not None:
                     who += f" (prompt_uid {dv.prompt_uid!r}, sample_index {dv.sample_index_in_prompt})"
+                if dv.num_turns_a is not None or dv.num_turns_b is not None:
+                    who += ", a multi-turn episode: " + num_turns_text(dv.num_turns_a, dv.num_turns_b)
                 L.append(who)
             t = dv.token
             if t is not None:
+                where = where_text(t.turn_a, t.turn_b)
                 if t.what == "length":
                     L.append(f"    same prefix, lengths differ: A={t.length_a} B={t.length_b} tokens")
                 elif t.what == "token_ids":
-                    L.append(f"    first differing token at position {t.position}: A={t.a} B={t.b}"
+                    L.append(f"    first differing token at position {t.position}{where}: A={t.a} B={t.b}"
                              + (f"  (logprobs A={t.logprob_a!r} B={t.logprob_b!r})"
                                 if t.logprob_a is not None or t.logprob_b is not None else ""))
                 elif t.what == "logprobs":
-                    L.append(f"    first differing logprob at position {t.position} (token {t.token_a}): "
-                             f"A={t.a!r} B={t.b!r}")
+                    L.append(f"    first differing logprob at position {t.position} (token {t.token_a}"
+                             f"{where.replace(' (', '; ', 1) or ')'}: A={t.a!r} B={t.b!r}")
+                elif t.what in ("loss_mask", "turns"):
+                    L.append(f"    {structure_text(t.what, t.position, t.a, t.b, where)}")
                 elif t.what == "prompt_token_ids":
                     L.append(f"    first differing prompt token at position {t.position}: A={t.a} B={t.b}")
                 else:
                     L.append(f"    {t.what}: A={t.a!r} B={t.b!r}")
+                kind = kind_text(t.what, t.turn_a, t.turn_b)
+                if kind:
+                    L.append(f"    {kind}")
             if dv.detail_note:
                 L.append(f"    ({dv.detail_note})")
             L.append(f"  diverged steps: {len(self.diverged_steps)} of {len(sc)} ({_ranges(self.diverged_steps)})")
@@ -322,7 +339,10 @@ def read_fingerprints(run_dir: str | os.PathLike) -> dict[int, dict]:
         for f in FIELDS:
             if rec[f] is not None and not isinstance(rec[f], str):
                 raise ReproError(f"{path}: step {step}: field {f!r} must be a hex string or null")
-        for key in SAMPLE_FIELDS.values():
+        for f in TURN_SAMPLE_FIELDS:
+            if rec.get(f) is not None and not isinstance(rec[f], str):
+                raise ReproError(f"{path}: step {step}: field {f!r} must be a hex string or null")
+        for key in (*SAMPLE_FIELDS.values(), *TURN_SAMPLE_FIELDS.values()):
             if key in rec and not isinstance(rec[key], list):
                 raise ReproError(f"{path}: step {step}: field {key!r} must be a list")
     return recs
@@ -333,6 +353,13 @@ def _first_mismatch(a: Sequence[Any], b: Sequence[Any]) -> int | None:
         if not float_bits_equal(x, y):
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _value(rec: dict, key: str) -> Any:
+    """A rollout record's value of ``key``; for ``turns``, their structure (role and span), as fingerprinted."""
+    if key == "turns":
+        return None if rec.get("turns") is None else turn_spans(rec["turns"])
+    return rec.get(key)
 
 
 def _sample_detail(dv: Divergence, run_a: Path, run_b: Path) -> None:
@@ -349,12 +376,13 @@ def _sample_detail(dv: Divergence, run_a: Path, run_b: Path) -> None:
                               "token detail unavailable")
         return
     field_key = {"prompt_ids": "prompt_token_ids", "rollout_token_ids": "token_ids", "rollout_logprobs": "logprobs",
-                 "rewards": "reward", "advantages": "advantage"}.get(dv.field)
+                 "loss_masks": "loss_mask", "turns": "turns", "rewards": "reward",
+                 "advantages": "advantage"}.get(dv.field)
     if field_key is None:
         return
     i = dv.sample_index
-    if i is None:  # rewards / advantages carry no per-sample digests: find the sample in the files
-        i = _first_mismatch([s.get(field_key) for s in ra], [s.get(field_key) for s in rb])
+    if i is None:  # rewards / advantages (or a field one run lacks) carry no per-sample digests: find the sample
+        i = _first_mismatch([_value(s, field_key) for s in ra], [_value(s, field_key) for s in rb])
         if i is None:
             dv.detail_note = f"the rollout files agree on {field_key}; the fingerprints do not"
             return
@@ -369,19 +397,31 @@ def _sample_detail(dv: Divergence, run_a: Path, run_b: Path) -> None:
     else:
         dv.detail_note = (f"sample {i} is a different sample: prompt_uid A={sa.get('prompt_uid')!r} "
                           f"B={sb.get('prompt_uid')!r}")
+    if sa.get("turns") is not None or sb.get("turns") is not None:
+        dv.num_turns_a, dv.num_turns_b = (None if s.get("turns") is None else len(s["turns"]) for s in (sa, sb))
     if field_key in ("reward", "advantage"):
         dv.token = TokenDiff(what=field_key, position=None, a=sa.get(field_key), b=sb.get(field_key))
         return
-    va, vb = sa.get(field_key) or [], sb.get(field_key) or []
+    va, vb = _value(sa, field_key), _value(sb, field_key)
+    if field_key == "loss_mask" and (va is None or vb is None):
+        dv.token = TokenDiff(what=field_key, position=None, a=None if va is None else len(va),
+                             b=None if vb is None else len(vb))
+        return
+    va, vb = va or [], vb or []
     pos = _first_mismatch(va, vb)
     if pos is None:
         if dv.detail_note is None:
             dv.detail_note = f"the rollout files agree on sample {i}'s {field_key}; the fingerprints do not"
         return
+    if field_key == "turns":
+        dv.token = TokenDiff(what="turns", position=pos, a=va[pos] if pos < len(va) else None,
+                             b=vb[pos] if pos < len(vb) else None)
+        return
     if pos >= len(va) or pos >= len(vb):
         dv.token = TokenDiff(what="length", position=pos, a=None, b=None, length_a=len(va), length_b=len(vb))
         return
-    t = TokenDiff(what=field_key, position=pos, a=va[pos], b=vb[pos], length_a=len(va), length_b=len(vb))
+    t = TokenDiff(what=field_key, position=pos, a=va[pos], b=vb[pos], length_a=len(va), length_b=len(vb),
+                  turn_a=turn_position(sa, pos), turn_b=turn_position(sb, pos))
     ta, tb = sa.get("token_ids") or [], sb.get("token_ids") or []
     la, lb = sa.get("logprobs") or [], sb.get("logprobs") or []
     if field_key == "token_ids":
@@ -394,14 +434,14 @@ def _sample_detail(dv: Divergence, run_a: Path, run_b: Path) -> None:
 
 
 def _compare_step(step: int, fa: dict, fb: dict) -> Divergence | None:
-    differing = [f for f in FIELDS if fa.get(f) != fb.get(f)]
+    differing = [f for f in COMPARED_FIELDS if fa.get(f) != fb.get(f)]
     na, nb = fa.get("num_samples"), fb.get("num_samples")
     if not differing and na == nb:
         return None
     if not differing:
         differing = ["prompt_ids"]  # cannot happen with intact digests; be loud rather than silent
     dv = Divergence(step=step, field=differing[0], fields=differing, num_samples_a=na, num_samples_b=nb)
-    key = SAMPLE_FIELDS.get(dv.field)
+    key = SAMPLE_FIELDS.get(dv.field) or TURN_SAMPLE_FIELDS.get(dv.field)
     if key is not None and isinstance(fa.get(key), list) and isinstance(fb.get(key), list):
         dv.sample_index = _first_mismatch(fa[key], fb[key])
     return dv

@@ -42,9 +42,10 @@ from .records import (  # noqa: F401  (re-exported: writers live with the digest
     RolloutWriter,
     read_rollouts,
 )
+from .turns import turn_spans
 
 __all__ = [
-    "SCHEME", "FORMAT", "FIELDS", "SAMPLE_FIELDS", "SAMPLE_DIGEST_HEX",
+    "SCHEME", "FORMAT", "FIELDS", "SAMPLE_FIELDS", "TURN_FIELDS", "TURN_SAMPLE_FIELDS", "SAMPLE_DIGEST_HEX",
     "tensor_digest", "tensor_digests", "digest_values", "weights_digest",
     "StepFingerprint", "fingerprint_step", "fingerprint_from_samples",
     "FingerprintWriter", "MetricsWriter", "JsonlStepWriter", "RolloutWriter", "read_rollouts", "ReproError",
@@ -59,6 +60,10 @@ FIELDS = ("prompt_ids", "rollout_token_ids", "rollout_logprobs", "rewards", "adv
 #: per-sample digest lists: field -> key of the list in the record
 SAMPLE_FIELDS = {"prompt_ids": "sample_prompt_ids", "rollout_token_ids": "sample_token_ids",
                  "rollout_logprobs": "sample_logprobs"}
+#: digest fields a step has only when one of its samples is a multi-turn episode (a loss mask or turns): single-turn
+#: steps keep exactly the fields above, so their records are those of runs made before multi-turn episodes existed
+TURN_FIELDS = ("loss_masks", "turns")
+TURN_SAMPLE_FIELDS = {"loss_masks": "sample_loss_masks", "turns": "sample_turns"}
 #: per-sample digests are the first 16 hex digits (64 bits) of the sample's sha256
 SAMPLE_DIGEST_HEX = 16
 
@@ -422,7 +427,8 @@ class StepFingerprint:
         self._d: dict[str, Any] = {}
 
     def set_rollouts(self, *, prompt_ids: Sequence[Any], token_ids: Sequence[Any], logprobs: Sequence[Any],
-                     rewards: Any, advantages: Any) -> "StepFingerprint":
+                     rewards: Any, advantages: Any, loss_masks: Sequence[Any] | None = None,
+                     turns: Sequence[Any] | None = None) -> "StepFingerprint":
         n = len(token_ids)
         if len(logprobs) != n or len(prompt_ids) != n:
             raise ValueError(f"per-sample lengths differ: prompt_ids {len(prompt_ids)}, token_ids {n}, "
@@ -433,6 +439,17 @@ class StepFingerprint:
         self._d["rewards"] = digest_values(rewards)
         self._d["advantages"] = digest_values(advantages)
         self._d["num_samples"] = n
+        for name in TURN_FIELDS:
+            self._d.pop(name, None)
+            self._d.pop(TURN_SAMPLE_FIELDS[name], None)
+        masks = [None] * n if loss_masks is None else [_mask(m) for m in loss_masks]
+        spans = [None] * n if turns is None else [None if t is None else turn_spans(t) for t in turns]
+        if len(masks) != n or len(spans) != n:
+            raise ValueError(f"per-sample lengths differ: token_ids {n}, loss_masks {len(masks)}, turns {len(spans)}")
+        if any(m is not None for m in masks) or any(t is not None for t in spans):
+            # multi-turn: a sample without a mask or turns counts as None (single-turn steps get no such fields)
+            for name, samples in (("loss_masks", masks), ("turns", spans)):
+                self._d[name], self._d[TURN_SAMPLE_FIELDS[name]] = _per_sample(samples)
         return self
 
     def set_train(self, *, loss: Any, grad_norm: Any) -> "StepFingerprint":
@@ -457,31 +474,49 @@ class StepFingerprint:
         out["num_samples"] = self._d["num_samples"]
         for key in SAMPLE_FIELDS.values():
             out[key] = self._d[key]
+        for f in TURN_FIELDS:
+            if f in self._d:
+                out[f] = self._d[f]
+                out[TURN_SAMPLE_FIELDS[f]] = self._d[TURN_SAMPLE_FIELDS[f]]
         return out
 
 
 def fingerprint_step(step: int, *, prompt_ids: Sequence[Any], token_ids: Sequence[Any], logprobs: Sequence[Any],
-                     rewards: Any, advantages: Any, loss: Any, grad_norm: Any, weights: Any) -> dict:
+                     rewards: Any, advantages: Any, loss: Any, grad_norm: Any, weights: Any,
+                     loss_masks: Sequence[Any] | None = None, turns: Sequence[Any] | None = None) -> dict:
     """One step's fingerprint record (a JSON-able dict).
 
     ``prompt_ids``, ``token_ids`` and ``logprobs`` are per-sample sequences (lists or 1-D tensors), ordered by
     (prompt uid, sample index); ``rewards`` / ``advantages`` per-sample values (any shape ``digest_values``
     takes); ``loss`` / ``grad_norm`` scalars (float or 1-element tensor); ``weights`` named tensors (state dict or
     ``named_parameters()``), a precomputed ``weights_digest`` hex string, or None when not fingerprinted.
+    ``loss_masks`` / ``turns``: per sample, the 0/1 loss mask and the turns (``Turn`` objects or rollout-file
+    dicts), or None for a single-turn sample; when any sample has one, the record gets the ``TURN_FIELDS`` (the
+    masks, and the turns' roles and token spans); otherwise it is exactly the record of a single-turn step.
     """
     return (StepFingerprint(step)
             .set_rollouts(prompt_ids=prompt_ids, token_ids=token_ids, logprobs=logprobs, rewards=rewards,
-                          advantages=advantages)
+                          advantages=advantages, loss_masks=loss_masks, turns=turns)
             .set_train(loss=loss, grad_norm=grad_norm)
             .set_weights(weights)
             .to_dict())
 
 
-def _sample_fields(s: Any) -> tuple[Any, Any, Any, Any, Any]:
-    """(prompt ids, completion ids, rollout logprobs, reward, advantage) of a ``Sample`` or a rollout dict."""
+def _mask(m: Any) -> list[int] | None:
+    """A loss mask as plain ints (a bool or tensor mask and its 0/1 list give the same digest)."""
+    if m is None:
+        return None
+    return [int(x) for x in (m.tolist() if hasattr(m, "tolist") else m)]
+
+
+def _sample_fields(s: Any) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
+    """(prompt ids, completion ids, rollout logprobs, reward, advantage, loss mask, turns) of a ``Sample`` or a
+    rollout dict."""
     if isinstance(s, Sample):
-        return s.prompt_token_ids, s.completion_token_ids, s.rollout_logprobs, s.reward, s.advantage
-    return s["prompt_token_ids"], s["token_ids"], s["logprobs"], s["reward"], s["advantage"]
+        return (s.prompt_token_ids, s.completion_token_ids, s.rollout_logprobs, s.reward, s.advantage, s.loss_mask,
+                s.turns)
+    return (s["prompt_token_ids"], s["token_ids"], s["logprobs"], s["reward"], s["advantage"], s.get("loss_mask"),
+            s.get("turns"))
 
 
 def fingerprint_from_samples(step: int, samples: Sequence[Sample | Mapping[str, Any]], *, loss: Any, grad_norm: Any,
@@ -490,7 +525,9 @@ def fingerprint_from_samples(step: int, samples: Sequence[Sample | Mapping[str, 
     rollout file cannot disagree on sample order. ``samples``: :class:`~rlrepro.samples.Sample` objects
     (``prompt_token_ids``, ``completion_token_ids``, ``rollout_logprobs``, ``reward``, ``advantage``) or rollout
     dicts (``prompt_token_ids``, ``token_ids``, ``logprobs``, ``reward``, ``advantage``); equal values give
-    equal digests either way. The decoded text is not fingerprinted (it is a function of the token ids)."""
+    equal digests either way. Multi-turn samples add their ``loss_mask`` and ``turns`` (``TURN_FIELDS``; a step
+    of single-turn samples has the same record as before they existed). The decoded text is not fingerprinted (it
+    is a function of the token ids)."""
     fields = [_sample_fields(s) for s in samples]
     return fingerprint_step(
         step,
@@ -499,4 +536,5 @@ def fingerprint_from_samples(step: int, samples: Sequence[Sample | Mapping[str, 
         logprobs=[f[2] for f in fields],
         rewards=[f[3] for f in fields],
         advantages=[f[4] for f in fields],
-        loss=loss, grad_norm=grad_norm, weights=weights)
+        loss=loss, grad_norm=grad_norm, weights=weights,
+        loss_masks=[f[5] for f in fields], turns=[f[6] for f in fields])
