@@ -9,12 +9,12 @@ Adding a trainer key is two edits: a field here and the code that reads it (docs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from rlrepro.checks import Checker
 
 from .advantages import ADVANTAGE_MODES, ADVANTAGE_STDS, uses_std
-from .losses import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, policy_loss_problems
+from .losses import IS_CORRECTIONS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, policy_loss_problems
 
 __all__ = ["TrainConfig", "CheckpointConfig", "WarmStartConfig", "BACKENDS", "GRAD_SYNCS", "CHECKPOINT_FORMATS",
            "NONFINITE_POLICIES", "WARM_START_TARGETS"]
@@ -81,6 +81,19 @@ class TrainConfig:
     # megatron only: ordered (rlrepro's rank-order gradient sum and AdamW: the same bits as the default backend)
     # | megatron (megatron-core's DistributedDataParallel and optimizer; NCCL's summation order)
     grad_sync: str = "ordered"
+    # off-policy correction for stale rollouts (rollout.max_staleness > 0; rlrepro.trainer.losses, "Off-policy
+    # correction"): decoupled PPO clips against the proximal policy (the weights at the start of the train step,
+    # recomputed by the trainer) instead of the rollout's, and weights each token by the detached behaviour weight
+    # w = pi_prox / pi_behaviour (Hilton et al. 2021; AReaL). false: today's loss, bit for bit
+    decoupled: bool = False
+    # the behaviour weight (needs decoupled=true): none (w untruncated) | tis (token-level, min(w, is_cap)) |
+    # mis (sequence-level: the sequence's ratio, 0 outside [mis_threshold_lower, mis_threshold])
+    is_correction: str = "none"
+    is_cap: float = 2.0  # tis only: the truncation cap (> 0; verl's rollout_is_threshold default 2)
+    mis_threshold: float = 2.0  # mis only: the upper bound on a sequence's ratio (> 1)
+    # mis only: the lower bound (0 <= it < 1; 0 = none, the Seq-MIS of Liu, Li et al. 2025); null = 1/mis_threshold
+    # (verl's rollout_rs_threshold_lower default)
+    mis_threshold_lower: Optional[float] = None
 
     def __post_init__(self) -> None:
         c = Checker(self)
@@ -116,11 +129,45 @@ class TrainConfig:
         c.require(self.grad_sync != "megatron" or self.backend == "megatron", "grad_sync",
                   "(megatron-core's DistributedDataParallel and optimizer) needs train.backend=megatron; set "
                   "train.backend=megatron or train.grad_sync=ordered")
+        self._check_off_policy_correction(c)
+
+    def _check_off_policy_correction(self, c: Checker) -> None:
+        c.boolean("decoupled")
+        c.choice("is_correction", IS_CORRECTIONS)
+        c.require(self.is_correction == "none" or self.decoupled, "is_correction",
+                  "needs train.decoupled=true: without it the PPO anchor is the rollout (behaviour) policy itself, so "
+                  "there is no behaviour weight pi_prox / pi_behaviour to correct; set train.decoupled=true or "
+                  "train.is_correction=none")
+        c.non_negative("is_cap", "mis_threshold")
+        c.require(self.is_cap > 0, "is_cap", "must be > 0 (the largest token weight train.is_correction=tis keeps; "
+                                             "verl uses 2)")
+        c.require(self.mis_threshold > 1, "mis_threshold",
+                  "must be > 1 (the largest sequence ratio train.is_correction=mis keeps; a ratio of 1, a "
+                  "sequence the proximal policy agrees with, must be kept)")
+        if self.mis_threshold_lower is not None:
+            c.non_negative("mis_threshold_lower")
+            c.require(self.mis_threshold_lower < 1, "mis_threshold_lower",
+                      "must lie in [0, 1) (the smallest sequence ratio train.is_correction=mis keeps; 0: no lower "
+                      "bound; null: 1 / train.mis_threshold)")
+        defaults = type(self).__dataclass_fields__
+        for name, mode in (("is_cap", "tis"), ("mis_threshold", "mis"), ("mis_threshold_lower", "mis")):
+            c.require(getattr(self, name) == defaults[name].default or self.is_correction == mode, name,
+                      f"changes nothing with train.is_correction={self.is_correction}; it is read by "
+                      f"train.is_correction={mode} only (leave it at "
+                      f"{'null' if defaults[name].default is None else defaults[name].default} or set "
+                      f"train.is_correction={mode})")
 
     # the optimizer's and the schedule's spellings
     @property
     def betas(self) -> tuple[float, float]:
         return (float(self.adam_beta1), float(self.adam_beta2))
+
+    @property
+    def mis_bounds(self) -> tuple[float, float]:
+        """``(low, high)`` of ``train.is_correction=mis``: ``mis_threshold_lower`` (default ``1 / mis_threshold``)
+        and ``mis_threshold``."""
+        low = 1.0 / self.mis_threshold if self.mis_threshold_lower is None else float(self.mis_threshold_lower)
+        return low, float(self.mis_threshold)
 
     @property
     def schedule_warmup_steps(self) -> int:

@@ -64,17 +64,45 @@ Gradient accumulation: pass the *whole batch's* ``num_tokens`` (token-mean) or `
 micro-batch returns its share of the whole-batch loss, so the shares sum to the full-batch loss whatever the
 micro-batch size (in exact arithmetic; floating-point sums in a different grouping may round differently).
 Sequences with no tokens count in ``S`` and contribute 0.
+
+Off-policy correction (``train.decoupled``, ``train.is_correction``; :func:`behaviour_weights`). With stale rollouts
+(``rollout.max_staleness > 0``) three policies meet: the behaviour policy ``mu`` that sampled the tokens (the
+rollout's logprobs), the proximal policy ``pi_prox`` (the trainer's weights at the start of the train step) and the
+current policy ``pi_theta``. The decoupled objective (Hilton, Cobbe & Schulman 2021, "Batch size-invariance for
+policy optimization", arXiv:2110.00641, the decoupled PPO objective; AReaL's decoupled loss, Fu et al. 2025,
+"AReaL: A Large-Scale Asynchronous Reinforcement Learning System for Language Reasoning", arXiv:2505.24298) clips
+the ratio against ``pi_prox`` and corrects for ``mu`` with a detached importance weight::
+
+    ratio = exp(logp - prox_logp)                       (the policy loss above with old_logp = prox_logp)
+    rho_t = exp(prox_logp - behaviour_logp)             (per token; 1 wherever the token is not trained)
+    none: w_t = rho_t                                   (Hilton et al.: the untruncated behaviour weight)
+    tis:  w_t = min(rho_t, is_cap)                      (token-level truncated IS: Ionides 2008, "Truncated
+                                                         Importance Sampling"; Yao et al. 2025, "Your Efficient RL
+                                                         Framework Secretly Brings You Off-Policy RL Training";
+                                                         verl's rollout_is=token, threshold 2)
+    mis:  rho_i = exp(sum_t log rho_t)                  (sequence i's ratio over its trained tokens)
+          w_t = rho_i if low <= rho_i <= high else 0    (sequence-level masked IS: Liu, Li et al. 2025, "When
+                                                         Speed Kills Stability", Seq-MIS; verl's rollout_is=sequence
+                                                         with rollout_rs=sequence, low = 1/high by default)
+    loss = agg(sg(w) * pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)
+
+A masked sequence keeps counting in the aggregation's denominators (``num_tokens``, ``S``) and adds 0: it is an
+importance weight of 0 in the estimator over all sampled sequences (Seq-MIS's ``E_mu[1(rho <= C) rho ...]``), not
+a smaller batch (verl's rejection sampling shrinks the response mask instead). The bounds are compared with
+``log rho_i`` in log space, so no sequence ratio overflows. AReaL's ``behav_imp_weight_cap`` masks the *tokens*
+whose weight exceeds the cap; ``tis`` truncates them instead (the weight is the cap, the token keeps its gradient).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LOSS_AGG_MODES", "KL_ESTIMATORS", "POLICY_LOSSES", "LossOutput", "pad_sequences", "aggregate",
-           "kl_penalty", "clipped_surrogate", "policy_loss", "register_loss_agg", "register_kl_estimator",
-           "register_policy_loss", "policy_loss_problems"]
+__all__ = ["LOSS_AGG_MODES", "KL_ESTIMATORS", "POLICY_LOSSES", "IS_CORRECTIONS", "LossOutput", "BehaviourWeights",
+           "pad_sequences", "aggregate", "kl_penalty", "clipped_surrogate", "policy_loss", "behaviour_weights",
+           "register_loss_agg", "register_kl_estimator", "register_policy_loss", "policy_loss_problems"]
 
 # The registries: name -> implementation. ``train.loss_agg`` / ``train.kl_estimator`` / ``train.policy_loss``
 # accept exactly these names (rlrepro.trainer.TrainConfig checks against them), so a new mode is one decorated
@@ -85,6 +113,8 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
 # what a policy loss refuses: name -> (why train.dual_clip > 0 is refused or None, the loss_agg modes it takes or
 # None for every one, why the others are refused)
 _POLICY_LOSS_RULES: dict[str, tuple[str | None, tuple[str, ...] | None, str]] = {}
+# train.is_correction: the behaviour weight of the decoupled objective (module docstring, behaviour_weights)
+IS_CORRECTIONS = ("none", "tis", "mis")
 
 
 def register_loss_agg(name: str):
@@ -308,14 +338,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 max_response_length: int | None = None, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None,
                 kl_estimator: str = "k3", entropy: torch.Tensor | None = None, num_tokens: int | None = None,
                 num_seqs: int | None = None, dual_clip: float = 0.0, entropy_coef: float = 0.0,
-                mode: str = "ppo_clip") -> LossOutput:
+                mode: str = "ppo_clip", is_weight: torch.Tensor | None = None) -> LossOutput:
     """``agg(pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)`` over padded ``[B, T]`` tensors, ``pg`` the
     per-token loss of ``mode`` (one of :data:`POLICY_LOSSES`); see the module docstring for the formulas.
 
     ``ref_logp`` is needed when ``kl_coef != 0``; given with ``kl_coef == 0`` the KL is still reported.
     ``entropy`` (``[B, T]``, optional) is reported, and with ``entropy_coef != 0`` (which needs it, with grad) it
     enters the loss. ``num_tokens`` / ``num_seqs``: whole-batch counts for micro-batch shares (see
-    :func:`aggregate`).
+    :func:`aggregate`). ``is_weight`` (``[B, T]``, the decoupled objective's behaviour weight,
+    :attr:`BehaviourWeights.weight`; pass the proximal logprobs as ``old_logp``) multiplies ``pg``, detached, before
+    the aggregation; None (the default) leaves ``pg`` untouched (not even a multiplication by 1).
     """
     _check_mode(loss_agg, max_response_length)
     if mode not in POLICY_LOSSES:
@@ -333,6 +365,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     agg = dict(loss_agg=loss_agg, max_response_length=max_response_length, num_tokens=num_tokens, num_seqs=num_seqs)
     pg, clipped = POLICY_LOSSES[mode](logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                                       dual_clip=dual_clip)
+    if is_weight is not None:
+        pg = pg * is_weight.detach()
     loss = aggregate(pg, mask, **agg)
     if entropy_coef != 0.0:
         loss = loss - entropy_coef * aggregate(entropy, mask, **agg)
@@ -346,3 +380,56 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return LossOutput(
         loss=loss, pg_loss=_token_mean(pg, mask, n), kl=kl_value, clip_frac=_token_mean(clipped, mask, n),
         entropy=0.0 if entropy is None else _token_mean(entropy, mask, n), num_tokens=n)
+
+
+@dataclass
+class BehaviourWeights:
+    """The behaviour weight of the decoupled objective and what it did, all ``[B, T]`` and detached.
+
+    ``weight``: ``w`` of the module docstring (exactly 1.0 outside ``mask``); ``truncated``: trained tokens whose
+    ``rho_t`` exceeded ``is_cap`` (``tis``); ``masked``: trained tokens of a masked sequence (``mis``); ``kl``: the
+    k3 estimate of ``KL(mu || pi_prox)`` per token, ``rho_t - 1 - log rho_t`` (Schulman 2020; verl's rollout
+    correction reports it too), 0 outside ``mask``.
+    """
+    weight: torch.Tensor
+    truncated: torch.Tensor
+    masked: torch.Tensor
+    kl: torch.Tensor
+
+
+@torch.no_grad()
+def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, *,
+                      correction: str = "none", is_cap: float = 2.0, mis_low: float = 0.5,
+                      mis_high: float = 2.0) -> BehaviourWeights:
+    """The detached weight ``w`` that corrects the proximal policy's loss for samples of the behaviour policy.
+
+    ``proximal_logp`` / ``behaviour_logp``: ``[B, T]`` (the trainer's logprobs before the step's first update, the
+    rollout's); ``mask``: the trained tokens. ``correction`` is one of :data:`IS_CORRECTIONS` (module docstring:
+    ``none`` ``rho_t``, ``tis`` ``min(rho_t, is_cap)``, ``mis`` the sequence ratio, 0 for a sequence outside
+    ``[mis_low, mis_high]``). Outside ``mask`` the log ratio is taken as 0, so padding, masked-out tokens and their
+    placeholders give ``w = 1`` exactly and reach no bit. When proximal and behaviour logprobs are equal at every
+    trained token (a synchronous run), every ``w`` is exactly 1.0 (``exp(0)``; ``exp`` of a sum of zeros).
+    """
+    if correction not in IS_CORRECTIONS:
+        raise ValueError(f"unknown is_correction {correction!r}; choose one of {list(IS_CORRECTIONS)}")
+    log_rho = torch.where(mask, proximal_logp - behaviour_logp, torch.zeros_like(proximal_logp))
+    rho = torch.exp(log_rho)
+    none = torch.zeros_like(mask)
+    truncated, masked = none, none
+    if correction == "none":
+        weight = rho
+    elif correction == "tis":
+        weight = torch.clamp(rho, max=is_cap)  # exactly the cap where truncated
+        truncated = mask & (rho > is_cap)
+    else:
+        if not 0 <= mis_low < 1 < mis_high:
+            raise ValueError(f"mis bounds must satisfy 0 <= low < 1 < high, got low={mis_low}, high={mis_high}")
+        log_seq = log_rho.sum(dim=-1, keepdim=True)  # log rho_i over the trained tokens of each sequence
+        low = math.log(mis_low) if mis_low > 0 else -math.inf
+        keep = (log_seq >= low) & (log_seq <= math.log(mis_high))
+        seq_weight = torch.where(keep, torch.exp(torch.where(keep, log_seq, torch.zeros_like(log_seq))),
+                                 torch.zeros_like(log_seq))
+        weight = torch.where(mask, seq_weight.expand_as(rho), torch.ones_like(rho))
+        masked = mask & ~keep.expand_as(mask)
+    kl = torch.where(mask, rho - 1.0 - log_rho, torch.zeros_like(rho))
+    return BehaviourWeights(weight=weight, truncated=truncated, masked=masked, kl=kl)

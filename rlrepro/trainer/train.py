@@ -11,9 +11,12 @@
    (data parallel: order-fixed gradient sum) clip by global norm and take an AdamW step.
 3. Advance the LR schedule (once per train step; every epoch of a step uses the same rate).
 
-The "old" logprobs of the PPO ratio are the rollout's, as the engine reported them. A sample's ``loss_mask``
-(multi-turn episodes: 0 at tool / environment tokens) keeps its 0 tokens in the forward pass as context and out of
-everything else; without one (or with all ones) the step's arithmetic is the unmasked one, bit for bit.
+The "old" logprobs of the PPO ratio are the rollout's, as the engine reported them; with ``train.decoupled`` they
+are the proximal policy's, the current weights' logprobs at the start of the step (the first epoch's forward, before
+any update, detached: the same bits as a no-grad pass), and the rollout's (the behaviour policy's) only enter the
+detached behaviour weight (:func:`~rlrepro.trainer.losses.behaviour_weights`, ``train.is_correction``). A sample's
+``loss_mask`` (multi-turn episodes: 0 at tool / environment tokens) keeps its 0 tokens in the forward pass as context
+and out of everything else; without one (or with all ones) the step's arithmetic is the unmasked one, bit for bit.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from .checkpoint import (StateHolder, capture_rng_state, checkpoint_dir_name, lo
 from .data_parallel import DataParallel
 from .logprobs import logprobs_and_entropy, token_logprobs
 from .config import TrainConfig
-from .losses import pad_sequences, policy_loss
+from .losses import behaviour_weights, pad_sequences, policy_loss
 from .optim import MasterWeightAdamW, ShardedMasterWeightAdamW, WarmupCosineLR, clip_grad_norm_, grad_norm
 
 __all__ = ["TrainConfig", "TrainSample", "Trainer", "micro_batches"]
@@ -252,6 +255,35 @@ class Trainer:
         """The global grad norm (float64 0-d tensor) that clipping uses and ``train/grad_norm`` reports."""
         return grad_norm(grads)
 
+    def _behaviour_weights(self, prox: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
+                           sums: list[float]) -> torch.Tensor:
+        """The micro-batch's behaviour weights (``train.is_correction``) over its trained tokens ``mask``; adds their
+        metric terms to ``sums`` (w*n, max w, truncated tokens, masked tokens, kl*n, n)."""
+        cfg = self.config
+        low, high = cfg.mis_bounds
+        bw = behaviour_weights(prox, behaviour, mask, correction=cfg.is_correction, is_cap=cfg.is_cap, mis_low=low,
+                               mis_high=high)
+        weight = bw.weight[mask]
+        if weight.numel():  # one device->host transfer for the five terms
+            w_sum, w_max, truncated, masked, kl_sum = torch.stack([
+                weight.double().sum(), weight.max().double(), bw.truncated.sum().double(), bw.masked.sum().double(),
+                bw.kl[mask].double().sum()]).tolist()
+            sums[:] = [sums[0] + w_sum, max(sums[1], w_max), sums[2] + truncated, sums[3] + masked, sums[4] + kl_sum,
+                       sums[5] + weight.numel()]
+        return bw.weight
+
+    def _off_policy_metrics(self, sums: list[float]) -> dict:
+        """``train/is_*`` and ``train/behaviour_proximal_kl`` over the step's trained tokens (all ranks)."""
+        dp = self.data_parallel
+        w_sum, w_max, truncated, masked, kl_sum, n = sums
+        if dp is not None:
+            w_sum, truncated, masked, kl_sum, n = dp.sum_floats([w_sum, truncated, masked, kl_sum, n])
+            w_max = dp.max_float(w_max)
+        mean = (lambda v: v / n) if n else (lambda v: 0.0)
+        return {"train/is_weight_mean": mean(w_sum), "train/is_weight_max": w_max,
+                "train/is_truncated_frac": mean(truncated), "train/is_masked_frac": mean(masked),
+                "train/behaviour_proximal_kl": mean(kl_sum)}
+
     def train_step(self, samples: Sequence) -> dict:
         """One GRPO update on ``samples`` (each with prompt_token_ids, completion_token_ids, rollout_logprobs,
         advantage, and optionally loss_mask: its 0 entries are context only, out of the loss, its metrics, its token
@@ -288,6 +320,11 @@ class Trainer:
         # 2. ppo_epochs optimizer steps over the whole batch. A non-finite loss or gradient norm stops the step
         # before the optimizer moves (with several epochs, the state from before the first epoch is put back).
         snapshot = self._snapshot() if cfg.ppo_epochs > 1 else None
+        # train.decoupled: per micro-batch, the proximal logprobs and the behaviour weights (epoch 0, kept for the
+        # later epochs) and their metric sums: w*n, max w, truncated, masked, kl*n, n
+        proximal: dict[int, torch.Tensor] = {}
+        is_weights: dict[int, torch.Tensor] = {}
+        is_sums = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
         losses, norms = [], []
         metric_sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # pg*n, kl*n, clip_frac*n, entropy*n, n
         skipped = False
@@ -312,6 +349,11 @@ class Trainer:
                     rollout_all.append(flat_old)
                     trained_all.append(trained)
                 old, _ = pad_sequences(list(torch.split(flat_old, [len(s.rollout_logprobs) for s in part])))
+                behaviour = old
+                if cfg.decoupled:  # the ratio's anchor is the proximal policy: this forward's before any update
+                    if epoch == 0:
+                        proximal[k] = logp.detach()
+                    old = proximal[k]
                 if trained is not None:
                     # masked-out tokens stay in the forward pass as context and leave the loss, its metrics and
                     # its counts: out of `mask`; their old logprob (the rollout's placeholder) is replaced by the
@@ -322,6 +364,11 @@ class Trainer:
                     old = torch.where(trained, old, logp.detach())
                 entropy, _ = pad_sequences(ents)
                 ref = pad_sequences(ref_lps[k])[0] if self.ref_model is not None else None
+                is_weight = None
+                if cfg.decoupled:
+                    if epoch == 0:
+                        is_weights[k] = self._behaviour_weights(proximal[k], behaviour, mask, is_sums)
+                    is_weight = is_weights[k]
                 adv = torch.tensor([s.advantage for s in part], dtype=torch.float32, device=device)
                 if cfg.advantage_clip:
                     adv = adv.clamp(-cfg.advantage_clip, cfg.advantage_clip)
@@ -329,7 +376,8 @@ class Trainer:
                                   loss_agg=cfg.loss_agg, max_response_length=self.max_response_length,
                                   kl_coef=cfg.kl_coef, ref_logp=ref, kl_estimator=cfg.kl_estimator,
                                   entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
-                                  dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef, mode=cfg.policy_loss)
+                                  dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef, mode=cfg.policy_loss,
+                                  is_weight=is_weight)
                 out.loss.backward()
                 self.optimizer.accumulate_grads()
                 loss_sum += float(out.loss.detach())
@@ -373,6 +421,7 @@ class Trainer:
         mean = (lambda v: v / n) if n else (lambda v: 0.0)
         loss = sum(losses) / len(losses)
         grad_norm = sum(norms) / len(norms)
+        off_policy = self._off_policy_metrics(is_sums) if cfg.decoupled else {}
         return {
             "train/loss": loss,
             "train/pg_loss": mean(metric_sums[0]),
@@ -388,4 +437,5 @@ class Trainer:
             "grad_norm": grad_norm,
             "loss_per_epoch": losses,
             "grad_norm_per_epoch": norms,
+            **off_policy,
         }
