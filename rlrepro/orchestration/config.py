@@ -118,6 +118,9 @@ class RolloutConfig(EngineConfig, SamplingConfig):
     # when the rounds run out with fewer groups kept: fill (the batch is topped up with dropped groups, in draw
     # order) | partial (train on the groups kept; on the dropped ones when none was kept) | error (stop the run)
     on_round_cap: str = "fill"
+    # pipelined rollouts: the samples trained at step s come from the policy of version max(0, s - 1 - K), always
+    # (rlrepro.orchestration.pipeline); 0 = the synchronous loop
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
@@ -133,6 +136,7 @@ class RolloutConfig(EngineConfig, SamplingConfig):
         c.positive_int("prompts_per_round", optional=True)
         c.positive_int("max_generation_rounds")
         c.choice("on_round_cap", ROUND_CAP_POLICIES)
+        c.int_at_least("max_staleness", 0)
 
     @property
     def engine(self) -> EngineConfig:

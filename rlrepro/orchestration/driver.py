@@ -26,6 +26,7 @@ from . import preflight
 from .actors import ActorGroup
 from .config import ConfigError, RunSchema, to_schema, uses_episodes, validate_model_layout
 from .generation import GenerationSteps, shaped_penalties
+from .pipeline import PipelineSteps, pending_from_state, pending_to_state
 from .errors import RunFailed, RunInterrupted, describe, is_actor_death, unwrap
 from .run_lock import RunLock
 from .runlog import RunLog, perf_memory_metrics, step_metrics
@@ -66,7 +67,7 @@ class _Timer:
         self._t = time.perf_counter()
 
 
-class GRPODriver(GenerationSteps):
+class GRPODriver(GenerationSteps, PipelineSteps):
     def __init__(self, cfg: Any, run_dir: str | Path | None = None, *, override_keys: list[str] | None = None) -> None:
         """``override_keys``: the dotted keys the command line set (what a resume may change, rlrepro.cli passes
         them); None compares every key of ``cfg`` with the record on a resume."""
@@ -74,6 +75,7 @@ class GRPODriver(GenerationSteps):
         self.override_keys = override_keys
         self.run_dir = Path(run_dir or self.cfg.run.dir)
         self.actors: ActorGroup | None = None
+        self.pending: dict = {}  # rollout.max_staleness: the batches generated ahead, by step
         self.log: RunLog | None = None
 
     # ------------------------------------------------------------------------------------------------ set-up
@@ -153,10 +155,13 @@ class GRPODriver(GenerationSteps):
     # ------------------------------------------------------------------------------------------------ one step
     def run_step(self, step: int) -> dict:
         cfg, t = self.cfg, _Timer()
-        samples, penalties, num_reward_errors, round_metrics = self.collect(step, t)
-        self.compute_advantages(samples)
-        train_metrics = self.train(step, samples)
-        t("train")
+        if cfg.rollout.max_staleness:  # batch `step` was generated ahead; batch step + K is generated meanwhile
+            samples, penalties, num_reward_errors, round_metrics, train_metrics = self.pipelined_batch(step, t)
+        else:
+            samples, penalties, num_reward_errors, round_metrics = self.collect(step, t)
+            self.compute_advantages(samples)
+            train_metrics = self.train(step, samples)
+            t("train")
         weights_digest = self.actors.sync_weights(version=step)
         t("sync")
         t_eval = time.perf_counter()  # eval.every: on the engines, with the weights of this step
@@ -232,9 +237,11 @@ class GRPODriver(GenerationSteps):
     def checkpoint_root(self) -> Path:
         return self.run_dir / CHECKPOINTS_DIR
 
-    def save_checkpoint(self, step: int, data_order: dict | None = None) -> str:
+    def save_checkpoint(self, step: int, data_order: dict | None = None, pending: dict | None = None) -> str:
         order = self.order.state_dict() if data_order is None else data_order
         extra = {"step": step, "data_order": order, "recipe": self.cfg.recipe}
+        if self.cfg.rollout.max_staleness:  # the batches generated ahead (rlrepro.orchestration.pipeline)
+            extra["pending"] = pending_to_state(self.pending if pending is None else pending)
         return self.actors.save_checkpoint(str(self.checkpoint_root()), step, extra, self.cfg.checkpoint.keep_last)
 
     def export_hf(self, step: int) -> Path | None:
@@ -277,6 +284,13 @@ class GRPODriver(GenerationSteps):
         extra = self.actors.load_checkpoint(ckpt_path)
         self.order.load_state_dict(extra["data_order"])
         step = int(extra["step"])
+        self.pending = pending_from_state(extra.get("pending"))
+        if self.cfg.rollout.max_staleness and step > 0 and sorted(self.pending) != list(
+                range(step + 1, step + 1 + self.cfg.rollout.max_staleness)):
+            raise ConfigError(f"the checkpoint {ckpt_path} holds the batches generated ahead for steps "
+                              f"{sorted(self.pending)}, not the rollout.max_staleness="
+                              f"{self.cfg.rollout.max_staleness} batches after step {step}; resume with the "
+                              "recorded rollout.max_staleness")
         self.actors.sync_weights(version=step)
         return step
 
@@ -408,11 +422,13 @@ class GRPODriver(GenerationSteps):
         t_start = time.perf_counter()
         # what a checkpoint of the last completed step needs, should a later step fail
         self._done_step, self._done_order, self._trainer_step = done, self.order.state_dict(), done
+        self._done_pending = dict(self.pending)
         for step in range(done + 1, last_step + 1):
             self._saving = False
             try:
                 metrics = self.run_step(step)
                 self._done_step, self._done_order = step, self.order.state_dict()
+                self._done_pending = dict(self.pending)
                 history.append(metrics)
                 self.log.log_wandb(step, metrics)
                 every = cfg.checkpoint.every
@@ -451,7 +467,7 @@ class GRPODriver(GenerationSteps):
         if (self.actors is not None and self._trainer_step == done and done > 0 and not self._saving
                 and not trainer_died and not (self.checkpoint_root() / checkpoint_dir_name(done)).is_dir()):
             try:
-                path = self.save_checkpoint(done, data_order=self._done_order)
+                path = self.save_checkpoint(done, data_order=self._done_order, pending=self._done_pending)
                 notes.append(f"saved a checkpoint of the last completed step {done}: {path}")
             except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
                 notes.append(f"a checkpoint of the last completed step {done} could not be saved ({describe(e)})")
