@@ -28,7 +28,7 @@ from .records import (
     read_step_records,
 )
 from .inputs import INPUTS_FILE, InputDiff, input_differences, read_inputs
-from .turns import TurnPosition, kind_text, num_turns_text, structure_text, turn_position, turn_spans, where_text
+from .turns import TurnPosition, kind_text, num_turns_text, record_value, structure_text, turn_position, where_text
 
 __all__ = ["ReproError", "DiffReport", "ConfigDiff", "Divergence", "TokenDiff", "TurnPosition", "MetricDiff",
            "diff_runs", "main_diff", "FIELDS", "DEFAULT_IGNORED_CONFIG_KEYS"]
@@ -355,13 +355,6 @@ def _first_mismatch(a: Sequence[Any], b: Sequence[Any]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _value(rec: dict, key: str) -> Any:
-    """A rollout record's value of ``key``; for ``turns``, their structure (role and span), as fingerprinted."""
-    if key == "turns":
-        return None if rec.get("turns") is None else turn_spans(rec["turns"])
-    return rec.get(key)
-
-
 def _sample_detail(dv: Divergence, run_a: Path, run_b: Path) -> None:
     """Fill in the sample and token position from the rollout files, when both runs kept them."""
     try:
@@ -382,9 +375,10 @@ def _sample_detail(dv: Divergence, run_a: Path, run_b: Path) -> None:
         return
     i = dv.sample_index
     if i is None:  # rewards / advantages (or a field one run lacks) carry no per-sample digests: find the sample
-        i = _first_mismatch([_value(s, field_key) for s in ra], [_value(s, field_key) for s in rb])
+        i = _first_mismatch([record_value(s, field_key) for s in ra], [record_value(s, field_key) for s in rb])
         if i is None:
-            dv.detail_note = f"the rollout files agree on {field_key}; the fingerprints do not"
+            dv.detail_note = "; ".join(filter(None, (dv.detail_note, f"the rollout files agree on {field_key}; "
+                                                                     "the fingerprints do not")))
             return
         dv.sample_index = i
     if i >= len(ra) or i >= len(rb):
@@ -402,7 +396,7 @@ def _sample_detail(dv: Divergence, run_a: Path, run_b: Path) -> None:
     if field_key in ("reward", "advantage"):
         dv.token = TokenDiff(what=field_key, position=None, a=sa.get(field_key), b=sb.get(field_key))
         return
-    va, vb = _value(sa, field_key), _value(sb, field_key)
+    va, vb = record_value(sa, field_key), record_value(sb, field_key)
     if field_key == "loss_mask" and (va is None or vb is None):
         dv.token = TokenDiff(what=field_key, position=None, a=None if va is None else len(va),
                              b=None if vb is None else len(vb))
@@ -441,6 +435,10 @@ def _compare_step(step: int, fa: dict, fb: dict) -> Divergence | None:
     if not differing:
         differing = ["prompt_ids"]  # cannot happen with intact digests; be loud rather than silent
     dv = Divergence(step=step, field=differing[0], fields=differing, num_samples_a=na, num_samples_b=nb)
+    missing = [r for r, f in (("A", fa), ("B", fb)) if dv.field in TURN_SAMPLE_FIELDS and f.get(dv.field) is None]
+    if missing:
+        dv.detail_note = (f"run {missing[0]} has no {dv.field} digest: its samples have no loss masks or turns, or "
+                          "it was recorded before fingerprints covered them")
     key = SAMPLE_FIELDS.get(dv.field) or TURN_SAMPLE_FIELDS.get(dv.field)
     if key is not None and isinstance(fa.get(key), list) and isinstance(fb.get(key), list):
         dv.sample_index = _first_mismatch(fa[key], fb[key])

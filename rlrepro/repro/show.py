@@ -127,6 +127,36 @@ def _num(x) -> str:
     return str(x)
 
 
+def _turn_summary(s: Sample) -> str:
+    """'12 policy tokens (sampled, loss mask 1), 40 tool tokens (context, loss mask 0)'."""
+    counts: dict[str, int] = {}
+    for t in s.turns or ():
+        counts[t.role] = counts.get(t.role, 0) + len(t.token_ids)
+    parts = [f"{n} {role} tokens ({'sampled' if role == 'policy' else 'context'})" for role, n in counts.items()]
+    if s.loss_mask is not None:
+        parts.append(f"loss mask 1 on {sum(s.loss_mask)} of {len(s.loss_mask)} tokens")
+    return ", ".join(parts)
+
+
+def _turn_note(role: str, start: int, end: int, mask: Optional[Sequence[int]]) -> Optional[str]:
+    """The line under a turn that the policy did not sample (or whose loss mask disagrees with its role), with its
+    completion positions (those ``rlrepro diff`` names)."""
+    bits = None if mask is None else list(mask[start:end])
+    expected = 1 if role == "policy" else 0
+    if role == "policy" and (bits is None or all(b == expected for b in bits)):
+        return None
+    span = f"completion tokens {start}-{end - 1}" if end > start else f"empty, at completion position {start}"
+    if bits is None:
+        mask_words = "no loss mask"
+    elif all(b == expected for b in bits):
+        mask_words = f"loss mask {expected}"
+    else:
+        mask_words = f"loss mask 1 on {sum(bits)} of {len(bits)}"
+    if role == "policy":
+        return f"policy turn ({span}): {mask_words}"
+    return f"{role} turn ({span}): context from the environment, not sampled by the policy ({mask_words})"
+
+
 def format_sample(i: int, s: Sample, decode: Optional[Decoder]) -> list[str]:
     lines = [f"[{i}] prompt_uid {s.prompt_uid!r}  sample_index {s.sample_index}",
              f"    reward {_num(s.reward)}   advantage {_num(s.advantage)}   finish {s.finish_reason}   "
@@ -134,10 +164,16 @@ def format_sample(i: int, s: Sample, decode: Optional[Decoder]) -> list[str]:
     lines.append("    prompt:")
     lines.extend(_block(_text(s.prompt_text, s.prompt_token_ids, decode), "      "))
     if s.turns:
-        lines.append(f"    turns ({len(s.turns)}):")
+        lines.append(f"    turns ({len(s.turns)}): {_turn_summary(s)}")
+        start = 0
         for k, t in enumerate(s.turns):
+            end = start + len(t.token_ids)
             lines.append(f"      {k + 1}. {t.role}, {len(t.token_ids)} tokens:")
             lines.extend(_block(_text(t.text, t.token_ids, decode), "        "))
+            note = _turn_note(t.role, start, end, s.loss_mask)
+            if note:
+                lines.append(f"        ^ {note}")
+            start = end
     else:
         lines.append("    completion:")
         lines.extend(_block(_text(s.completion_text, s.completion_token_ids, decode), "      "))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 __all__ = ["TurnPosition", "turn_spans", "locate_turn", "turn_position", "where_text", "kind_text",
-           "num_turns_text", "structure_text"]
+           "num_turns_text", "structure_text", "record_value"]
 
 POLICY = "policy"
 
@@ -55,6 +55,14 @@ def locate_turn(turns: Iterable[Any] | None, position: int) -> tuple[int, str, i
         if start <= position < end:
             return k, role, position - start
     return None
+
+
+def record_value(record: Mapping[str, Any], key: str) -> Any:
+    """A rollout record's value of ``key``; for ``"turns"`` their structure (:func:`turn_spans`), as
+    fingerprinted (the turns' text is not)."""
+    if key == "turns":
+        return None if record.get("turns") is None else turn_spans(record["turns"])
+    return record.get(key)
 
 
 def turn_position(record: Mapping[str, Any], position: int) -> TurnPosition | None:
