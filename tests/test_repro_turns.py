@@ -188,14 +188,20 @@ def test_identical_multi_turn_runs(tmp_path):
     assert all("loss_masks" in r and "sample_turns" in r for r in read_fingerprints(a).values())
 
 
-def test_policy_token_difference_names_episode_turn_and_token(tmp_path, capsys):
-    a = make_run(tmp_path / "a")
-    b = make_run(tmp_path / "b", at_step(2, set_token(1, 5, 999)))     # turn 3 (policy), its first token
-    rep, out = report(a, b, capsys)
+def token_divergence(tmp_path, capsys, step, i, pos, value):
+    """Runs differing in one completion token of sample ``i`` at ``step``; the report names that sample."""
+    rep, out = report(make_run(tmp_path / "a"), make_run(tmp_path / "b", at_step(step, set_token(i, pos, value))),
+                      capsys)
     dv = rep.divergence
     assert (dv.step, dv.field, dv.sample_index, dv.prompt_uid, dv.sample_index_in_prompt) == \
-        (2, "rollout_token_ids", 1, "q0", 1)
+        (step, "rollout_token_ids", i, f"q{i // 2}", i % 2)
     assert (dv.num_turns_a, dv.num_turns_b) == (3, 3)
+    return rep, out
+
+
+def test_policy_token_difference_names_episode_turn_and_token(tmp_path, capsys):
+    rep, out = token_divergence(tmp_path, capsys, 2, 1, 5, 999)       # turn 3 (policy), its first token
+    dv = rep.divergence
     t = dv.token
     assert (t.what, t.position, t.a, t.b) == ("token_ids", 5, 115, 999)
     assert (t.turn_a.index, t.turn_a.role, t.turn_a.position, t.turn_a.num_turns) == (2, "policy", 0, 3)
@@ -209,12 +215,8 @@ def test_policy_token_difference_names_episode_turn_and_token(tmp_path, capsys):
 
 
 def test_observation_token_difference_is_an_environment_difference(tmp_path, capsys):
-    a = make_run(tmp_path / "a")
-    b = make_run(tmp_path / "b", at_step(1, set_token(3, 4, 7)))       # turn 2 (tool), its second token
-    rep, out = report(a, b, capsys)
+    rep, out = token_divergence(tmp_path, capsys, 1, 3, 4, 7)         # turn 2 (tool), its second token
     dv = rep.divergence
-    assert (dv.step, dv.field, dv.sample_index, dv.prompt_uid, dv.sample_index_in_prompt) == \
-        (1, "rollout_token_ids", 3, "q1", 1)
     assert (dv.token.turn_a.index, dv.token.turn_a.role, dv.token.turn_a.position) == (1, "tool", 1)
     assert ("    first differing token at position 4 (turn 2 of 3, tool, position 1 in the turn): A=114 B=7  "
             "(logprobs A=0.0 B=0.0)\n") in out
