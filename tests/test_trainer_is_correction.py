@@ -276,3 +276,47 @@ def test_possible_settings_are_accepted():
         TrainConfig(decoupled=True, is_correction="tis", policy_loss=mode, **extra)
     with pytest.raises(ValueError, match="unknown is_correction"):
         behaviour_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), correction="x")
+
+
+def test_the_command_line_takes_the_keys_and_refuses_the_same():
+    from rlrepro.cli import compose_config
+    from rlrepro.orchestration.config import to_schema
+
+    cfg = to_schema(compose_config(["recipe=grpo_tiny", "train.decoupled=true", "train.is_correction=mis",
+                                    "train.mis_threshold=4", "train.mis_threshold_lower=0"])).train
+    assert cfg.decoupled is True and cfg.is_correction == "mis" and cfg.mis_bounds == (0.0, 4.0)
+    with pytest.raises(ConfigError, match=r"train\.is_correction='tis' needs train\.decoupled=true"):
+        compose_config(["recipe=grpo_tiny", "train.is_correction=tis"])
+
+
+# --------------------------------------------------------------------------------------- data parallel
+DP_CONFIG = dict(lr=3e-3, steps=3, micro_batch_size=3, ppo_epochs=2, decoupled=True, is_correction="tis", is_cap=1.1)
+
+
+def _dp_train(data_parallel=None):
+    model = tiny_model(seed=3)
+    trainer = Trainer(model, TrainConfig(**DP_CONFIG), data_parallel=data_parallel)
+    return [trainer.train_step(stale(unmasked_on_policy_batch(model, s, "grpo"), seed=s)) for s in range(2)]
+
+
+def _dp_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
+    from _dist import gloo_process_group
+    from rlrepro.trainer import DataParallel
+
+    with gloo_process_group(rank, world_size, port):
+        torch.save(_dp_train(DataParallel()), f"{out_path}.rank{rank}")
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_report_the_whole_batchs_correction(tmp_path):
+    """The metric terms are summed (and the max taken) over the ranks: at the first step (same weights as one rank;
+    later the gradient sum's grouping differs, docs/TRAINER.md) the counts and the max equal one rank's."""
+    from _dist import spawn_ranks
+
+    ranks = spawn_ranks(_dp_worker, 2, out=str(tmp_path / "dp"))
+    assert ranks[0] == ranks[1]
+    for dp, one in zip(ranks[0][:1], _dp_train()[:1]):
+        assert dp["train/is_weight_max"] == one["train/is_weight_max"]
+        assert dp["train/is_truncated_frac"] == one["train/is_truncated_frac"] > 0
+        assert dp["train/is_weight_mean"] == pytest.approx(one["train/is_weight_mean"], rel=1e-12)
+        assert dp["train/behaviour_proximal_kl"] == pytest.approx(one["train/behaviour_proximal_kl"], rel=1e-9)
