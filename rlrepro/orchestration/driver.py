@@ -25,7 +25,7 @@ from rlrepro.samples import Sample
 from . import preflight
 from .actors import ActorGroup
 from .config import ConfigError, RunSchema, to_schema, uses_episodes, validate_model_layout
-from .generation import GenerationSteps, shaped_penalties
+from .generation import GenerationSteps, _Timer, shaped_penalties
 from .pipeline import PipelineSteps, pending_from_state, pending_to_state
 from .errors import RunFailed, RunInterrupted, describe, is_actor_death, unwrap
 from .run_lock import RunLock
@@ -49,22 +49,6 @@ def actor_group_class():
 
     plan = FaultPlan.from_env()
     return lambda cfg, model_dir: FaultInjectingActorGroup(cfg, model_dir, plan)
-
-
-class _Timer:
-    def __init__(self) -> None:
-        self.times: dict[str, float] = {}
-        self._t = time.perf_counter()
-
-    def __call__(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.times[phase] = now - self._t
-        self._t = now
-
-    def add(self, phase: str, seconds: float) -> None:
-        """Record ``seconds`` measured elsewhere as ``phase``; the next phase starts now."""
-        self.times[phase] = self.times.get(phase, 0.0) + seconds
-        self._t = time.perf_counter()
 
 
 class GRPODriver(GenerationSteps, PipelineSteps):

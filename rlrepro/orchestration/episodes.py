@@ -300,4 +300,4 @@ def episode_metrics(results: list[EpisodeResult]) -> dict[str, float]:
     return {"episodes/turns_mean": sum(r.num_turns for r in results) / n,
             "episodes/prefix_hit_rate": cached / prompt if prompt else 0.0,
             "episodes/prefix_hit_rate_later_turns": later_cached / later_prompt if later_prompt else 0.0,
-            "episodes/tool_seconds": sum(r.metrics.get("tool_seconds", 0.0) for r in results)}
+            "perf/tool_seconds": sum(r.metrics.get("tool_seconds", 0.0) for r in results)}

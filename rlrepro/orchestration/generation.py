@@ -36,6 +36,22 @@ def shaped_penalties(lengths: list[int], cfg: RunSchema) -> list[float] | None:
 
 
 
+class _Timer:
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.times[phase] = now - self._t
+        self._t = now
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Record ``seconds`` measured elsewhere as ``phase``; the next phase starts now."""
+        self.times[phase] = self.times.get(phase, 0.0) + seconds
+        self._t = time.perf_counter()
+
+
 class GenerationSteps:
     def collect(self, step: int, t) -> tuple[list[Sample], list[float] | None, int, dict]:
         """The step's scored samples, in (prompt uid, sample index) order, with their reward-shaping penalties,

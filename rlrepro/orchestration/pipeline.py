@@ -31,6 +31,8 @@ import time
 
 from rlrepro.samples import Sample, Turn
 
+from .generation import _Timer
+
 __all__ = ["PipelineSteps", "pending_to_state", "pending_from_state"]
 
 DELAYS_ENV = "RLREPRO_TEST_DELAYS"
@@ -72,8 +74,6 @@ class PipelineSteps:
     pending: dict
 
     def _timed_collect(self, step: int) -> tuple:
-        from .driver import _Timer
-
         t = _Timer()
         batch = self.collect(step, t)
         return batch, t.times

@@ -62,6 +62,7 @@ INFORMATIONAL_ENV = ("CUDA_VISIBLE_DEVICES",
                      "RLREPRO_NO_REEXEC",      # its only effect, PYTHONHASHSEED, is recorded itself
                      "RLREPRO_FAULT_TRIALS",   # tests/test_faults_e2e.py: seeds to try
                      "RLREPRO_FAULT_LOG",      # tests/test_faults_e2e.py: where to log the trials
+                     "RLREPRO_TEST_DELAYS",    # tests/test_pipeline.py: wall-clock sleeps, which must change nothing
                      "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")
 _HEX = 12  # digits of a digest shown in a sentence
 
