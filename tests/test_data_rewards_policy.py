@@ -135,3 +135,20 @@ def test_set_up_reports_a_huge_value_as_a_config_error():
         check_reward(cfg, lambda c, r: 10 ** 400, prompts)
     with pytest.raises(ConfigError, match=r"SystemExit \(code 3"):
         check_reward(cfg, exits, [SimpleNamespace(record=rec("u:1"))])
+
+
+def test_an_environments_reward_follows_the_same_policy():
+    """rlrepro.envs score episodes one at a time through reward_with_policy: the checks and reward.on_error of
+    compute_rewards, item by item."""
+    from rlrepro.data import reward_with_policy
+    from rlrepro.envs import EnvConfig, load_env
+
+    fn = returning(float("nan"))
+    assert reward_with_policy(fn, "zero")("x", RECS[1]) == 0.0
+    assert reward_with_policy(fn, "zero")("x", RECS[0]) == 0.5
+    with pytest.raises(RewardError, match="u:1"):
+        reward_with_policy(fn, "raise")("x", RECS[1])
+    spec = load_env(EnvConfig(name="single_turn"), reward_with_policy(fn, "zero"))
+    env = spec.make(RECS[1], 0)
+    env.reset()
+    assert env.step("x").reward == 0.0

@@ -26,6 +26,7 @@ from .rewards import (
     math_reward,
     overlong_penalty,
     prefix_match_reward,
+    reward_with_policy,
 )
 from .synthetic import SYNTHETIC_CHARSET, SYNTHETIC_KINDS, make_synthetic_records
 from .templates import check_template, render_prompt, tokenize_prompt

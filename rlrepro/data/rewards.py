@@ -35,6 +35,7 @@ from .records import PromptRecord
 __all__ = [
     "RewardFn", "RewardError", "exact_match_reward", "prefix_match_reward", "math_reward", "MathReward",
     "extract_last_boxed", "hash_reward", "load_reward_fn", "compute_rewards", "BUILTIN_REWARDS", "overlong_penalty",
+    "reward_with_policy",
 ]
 
 logger = logging.getLogger(__name__)
@@ -342,6 +343,17 @@ def _reward_name(fn: Any) -> str:
     qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     module = getattr(fn, "__module__", None)
     return f"{module}:{qualname}" if module else qualname
+
+
+def reward_with_policy(fn: RewardFn, policy: Literal["raise", "zero"] = "raise") -> RewardFn:
+    """``fn`` with :func:`compute_rewards`' checks and ``reward.on_error`` policy, one item at a time: what an
+    environment (rlrepro.envs) calls to score an episode's final turn, so a multi-turn run treats a raising or
+    out-of-range reward exactly as a single-turn run does (``RewardError`` naming the record, or 0.0)."""
+    def scored(completion: str, record: PromptRecord) -> float:
+        return compute_rewards(fn, [completion], [record], policy)[0][0]
+
+    scored.__name__ = _reward_name(fn)
+    return scored
 
 
 def compute_rewards(fn: RewardFn, completions: Sequence[str], records: Sequence[PromptRecord],

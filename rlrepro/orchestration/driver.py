@@ -98,7 +98,9 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             from rlrepro.envs import load_env
 
             try:
-                self.env_spec = load_env(cfg.env, self.reward_fn)
+                from rlrepro.data import reward_with_policy
+
+                self.env_spec = load_env(cfg.env, reward_with_policy(self.reward_fn, cfg.reward.on_error))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self.evaluator = None

@@ -215,7 +215,7 @@ class GenerationSteps:
         cfg = self.cfg
         results = self.actors.run_episodes(self.episode_requests(step, batch, bases), cfg.env, cfg.reward.fn,
                                            use_chat_template=cfg.data.use_chat_template,
-                                           tool_threads=cfg.env.tool_threads)
+                                           tool_threads=cfg.env.tool_threads, reward_on_error=cfg.reward.on_error)
         metrics = episode_metrics(results)
         n = len(results)
         for reason in sorted({r.finish_reason for r in results}):

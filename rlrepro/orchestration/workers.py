@@ -79,7 +79,7 @@ class RolloutWorker:
 
     def run_episodes(self, requests: list["EpisodeRequest"], env_config: "EnvConfig", reward_fn_spec: str,
                      max_tokens: int | None = None, use_chat_template: bool = True,
-                     tool_threads: int = 2) -> list["EpisodeResult"]:
+                     tool_threads: int = 2, reward_on_error: str = "raise") -> list["EpisodeResult"]:
         """Multi-turn episodes on this engine (:func:`.episodes.run_episodes`), results in key order. The
         environment (``env_config`` with the reward ``reward_fn_spec``, loaded as the driver loads ``reward.fn``)
         and the tokenizer of the model directory are built on the first call and kept. ``use_chat_template``:
@@ -94,12 +94,13 @@ class RolloutWorker:
             from rlrepro.model import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.model_dir)
-        key = (repr(env_config), reward_fn_spec)
-        if key not in self._env_specs:
-            from rlrepro.data import load_reward_fn
+        key = (repr(env_config), reward_fn_spec, reward_on_error)
+        if key not in self._env_specs:  # the reward with reward.on_error's checks and policy, as the driver's
+            from rlrepro.data import load_reward_fn, reward_with_policy
             from rlrepro.envs import load_env
 
-            self._env_specs[key] = load_env(env_config, load_reward_fn(reward_fn_spec))
+            reward = reward_with_policy(load_reward_fn(reward_fn_spec), reward_on_error)
+            self._env_specs[key] = load_env(env_config, reward)
         end_of_turn = self._tokenizer.eos_token if use_chat_template else None
         return run_episodes(self.engine, requests, self._env_specs[key], self._tokenizer, max_tokens=max_tokens,
                             end_of_turn=end_of_turn, tool_threads=tool_threads)
