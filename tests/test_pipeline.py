@@ -88,11 +88,12 @@ def _metrics(run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 2])
-def test_pipelined_runs_are_identical_under_delays_workers_and_resume(tmp_path, monkeypatch, k):
+@pytest.mark.parametrize("k,correction", [(1, []), (2, ["train.decoupled=true", "train.is_correction=tis"])],
+                         ids=["k1", "k2-decoupled-tis"])
+def test_pipelined_runs_are_identical_under_delays_workers_and_resume(tmp_path, monkeypatch, k, correction):
     from rlrepro.orchestration import GRPODriver
 
-    args = [*E2E, f"rollout.max_staleness={k}"]
+    args = [*E2E, f"rollout.max_staleness={k}", *correction]
     assert main(["train", *args, f"run.dir={tmp_path / 'a'}"]) == 0
     monkeypatch.setenv("RLREPRO_TEST_DELAYS", "7")  # seeded-random wall-clock sleeps in generation and training
     assert main(["train", *args, f"run.dir={tmp_path / 'b'}", "rollout.num_workers=2", "rollout.max_num_seqs=5",
@@ -104,9 +105,11 @@ def test_pipelined_runs_are_identical_under_delays_workers_and_resume(tmp_path, 
     assert main(["train", *args, f"run.dir={r}", "run.resume=true"]) == 0
     assert main(["diff", "--strict", str(tmp_path / "a"), str(r)]) == 0
     m = _metrics(tmp_path / "a")
-    assert [x["train/rollout_logprob_abs_diff"] == 0.0 for x in m][:k + 1] == [True] * (k + 1)  # version 0 batches
-    assert any(x["train/rollout_logprob_abs_diff"] > 0 for x in m[k + 1:])  # stale afterwards: behaviour != current
+    assert m[0]["train/rollout_logprob_abs_diff"] == 0.0  # step 1: version 0 trains on version 0's samples
+    assert all(x["train/rollout_logprob_abs_diff"] > 0 for x in m[1:])  # later: behaviour (older) != current
     assert all("perf/overlap_s" in x for x in m)
+    if correction:  # the behaviour weights of the stale steps are real importance weights
+        assert m[0]["train/is_weight_max"] == 1.0 and any(x["train/is_weight_max"] != 1.0 for x in m[1:])
 
 
 @pytest.mark.slow
@@ -114,3 +117,23 @@ def test_max_staleness_zero_is_the_synchronous_run(tmp_path):
     assert main(["train", *E2E, "train.steps=3", f"run.dir={tmp_path / 'a'}"]) == 0
     assert main(["train", *E2E, "train.steps=3", "rollout.max_staleness=0", f"run.dir={tmp_path / 'b'}"]) == 0
     assert (tmp_path / "a" / "fingerprints.jsonl").read_text() == (tmp_path / "b" / "fingerprints.jsonl").read_text()
+    # K = 0 with the decoupled objective and TIS: the proximal logprobs are the rollout's, every weight is 1.0
+    assert main(["train", *E2E, "train.steps=3", "train.decoupled=true", "train.is_correction=tis",
+                 f"run.dir={tmp_path / 'c'}"]) == 0
+    assert (tmp_path / "a" / "fingerprints.jsonl").read_text() == (tmp_path / "c" / "fingerprints.jsonl").read_text()
+    assert all(x["train/is_weight_max"] == 1.0 and x["train/is_weight_mean"] == 1.0 for x in _metrics(tmp_path / "c"))
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_pipeline_is_replaced_with_the_batchs_weights(tmp_path, monkeypatch):
+    """The worker dies while batch 4 is generated (at step 3, from version 2) as the trainer trains step 3: its
+    replacement gets version 2 (the trainer kept it), not the weights step 3 produced; the run is identical."""
+    args = [*E2E, "rollout.max_staleness=1", "rollout.num_workers=1"]
+    assert main(["train", *args, f"run.dir={tmp_path / 'a'}"]) == 0
+    monkeypatch.setenv("RLREPRO_FAULTS", json.dumps([{"kind": "kill_worker", "step": 3, "at": "generate",
+                                                      "delay_s": 0.3}]))
+    assert main(["train", *args, f"run.dir={tmp_path / 'b'}"]) == 0
+    assert [x["perf/rollout_worker_restarts"] for x in _metrics(tmp_path / "b")][2] >= 1
+    monkeypatch.delenv("RLREPRO_FAULTS")
+    # not --strict: inputs.json names RLREPRO_FAULTS, an input that can change bits (a nan_grad fault does)
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0

@@ -132,7 +132,9 @@ class ActorGroup:
             self.sync.worker_replaced()  # a collective weight-sync group is formed again, with the new worker
             if version < 0:
                 return
-            ref = weights_ref if weights_ref is not None else self.trainer.get_weights.remote()
+            # the weights of `version`, not the trainer's newest: with rollout.max_staleness the trainer may have
+            # trained the next step by the time a worker dies mid-generation (it keeps the version before)
+            ref = weights_ref if weights_ref is not None else self.trainer.weights_of_version.remote(version)
             try:
                 got = self.get(self._call(i, "load_weights", ref, version))
             except Exception as e:  # noqa: BLE001
@@ -198,9 +200,13 @@ class ActorGroup:
         return sorted((r for i in sorted(results) for r in results[i]), key=lambda r: r.key)
 
     def train_step(self, samples: list) -> dict:
-        """Every trainer rank gets the whole batch (it computes its own micro-batches of it); rank 0 reports."""
+        """Every trainer rank gets the whole batch (it computes its own micro-batches of it); rank 0 reports.
+        With rollout.max_staleness > 0 rank 0 keeps the weights from before the update (a CPU copy) until the
+        next step: a rollout worker replaced while the next batch is generated gets them."""
         ref = self._ray.put(samples)
-        return self.get([t.train_step.remote(ref) for t in self.trainers])[0]
+        keep = bool(self.cfg.rollout.max_staleness)
+        return self.get([t.train_step.remote(ref, keep_previous=keep and g == 0)
+                         for g, t in enumerate(self.trainers)])[0]
 
     def warm_start(self, examples, **kw) -> list[float]:
         ref = self._ray.put(examples)

@@ -200,7 +200,9 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         d = cfg.data
         if d.source is None:
             syn = d.synthetic
-            records = make_synthetic_records(syn.task, max(256, ws.batch_size * 4), syn.seed + 1_000_003 + ws.seed,
+            # a demonstration has one example per turn: enough episodes that the warm start sees each about once
+            num = min(4096, ws.batch_size * ws.steps // 2) if ws.target == "demonstration" else ws.batch_size * 4
+            records = make_synthetic_records(syn.task, max(256, num), syn.seed + 1_000_003 + ws.seed,
                                              **syn.kwargs)
             pairs = [(tokenize_prompt(rec, self.tokenizer, template=d.template, system_prompt=d.system_prompt,
                                       use_chat_template=d.use_chat_template), rec.answer) for rec in records]

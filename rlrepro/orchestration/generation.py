@@ -225,9 +225,10 @@ class GenerationSteps:
         metrics["episodes/policy_tokens_mean"] = sum(sum(r.loss_mask) for r in results) / n
         self._episode_metrics = metrics
         samples = [r.to_sample(self.tokenizer.decode) for r in results]
-        if self.env_spec.is_single_turn:  # the engine's stop | length, as the single-turn path records it
-            for smp, r in zip(samples, results):
+        if self.env_spec.is_single_turn:  # the single-turn path's record: the engine's stop | length, no mask
+            for smp, r in zip(samples, results):  # (all ones) and no turn structure (one policy turn)
                 smp.finish_reason = r.turn_finish_reasons[0] if r.turn_finish_reasons else r.finish_reason
+                smp.loss_mask = smp.turns = None
         return samples
 
     def demonstration_examples(self, records: list, prompt_ids: list[list[int]]) -> list[tuple[list[int], list[int]]]:

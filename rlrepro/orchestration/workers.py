@@ -232,8 +232,12 @@ class TrainerWorker:
             return iter(self._full_weights)
         return self.trainer.named_weights()
 
-    def train_step(self, samples: list["Sample"]) -> dict:
+    def train_step(self, samples: list["Sample"], keep_previous: bool = False) -> dict:
+        """One update. ``keep_previous``: keep a CPU copy of the weights from before it (and their version) for
+        :meth:`weights_of_version`, until the next call."""
         from rlrepro.trainer.flops import peak_flops, train_flops
+
+        self._previous = (self.trainer.step, self.get_weights()) if keep_previous else None
 
         with self._kernels.mode(self.kernel_mode):
             metrics = self.trainer.train_step(samples)
@@ -265,6 +269,18 @@ class TrainerWorker:
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().to("cpu", copy=True) for name, t in self._weights()}
+
+    def weights_of_version(self, version: int) -> dict[str, torch.Tensor]:
+        """The weights of ``version`` (the step after which they were current): the current ones, or those from
+        before the last update when train_step kept them. Whatever order this call and a train_step run in, the
+        answer is the same tensors, or an error; never another version's weights."""
+        if self.trainer.step == version:
+            return self.get_weights()
+        previous = getattr(self, "_previous", None)
+        if previous is not None and previous[0] == version:
+            return previous[1]
+        held = [self.trainer.step] + ([previous[0]] if previous is not None else [])
+        raise RuntimeError(f"the trainer holds the weights of version(s) {held}, not {version}")
 
     def ipc_handles(self) -> list:
         """CUDA IPC handles of the policy's parameters, for an engine on the same GPU."""
