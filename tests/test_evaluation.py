@@ -201,10 +201,10 @@ def test_eval_during_training_and_after_it(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_rlrepro_eval_of_a_dist_checkpoint_equals_the_run(tmp_path, capsys):
+def test_rlrepro_eval_of_a_dist_checkpoint_equals_the_run(tmp_path, capsys, monkeypatch):
     """megatron TP=2 with checkpoint.format=dist: rlrepro eval reads the sharded checkpoint (through its HF export)
-    and gives what the run logged. (Whether the engine computes the TP reduction order is not visible here: at this
-    size the tokens come out the same without it.)"""
+    and gives what the run logged, on an engine that computes the TP=2 reduction order (at this size the tokens
+    come out the same without it, so the engine's model is checked for the emulation itself)."""
     pytest.importorskip("megatron.core")
     held = tmp_path / "held.jsonl"
     write_jsonl(make_synthetic_records("first_letter", 5, 98, alphabet="abcd"), held)
@@ -217,6 +217,20 @@ def test_rlrepro_eval_of_a_dist_checkpoint_equals_the_run(tmp_path, capsys):
     capsys.readouterr()
     logged = _eval_of(_metrics(run)[2])
     assert 0 < logged["eval/avg@2"] < 1, logged
+    from rlrepro.orchestration import workers
+
+    built = []
+
+    class Recording(workers.RolloutWorker):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            built.append(self.engine.model)
+
+    monkeypatch.setattr(workers, "RolloutWorker", Recording)
     assert main(["eval", str(run), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got.pop("matches_run_log") is True and got.pop("step") == 2 and got == logged
+    (model,) = built
+    # the run's train.tensor_parallel, as the training engines had: every o_proj/down_proj a 2-way K split
+    assert {layer.self_attn.o_proj.tp_split for layer in model.model.layers} == {("row", 2)}
+    assert {layer.mlp.down_proj.tp_split for layer in model.model.layers} == {("row", 2)}
