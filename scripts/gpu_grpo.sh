@@ -13,6 +13,8 @@
 #                 z (g with train.distributed_optimizer=true: = g?), f2 (g in fast mode, with GRPO_FAST=1)
 #   GRPO_SET=full (2 GPUs, GRPO_LAYERS=36): p1 and p2, the whole model at megatron TP=2 with 2 colocated engines
 #                 (CUDA IPC weight sync of the full 8B policy; p1 = p2?)
+#   GRPO_SET=pipeline (1 GPU, colocated): q0 (rollout.max_staleness=0), q1/q1b/q1c (K=1: two runs and other engine
+#                 settings, diffed), q2 (K=2); step and phase times for docs/BENCHMARKS.md
 #   GRPO_SET=eight (8 GPUs): x1 and x2, the recipe's own layout (megatron TP=1 trainer data parallel over 4 GPUs
 #                 with ZeRO-1, 4 engines on their own GPUs; x1 = x2?)
 # GRPO_ONLY="g h m0" (set two) runs only the named runs (g always: it creates the weights).
@@ -61,6 +63,20 @@ if [ "$SET" = one ]; then
   mkdir -p $W/d/checkpoints && cp -r $W/a/checkpoints/step_000002 $W/d/checkpoints/
   train d "${ONE[@]}" run.resume=true; diffrun a d "resumed at step 2"
   RUNS="a b c f d"
+elif [ "$SET" = pipeline ]; then
+  # rollout.max_staleness (issue #25) on 1 GPU, colocated (the only layout one GPU allows): K=0 (q0, creates the
+  # weights), K=1 twice (q1, q1b: = q1?), K=1 with 2 engines on other batch settings (q1c: = q1?), K=2 (q2); the
+  # decoupled objective with TIS for K>0. The step's phase times give the overlap model of a 2-GPU layout.
+  PIPE=("${ONE[@]}" "train.steps=${GRPO_PIPE_STEPS:-6}")
+  first q0 "${PIPE[@]}"
+  train q1 "${PIPE[@]}" rollout.max_staleness=1 train.decoupled=true train.is_correction=tis
+  train q1b "${PIPE[@]}" rollout.max_staleness=1 train.decoupled=true train.is_correction=tis
+  diffrun q1 q1b "two runs, K=1"
+  train q1c "${PIPE[@]}" rollout.max_staleness=1 train.decoupled=true train.is_correction=tis \
+    rollout.max_num_seqs=7 rollout.max_num_batched_tokens=999
+  diffrun q1 q1c "K=1, other engine batch settings"
+  train q2 "${PIPE[@]}" rollout.max_staleness=2 train.decoupled=true train.is_correction=tis
+  RUNS="q0 q1 q1b q1c q2"
 elif [ "$SET" = eight ]; then
   # the recipe's own layout for one 8-GPU node (nvidia-h200-x8): 4 engines on GPUs of their own, the trainer
   # (megatron TP=1, DP=4, ZeRO-1) on the other 4, NCCL broadcast; GRPO_LAYERS=36 for the full model, 2 to compare
@@ -112,7 +128,7 @@ def load(name):
     p = w / name / "metrics.jsonl"
     return [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
 keys = ["perf/step_time_s", "perf/rollout_s", "perf/reward_s", "perf/train_s", "perf/sync_s",
-        "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/mfu"]
+        "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/mfu", "perf/overlap_s"]
 print("averages over steps 2.. (step 1 includes compilation and CUDA-graph capture)")
 print("| run | steps | " + " | ".join(k.split("/")[1] for k in keys) + " | peak GiB (actor) | max lp diff |")
 print("|---|---|" + "---|" * (len(keys) + 2))
@@ -128,7 +144,7 @@ for name in names:
           + ", ".join(f"{v:.1f} ({k})" for k, v in mem.items()) + f" | {lp:.3g} |")
 PYEOF
 # the two-run overlay (reward, loss, KL, entropy, length, grad norm): the curves lie on top of each other
-case $SET in one) PAIR="a b" ;; eight) PAIR="x1 x2" ;; full) PAIR="p1 p2" ;; *) PAIR="g h" ;; esac
+case $SET in one) PAIR="a b" ;; pipeline) PAIR="q1 q1b" ;; eight) PAIR="x1 x2" ;; full) PAIR="p1 p2" ;; *) PAIR="g h" ;; esac
 PLOT_RUNS=$(for n in $PAIR; do [ -d "$W/$n" ] && echo "$W/$n"; done)
 if [ "$(echo "$PLOT_RUNS" | wc -w)" -eq 2 ]; then  # GRPO_ONLY may have left one of the pair out
   $PY -m rlrepro.cli plot $PLOT_RUNS --out "$R/plots" > /dev/null 2>&1 || log "plot failed"

@@ -116,6 +116,7 @@ class PipelineSteps:
         t.add("reward", times.get("reward", 0.0))
         t.add("train", train_s)
         gen_s = times.get("rollout", 0.0) + times.get("reward", 0.0)
-        gen_metrics = dict(gen_metrics, **{"perf/overlap_s": max(0.0, gen_s + train_s - wall),
-                                           "perf/pipeline_wall_s": wall})
+        overlap = max(0.0, gen_s + train_s - wall)
+        t.times["overlap"] = overlap  # perf/step_time_s counts it once (rlrepro.orchestration.runlog)
+        gen_metrics = dict(gen_metrics, **{"perf/overlap_s": overlap, "perf/pipeline_wall_s": wall})
         return samples, penalties, errors, gen_metrics, train_metrics

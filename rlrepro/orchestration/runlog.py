@@ -42,7 +42,8 @@ def step_metrics(step: int, samples: list[Sample], train_metrics: dict, times: d
         "perf/rollout_s": rollout_s, "perf/reward_s": times["reward"], "perf/train_s": train_s,
         "perf/sync_s": times["sync"],
         "perf/rollout_tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),
-        "perf/step_time_s": sum(times.values()),
+        # a pipelined step (rollout.max_staleness) generated and trained at once: its "overlap" is counted once
+        "perf/step_time_s": sum(v for k, v in times.items() if k != "overlap") - times.get("overlap", 0.0),
         "perf/rollout_worker_restarts": restarts,
         "perf/train_tokens_per_s": sum(s.num_tokens for s in samples) / max(train_s, 1e-9),
     })
