@@ -69,6 +69,10 @@ add_step bench_engine_64 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --
 # their median (transformers' rate moves by ~25 % between runs)
 add_step bench_engine_repeat 420 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --repeat 3 --json "$OUT/bench_engine_repeat.json"'
 add_step probe_decode_loop 200 '$PY benchmarks/probe_decode_loop.py'
+# multi-turn episodes against single-turn requests on one engine (issue #24): the 36-layer Qwen3-8B shape, 64
+# episodes x 3 turns x 128 tokens with 32-token observations, the python-sandbox tool, ratios in one run.
+# tests/test_episodes.py is not run here: its fixtures build the tiny model on the CPU only (no device argument)
+add_step episodes 420 '$PY benchmarks/bench_episodes.py --qwen3-8b-shape --json "$OUT/bench_episodes.json" ${EPISODES_BENCH_ARGS:-}'
 add_step profile_engine 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --output-len 128 --no-hf --modes deterministic --profile 20'
 
 

@@ -74,6 +74,17 @@ def test_every_recipe_composes():
         compose_config(["recipe=grpo_qwen3_8b"])
 
 
+@pytest.mark.parametrize("recipe", ["grpo_qwen3_8b", "grpo_qwen3_8b_tool"])
+def test_gpu_recipes_need_a_model_path_and_compose_with_one(recipe, tmp_path):
+    with pytest.raises(ConfigError, match="model.path"):
+        compose_config([f"recipe={recipe}"])
+    cfg = compose_config([f"recipe={recipe}", f"model.path={tmp_path}", f"data.source={tmp_path / 'math.jsonl'}"])
+    assert cfg.recipe == recipe and cfg.run.device == "cuda" and cfg.data.use_chat_template
+    if recipe == "grpo_qwen3_8b_tool":  # multi-turn math with the Python sandbox in Qwen3's tool-call format
+        assert (cfg.env.name, list(cfg.env.tools), cfg.env.tool_format) == ("tool", ["python"], "qwen3")
+        assert cfg.env.max_episode_tokens <= cfg.rollout.max_model_len
+
+
 def test_bad_data_set_names_row_and_field(tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "copy: ab=", "answer": "ab"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
