@@ -229,7 +229,7 @@ def run_mode(name, engine, tok, args, prompts, records, specs, reward_fn):
                  env_seconds=sum(r.metrics.get("tool_seconds", 0.0) for r in results),
                  turns_mean=m["episodes/turns_mean"],
                  obs_tokens_mean=statistics.fmean(obs) if obs else 0.0,
-                 prefix_hit_rate_later_turns=m["episodes/prefix_hit_rate_later_turns"],
+                 prefix_hit_rate_later_turns=m["perf/prefix_hit_rate_later_turns"],
                  prefix_hit_rate_of_reusable=cached / reusable if reusable else 0.0,
                  later_turn_prompt_tokens=prompt, later_turn_cached_tokens=cached, later_turn_reusable_tokens=reusable)
     return stats, results

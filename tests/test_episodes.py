@@ -256,9 +256,9 @@ def test_prefix_cache_hits_on_later_turns(model, tok):
         assert all(c > 0 for c in m["turn_cached_tokens"][1:])
         assert m["prompt_tokens"] == sum(m["turn_prompt_tokens"])
     stats = episode_metrics(results)
-    assert 0 < stats["episodes/prefix_hit_rate_later_turns"] <= 1 and stats["episodes/turns_mean"] == 3
+    assert 0 < stats["perf/prefix_hit_rate_later_turns"] <= 1 and stats["episodes/turns_mean"] == 3
     off = run(model, tok, spec(kwargs={"turns": 3}, max_turns=3), reqs, engine_kw=dict(enable_prefix_cache=False))
-    assert off == results and episode_metrics(off)["episodes/prefix_hit_rate"] == 0
+    assert off == results and episode_metrics(off)["perf/prefix_hit_rate"] == 0
 
 
 @pytest.mark.parametrize("chat", [True, False])

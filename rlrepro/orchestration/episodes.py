@@ -298,6 +298,6 @@ def episode_metrics(results: list[EpisodeResult]) -> dict[str, float]:
     prompt = sum(r.metrics.get("prompt_tokens", 0) for r in results)
     cached = sum(r.metrics.get("cached_tokens", 0) for r in results)
     return {"episodes/turns_mean": sum(r.num_turns for r in results) / n,
-            "episodes/prefix_hit_rate": cached / prompt if prompt else 0.0,
-            "episodes/prefix_hit_rate_later_turns": later_cached / later_prompt if later_prompt else 0.0,
+            "perf/prefix_hit_rate": cached / prompt if prompt else 0.0,
+            "perf/prefix_hit_rate_later_turns": later_cached / later_prompt if later_prompt else 0.0,
             "perf/tool_seconds": sum(r.metrics.get("tool_seconds", 0.0) for r in results)}
