@@ -43,6 +43,8 @@ add_step gpu_tests 300 'kit && $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU
 add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'
 add_step grpo 560 'kit && GRPO_SET=one bash scripts/gpu_grpo.sh'
 add_step grpo_two 560 'kit && GRPO_SET=two bash scripts/gpu_grpo.sh'
+# rollout.max_staleness K=0, 1, 2 on one GPU (issue #25): step and phase times, K=1 runs diffed
+add_step pipeline 560 'kit && GRPO_SET=pipeline bash scripts/gpu_grpo.sh'
 # nvidia-h200-x2: the whole 36-layer model through rlrepro train (megatron TP=2, 2 colocated engines, CUDA IPC)
 add_step grpo_full 590 'kit && GRPO_SET=full GRPO_LAYERS=36 GRPO_STEPS=${GRPO_STEPS:-3} bash scripts/gpu_grpo.sh'
 # nvidia-h200-x8 only: the recipe's layout, the full 36 layers, then 2 layers to compare with grpo_two
