@@ -233,11 +233,11 @@ class TrainerWorker:
         return self.trainer.named_weights()
 
     def train_step(self, samples: list["Sample"], keep_previous: bool = False) -> dict:
-        """One update. ``keep_previous``: keep a CPU copy of the weights from before it (and their version) for
-        :meth:`weights_of_version`, until the next call."""
+        """One update. ``keep_previous``: keep a host copy of the weights from before it (and their version) for
+        :meth:`weights_of_version`, until the next call (:meth:`_snapshot_weights`)."""
         from rlrepro.trainer.flops import peak_flops, train_flops
 
-        self._previous = (self.trainer.step, self.get_weights()) if keep_previous else None
+        self._previous = (self.trainer.step, self._snapshot_weights()) if keep_previous else None
 
         with self._kernels.mode(self.kernel_mode):
             metrics = self.trainer.train_step(samples)
@@ -270,6 +270,36 @@ class TrainerWorker:
     def get_weights(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().to("cpu", copy=True) for name, t in self._weights()}
 
+    def _snapshot_weights(self) -> dict[str, torch.Tensor]:
+        """The weights as they are now, kept through the coming update. megatron: the gathered copy of this step
+        (the update does not write it). CUDA: device -> pinned host copies on a side stream, overlapped with the
+        step's forward and backward passes, which only read the weights; the first optimizer update waits for
+        them (``Trainer.before_update``). CPU: a copy."""
+        if self.backend == "megatron":
+            return dict(self._full_weights)
+        if self.device != "cuda":
+            return self.get_weights()
+        named = [(n, t.detach()) for n, t in self._weights()]
+        pinned = getattr(self, "_pinned", None)
+        if pinned is None or [n for n, _ in named] != list(pinned):
+            pinned = self._pinned = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for n, t in named}
+        stream = getattr(self, "_copy_stream", None) or torch.cuda.Stream()
+        self._copy_stream = stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for n, t in named:
+                pinned[n].copy_(t, non_blocking=True)
+        done = stream.record_event()
+        trainer = self.trainer
+
+        def wait() -> None:  # before the update may write the weights; once
+            torch.cuda.current_stream().wait_event(done)
+            trainer.before_update = None
+
+        trainer.before_update = wait
+        self._snapshot_done = done
+        return pinned
+
     def weights_of_version(self, version: int) -> dict[str, torch.Tensor]:
         """The weights of ``version`` (the step after which they were current): the current ones, or those from
         before the last update when train_step kept them. Whatever order this call and a train_step run in, the
@@ -278,7 +308,10 @@ class TrainerWorker:
             return self.get_weights()
         previous = getattr(self, "_previous", None)
         if previous is not None and previous[0] == version:
-            return previous[1]
+            done = getattr(self, "_snapshot_done", None)
+            if done is not None:
+                done.synchronize()  # the host copies are complete
+            return previous[1]  # serialized as the call returns (the pinned buffers are reused next step)
         held = [self.trainer.step] + ([previous[0]] if previous is not None else [])
         raise RuntimeError(f"the trainer holds the weights of version(s) {held}, not {version}")
 

@@ -21,7 +21,7 @@ and out of everything else; without one (or with all ones) the step's arithmetic
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,6 +172,9 @@ class Trainer:
             model.to(param_dtype)
         self.model = model
         self.ref_model = ref_model
+        # called once before the step's first optimizer update (weights still those of the step before): the
+        # pipelined driver's weight snapshot waits there for its copy (rlrepro.orchestration.workers)
+        self.before_update: Callable[[], None] | None = None
         if ref_model is not None:
             ref_model.requires_grad_(False)
         optim_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.adam_eps, weight_decay=config.weight_decay,
@@ -410,6 +413,8 @@ class Trainer:
                 losses, norms, skipped = [loss_sum], [norm], True
                 metric_sums = [0.0] * 5
                 break
+            if self.before_update is not None and epoch == 0:
+                self.before_update()
             self.optimizer.step()
             losses.append(loss_sum)
             norms.append(norm)
