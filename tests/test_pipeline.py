@@ -168,3 +168,19 @@ def test_the_trainer_keeps_the_weights_from_before_the_update(tmp_path, device):
         assert all(torch.equal(now[n], after[n]) for n in after)
         with pytest.raises(RuntimeError, match="not 5"):
             w.weights_of_version(5)
+
+
+@pytest.mark.slow
+def test_resume_at_every_step_of_a_pipelined_run(tmp_path):
+    """K=1 with a checkpoint after every step: stopped after step 1, 2 and 3 (each checkpoint holds the batch
+    generated ahead) and resumed, each run ends identical to the uninterrupted one."""
+    from rlrepro.orchestration import GRPODriver
+
+    args = [*E2E, "train.steps=4", "checkpoint.every=1", "rollout.max_staleness=1", "train.decoupled=true",
+            "train.is_correction=tis"]
+    assert main(["train", *args, f"run.dir={tmp_path / 'a'}"]) == 0
+    for stop in (1, 2, 3):
+        r = tmp_path / f"r{stop}"
+        GRPODriver(compose_config([*args, f"run.dir={r}"])).run(last_step=stop)
+        assert main(["train", *args, f"run.dir={r}", "run.resume=true"]) == 0
+        assert main(["diff", "--strict", str(tmp_path / "a"), str(r)]) == 0, stop
