@@ -49,7 +49,11 @@ def test_pinned_records():
         "add": [("add-s7:0", "5+5=", "10"), ("add-s7:1", "3+9=", "12"), ("add-s7:2", "9+19=", "28")],
         "first_letter": [("first_letter-s7:0", "first: znwj=", "z"), ("first_letter-s7:1", "first: ct=", "c"),
                          ("first_letter-s7:2", "first: k=", "k")],
+        "multiply": [("multiply-s7:0", "578*284=", "164152"), ("multiply-s7:1", "779*359=", "279661"),
+                     ("multiply-s7:2", "695*524=", "364180")],
     }
+    assert [(r.prompt, r.answer) for r in make_synthetic_records("multiply", 2, 7, digits=2)] \
+        == [("57*28=", "1596"), ("77*35=", "2695")]
     assert [(r.prompt, r.answer) for r in make_synthetic_records("copy", 3, 7, min_len=2, max_len=3, alphabet="xy")] \
         == [("copy: yyy=", "yyy"), ("copy: yyx=", "yyx"), ("copy: xx=", "xx")]
     assert [(r.prompt, r.answer) for r in make_synthetic_records("add", 3, 7, max_value=99)] \
@@ -58,11 +62,11 @@ def test_pinned_records():
 
 @pytest.mark.parametrize("kind", sorted(SYNTHETIC_KINDS))
 def test_tasks_are_correct_pure_and_in_vocabulary(kind):
-    recs = make_synthetic_records(kind, 200, seed=11, **({} if kind == "add" else {"min_len": 2, "max_len": 6}))
-    assert recs == make_synthetic_records(kind, 200, seed=11, **({} if kind == "add" else {"min_len": 2, "max_len": 6}))
-    options = {} if kind == "add" else {"min_len": 2, "max_len": 6}
+    options = {} if kind in ("add", "multiply") else {"min_len": 2, "max_len": 6}
+    recs = make_synthetic_records(kind, 200, seed=11, **options)
+    assert recs == make_synthetic_records(kind, 200, seed=11, **options)
     assert recs[:50] == make_synthetic_records(kind, 50, seed=11, **options)
-    assert recs != make_synthetic_records(kind, 200, seed=12, **({} if kind == "add" else {"min_len": 2, "max_len": 6}))
+    assert recs != make_synthetic_records(kind, 200, seed=12, **options)
     assert len({r.uid for r in recs}) == 200
     for r in recs:
         assert set(r.prompt + r.answer) <= set(SYNTHETIC_CHARSET)
@@ -71,6 +75,9 @@ def test_tasks_are_correct_pure_and_in_vocabulary(kind):
         if kind == "add":
             a, b = map(int, body.split("+"))
             assert 0 <= a <= 20 and 0 <= b <= 20 and r.answer == str(a + b)
+        elif kind == "multiply":
+            a, b = map(int, body.split("*"))
+            assert 100 <= a <= 999 and 100 <= b <= 999 and r.answer == str(a * b)
         else:
             assert 2 <= len(body) <= 6
             assert r.answer == {"copy": body, "reverse": body[::-1], "first_letter": body[0]}[kind]
