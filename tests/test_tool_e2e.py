@@ -89,3 +89,43 @@ def test_the_single_turn_environment_is_the_single_turn_path(tmp_path):
     for step in (1, 2):
         a, b = _rollouts(tmp_path / "plain", step), _rollouts(tmp_path / "env", step)
         assert b == a  # every record field: tokens, logprobs, rewards, advantages, texts, finish reasons
+
+
+def test_a_users_environment_and_reward_module_import_in_the_rollout_workers(tmp_path, monkeypatch):
+    """env.fn and reward.fn from a module in a directory only the driver has on its path: the workers import it
+    too (the driver names the directory, the workers append it to their sys.path), and it runs multi-turn."""
+    pkg = tmp_path / "userland"
+    pkg.mkdir()
+    (pkg / "my_tool_task.py").write_text("""
+from rlrepro.envs import Environment, EnvReset, StepResult
+
+
+class TwoTurns(Environment):
+    def __init__(self, record):
+        self.record, self.turns = record, 0
+
+    def reset(self):
+        return EnvReset(prompt=self.record.prompt)
+
+    def step(self, text):
+        self.turns += 1
+        if self.turns == 1:
+            return StepResult(messages=[{"role": "tool", "content": "[= " + self.record.answer + "]"}])
+        return StepResult(done=True, reward=float(text.strip() == self.record.answer))
+
+
+def factory(record, seed, *, config, reward_fn):
+    return TwoTurns(record)
+
+
+def reward(completion, record):
+    return float(completion.strip() == record.answer)
+""")
+    monkeypatch.syspath_prepend(str(pkg))
+    from rlrepro.orchestration.import_path import module_dirs
+
+    assert module_dirs(["my_tool_task:reward", "exact_match", None, "my_tool_task:factory"]) == [str(pkg)]
+    run = tmp_path / "run"
+    assert main(["train", *BASE, "train.steps=1", "checkpoint.every=0", "warm_start.steps=0", "env.name=null",
+                 "env.fn=my_tool_task:factory", "reward.fn=my_tool_task:reward", f"run.dir={run}"]) == 0
+    assert _metrics(run)[0]["episodes/turns_mean"] == 2.0

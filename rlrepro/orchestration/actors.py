@@ -183,7 +183,8 @@ class ActorGroup:
         return [(req.key, out) for i in sorted(results) for req, out in zip(parts[i], results[i])]
 
     def run_episodes(self, requests: list, env_config, reward_fn_spec: str, *, max_tokens: int | None = None,
-                     use_chat_template: bool = True, tool_threads: int = 2, reward_on_error: str = "raise") -> list:
+                     use_chat_template: bool = True, tool_threads: int = 2, reward_on_error: str = "raise",
+                     import_dirs: list[str] | None = None) -> list:
         """Multi-turn episodes (:class:`~.episodes.EpisodeRequest` objects), dealt to workers by position as
         :meth:`generate` deals requests; returns the :class:`~.episodes.EpisodeResult` objects sorted by key. A
         worker that dies is replaced and its episodes re-run from their keys (an episode is a pure function of its
@@ -193,7 +194,7 @@ class ActorGroup:
         parts = {i: requests[i::nw] for i in range(nw) if requests[i::nw]}
         self._restarts_in_step = 0
         self._before("generate", self.weight_version + 1)
-        args = (env_config, reward_fn_spec, max_tokens, use_chat_template, tool_threads, reward_on_error)
+        args = (env_config, reward_fn_spec, max_tokens, use_chat_template, tool_threads, reward_on_error, import_dirs)
         calls = {i: self._call(i, "run_episodes", part, *args) for i, part in parts.items()}
         results = self._gather(calls, lambda i: self._call(i, "run_episodes", parts[i], *args), "run_episodes",
                                self.weight_version)

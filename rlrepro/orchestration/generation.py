@@ -211,11 +211,13 @@ class GenerationSteps:
         samples in key order with ``loss_mask``, ``turns`` and the episode's reward; the batch's episode metrics
         (turns, finish reasons, prefix-cache hit rate across turns, tool seconds) into ``_episode_metrics``."""
         from .episodes import episode_metrics
+        from .import_path import module_dirs
 
         cfg = self.cfg
         results = self.actors.run_episodes(self.episode_requests(step, batch, bases), cfg.env, cfg.reward.fn,
                                            use_chat_template=cfg.data.use_chat_template,
-                                           tool_threads=cfg.env.tool_threads, reward_on_error=cfg.reward.on_error)
+                                           tool_threads=cfg.env.tool_threads, reward_on_error=cfg.reward.on_error,
+                                           import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]))
         metrics = episode_metrics(results)
         n = len(results)
         for reason in sorted({r.finish_reason for r in results}):

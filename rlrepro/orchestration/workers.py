@@ -79,7 +79,8 @@ class RolloutWorker:
 
     def run_episodes(self, requests: list["EpisodeRequest"], env_config: "EnvConfig", reward_fn_spec: str,
                      max_tokens: int | None = None, use_chat_template: bool = True,
-                     tool_threads: int = 2, reward_on_error: str = "raise") -> list["EpisodeResult"]:
+                     tool_threads: int = 2, reward_on_error: str = "raise",
+                     import_dirs: list[str] | None = None) -> list["EpisodeResult"]:
         """Multi-turn episodes on this engine (:func:`.episodes.run_episodes`), results in key order. The
         environment (``env_config`` with the reward ``reward_fn_spec``, loaded as the driver loads ``reward.fn``)
         and the tokenizer of the model directory are built on the first call and kept. ``use_chat_template``:
@@ -96,6 +97,9 @@ class RolloutWorker:
             self._tokenizer = load_tokenizer(self.model_dir)
         key = (repr(env_config), reward_fn_spec, reward_on_error)
         if key not in self._env_specs:  # the reward with reward.on_error's checks and policy, as the driver's
+            from .import_path import append_to_path
+
+            append_to_path(import_dirs)  # where the driver found reward.fn's and env.fn's modules, last
             from rlrepro.data import load_reward_fn, reward_with_policy
             from rlrepro.envs import load_env
 
