@@ -102,7 +102,7 @@ class FaultyTrainerWorker(TrainerWorker):
         super().__init__(*args, **kwargs)
         self.fault_plan = fault_plan
 
-    def train_step(self, samples: list[dict]) -> dict:
+    def train_step(self, samples: list[dict], keep_previous: bool = False) -> dict:
         import torch
 
         step = self.trainer.step + 1
@@ -111,7 +111,7 @@ class FaultyTrainerWorker(TrainerWorker):
             param = next(p for _, p in sorted(self.model.named_parameters()) if p.requires_grad)
             handle = param.register_hook(lambda g: torch.full_like(g, float("nan")))
         try:
-            return super().train_step(samples)
+            return super().train_step(samples, keep_previous=keep_previous)
         finally:
             if handle is not None:
                 handle.remove()
