@@ -319,6 +319,9 @@ def test_ctrl_c_or_sigterm_stops_cleanly_and_resume_is_identical(ref, tmp_path, 
     run = tmp_path / "run"
     env = dict(os.environ)
     env.pop("RLREPRO_FAULTS", None)
+    # steps of ~0.1 s: without wall-clock time in each step the run could end before this process reads the
+    # line and signals (it did on a loaded CI machine); the delays cannot change a bit (inputs: informational)
+    env["RLREPRO_TEST_DELAYS"] = "3:3.0"
     p = subprocess.Popen([sys.executable, "-m", "rlrepro.cli", "train", *BASE, f"run.dir={run}",
                           "logger.progress=true"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)

@@ -26,7 +26,7 @@ from . import preflight
 from .actors import ActorGroup
 from .config import ConfigError, RunSchema, to_schema, uses_episodes, validate_model_layout
 from .generation import GenerationSteps, _Timer, shaped_penalties
-from .pipeline import PipelineSteps, pending_from_state, pending_to_state
+from .pipeline import PipelineSteps, pending_from_state, pending_to_state, test_delay
 from .errors import RunFailed, RunInterrupted, describe, is_actor_death, unwrap
 from .run_lock import RunLock
 from .runlog import RunLog, perf_memory_metrics, step_metrics
@@ -146,6 +146,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         else:
             samples, penalties, num_reward_errors, round_metrics = self.collect(step, t)
             self.compute_advantages(samples)
+            test_delay("train", step)  # RLREPRO_TEST_DELAYS only (tests): wall-clock time that must change nothing
             train_metrics = self.train(step, samples)
             t("train")
         weights_digest = self.actors.sync_weights(version=step)

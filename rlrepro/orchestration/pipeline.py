@@ -62,10 +62,12 @@ def pending_from_state(state: dict | None) -> dict:
                         dict(b["metrics"])) for step, b in (state or {}).items()}
 
 
-def _test_delay(what: str, step: int) -> None:
-    seed = os.environ.get(DELAYS_ENV, "").strip()
-    if seed:
-        time.sleep(random.Random(f"{seed}:{what}:{step}").uniform(0.0, 0.4))
+def test_delay(what: str, step: int) -> None:
+    """``RLREPRO_TEST_DELAYS=SEED[:MAX_S]`` (tests only): sleep a seeded-random 0..MAX_S (default 0.4) seconds."""
+    value = os.environ.get(DELAYS_ENV, "").strip()
+    if value:
+        seed, _, top = value.partition(":")
+        time.sleep(random.Random(f"{seed}:{what}:{step}").uniform(0.0, float(top or 0.4)))
 
 
 class PipelineSteps:
@@ -91,7 +93,7 @@ class PipelineSteps:
 
         def generate_ahead() -> None:
             try:
-                _test_delay("generate", step)
+                test_delay("generate", step)
                 ahead["batch"] = self._timed_collect(step + k)
             except BaseException as e:  # noqa: BLE001 - re-raised in the driver's thread
                 ahead["error"] = e
@@ -100,7 +102,7 @@ class PipelineSteps:
         thread = threading.Thread(target=generate_ahead, name=f"rlrepro-generate-step-{step + k}", daemon=True)
         thread.start()
         try:
-            _test_delay("train", step)
+            test_delay("train", step)
             self.compute_advantages(samples)
             train_s0 = time.perf_counter()
             train_metrics = self.train(step, samples)
