@@ -18,7 +18,7 @@ one trains, with no regeneration and no behaviour weights to keep (docs/RELIABIL
 run are generated and never trained (the run could be extended with more steps on resume).
 
 With K > 0 the rollout logprobs are the behaviour policy's: use ``train.decoupled`` / ``train.is_correction``
-(docs/TRAINER.md) to correct for it. ``RLREPRO_TEST_DELAYS=<seed>`` (tests only) sleeps a seeded-random wall-clock
+(docs/TRAINER.md) to correct for it. ``RLREPRO_TEST_DELAYS=SEED[:MAX_S]`` (tests only) sleeps a seeded-random wall-clock
 time in the generation thread and before training, to show that timing never reaches the bits.
 """
 from __future__ import annotations
