@@ -312,6 +312,15 @@ def test_run_killed_at_random_moments_resumes_identical(ref, tmp_path, seed):
     record(test="driver_sigkill_random", seed=seed, kills=kills, starts=cycle + 1, at=where, identical=True)
 
 
+def _terminal_signals() -> None:
+    """In the child before exec: SIGINT and SIGTERM as a terminal gives them (default, unblocked). A process
+    inherits an ignored or blocked SIGINT from its parent, and after the tests before this one the pytest process
+    had one: the child then never saw the signal (rc 0 on CI)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_cleanly_and_resume_is_identical(ref, tmp_path, sig):
     """Ctrl-C (SIGINT) or SIGTERM during the step loop: no traceback, exit 130, the message names the
@@ -324,7 +333,7 @@ def test_ctrl_c_or_sigterm_stops_cleanly_and_resume_is_identical(ref, tmp_path, 
     env["RLREPRO_TEST_DELAYS"] = "3:3.0"
     p = subprocess.Popen([sys.executable, "-m", "rlrepro.cli", "train", *BASE, f"run.dir={run}",
                           "logger.progress=true"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+                         text=True, start_new_session=True, preexec_fn=_terminal_signals)
     lines = []
     try:
         for line in p.stderr:
