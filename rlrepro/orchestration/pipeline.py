@@ -38,11 +38,6 @@ __all__ = ["PipelineSteps", "pending_to_state", "pending_from_state"]
 DELAYS_ENV = "RLREPRO_TEST_DELAYS"
 
 
-def _sample_state(s: Sample) -> dict:
-    d = dataclasses.asdict(s)
-    return d
-
-
 def _sample_from_state(d: dict) -> Sample:
     d = dict(d)
     if d.get("turns") is not None:
@@ -53,7 +48,7 @@ def _sample_from_state(d: dict) -> Sample:
 def pending_to_state(pending: dict) -> dict:
     """The batches generated ahead as plain Python (what ``extra_state.pt`` keeps): {step: {samples, penalties,
     reward_errors, metrics}}."""
-    return {int(step): {"samples": [_sample_state(s) for s in b[0]], "penalties": b[1], "reward_errors": b[2],
+    return {int(step): {"samples": [dataclasses.asdict(s) for s in b[0]], "penalties": b[1], "reward_errors": b[2],
                         "metrics": dict(b[3])} for step, b in pending.items()}
 
 
