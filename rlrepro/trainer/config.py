@@ -94,6 +94,15 @@ class TrainConfig:
     # mis only: the lower bound (0 <= it < 1; 0 = none, the Seq-MIS of Liu, Li et al. 2025); null = 1/mis_threshold
     # (verl's rollout_rs_threshold_lower default)
     mis_threshold_lower: Optional[float] = None
+    # the same bits on any layout (issue #26; docs/TRAINER.md, "Layout invariance"): the micro-batch gradients and
+    # the loss/metric sums are combined in one tree fixed by the number of micro-batches (any train.num_gpus), and
+    # row-/column-parallel reductions are computed as train.tp_partials fixed pieces (any train.tensor_parallel
+    # that divides it). false: today's rank-order sums, whose bits depend on the layout
+    layout_invariant: bool = False
+    # layout_invariant only: the K-partials of every row-parallel product (and N-shards of every column-parallel
+    # one) whatever TP computes them; a multiple of every train.tensor_parallel the run may use (e.g. 8). 1: plain
+    # products (TP=1 only)
+    tp_partials: int = 1
 
     def __post_init__(self) -> None:
         c = Checker(self)
@@ -130,6 +139,33 @@ class TrainConfig:
                   "(megatron-core's DistributedDataParallel and optimizer) needs train.backend=megatron; set "
                   "train.backend=megatron or train.grad_sync=ordered")
         self._check_off_policy_correction(c)
+        self._check_layout_invariance(c)
+
+    def _check_layout_invariance(self, c: Checker) -> None:
+        c.boolean("layout_invariant")
+        c.positive_int("tp_partials")
+        c.require(self.tp_partials == 1 or self.layout_invariant, "tp_partials",
+                  "changes nothing with train.layout_invariant=false; set train.layout_invariant=true or leave "
+                  "train.tp_partials=1")
+        if not self.layout_invariant:
+            return
+        tp = self.tensor_parallel if self.backend == "megatron" else 1
+        c.require(self.tp_partials % tp == 0, "tp_partials",
+                  f"is not a multiple of train.tensor_parallel={tp}: with train.layout_invariant=true every "
+                  "tensor-parallel rank computes train.tp_partials / train.tensor_parallel of the fixed pieces; "
+                  f"set train.tp_partials to a multiple of every TP size the run may use (e.g. "
+                  f"train.tp_partials={max(8, tp)}) or train.tensor_parallel to a divisor of it")
+        c.require(self.grad_sync == "ordered", "grad_sync",
+                  "sums the gradients in NCCL's order, which depends on the layout; train.layout_invariant=true "
+                  "needs train.grad_sync=ordered (or set train.layout_invariant=false)")
+
+    @property
+    def engine_tp_emulation(self) -> int:
+        """The tensor-parallel split the rollout engines emulate so that their logprobs are the trainer's bits:
+        ``tp_partials`` with ``layout_invariant``, else ``tensor_parallel`` on the megatron backend, else 1."""
+        if self.layout_invariant:
+            return self.tp_partials
+        return self.tensor_parallel if self.backend == "megatron" else 1
 
     def _check_off_policy_correction(self, c: Checker) -> None:
         c.boolean("decoupled")

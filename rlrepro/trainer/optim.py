@@ -88,6 +88,24 @@ class MasterWeightAdamW:
                 m.grad.add_(p.grad)  # promotes to float32 elementwise (exact), without a float32 temporary
             p.grad = None
 
+    @torch.no_grad()
+    def take_grads(self) -> list[torch.Tensor | None]:
+        """The model's grads of the last backward as float32 tensors in name order (None: no grad), cleared from the
+        parameters: one micro-batch's gradient, a leaf of the layout-invariant tree sum (``train.layout_invariant``;
+        :mod:`rlrepro.trainer.tree_sum`). Use it instead of :meth:`accumulate_grads`, with :meth:`set_grads`."""
+        out = []
+        for p in self.params:
+            g = p.grad
+            out.append(None if g is None else g.float())  # float32 grads: the tensor itself (this call owns it)
+            p.grad = None
+        return out
+
+    def set_grads(self, grads: list[torch.Tensor]) -> None:
+        """Make ``grads`` (float32, name order, one per parameter) the step's gradients (what :meth:`grads` returns)."""
+        for p, m, g in zip(self.params, self.masters, grads):
+            p.grad = None
+            m.grad = g
+
     def grads(self) -> list[torch.Tensor]:
         """The float32 master grads in name order; a parameter without a grad gets zeros (so every rank and every
         step updates the same set of tensors)."""
@@ -250,6 +268,11 @@ class ShardedMasterWeightAdamW(MasterWeightAdamW):
             else:
                 acc.add_(p.grad)
             p.grad = None
+
+    def set_grads(self, grads: list[torch.Tensor]) -> None:
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            p.grad = None
+            self._set_grad(i, g)
 
     def grads(self) -> list[torch.Tensor]:
         """The float32 grads of **every** parameter in name order (owned or not); zeros where there is none."""

@@ -30,6 +30,7 @@ import torch
 from .checkpoint import (StateHolder, capture_rng_state, checkpoint_dir_name, load_checkpoint,
                          save_checkpoint, write_on_one_rank)
 from .data_parallel import DataParallel
+from .tree_sum import GradTree, owned_leaves, tree_sum_floats
 from .logprobs import logprobs_and_entropy, token_logprobs
 from .config import TrainConfig
 from .losses import behaviour_weights, pad_sequences, policy_loss
@@ -180,6 +181,9 @@ class Trainer:
         optim_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.adam_eps, weight_decay=config.weight_decay,
                             master_init=master_init)
         self.distributed_optimizer = bool(distributed_optimizer) and data_parallel is not None
+        # train.layout_invariant: micro-batch grads and float sums combined in one tree fixed by the number of
+        # micro-batches (rlrepro.trainer.tree_sum), so the step's bits do not depend on the number of ranks
+        self.layout_invariant = bool(config.layout_invariant)
         self.optimizer = self._make_optimizer(model, **optim_kwargs)
         self.scheduler = WarmupCosineLR(self.optimizer, base_lr=config.lr, warmup_steps=config.schedule_warmup_steps,
                                         total_steps=config.steps, min_lr_ratio=config.min_lr_ratio)
@@ -220,11 +224,19 @@ class Trainer:
         for name, p in sorted(self.model.named_parameters(), key=lambda kv: kv[0]):
             yield name, p.detach()
 
+    def _my_leaves(self, num_micro_batches: int) -> list[int]:
+        """The micro-batches this rank computes: all without data parallel; else round robin (``k % world``), or
+        with ``train.layout_invariant`` the contiguous leaves of this rank's subtrees (:mod:`.tree_sum`)."""
+        dp = self.data_parallel
+        if dp is None:
+            return list(range(num_micro_batches))
+        if self.layout_invariant:
+            return owned_leaves(num_micro_batches, dp.world_size, dp.rank)
+        return dp.my_micro_batches(num_micro_batches)
+
     def _my_chunks(self, num_samples: int) -> list[range]:
         chunks = micro_batches(num_samples, self.config.micro_batch_size)
-        if self.data_parallel is None:
-            return chunks
-        return [chunks[k] for k in self.data_parallel.my_micro_batches(len(chunks))]
+        return [chunks[k] for k in self._my_leaves(len(chunks))]
 
     def _snapshot(self) -> tuple[dict, dict]:
         """Exact copies of the weights and the optimizer state (to undo earlier PPO epochs of a failed step)."""
@@ -250,7 +262,7 @@ class Trainer:
     def _reduce_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Turn this rank's accumulated float32 grads (name order) into the step's grads and return the tensors
         that clipping scales: with data parallel, the order-fixed sum over the replicas, in place."""
-        if self.data_parallel is not None:
+        if self.data_parallel is not None and not self.layout_invariant:  # layout_invariant: the tree did it
             self.data_parallel.sum_tensors_(grads)
         return grads
 
@@ -275,11 +287,12 @@ class Trainer:
                        sums[5] + weight.numel()]
         return bw.weight
 
-    def _off_policy_metrics(self, sums: list[float]) -> dict:
-        """``train/is_*`` and ``train/behaviour_proximal_kl`` over the step's trained tokens (all ranks)."""
+    def _off_policy_metrics(self, sums: list[float], reduced: bool = False) -> dict:
+        """``train/is_*`` and ``train/behaviour_proximal_kl`` over the step's trained tokens (all ranks; ``reduced``:
+        ``sums`` are already the step's, from the layout-invariant tree)."""
         dp = self.data_parallel
         w_sum, w_max, truncated, masked, kl_sum, n = sums
-        if dp is not None:
+        if dp is not None and not reduced:
             w_sum, truncated, masked, kl_sum, n = dp.sum_floats([w_sum, truncated, masked, kl_sum, n])
             w_max = dp.max_float(w_max)
         mean = (lambda v: v / n) if n else (lambda v: 0.0)
@@ -299,7 +312,10 @@ class Trainer:
             raise ValueError("train_step got an empty batch")
         dp = self.data_parallel
         device = self.model.device
+        num_chunks = len(micro_batches(len(batch), cfg.micro_batch_size))
+        leaf_ids = self._my_leaves(num_chunks)  # the global index of each of this rank's micro-batches
         chunks = self._my_chunks(len(batch))
+        invariant = self.layout_invariant
         num_tokens = sum(s.num_trained for s in batch)  # the loss's tokens: masked-out ones do not count
         num_seqs = len(batch)
         lr = self.scheduler.get_last_lr()
@@ -328,6 +344,7 @@ class Trainer:
         proximal: dict[int, torch.Tensor] = {}
         is_weights: dict[int, torch.Tensor] = {}
         is_sums = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        is_leaves: dict[int, list[float]] = {}  # layout_invariant: each micro-batch's is_sums, summed in the tree
         losses, norms = [], []
         metric_sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # pg*n, kl*n, clip_frac*n, entropy*n, n
         skipped = False
@@ -335,6 +352,8 @@ class Trainer:
             self.optimizer.zero_grad()
             loss_sum = 0.0
             sums = [0.0] * 5
+            tree = GradTree(num_chunks, dp) if invariant else None
+            leaf_floats: dict[int, list[float]] = {}  # layout_invariant: loss, pg*n, kl*n, clip_frac*n, entropy*n, n
             for k, chunk in enumerate(chunks):
                 part = [batch[i] for i in chunk]
                 if not any(s.num_trained for s in part):
@@ -370,7 +389,8 @@ class Trainer:
                 is_weight = None
                 if cfg.decoupled:
                     if epoch == 0:
-                        is_weights[k] = self._behaviour_weights(proximal[k], behaviour, mask, is_sums)
+                        leaf_is = is_leaves.setdefault(leaf_ids[k], [0.0] * 6) if invariant else is_sums
+                        is_weights[k] = self._behaviour_weights(proximal[k], behaviour, mask, leaf_is)
                     is_weight = is_weights[k]
                 adv = torch.tensor([s.advantage for s in part], dtype=torch.float32, device=device)
                 if cfg.advantage_clip:
@@ -382,10 +402,15 @@ class Trainer:
                                   dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef, mode=cfg.policy_loss,
                                   is_weight=is_weight)
                 out.loss.backward()
+                n = out.num_tokens
+                terms = (out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)
+                if invariant:  # this micro-batch's gradient and floats are a leaf of the step's tree
+                    tree.push(leaf_ids[k], self.optimizer.take_grads())
+                    leaf_floats[leaf_ids[k]] = [float(out.loss.detach()), *terms]
+                    continue
                 self.optimizer.accumulate_grads()
                 loss_sum += float(out.loss.detach())
-                n = out.num_tokens
-                for j, v in enumerate((out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)):
+                for j, v in enumerate(terms):
                     sums[j] += v
             if epoch == 0:  # the on-policy check over the trained tokens (one device->host transfer for the batch)
                 if rollout_all:
@@ -395,9 +420,15 @@ class Trainer:
                 current_all.clear()
                 rollout_all.clear()
                 trained_all.clear()
-            grads = self._reduce_grads(self.optimizer.grads())
-            if dp is not None:
-                loss_sum, *sums = dp.sum_floats([loss_sum, *sums])
+            if invariant:
+                grads = tree.finish(self.optimizer.params)
+                self.optimizer.set_grads(grads)
+                grads = self._reduce_grads(grads)
+                loss_sum, *sums = tree_sum_floats(leaf_floats, num_chunks, dp, width=6)
+            else:
+                grads = self._reduce_grads(self.optimizer.grads())
+                if dp is not None:
+                    loss_sum, *sums = dp.sum_floats([loss_sum, *sums])
             norm = clip_grad_norm_(grads, cfg.max_grad_norm, norm=self._grad_norm(grads))
             if not (math.isfinite(norm) and math.isfinite(loss_sum)):
                 self.optimizer.zero_grad()
@@ -426,7 +457,9 @@ class Trainer:
         mean = (lambda v: v / n) if n else (lambda v: 0.0)
         loss = sum(losses) / len(losses)
         grad_norm = sum(norms) / len(norms)
-        off_policy = self._off_policy_metrics(is_sums) if cfg.decoupled else {}
+        if cfg.decoupled and invariant:
+            is_sums = tree_sum_floats(is_leaves, num_chunks, dp, width=6, max_indices=(1,))
+        off_policy = self._off_policy_metrics(is_sums, reduced=invariant) if cfg.decoupled else {}
         return {
             "train/loss": loss,
             "train/pg_loss": mean(metric_sums[0]),

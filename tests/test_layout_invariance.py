@@ -1,0 +1,207 @@
+"""train.layout_invariant (issue #26): the tree sum alone, then the Trainer over 1, 2 and 4 gloo data-parallel ranks
+gives the same bits (metrics ==, weights torch.equal), a checkpoint written at DP=2 resumes at DP=1 into the
+uninterrupted run, and with the option off the layouts differ (the option is what holds)."""
+import pytest
+import torch
+
+from rlrepro.checks import ConfigError
+from rlrepro.model import tiny_model
+from rlrepro.trainer import DataParallel, TrainConfig, Trainer, token_logprobs
+from rlrepro.trainer.tree_sum import (GradTree, PairwiseStack, combine_grads, combine_level_order,
+                                      num_leaves_padded, num_subtrees, owned_leaves, owned_subtrees, tree_sum,
+                                      tree_sum_floats)
+
+from _dist import gloo_process_group, spawn_ranks
+
+# 9 samples in micro-batches of 2: 5 leaves (a tree of 8, 3 absent), one of them skipped (no completion tokens)
+CONFIG = dict(lr=3e-3, steps=4, micro_batch_size=2, ppo_epochs=2, clip_high=0.28, entropy_coef=0.01)
+STEPS = 2
+NUM_SAMPLES = 9
+
+
+# ------------------------------------------------------------------------------------------- the tree on its own
+
+def _leaves(num, absent=()):
+    g = torch.Generator().manual_seed(num)
+    return {k: [torch.randn(33, generator=g) * 10.0 ** (k % 7 - 3), None if k % 3 == 1 else torch.randn(2, 2)]
+            for k in range(num) if k not in absent}
+
+
+def _clone(leaf):
+    return None if leaf is None else [None if t is None else t.clone() for t in leaf]
+
+
+def _split_sum(leaves, num, world):
+    """What ``world`` ranks compute: each its subtrees with a PairwiseStack, the roots combined in tree order."""
+    width = num_leaves_padded(num) // num_subtrees(num, world)
+    roots = []
+    for rank in range(world):
+        mine = owned_leaves(num, world, rank)
+        for sub in owned_subtrees(num, world, rank):
+            stack = PairwiseStack(combine_grads)
+            for k in range(sub * width, (sub + 1) * width):
+                assert k >= num or k in mine
+                stack.push(_clone(leaves.get(k)))
+            roots.append(stack.result())
+    return combine_level_order(roots, combine_grads)
+
+
+@pytest.mark.parametrize("num", [1, 2, 5, 7, 8, 13])
+def test_tree_gives_the_same_bits_for_any_world_size_and_absent_leaves(num):
+    for absent in ((), (0,), (num - 1,), tuple(range(1, num, 2))):
+        leaves = _leaves(num, absent)
+        ref = tree_sum({k: _clone(v) for k, v in leaves.items()}, num, combine_grads)
+        for world in (1, 2, 3, 4, 8):
+            got = _split_sum(leaves, num, world)
+            if ref is None:  # every leaf absent
+                assert got is None
+                continue
+            for a, b in zip(ref, got):
+                assert (a is None and b is None) or torch.equal(a, b), (num, absent, world)
+    # leaf ranges: contiguous, disjoint, covering every leaf
+    for world in (1, 2, 3, 4):
+        ranges = [owned_leaves(num, world, r) for r in range(world)]
+        assert sum(ranges, []) == list(range(num))
+
+
+def test_absent_is_not_zero():
+    # -0.0 + 0.0 == +0.0: adding a zero leaf would change the bits; an absent leaf does not
+    leaves = {0: [torch.tensor([-0.0])]}
+    assert torch.equal(tree_sum(leaves, 2, combine_grads)[0], torch.tensor([-0.0]))
+    assert str(tree_sum(leaves, 2, combine_grads)[0].item()) == "-0.0"
+    assert tree_sum({}, 4, combine_grads) is None
+    assert tree_sum_floats({}, 3, width=2) == [0.0, 0.0]
+    assert tree_sum_floats({0: [1.0, 5.0], 2: [2.0, 3.0]}, 3, width=2, max_indices=(1,)) == [3.0, 5.0]
+
+
+def test_tree_shape_is_pairwise_not_sequential():
+    # ((a + b) + (c + d)) differs from (((a + b) + c) + d) here: the tree is the pairwise one
+    vals = [1e8, 1.0, -1e8, 1.0]
+    leaves = {k: [torch.tensor([v], dtype=torch.float32)] for k, v in enumerate(vals)}
+    assert float(tree_sum(leaves, 4, combine_grads)[0]) == float((torch.tensor(1e8) + 1.0) + (torch.tensor(-1e8) + 1.0))
+    assert tree_sum_floats({k: [v] for k, v in enumerate([0.1, 0.2, 0.3, 0.4])}, 4, width=1) == [(0.1 + 0.2) + (0.3 + 0.4)]
+
+
+def test_grad_tree_without_data_parallel_is_the_reference():
+    leaves = _leaves(6, absent=(2,))
+    tree = GradTree(6)
+    for k in range(6):
+        if k in leaves:
+            tree.push(k, _clone(leaves[k]))
+    like = [torch.empty(33), torch.empty(2, 2)]
+    got = tree.finish(like)
+    ref = tree_sum({k: _clone(v) for k, v in leaves.items()}, 6, combine_grads)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    with pytest.raises(ValueError, match="out of order"):
+        t = GradTree(3)
+        t.push(1, None)
+        t.push(0, None)
+
+
+# --------------------------------------------------------------------------------------------- configuration
+
+def test_config_names_the_value_and_the_fix():
+    TrainConfig(layout_invariant=True)
+    TrainConfig(layout_invariant=True, backend="megatron", tensor_parallel=2, tp_partials=8)
+    with pytest.raises(ConfigError, match=r"train.tp_partials=8 changes nothing with train.layout_invariant=false"):
+        TrainConfig(tp_partials=8)
+    with pytest.raises(ConfigError, match=r"train.tp_partials=2 is not a multiple of train.tensor_parallel=4.*"
+                                          r"train.tp_partials=8"):
+        TrainConfig(layout_invariant=True, backend="megatron", tensor_parallel=4, tp_partials=2)
+    with pytest.raises(ConfigError, match=r"train.grad_sync='megatron' .*needs train.grad_sync=ordered"):
+        TrainConfig(layout_invariant=True, backend="megatron", grad_sync="megatron")
+    with pytest.raises(ConfigError, match=r"train.layout_invariant"):
+        TrainConfig(layout_invariant="yes")
+    assert TrainConfig().engine_tp_emulation == 1
+    assert TrainConfig(backend="megatron", tensor_parallel=2).engine_tp_emulation == 2
+    assert TrainConfig(layout_invariant=True, backend="megatron", tensor_parallel=2,
+                       tp_partials=4).engine_tp_emulation == 4
+
+
+# ------------------------------------------------------------------------------------- the trainer over DP ranks
+
+def make_batch(model, step: int):
+    gen = torch.Generator().manual_seed(700 + step)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(vocab, (1 + i % 3,), generator=gen).tolist() for i in range(NUM_SAMPLES)]
+    completions = [torch.randint(vocab, (1 + (i * 5) % 6,), generator=gen).tolist() for i in range(NUM_SAMPLES)]
+    completions[4] = completions[5] = []  # micro-batch 2 has nothing to train: an absent leaf
+    with torch.no_grad():
+        lps = token_logprobs(model, prompts, completions)
+    return [dict(prompt_token_ids=p, completion_token_ids=c, rollout_logprobs=lp.tolist(), advantage=(-1.0) ** i)
+            for i, (p, c, lp) in enumerate(zip(prompts, completions, lps))]
+
+
+def _result(trainer, metrics):
+    return {"weights": {n: w.clone() for n, w in trainer.named_weights()}, "metrics": metrics}
+
+
+def train(invariant: bool, data_parallel=None, steps=STEPS, resume_from=None, save_to=None, **extra):
+    model = tiny_model(seed=1)
+    config = TrainConfig(**CONFIG, layout_invariant=invariant, **extra)
+    trainer = Trainer(model, config, data_parallel=data_parallel)
+    start = 0
+    if resume_from is not None:
+        trainer.load_checkpoint(resume_from)
+        start = trainer.step
+    metrics = [trainer.train_step(make_batch(model, s)) for s in range(start, steps)]
+    if save_to is not None:
+        trainer.save_checkpoint(save_to, trainer.step)
+    return _result(trainer, metrics)
+
+
+def _dp_worker(rank: int, world: int, port: int, ckpt_root: str, out: str) -> None:
+    with gloo_process_group(rank, world, port):
+        dp = DataParallel(bucket_numel=3000)
+        res = {"on": train(True, dp), "off": train(False, dp),
+               "zero1": train(True, dp, distributed_optimizer=True, decoupled=True, is_correction="tis")}
+        if world == 2:  # the first step at DP=2 with a sharded optimizer, checkpointed (resumed at DP=1 below)
+            train(True, dp, steps=1, save_to=ckpt_root, distributed_optimizer=True)
+        torch.save(res, f"{out}.rank{rank}")
+
+
+def _single(**kw):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run
+    try:
+        return train(**kw)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _same(a, b) -> bool:
+    return a["metrics"] == b["metrics"] and all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layout")
+    runs = {1: {"on": _single(invariant=True), "off": _single(invariant=False),
+                "zero1": _single(invariant=True, decoupled=True, is_correction="tis")}}
+    for world in (2, 4):
+        ranks = spawn_ranks(_dp_worker, world, str(root / "ckpt"), out=str(root / f"w{world}"))
+        for r in ranks[1:]:  # every rank holds the same weights and metrics
+            assert all(_same(ranks[0][k], r[k]) for k in ranks[0])
+        runs[world] = ranks[0]
+    runs["ckpt"] = root / "ckpt" / "step_000001"
+    return runs
+
+
+def test_any_number_of_data_parallel_ranks_gives_the_same_bits(dp_runs):
+    for world in (2, 4):
+        assert _same(dp_runs[1]["on"], dp_runs[world]["on"]), world
+        # ZeRO-1 sharded optimizer state, decoupled loss with its off-policy metric sums: the same bits too
+        assert _same(dp_runs[1]["zero1"], dp_runs[world]["zero1"]), world
+    for m in dp_runs[1]["on"]["metrics"]:
+        assert m["train/rollout_logprob_abs_diff"] == 0.0 and m["train/grad_norm"] > 0
+
+
+def test_without_the_option_layouts_differ(dp_runs):
+    assert not _same(dp_runs[1]["off"], dp_runs[2]["off"])
+    assert not _same(dp_runs[1]["off"], dp_runs[4]["off"])
+
+
+def test_checkpoint_at_dp2_resumes_at_dp1_into_the_uninterrupted_run(dp_runs):
+    resumed = _single(invariant=True, resume_from=dp_runs["ckpt"])
+    assert resumed["metrics"] == dp_runs[1]["on"]["metrics"][1:]
+    assert all(torch.equal(w, dp_runs[1]["on"]["weights"][n]) for n, w in resumed["weights"].items())
