@@ -28,6 +28,15 @@ PY=${PYTHON:-python3}
 # the GPU machine has no ray/hydra/datasets of its own: the package kit (.devkit, carried) installs them
 kit() { $PY -c "import ray, hydra, datasets" 2>/dev/null || source .devkit/install.sh; }
 export -f kit
+# flashinfer (the fast mode's attention, issue #27) travels as wheels in .fi/ (carried; see docs/BENCHMARKS.md):
+# flashinfer-python 0.5.3, apache-tvm-ffi 0.1.x, nvidia-cudnn-frontend, installed without their dependencies
+fi_kit() {
+  $PY -c "import flashinfer" 2>/dev/null && return 0
+  [ -d .fi ] || { echo "no .fi/ wheels: flashinfer steps run without flashinfer"; return 0; }
+  [ -f /tmp/fi/.ok ] || { $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/fi .fi/*.whl && touch /tmp/fi/.ok; }
+  export PYTHONPATH=/tmp/fi:$PYTHONPATH
+}
+export -f fi_kit
 
 STEP_NAMES=()
 STEP_TIMEOUTS=()
@@ -40,6 +49,9 @@ add_step env 60 '
   $PY -c "import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0)); print(\"triton\", triton.__version__)"
   $PY -m pytest --version'
 add_step gpu_tests 300 'kit && $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_PATHS:-tests/}'
+# the fast mode's flashinfer paths and long-context attention (issue #27); flashinfer JIT-compiles on first use
+add_step fast_tests 420 'kit && fi_kit && $PY -m pytest -m gpu -q -p no:cacheprovider ${FAST_TEST_PATHS:-tests/test_attention_gpu_long.py}'
+add_step attention_long 500 'fi_kit && $PY benchmarks/bench_attention_long.py --out "$OUT/attention_long.md" ${ATTN_BENCH_ARGS:-}'
 add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'
 add_step grpo 560 'kit && GRPO_SET=one bash scripts/gpu_grpo.sh'
 add_step grpo_two 560 'kit && GRPO_SET=two bash scripts/gpu_grpo.sh'

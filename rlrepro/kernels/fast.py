@@ -1,21 +1,23 @@
-"""The ``fast`` mode, kept for comparison: stock torch kernels (cuBLAS/MKL GEMMs, torch RMSNorm/softmax/SwiGLU).
-Not batch-invariant.
+"""The ``fast`` mode: what a serving stack runs when determinism is off. Stock torch kernels (cuBLAS/MKL GEMMs,
+torch RMSNorm/softmax/SwiGLU) and, on CUDA, flashinfer's attention (FA3 prefill on Hopper, paged decode; the
+``.[flashinfer]`` extra, :mod:`.flashinfer_attention`) as SGLang uses it. Not batch-invariant.
 
-Attention: torch has no paged-KV attention kernel, so on CUDA with a KV cache the fast mode runs rlrepro's paged
-Triton kernel (the deterministic one; any correct paged kernel would do). Without it the engine's fast mode
-measured a slow gather-then-SDPA, not stock GEMMs, and "deterministic vs fast" compared attention kernels instead
-of what batch invariance costs (the GEMM and norm kernels). On CPU, and without a cache, attention is SDPA.
+Where flashinfer is absent (the log says so once), or for a call it does not serve: with a KV cache on CUDA the
+paged Triton kernel (the deterministic one: torch has no paged attention), otherwise torch SDPA. The trainer's
+forward with autograd always runs SDPA (flash attention's backward): flashinfer has no backward.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from . import flashinfer_attention as _fi
 from .cpu import apply_rope, embedding, write_kv_cache  # elementwise / gather ops: one implementation serves both
+from .flashinfer_attention import flashinfer_module
 from .metadata import AttentionMetadata
 
 __all__ = ["linear", "rms_norm", "add_rms_norm", "log_softmax", "silu_and_mul", "apply_rope", "embedding",
-           "attention"]
+           "attention", "flashinfer_module"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,8 +46,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
               kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Paged on CUDA: the Triton paged kernel (module docstring). Otherwise per sequence
-    ``F.scaled_dot_product_attention`` over its KV (gathered from the cache when paged)."""
+    """On CUDA flashinfer where it serves the call (module docstring); else paged on CUDA the Triton paged kernel;
+    otherwise per sequence ``F.scaled_dot_product_attention`` over its KV (gathered from the cache when paged)."""
+    if q.is_cuda and _fi.supports(q):
+        if kv_cache is not None:
+            from . import triton_attention
+            triton_attention.write_kv_cache(k, v, kv_cache, meta)
+            return _fi.paged(q, meta, scale, kv_cache)
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return _fi.ragged_prefill(q, k, v, meta, scale)
     if kv_cache is not None and q.is_cuda:
         from . import triton_ops
         return triton_ops.attention(q, k, v, meta, scale, kv_cache)

@@ -25,6 +25,11 @@ import triton
 import triton.language as tl
 
 from . import triton_rowwise as _rw
+
+try:  # Triton >= 3.4: host-side tensor descriptors (TMA on Hopper)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    _TensorDescriptor = None
 from .metadata import AttentionMetadata
 
 BLOCK_KV = 64  # KV positions per step of the online softmax: the fixed reduction order
@@ -113,9 +118,9 @@ def _schedule_kernel(cu_ptr, S, G, prog_seq_ptr, prog_q0_ptr, BLOCK_Q: tl.conste
 def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
                      bt_ptr, stride_bt, block_size, paged,
                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-                     qk_scale, D,
+                     qk_scale, D, k_desc, v_desc,
                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr, USE_DESC: tl.constexpr):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     seq = tl.load(prog_seq_ptr + pid)
@@ -143,10 +148,39 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
         acc = tl.zeros((BLOCK_M, D_P), dtype=tl.float32)
         last_pos = first_pos + tl.minimum(q0 + BLOCK_Q, q_len) - 1  # the block's last query position
         n_tiles = last_pos // BLOCK_KV + 1
+        # Tiles wholly at or before the block's first query position are visible to every row (and lie inside
+        # the sequence): they run without the causal mask and the bounds masks, which would select every entry
+        # there; the same values reach the same operations, so the bits are those of the masked loop.
+        n_full = tl.minimum((first_pos + q0 + 1) // BLOCK_KV, n_tiles)
         j = tl.arange(0, BLOCK_KV)
         kv_head = hk.to(tl.int64)
         is_paged = (j * 0 + paged) != 0  # the run-time flag as a vector (one compiled kernel for both layouts)
-        for t in range(0, n_tiles):
+        for t in range(0, n_full):
+            kv_pos = t * BLOCK_KV + j
+            if USE_DESC:  # packed, D a power of two: one bulk tensor copy (TMA) per tile instead of pointer loads
+                k = k_desc.load([(cu0 + t * BLOCK_KV).to(tl.int32), hk * D_P])
+            else:
+                if paged != 0:
+                    blk = tl.load(bt_ptr + seq * stride_bt + kv_pos // block_size)
+                    kv_row = (blk * block_size + kv_pos % block_size).to(tl.int64)
+                else:
+                    kv_row = (cu0 + kv_pos).to(tl.int64)
+                k = tl.load(k_ptr + kv_row[:, None] * stride_kn + kv_head * stride_kh + d[None, :],
+                            mask=d_ok[None, :], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            s = qk * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if USE_DESC:
+                v = v_desc.load([(cu0 + t * BLOCK_KV).to(tl.int32), hk * D_P])
+            else:
+                v = tl.load(v_ptr + kv_row[:, None] * stride_vn + kv_head * stride_vh + d[None, :],
+                            mask=d_ok[None, :], other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
+        for t in range(n_full, n_tiles):
             kv_pos = t * BLOCK_KV + j
             kv_ok = kv_pos <= last_pos  # never read past the sequence (cache slots beyond it hold anything)
             blk = tl.load(bt_ptr + seq * stride_bt + kv_pos // block_size, mask=kv_ok & is_paged, other=0)
@@ -341,16 +375,41 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
     g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q, meta)
     paged = meta.block_table is not None
     bt = meta.block_table if paged else cu
+    k_desc = v_desc = None
+    if not paged and _use_descriptors(k_flat, v_flat):
+        k_desc, v_desc = (_kv_descriptor(t) for t in (k_flat, v_flat))
     _attn_fwd_kernel[(g_slots, hkv)](
         q, k_flat, v_flat, out, prog_seq, prog_q0, cu, meta.seq_lens,
         bt, bt.stride(0) if paged else 0, meta.block_size if paged else 1, int(paged),
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
-        out.stride(0), out.stride(1), float(scale) * LOG2E, d,
+        out.stride(0), out.stride(1), float(scale) * LOG2E, d, k_desc, v_desc,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV,
         D_P=triton.next_power_of_2(d),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_DESC=k_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def _use_descriptors(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the packed forward reads its whole KV tiles by tensor descriptors (TMA): on a Hopper-or-newer GPU,
+    16-bit K/V whose heads are contiguous rows of a power-of-two D at 16-byte aligned addresses, and not disabled
+    by ``RLREPRO_ATTENTION_TMA=0``. Speed only: the tiles hold the same values as the pointer loads (GPU test)."""
+    if os.environ.get("RLREPRO_ATTENTION_TMA", "1") == "0" or _TensorDescriptor is None or not k.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(k.device)[0] < 9:
+        return False
+    for t in (k, v):
+        n, hkv, d = t.shape
+        if (t.dtype not in (torch.bfloat16, torch.float16) or d & (d - 1) or d < 16 or t.stride(2) != 1
+                or t.stride(1) != d or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16):
+            return False
+    return True
+
+
+def _kv_descriptor(t: torch.Tensor):
+    """A descriptor of K or V [N, Hkv, D] as the 2-D [N, Hkv * D] (row stride kept), tiles of BLOCK_KV x D."""
+    n, hkv, d = t.shape
+    return _TensorDescriptor(t, [n, hkv * d], [t.stride(0), 1], [BLOCK_KV, d])
 
 
 

@@ -25,7 +25,8 @@ import warnings
 import torch
 from torch.profiler import record_function
 
-from rlrepro.kernels import AttentionMetadata
+from rlrepro import kernels
+from rlrepro.kernels import AttentionMetadata, flashinfer_attention
 from rlrepro.kernels.metadata import tensor_to_device
 
 from .sampler import SampleRequest, sample_on_device
@@ -57,13 +58,14 @@ class ModelRunner:
                            torch.zeros(shape, dtype=model.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._fi_graphs: dict = {}  # graph size -> flashinfer_attention.GraphDecode (fast mode with flashinfer)
         self.num_graph_steps = 0
         self._prev_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
         if enable_cuda_graphs and self.device.type == "cuda":
             try:
                 self._capture_decode_graphs(max_num_seqs)
             except Exception as e:  # noqa: BLE001 - any capture failure means: decode eagerly
-                self.graphs = {}
+                self.graphs, self._fi_graphs = {}, {}
                 torch.cuda.synchronize(self.device)
                 warnings.warn(f"CUDA graph capture failed, decoding runs eagerly: {type(e).__name__}: {e}",
                               RuntimeWarning, stacklevel=2)
@@ -141,6 +143,8 @@ class ModelRunner:
             cu_seqlens_q=self._cu[: b + 1], seq_lens=self._seq_lens[:b], positions=self._positions[:b],
             seq_idx=self._seq_idx[:b], max_seq_len=self.max_model_len, slot_mapping=self._slots[:b],
             block_table=self._block_table[:b], block_size=self.block_size)
+        if b in self._fi_graphs:  # fast mode on flashinfer: the decode wrapper planned for this graph size
+            meta.cache[("flashinfer", "graph_decode")] = self._fi_graphs[b]
         hidden = self.model.forward_tokens(self._ids[:b], meta, self.kv_caches, check_ids=False)
         return self.model.compute_logits(hidden)
 
@@ -165,6 +169,14 @@ class ModelRunner:
         self._cu = torch.arange(max_b + 1, dtype=torch.int64, device=dev)
         self._seq_idx = torch.arange(max_b, dtype=torch.int64, device=dev)
         self._reset_graph_inputs()
+        cfg = self.model.config
+        if kernels.current_mode() == "fast" and flashinfer_attention.serves(dev, self.model.dtype, cfg.head_dim):
+            for b in sizes:
+                fg = flashinfer_attention.GraphDecode(
+                    b, b * width, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.block_size,
+                    self.model.dtype, dev, cfg.head_dim ** -0.5)
+                fg.plan([1] * b, [[self.scratch_block] * width] * b)
+                self._fi_graphs[b] = fg
         with torch.inference_mode():
             pool = None
             for b in reversed(sizes):  # largest first, so the smaller graphs fit in its memory pool
@@ -205,6 +217,9 @@ class ModelRunner:
         self._slots[:b].copy_(vectors[3])
         # Columns past a row's blocks keep stale but valid block ids; the kernels mask positions >= seq_len.
         self._block_table[:b, :width].copy_(staged[4 * b:].view(b, width))
+        if b in self._fi_graphs:  # flashinfer plans on the host, outside the graph, into the graph's buffers
+            self._fi_graphs[b].plan([p + 1 for p in positions] + [1] * (b - n),
+                                    rows)
         graph, out = self.graphs[b]
         graph.replay()
         self.num_graph_steps += 1
