@@ -205,3 +205,32 @@ def test_checkpoint_at_dp2_resumes_at_dp1_into_the_uninterrupted_run(dp_runs):
     resumed = _single(invariant=True, resume_from=dp_runs["ckpt"])
     assert resumed["metrics"] == dp_runs[1]["on"]["metrics"][1:]
     assert all(torch.equal(w, dp_runs[1]["on"]["weights"][n]) for n, w in resumed["weights"].items())
+
+
+# ----------------------------------------------------------------------------------------- resume at another layout
+
+def _recorded(**train):
+    return {"run": {"dir": "runs/a", "resume": False}, "checkpoint": {"every": 2},
+            "train": {"steps": 4, "lr": 1e-6, "min_lr_ratio": 0.1, "warmup_steps": 0, "num_gpus": 2,
+                      "tensor_parallel": 2, "backend": "megatron", **train}}
+
+
+def test_resume_at_another_layout_is_allowed_with_the_option_and_refused_without():
+    from rlrepro.orchestration.resume import reconcile_resume
+
+    rec = _recorded(layout_invariant=True, tp_partials=2)
+    req = _recorded(layout_invariant=True, tp_partials=2, num_gpus=1, tensor_parallel=1)
+    config, amendments = reconcile_resume(rec, req, completed_step=2)
+    assert config["train"]["num_gpus"] == 1 and config["train"]["tensor_parallel"] == 1
+    assert [(a["key"], a["old"], a["new"], a["from_step"]) for a in amendments] == [
+        ("train.num_gpus", 2, 1, 3), ("train.tensor_parallel", 2, 1, 3)]
+    for rec, req in ((_recorded(), _recorded(num_gpus=1)),
+                     (_recorded(layout_invariant=False), _recorded(layout_invariant=False, tensor_parallel=1)),
+                     # turning the option on at resume does not make the recorded steps layout-free
+                     (_recorded(layout_invariant=False), _recorded(layout_invariant=True, num_gpus=1))):
+        with pytest.raises(ConfigError, match=r"train.layout_invariant=false, so its gradient sums are grouped by "
+                                              r"the layout.*train.layout_invariant=true"):
+            reconcile_resume(rec, req, completed_step=2)
+    with pytest.raises(ConfigError, match=r"train.tp_partials: 2 -> 4"):  # the pieces are the run's arithmetic
+        reconcile_resume(_recorded(layout_invariant=True, tp_partials=2),
+                         _recorded(layout_invariant=True, tp_partials=4), completed_step=2)

@@ -8,6 +8,11 @@ recorded config with the one the command line asks for (both plain nested dicts 
   run's own switches and location, the Ray cluster, the engine's batching and memory settings and the weight-sync
   path, which docs/DETERMINISM.md proves do not change a number) take the requested value and are returned as
   amendments ``{"key", "old", "new", "from_step"}`` (``from_step``: the first step run with the new value);
+* the layout keys (:data:`LAYOUT_KEYS`: ``train.num_gpus``, ``train.tensor_parallel`` and its legacy spelling
+  ``trainer.tensor_parallel``) may change when the run is ``train.layout_invariant=true`` (recorded and requested):
+  then the step's bits do not depend on them (docs/TRAINER.md, "Layout invariance"), and full checkpoints hold the
+  optimizer state unsharded (any DP, any TP loads them); without it they are refused with that reason
+  (:func:`layout_change_problem`);
 * ``train.steps`` may change when the LR schedule gives every step, the recorded ones and those to come, the same
   rate under both lengths (:func:`steps_change_problem`): the schedule's cosine runs over ``train.steps``, so a new
   length changes the rate of every step after the warm-up unless ``train.min_lr_ratio == 1`` (or the run never
@@ -27,7 +32,8 @@ from typing import Any, Iterator
 
 from rlrepro.checks import ConfigError  # the class rlrepro.orchestration.config exports
 
-__all__ = ["reconcile_resume", "BIT_NEUTRAL_KEYS", "STEPS_KEY", "steps_change_problem", "flatten", "differences"]
+__all__ = ["reconcile_resume", "BIT_NEUTRAL_KEYS", "STEPS_KEY", "LAYOUT_KEYS", "LAYOUT_INVARIANT_KEY",
+           "steps_change_problem", "layout_change_problem", "flatten", "differences"]
 
 # fnmatch patterns of dotted keys whose value cannot change the run's numbers (rollout tokens, logprobs, rewards,
 # advantages, loss, grad norm, weights): where and how often things are logged or saved, how the run is started,
@@ -48,6 +54,9 @@ BIT_NEUTRAL_KEYS: tuple[str, ...] = (
 STEPS_KEY = "train.steps"
 # what the LR schedule (rlrepro.trainer.optim.WarmupCosineLR, built in rlrepro.trainer.train) is made of
 LR_KEY, WARMUP_KEY, MIN_LR_RATIO_KEY = "train.lr", "train.warmup_steps", "train.min_lr_ratio"
+# how many ranks hold the trainer: bit-neutral exactly when train.layout_invariant is true (rlrepro.trainer.tree_sum)
+LAYOUT_KEYS: tuple[str, ...] = ("train.num_gpus", "train.tensor_parallel", "trainer.tensor_parallel")
+LAYOUT_INVARIANT_KEY = "train.layout_invariant"
 
 
 class _Absent:
@@ -142,6 +151,18 @@ def steps_change_problem(recorded: dict, new_steps: Any, completed_step: int) ->
     return None
 
 
+def layout_change_problem(recorded: dict, requested: dict, key: str) -> str | None:
+    """Why the layout key ``key`` (:data:`LAYOUT_KEYS`) may not change between the recorded and the requested config
+    (None: it may, both are ``train.layout_invariant=true``)."""
+    old = dict(flatten(recorded)).get(LAYOUT_INVARIANT_KEY, ABSENT)
+    new = dict(flatten(requested)).get(LAYOUT_INVARIANT_KEY, ABSENT)
+    if old is True and new is True:
+        return None
+    return (f"the run was recorded with {LAYOUT_INVARIANT_KEY}={_show(False if old is ABSENT else old)}, so its "
+            f"gradient sums are grouped by the layout and another {key} changes the run's numbers; only a run "
+            f"with {LAYOUT_INVARIANT_KEY}=true (from its first step) resumes at another number of GPUs")
+
+
 def _set(tree: dict, key: str, value: Any) -> None:
     *parents, leaf = key.split(".")
     node = tree
@@ -170,6 +191,13 @@ def reconcile_resume(recorded: dict, requested: dict, *, completed_step: int) ->
     for key, old, new in differences(recorded, requested):
         if _bit_neutral(key):
             allowed.append((key, old, new))
+            continue
+        if key in LAYOUT_KEYS:
+            problem = layout_change_problem(recorded, requested, key)
+            if problem is None:
+                allowed.append((key, old, new))
+                continue
+            refused.append(f"  {key}: {_show(old)} -> {_show(new)} ({problem})")
             continue
         if key == STEPS_KEY:
             problem = steps_change_problem(recorded, new, completed_step)
