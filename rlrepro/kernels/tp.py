@@ -48,7 +48,8 @@ import torch.distributed as dist
 __all__ = [
     "shard_range", "ordered_sum", "copy_to_tp", "row_parallel_sum", "gather_stack", "gather_last_dim",
     "vocab_parallel_log_softmax", "vocab_parallel_token_logprob", "linear_row_split", "linear_column_split",
-    "emulated_log_softmax", "emulated_token_logprob", "sum_in_rank_order",
+    "emulated_log_softmax", "emulated_token_logprob", "sum_in_rank_order", "column_pieces_linear",
+    "row_pieces_linear", "head_group_rms_norm",
 ]
 
 
@@ -288,3 +289,136 @@ def emulated_token_logprob(logits: torch.Tensor, token_ids: torch.Tensor, parts:
     owner = torch.div(token_ids, vocab_shard, rounding_mode="floor")
     local = (token_ids - owner * vocab_shard).long().unsqueeze(-1)
     return _select_owner([s.gather(-1, local).squeeze(-1) for s in shards], owner) - lse
+
+
+# ------------------------------------------------------------------- layout-invariant pieces (train.tp_partials)
+#
+# With ``train.layout_invariant`` every row-parallel product is ``P`` K-partials and every column-parallel one ``P``
+# N-shards (``P = train.tp_partials``), whatever the TP size ``t`` (which divides ``P``): a rank computes its
+# ``P / t`` pieces, the pieces of all ranks are combined in piece order. The forward values are exactly
+# :func:`linear_row_split` / :func:`linear_column_split` at ``parts = P`` (what the engine emulates); the backward
+# is fixed too: each piece's gradients come from the deterministic kernel's own backward on that piece, a
+# column-parallel input gradient is the ``P`` pieces' partials added in piece order (:func:`sum_in_rank_order`,
+# across the TP ranks after a gather), a row-parallel one the pieces' slices concatenated; so every gradient has
+# the same bits at any TP (tests/test_layout_invariance_tp.py). ``group=None`` here means one process (TP=1).
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _gather_pieces(pieces: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Every TP rank's pieces in piece order (rank-major: rank r holds pieces ``r*len(pieces) ...``)."""
+    if _group_size(group) == 1:
+        return pieces
+    return [p for part in _all_gather(torch.stack(pieces), group) for p in part.unbind(0)]
+
+
+def _piece_grads(pieces, grads, need_x: bool):
+    """``(gx, gw)`` of each piece ``(xs, ws, y)`` for output grad ``g``: the kernel's own backward (autograd)."""
+    gxs, gws = [], []
+    for (xs, ws, y), g in zip(pieces, grads):
+        inputs = (ws, xs) if need_x else (ws,)
+        out = torch.autograd.grad(y, inputs, g.contiguous())
+        gws.append(out[0])
+        if need_x:
+            gxs.append(out[1])
+    return gxs, gws
+
+
+class _ColumnPieces(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, parts, group):
+        linear = _kernel_linear()
+        n = weight.shape[0]
+        with torch.enable_grad():
+            xs = x.detach().requires_grad_(x.requires_grad)
+            pieces = []
+            for r in range(parts):
+                a, b = shard_range(n, parts, r, "the output dimension (N) of a column-parallel linear")
+                ws = weight.detach()[a:b].contiguous().requires_grad_(True)
+                pieces.append((xs, ws, linear(xs, ws)))
+        ctx.pieces, ctx.group, ctx.need_x = pieces, group, x.requires_grad
+        return torch.cat([y.detach() for _, _, y in pieces], dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sizes = [y.shape[-1] for _, _, y in ctx.pieces]
+        gxs, gws = _piece_grads(ctx.pieces, grad.split(sizes, dim=-1), ctx.need_x)
+        ctx.pieces = None
+        gx = sum_in_rank_order(_gather_pieces(gxs, ctx.group)) if ctx.need_x else None
+        return gx, torch.cat(gws, dim=0), None, None
+
+
+class _RowPieces(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, parts, group):
+        linear = _kernel_linear()
+        k = weight.shape[1]
+        with torch.enable_grad():
+            pieces = []
+            for r in range(parts):
+                a, b = shard_range(k, parts, r, "the input dimension (K) of a row-parallel linear")
+                xs = x.detach()[..., a:b].contiguous().requires_grad_(x.requires_grad)
+                ws = weight.detach()[:, a:b].contiguous().requires_grad_(True)
+                pieces.append((xs, ws, linear(xs, ws)))
+        ctx.pieces, ctx.need_x = pieces, x.requires_grad
+        partials = [y.detach() for _, _, y in pieces]
+        ctx.dtype = partials[0].dtype
+        return sum_in_rank_order(_gather_pieces(partials, group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.to(ctx.dtype)  # d(sum of the pieces)/d(piece) = 1: each piece gets the output grad
+        gxs, gws = _piece_grads(ctx.pieces, [g] * len(ctx.pieces), ctx.need_x)
+        ctx.pieces = None
+        gx = torch.cat(gxs, dim=-1) if ctx.need_x else None
+        return gx, torch.cat(gws, dim=1), None, None
+
+
+class _HeadGroupNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, parts, group):
+        from rlrepro import kernels
+
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.parts, ctx.group = eps, parts, group
+        return kernels.rms_norm(x, weight, eps)  # row by row: the same bits split or not
+
+    @staticmethod
+    def backward(ctx, grad):
+        from rlrepro import kernels
+
+        x, weight = ctx.saved_tensors
+        heads = x.shape[-2]
+        gxs, gws = [], []
+        for r in range(ctx.parts):
+            a, b = shard_range(heads, ctx.parts, r, "the heads of a per-head norm")
+            with torch.enable_grad():
+                xs = x.detach()[..., a:b, :].contiguous().requires_grad_(True)
+                ws = weight.detach().requires_grad_(True)
+                y = kernels.rms_norm(xs, ws, ctx.eps)
+            gx, gw = torch.autograd.grad(y, (xs, ws), grad[..., a:b, :].contiguous())
+            gxs.append(gx)
+            gws.append(gw)
+        return (torch.cat(gxs, dim=-2), sum_in_rank_order(_gather_pieces(gws, ctx.group)), None, None, None)
+
+
+def column_pieces_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, group=None) -> torch.Tensor:
+    """A column-parallel product as ``parts`` N-pieces of ``weight`` (this rank's shard), concatenated: forward
+    :func:`linear_column_split`'s bits; the input gradient is every TP rank's pieces' partials added in piece order
+    (replaces :func:`copy_to_tp`: ``x`` is the replicated input)."""
+    return _ColumnPieces.apply(x, weight, parts, group)
+
+
+def row_pieces_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, group=None) -> torch.Tensor:
+    """A row-parallel product as ``parts`` K-pieces of this rank's slice, the pieces of every TP rank added in piece
+    order (float32 accumulator, :func:`sum_in_rank_order`): forward :func:`linear_row_split`'s bits at ``parts x
+    TP`` pieces; replicated output."""
+    return _RowPieces.apply(x, weight, parts, group)
+
+
+def head_group_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, parts: int, group=None) -> torch.Tensor:
+    """``kernels.rms_norm`` over per-head rows ``x [N, heads, D]`` (q_norm / k_norm), whose weight gradient is the
+    sum of ``parts`` head-group partials (each the kernel's own backward on its heads) over every TP rank in head
+    order, replicated: the same bits at any TP."""
+    return _HeadGroupNorm.apply(x, weight, eps, parts, group)

@@ -45,6 +45,9 @@ def _tp_linear(x: torch.Tensor, weight: torch.Tensor, split: tuple[str, int]) ->
     from rlrepro.kernels import tp
 
     kind, parts = split
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        # training (train.layout_invariant): the same forward bits, and a backward fixed piece by piece
+        return (tp.row_pieces_linear if kind == "row" else tp.column_pieces_linear)(x, weight, parts)
     return (tp.linear_row_split if kind == "row" else tp.linear_column_split)(x, weight, parts)
 
 
@@ -95,12 +98,22 @@ class FusedWeight:
 
 
 class RMSNorm(nn.Module):
+    # q_norm / k_norm under tensor-parallel emulation with gradients (train.layout_invariant): the weight gradient
+    # is the sum of this many head-group partials, in head order, over the TP group (rlrepro.kernels.tp)
+    head_groups: int = 1
+    head_group_comm = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = _param(dim)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head_groups > 1 or self.head_group_comm is not None:
+            if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+                from rlrepro.kernels import tp
+
+                return tp.head_group_rms_norm(x, self.weight, self.eps, self.head_groups, self.head_group_comm)
         return kernels.rms_norm(x, self.weight, self.eps)
 
 
@@ -236,6 +249,7 @@ class Qwen3ForCausalLM(nn.Module):
                               (attn.o_proj, "row"), (mlp.gate_proj, "column"), (mlp.up_proj, "column"),
                               (mlp.down_proj, "row")):
                 lin.tp_split = None if tp == 1 else (kind, tp)
+            attn.q_norm.head_groups = attn.k_norm.head_groups = tp
         if self.lm_head is not None:
             self.lm_head.tp_split = None if tp == 1 else ("column", tp)
         self.tensor_parallel_emulation = tp

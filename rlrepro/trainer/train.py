@@ -184,6 +184,8 @@ class Trainer:
         # train.layout_invariant: micro-batch grads and float sums combined in one tree fixed by the number of
         # micro-batches (rlrepro.trainer.tree_sum), so the step's bits do not depend on the number of ranks
         self.layout_invariant = bool(config.layout_invariant)
+        if self.layout_invariant and config.tp_partials > 1:
+            self._set_layout_partials(config.tp_partials)
         self.optimizer = self._make_optimizer(model, **optim_kwargs)
         self.scheduler = WarmupCosineLR(self.optimizer, base_lr=config.lr, warmup_steps=config.schedule_warmup_steps,
                                         total_steps=config.steps, min_lr_ratio=config.min_lr_ratio)
@@ -252,6 +254,12 @@ class Trainer:
         self.optimizer.load_local_state_dict(optim_state)
 
     # --- hooks (a sharded trainer overrides them; rlrepro.trainer.megatron) ------------------------------------
+    def _set_layout_partials(self, partials: int) -> None:
+        """``train.tp_partials``: the policy (and reference) compute every row-/column-parallel product as that many
+        fixed pieces, as a tensor-parallel trainer at any TP dividing it does, and the engines emulate."""
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                model.set_tensor_parallel_emulation(partials)
     def _make_optimizer(self, model, **optim_kwargs):
         """The optimizer over ``model``'s parameters (called once, after the cast to ``param_dtype``)."""
         if self.distributed_optimizer:

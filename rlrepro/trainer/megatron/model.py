@@ -75,9 +75,17 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class _TPModule(nn.Module):
+    # train.layout_invariant: this rank computes its product as this many fixed pieces (train.tp_partials / TP),
+    # combined with the other ranks' in piece order (rlrepro.kernels.tp.column_pieces_linear / row_pieces_linear)
+    pieces: int = 0
+
     def __init__(self, groups: ParallelGroups) -> None:
         super().__init__()
         self._groups = groups  # plain attribute (a dataclass, not a module)
+
+    @property
+    def comm(self):
+        return self._groups.tp_group if self.tp > 1 else None
 
     @property
     def tp(self) -> int:
@@ -95,6 +103,8 @@ class ColumnParallelLinear(_TPModule):
         self.weight = _param(out_features // groups.tp_size, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pieces:
+            return tpk.column_pieces_linear(x, self.weight, self.pieces, self.comm)
         return kernels.linear(self.copy_in(x), self.weight)
 
 
@@ -106,6 +116,8 @@ class RowParallelLinear(_TPModule):
         self.weight = _param(out_features, in_features // groups.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pieces:
+            return tpk.row_pieces_linear(x, self.weight, self.pieces, self.comm)
         partial = kernels.linear(x, self.weight)
         return partial if self.tp == 1 else tpk.row_parallel_sum(partial, self._groups.tp_group)
 
@@ -195,6 +207,32 @@ class TPQwen3ForCausalLM(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings
                         else ColumnParallelLinear(config.hidden_size, config.vocab_size, groups))
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.layout_pieces = 0  # set_layout_partials: the LM head's pieces on this rank (0: one product)
+
+    def set_layout_partials(self, partials: int) -> "TPQwen3ForCausalLM":
+        """``train.layout_invariant``: compute every row-/column-parallel product (and the q_norm/k_norm weight
+        gradients) as ``partials`` fixed pieces over the whole TP group, ``partials / tp`` on this rank, combined
+        in piece order: the bits of a ``Qwen3ForCausalLM`` with ``set_tensor_parallel_emulation(partials)``, forward
+        and backward, at any TP that divides ``partials`` (docs/MEGATRON.md, "Layout invariance")."""
+        tp = self.groups.tp_size
+        if not isinstance(partials, int) or isinstance(partials, bool) or partials < 1 or partials % tp:
+            raise ValueError(f"train.tp_partials={partials!r} is not a positive multiple of train.tensor_parallel="
+                             f"{tp}; set train.tp_partials to a multiple of every TP size the run may use (e.g. 8)")
+        cfg = self.config
+        for name in ("num_key_value_heads", "num_attention_heads", "intermediate_size", "vocab_size"):
+            if getattr(cfg, name) % partials:
+                raise ValueError(f"train.tp_partials={partials} does not divide the model's {name}="
+                                 f"{getattr(cfg, name)}; choose train.tp_partials that divides it")
+        local = partials // tp
+        for module in self.modules():
+            if isinstance(module, _TPModule) and not isinstance(module, VocabParallelEmbedding):
+                module.pieces = local
+        for layer in self.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.head_groups = local
+                norm.head_group_comm = self.groups.tp_group if tp > 1 else None
+        self.layout_pieces = local
+        return self
 
     # --- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -299,6 +337,9 @@ class TPQwen3ForCausalLM(nn.Module):
 
     def compute_logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits (for vocab-parallel logprobs)."""
+        if self.layout_pieces:
+            return tpk.column_pieces_linear(hidden, self.head_weight(), self.layout_pieces,
+                                            self.groups.tp_group if self.groups.tp_size > 1 else None)
         h = hidden if self.groups.tp_size == 1 else tpk.copy_to_tp(hidden, self.groups.tp_group)
         return kernels.linear(h, self.head_weight())
 

@@ -128,6 +128,11 @@ class MegatronTrainer(Trainer):
                          param_dtype=param_dtype, data_parallel=dp, distributed_optimizer=distributed_optimizer)
         self._specs = [shard_spec(n) for n in self.optimizer.names]
 
+    def _set_layout_partials(self, partials: int) -> None:
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                model.set_layout_partials(partials)
+
     def _make_optimizer(self, model, *, master_init=None, **optim_kwargs):
         if self.grad_sync == "megatron":
             return MegatronCoreOptimizer(model, distributed_optimizer=self.distributed_optimizer,
@@ -141,7 +146,7 @@ class MegatronTrainer(Trainer):
         over the DP replicas: ``Trainer``'s order-fixed one, or (``grad_sync='megatron'``) megatron-core's DDP,
         after which the grads to clip are the optimizer's float32 main grads."""
         g = self.groups
-        if g.tp_size > 1:
+        if g.tp_size > 1 and not self.layout_invariant:  # layout_invariant: summed in the norms' backward
             for grad, (_, partial) in zip(grads, self._specs):
                 if partial:
                     grad.copy_(ordered_sum(grad, g.tp_group))
