@@ -66,7 +66,7 @@ class ActorGroup:
             trainer_options = [dict(o, runtime_env=env) for o in trainer_options]
         self._worker_cls = ray.remote(num_cpus=0, max_restarts=0)(RolloutWorker)
         self.megatron = cfg.train.backend == "megatron"
-        tp_emulation = cfg.train.tensor_parallel if self.megatron else 1
+        tp_emulation = cfg.train.engine_tp_emulation  # the trainer's reduction pieces: TP, or train.tp_partials
         self._worker_args = (model_dir, engine_config), dict(seed=cfg.run.seed, tensor_parallel_emulation=tp_emulation,
                                                               **common)
         self.workers = [self._new_worker(i) for i in range(nw)]

@@ -232,7 +232,7 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
     evaluator = Evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn),
                           [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
                           check_pretrained(base))
-    tp = cfg.train.tensor_parallel if cfg.train.backend == "megatron" else 1
+    tp = cfg.train.engine_tp_emulation  # as the run's engines sampled: TP on megatron, or train.tp_partials
     with tempfile.TemporaryDirectory(prefix="rlrepro-eval-") as tmp:
         weights = _checkpoint_weights(run_dir, ckpt, Path(tmp))
         worker = RolloutWorker(str(base), cfg.rollout.engine, device=cfg.run.device, dtype=cfg.model.dtype,

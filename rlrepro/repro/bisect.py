@@ -77,6 +77,8 @@ def _tensor_parallel(cfg: dict) -> int:
     # train.backend / train.tensor_parallel; runs from before the move have them under trainer.*
     for section in ("train", "trainer"):
         keys = (cfg or {}).get(section) or {}
+        if isinstance(keys, dict) and keys.get("layout_invariant"):  # the engines emulated train.tp_partials pieces
+            return int(keys.get("tp_partials") or 1)
         if isinstance(keys, dict) and "backend" in keys:
             return int(keys.get("tensor_parallel") or 1) if keys.get("backend") == "megatron" else 1
     return 1

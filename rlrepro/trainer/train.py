@@ -259,7 +259,11 @@ class Trainer:
         fixed pieces, as a tensor-parallel trainer at any TP dividing it does, and the engines emulate."""
         for model in (self.model, self.ref_model):
             if model is not None:
-                model.set_tensor_parallel_emulation(partials)
+                try:
+                    model.set_tensor_parallel_emulation(partials)
+                except ValueError as e:
+                    raise ValueError(f"train.tp_partials={partials}: {e} (train.tp_partials must divide the model's "
+                                     "heads, KV heads, intermediate size and vocabulary)") from None
     def _make_optimizer(self, model, **optim_kwargs):
         """The optimizer over ``model``'s parameters (called once, after the cast to ``param_dtype``)."""
         if self.distributed_optimizer:
