@@ -52,6 +52,10 @@ add_step gpu_tests 300 'kit && $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU
 # the fast mode's flashinfer paths and long-context attention (issue #27); flashinfer JIT-compiles on first use
 add_step fast_tests 420 'kit && fi_kit && $PY -m pytest -m gpu -q -p no:cacheprovider ${FAST_TEST_PATHS:-tests/test_attention_gpu_long.py}'
 add_step attention_long 500 'fi_kit && $PY benchmarks/bench_attention_long.py --out "$OUT/attention_long.md" ${ATTN_BENCH_ARGS:-}'
+# one train step of 16 x 16k-token sequences at the 8B width (2 layers), deterministic then fast (MFU, issue #27)
+add_step train_long 400 'kit && fi_kit && for m in deterministic fast; do $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode $m --num-samples 16 --prompt-len 1024 --completion-len 15360 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 2 --no-phases --json "$OUT/train_long_$m.json" || exit 1; done'
+# the engine end to end, deterministic vs fast (flashinfer attention + cuBLAS), 36 layers, 64 requests
+add_step engine_fast 400 'fi_kit && $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --no-hf ${ENGINE_BENCH_ARGS:-} --json "$OUT/engine_fast.json"'
 add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'
 add_step grpo 560 'kit && GRPO_SET=one bash scripts/gpu_grpo.sh'
 add_step grpo_two 560 'kit && GRPO_SET=two bash scripts/gpu_grpo.sh'

@@ -386,7 +386,10 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV,
         D_P=triton.next_power_of_2(d),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_DESC=k_desc is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # no multiply-add contraction: the whole-tile loop's ``qk * scale - m`` could otherwise become one FMA
+        # where the masked loop's (a select in between) cannot, and a tile's bits would depend on which loop ran it
+        enable_fp_fusion=False)
     return out
 
 
