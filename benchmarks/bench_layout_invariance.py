@@ -1,0 +1,162 @@
+"""What ``train.layout_invariant`` costs: one GRPO train step with the option off and on, timed, and the ratios.
+
+Three configurations of the same model, batch and micro-batching (``rlrepro.trainer.Trainer`` as the trainer actor
+runs it: ``enable_determinism()``, the compute dtype, float32 master weights when it is not float32, no reference
+model):
+
+* ``off``: today's step (micro-batch grads accumulated in place, rank-order DP sum);
+* ``on (tree)``: ``train.layout_invariant=true train.tp_partials=1``: each micro-batch's gradient kept apart and
+  combined in the fixed binary tree (a stack of at most ``log2(micro-batches) + 1`` float32 partial sums);
+* ``on (tree + P pieces)``: ``train.tp_partials=P`` as well: every row-/column-parallel product computed as ``P``
+  fixed pieces (what any TP dividing ``P`` computes), forward and backward.
+
+After one untimed step of the process, each is warmed up, then ``--steps`` steps are timed (synchronised on CUDA); the median step time is printed with the
+ratio to ``off``. The batch is synthetic (seeded prompts and completions, rollout logprobs -1.0, seeded advantages).
+A benchmark reports, it asserts nothing.
+
+    python benchmarks/bench_layout_invariance.py --device cpu --hidden 64 --layers 2 --steps 2      # CPU smoke test
+    python benchmarks/bench_layout_invariance.py --device cuda --hidden 4096 --layers 4 --heads 32 --kv-heads 8 \\
+        --intermediate 12288 --vocab 151936 --num-samples 64 --micro-batch-size 8 --tp-partials 8     # an H200
+
+Data parallel: run it under ``torchrun --nproc-per-node N``; every rank initialises ``torch.distributed`` (NCCL on
+CUDA with one GPU per local rank, gloo on CPU) and the step is data parallel over the N ranks (the ``off`` sum is the
+all-gather + rank-order sum, the ``on`` one the subtree roots gathered and the top of the tree added); rank 0 prints.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlrepro import kernels  # noqa: E402
+from rlrepro.model import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from rlrepro.trainer import DataParallel, TrainConfig, Trainer, enable_determinism  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
+    p.add_argument("--intermediate", type=int, default=None, help="default: 3 x hidden")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--num-samples", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--completion-len", type=int, default=32)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--tp-partials", type=int, default=2, help="P of the third configuration (must divide the "
+                   "KV heads, heads, intermediate size and vocabulary)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_model(args, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    head_dim = args.head_dim or args.hidden // args.heads
+    cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate or
+                      3 * args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="float32")
+    torch.manual_seed(args.seed)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.to(dtype)
+
+
+def samples(args) -> list[dict]:
+    rng = random.Random(args.seed)
+    return [{"prompt_token_ids": [rng.randrange(args.vocab) for _ in range(args.prompt_len)],
+             "completion_token_ids": [rng.randrange(args.vocab) for _ in range(args.completion_len)],
+             "rollout_logprobs": [-1.0] * args.completion_len, "advantage": rng.gauss(0.0, 1.0)}
+            for _ in range(args.num_samples)]
+
+
+def time_config(args, device, dtype, data_parallel, **train) -> float:
+    model = make_model(args, device, torch.float32)
+    config = TrainConfig(lr=1e-6, steps=args.warmup + args.steps, micro_batch_size=args.micro_batch_size,
+                         num_gpus=1 if data_parallel is None else data_parallel.world_size, **train)
+    trainer = Trainer(model, config, param_dtype=dtype if dtype != torch.float32 else None,
+                      data_parallel=data_parallel)
+    batch = samples(args)
+    times = []
+    with kernels.mode("deterministic"):
+        for i in range(args.warmup + args.steps):
+            if data_parallel is not None:
+                data_parallel.barrier()
+            sync(device)
+            t0 = time.perf_counter()
+            trainer.train_step(batch)
+            sync(device)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    enable_determinism()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    data_parallel = None
+    device = torch.device(args.device)
+    if world > 1:
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        data_parallel = DataParallel()
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    rank0 = data_parallel is None or data_parallel.rank == 0
+    micro = -(-args.num_samples // args.micro_batch_size)
+    if rank0:
+        print(f"device {device} x {world} rank(s), {dtype}, hidden {args.hidden}, {args.layers} layers, "
+              f"{args.num_samples} samples of {args.prompt_len}+{args.completion_len} tokens, {micro} micro-batches "
+              f"of {args.micro_batch_size}, median of {args.steps} steps")
+    configs = [("off", {}), ("on (tree)", dict(layout_invariant=True)),
+               (f"on (tree + {args.tp_partials} pieces)", dict(layout_invariant=True, tp_partials=args.tp_partials))]
+    # one untimed pass first: the process's one-time costs (allocator, kernel compilation, thread pools) would
+    # otherwise land on whichever configuration runs first
+    time_config(argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0}), device, dtype, data_parallel)
+    base = None
+    for label, train in configs:
+        seconds = time_config(args, device, dtype, data_parallel, **train)
+        base = base or seconds
+        if rank0:
+            print(f"  {label:<24} {seconds * 1e3:10.1f} ms/step   x{seconds / base:.3f} of off")
+    if data_parallel is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
