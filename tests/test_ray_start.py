@@ -196,3 +196,19 @@ def test_which_addresses_are_local_or_loopback():
     assert is_loopback_address("[::1]:6379") and is_loopback_address("127.0.0.2:6379")
     assert not is_loopback_address("10.0.0.1:6379") and not is_loopback_address("auto")
     assert not is_loopback_address("ray://127.0.0.1:10001") and not is_loopback_address("head-node:6379")
+
+
+def test_a_failed_join_says_why(monkeypatch):
+    """The two causes seen when joining a `ray start` cluster (issue 28): token authentication the driver lacks,
+    and a loopback address whose nodes took the machine's outward address (no RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)."""
+    from rlrepro.orchestration import ray_start
+
+    error = ConnectionError("Failed to connect to Ray cluster at 127.0.0.1:6379")
+    monkeypatch.setattr(ray_start, "_cluster_nodes", lambda address: (None, "AuthenticationError: token missing"))
+    assert "RAY_AUTH_MODE=token" in ray_start.join_failure_hint("127.0.0.1:6379", error, True)
+    monkeypatch.setattr(ray_start, "_cluster_nodes", lambda address: (["192.0.2.2"], None))
+    hint = ray_start.join_failure_hint("127.0.0.1:6379", error, True)
+    assert "took the address(es) 192.0.2.2" in hint and "ray.address=192.0.2.2:6379" in hint
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in hint
+    monkeypatch.setattr(ray_start, "_cluster_nodes", lambda address: (None, "no answer"))
+    assert "did not answer" in ray_start.join_failure_hint("10.1.2.3:6379", error, False)

@@ -8,12 +8,17 @@ package that may import it (an import-linter contract, docs/DESIGN.md).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 from .errors import RolloutWorkerLost, describe, is_actor_death, log
-from .ray_start import start_ray
+from .placement import (NODE_ID_LABEL, Layout, Placement, PlacementError, _shown, check_capacity,  # noqa: F401
+                        nodes_from_ray, plan_layout, plan_placement, uses_placement_groups)
+from .ray_start import is_local, start_ray
 from .weight_sync import WEIGHT_SYNC_MODES, resolve_weight_sync
 from .workers import Request, RolloutWorker, TrainerWorker
+
+
+NODE_CHECK_S = 2.0  # while waiting on rollout workers: how often the nodes of the run are looked at
 
 
 class ActorGroup:
@@ -46,18 +51,21 @@ class ActorGroup:
             engine_config = dataclasses.replace(
                 engine_config, gpu_memory_fraction=engine_config.gpu_memory_fraction / -(-nw // nt))
         common = dict(device=cfg.run.device, dtype=cfg.model.dtype, deterministic=cfg.run.deterministic)
-        # Placement (see plan_placement): on CUDA one placement-group bundle per GPU; on CPU, plain actors.
-        self._placement = None
-        if on_gpu:
-            plan = plan_placement(nt, nw, cfg.ray.colocate)
-            self._placement = make_placement(ray, plan.num_gpus, cfg)
-            self._worker_options = [self._in_bundle(b, g) for b, g in plan.workers]
-            self.worker_gpu = [b for b, _ in plan.workers]  # colocated: trainer rank b shares GPU b
-            trainer_options = [self._in_bundle(b, g) for b, g in plan.trainers]
+        # Placement (rlrepro/orchestration/placement.py): Ray placement groups on CUDA and on a cluster, checked
+        # against the cluster's nodes first; a local CPU run with the default keys keeps plain actors.
+        self._placements: list = []
+        self.layout = None
+        self.worker_gpu = [i % nt for i in range(nw)] if on_gpu and cfg.ray.colocate else []  # rank sharing a GPU
+        if uses_placement_groups(cfg.run.device, is_local(cfg.ray.address), cfg.ray.placement, cfg.ray.trainer_node,
+                                 cfg.ray.rollout_node):
+            self.layout = run_layout(cfg)
+            self._placements = make_placement_groups(ray, self.layout, cfg)
+            self._worker_options = [self._in_bundle(g, b, share) for g, b, share in self.layout.workers]
+            trainer_options = [self._in_bundle(g, b, share) for g, b, share in self.layout.trainers]
         else:
             self._worker_options = [dict(num_gpus=0)] * nw
-            self.worker_gpu = []
             trainer_options = [dict(num_gpus=0)] * nt
+        self._held_nodes = self.actors_by_node()  # fixed at start: a node lost later is named with its actors
         if cfg.ray.network_interface:  # the interface the actors' gloo / NCCL groups use on a cluster (.network)
             from .network import NETWORK_INTERFACE_ENV
 
@@ -93,14 +101,82 @@ class ActorGroup:
     def _before(self, at: str, step: int) -> None:
         """Called before the work of ``generate`` (``at="generate"``) and ``sync_weights`` (``"sync"``)."""
 
-    def _in_bundle(self, bundle: int, gpus: float) -> dict:
+    def _in_bundle(self, group: int, bundle: int, gpus: float) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return dict(num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=self._placement, placement_group_bundle_index=bundle))
+            placement_group=self._placements[group], placement_group_bundle_index=bundle))
 
     def get(self, refs: Any) -> Any:
-        return self._ray.get(refs)
+        try:
+            return self._ray.get(refs)
+        except Exception as e:  # noqa: BLE001
+            if is_actor_death(e):
+                self.check_nodes("a trainer call", e)
+            raise
+
+    # ---------------------------------------------------------------------------------------- nodes (cluster)
+    def _bundle_nodes(self) -> dict[tuple[int, int], str]:
+        """(group, bundle) -> the id of the node Ray placed that bundle on."""
+        from ray.util.placement_group import placement_group_table
+
+        out = {}
+        for g, pg in enumerate(self._placements):
+            for b, node in placement_group_table(pg).get("bundles_to_node_id", {}).items():
+                out[(g, int(b))] = node
+        return out
+
+    def actors_by_node(self) -> dict[str, list[str]]:
+        """Node id -> the actors of this run placed there ("trainer rank 0", "rollout worker 1")."""
+        if self.layout is None:
+            return {}
+        nodes = self._bundle_nodes()
+        out: dict[str, list[str]] = {}
+        for what, places in (("trainer rank", self.layout.trainers), ("rollout worker", self.layout.workers)):
+            for i, (g, b, _) in enumerate(places):
+                if (g, b) in nodes:
+                    out.setdefault(nodes[(g, b)], []).append(f"{what} {i}")
+        return out
+
+    def check_nodes(self, during: str, error: BaseException | None = None) -> None:
+        """Raise :class:`NodeLost` when a node that holds actors of this run is no longer alive."""
+        if not self._placements:
+            return
+        ray = self._ray
+        try:
+            alive = {n["NodeID"]: n for n in ray.nodes()}
+            held = getattr(self, "_held_nodes", {})
+        except Exception:  # noqa: BLE001 - the GCS itself unreachable: the caller's error stands
+            return
+        lost = [(node, actors) for node, actors in held.items() if not alive.get(node, {}).get("Alive", False)]
+        if not lost:
+            return
+        words = "; ".join(f"node {node[:8]} ({alive.get(node, {}).get('NodeManagerAddress', 'address unknown')}) "
+                          f"held {', '.join(actors)}" for node, actors in lost)
+        cause = f" (first error: {describe(error, 200)})" if error is not None else ""
+        raise NodeLost(f"{len(lost)} Ray node(s) of this run left the cluster during {during}: {words}{cause}. "
+                       f"Bring the node back (or another that the layout fits: {_layout_words(self.cfg)}) before "
+                       "resuming")
+
+    def cluster_info(self) -> dict:
+        """What the run ran on, for inputs.json (informational: placement never changes a bit): the number of
+        alive nodes, the placement, and per node of the run its address, hostname, CPU/GPU count and actors."""
+        ray = self._ray
+        nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        held = self._held_nodes if self._placements else {}
+        if not held:  # plain actors (local CPU run): they are all on the one node
+            held = {next(iter(nodes), "?"): [f"trainer rank {g}" for g in range(len(self.trainers))]
+                    + [f"rollout worker {i}" for i in range(self.cfg.rollout.num_workers)]}
+        per_node = []
+        for node, actors in held.items():
+            info = nodes.get(node, {})
+            res = info.get("Resources") or {}
+            per_node.append({"address": info.get("NodeManagerAddress"), "hostname": info.get("NodeManagerHostname"),
+                             "cpus": res.get("CPU", 0), "gpus": res.get("GPU", 0), "actors": actors,
+                             "resources": sorted(k for k in res if k not in ("CPU", "GPU") and _shown(k))})
+        per_node.sort(key=lambda n: n["actors"])
+        return {"num_nodes": len(nodes), "placement": self.cfg.ray.placement if self._placements else "local",
+                "nodes": per_node}
 
     # ------------------------------------------------------------------------------------ rollout workers
     def _new_worker(self, i: int):
@@ -136,7 +212,7 @@ class ActorGroup:
             # trained the next step by the time a worker dies mid-generation (it keeps the version before)
             ref = weights_ref if weights_ref is not None else self.trainer.weights_of_version.remote(version)
             try:
-                got = self.get(self._call(i, "load_weights", ref, version))
+                got = self._wait_one(self._call(i, "load_weights", ref, version), during)
             except Exception as e:  # noqa: BLE001
                 if not is_actor_death(e):
                     raise
@@ -146,6 +222,13 @@ class ActorGroup:
                 raise RuntimeError(f"replacement rollout worker {i} reports weight version {got}, expected {version}")
             return
 
+    def _wait_one(self, ref: Any, during: str) -> Any:
+        """``ray.get(ref)``, looking at the run's nodes while it waits (a replacement placed on a node that died
+        would wait for ever)."""
+        while self._placements and not self._ray.wait([ref], num_returns=1, timeout=NODE_CHECK_S)[0]:
+            self.check_nodes(during)
+        return self._ray.get(ref)
+
     def _gather(self, calls: dict[int, Any], resubmit, during: str, version: int, weights_ref: Any = None) -> dict:
         """Wait for one call per worker slot; a slot whose worker died gets a replacement, then ``resubmit(i)``
         (a new call, or None when the replacement needs none)."""
@@ -153,7 +236,12 @@ class ActorGroup:
         pending = {ref: i for i, ref in calls.items()}
         results: dict[int, Any] = {}
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            # a timeout here decides nothing but how often the nodes are looked at: a node that died takes its
+            # actors with it, and a replacement placed in its bundle would wait for a node that is gone
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=NODE_CHECK_S if self._placements else None)
+            if not ready:
+                self.check_nodes(during)
+                continue
             ref = ready[0]
             i = pending.pop(ref)
             try:
@@ -161,6 +249,7 @@ class ActorGroup:
             except Exception as e:  # noqa: BLE001
                 if not is_actor_death(e):
                     raise
+                self.check_nodes(during, e)
                 self._replace_worker(i, e, during, version, weights_ref)
                 new_ref = resubmit(i)
                 if new_ref is None:
@@ -258,47 +347,72 @@ class ActorGroup:
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
         self.workers = []
-        if self._placement is not None:  # on a shared cluster the GPUs go back at once
+        for pg in self._placements:  # on a shared cluster the GPUs go back at once
             try:
                 from ray.util.placement_group import remove_placement_group
 
-                remove_placement_group(self._placement)
+                remove_placement_group(pg)
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
-            self._placement = None
+        self._placements = []
         if self.cfg.ray.address is None and self._ray.is_initialized():
             self._ray.shutdown()
 
 
-class Placement(NamedTuple):
-    num_gpus: int
-    trainers: list[tuple[int, float]]  # (GPU bundle, share of that GPU) per trainer rank
-    workers: list[tuple[int, float]]  # the same per rollout worker
+class NodeLost(RolloutWorkerLost):
+    """A Ray node that held actors of this run left the cluster (its raylet died, the machine went away). The run
+    stops naming the node and the actors it held; the checkpoint of the last completed step is written first
+    (when the trainer survived), and ``run.resume=true`` continues identically once the cluster holds the layout
+    again."""
 
 
-def plan_placement(num_trainers: int, num_workers: int, colocate: bool) -> Placement:
-    """Colocated: trainer rank g and rollout workers g, g + N, g + 2N, ... share GPU g (N trainer ranks), half of
-    it for the trainer and the other half split evenly among its workers. Separate: the trainer ranks on the first
-    N GPUs, one GPU per rollout worker after them. (Ray's shares schedule; they do not cap memory: the engine's KV
-    cache is sized by rollout.gpu_memory_fraction, split among the engines of a GPU.)"""
-    if colocate:
-        per_gpu = -(-num_workers // num_trainers)
-        return Placement(num_trainers, [(g, 0.5) for g in range(num_trainers)],
-                         [(i % num_trainers, 0.5 / per_gpu) for i in range(num_workers)])
-    return Placement(num_trainers + num_workers, [(g, 1.0) for g in range(num_trainers)],
-                     [(num_trainers + i, 1.0) for i in range(num_workers)])
+def run_layout(cfg) -> Layout:
+    """The placement groups of the run ``cfg`` asks for (:func:`.placement.plan_layout`)."""
+    return plan_layout(num_trainers=cfg.train.num_gpus, num_workers=cfg.rollout.num_workers,
+                       tensor_parallel=cfg.train.tensor_parallel if cfg.train.backend == "megatron" else 1,
+                       device=cfg.run.device, colocate=cfg.ray.colocate, placement=cfg.ray.placement,
+                       trainer_node=cfg.ray.trainer_node, rollout_node=cfg.ray.rollout_node)
 
 
-def make_placement(ray, num_gpus: int, cfg):
-    """A placement group of ``num_gpus`` one-GPU bundles, packed; a clear error when the cluster has fewer."""
-    from ray.util.placement_group import placement_group
+def _layout_words(cfg) -> str:
+    r = cfg.ray
+    words = [f"ray.placement={r.placement}", f"train.num_gpus={cfg.train.num_gpus}",
+             f"rollout.num_workers={cfg.rollout.num_workers}", f"run.device={cfg.run.device}"]
+    if cfg.run.device == "cuda":
+        words.append(f"ray.colocate={r.colocate}")
+    words += [f"ray.{k}={getattr(r, k)}" for k in ("trainer_node", "rollout_node") if getattr(r, k)]
+    if cfg.train.backend == "megatron" and cfg.train.tensor_parallel > 1:
+        words.append(f"train.tensor_parallel={cfg.train.tensor_parallel}")
+    return ", ".join(words)
 
-    have = int(ray.cluster_resources().get("GPU", 0))
-    if num_gpus > have:
-        layout = ("train.num_gpus" if cfg.ray.colocate
-                  else "train.num_gpus + rollout.num_workers (ray.colocate=false: one GPU per rollout worker)")
-        raise RuntimeError(f"this run needs {num_gpus} GPUs ({layout}) but the Ray cluster has {have}; lower "
-                           "train.num_gpus / rollout.num_workers, set ray.colocate=true, or add GPUs")
-    pg = placement_group([{"GPU": 1}] * num_gpus, strategy="PACK")
-    ray.get(pg.ready(), timeout=300)
-    return pg
+
+def make_placement_groups(ray, layout: Layout, cfg, timeout_s: float = 300.0) -> list:
+    """The layout's placement groups, in order, once the cluster's nodes are checked to hold it (a
+    :class:`~.placement.PlacementError` naming what is missing, before any actor starts). ``split``: the engines'
+    group excludes the nodes the trainer's groups landed on (Ray's node-id label)."""
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    check_capacity(layout, nodes_from_ray(ray), num_nodes=cfg.ray.num_nodes, what=_layout_words(cfg))
+    groups, trainer_nodes = [], set()
+    try:
+        for i, g in enumerate(layout.groups):
+            kwargs = {}
+            if g.exclude_trainer_nodes:
+                kwargs["bundle_label_selector"] = [{NODE_ID_LABEL: "!in(" + ",".join(sorted(trainer_nodes)) + ")"}
+                                                   for _ in g.bundles]
+            pg = placement_group(g.bundles, strategy=g.strategy, name=f"rlrepro-{g.role}-{i}", **kwargs)
+            groups.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=timeout_s)
+            except Exception as e:  # noqa: BLE001 - GetTimeoutError: the resources exist but are taken
+                raise PlacementError(
+                    f"the placement group for {', '.join(g.members)} ({g.strategy}, bundles {g.bundles}) was not "
+                    f"ready after {timeout_s:.0f} s ({describe(e, 200)}), although the cluster's nodes could hold "
+                    f"it: its resources are in use (other jobs?). Available now: {ray.available_resources()}") from None
+            if g.role == "trainer":
+                trainer_nodes.update(placement_group_table(pg)["bundles_to_node_id"].values())
+    except BaseException:
+        for pg in groups:
+            remove_placement_group(pg)
+        raise
+    return groups

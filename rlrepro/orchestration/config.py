@@ -175,11 +175,28 @@ class RayConfig:
     # on a cluster: the network interface (e.g. eth0, ib0) the trainer's and the weight sync's gloo / NCCL groups
     # use; None: the interface of the node's address (local mode always uses loopback)
     network_interface: Optional[str] = None
+    # where the actors go (rlrepro/orchestration/placement.py, docs/CLUSTER.md): pack (as few nodes as fit),
+    # spread (data-parallel replicas and engines over the nodes), split (the trainer on one node, the engines on
+    # the others); a tensor-parallel group always shares one node
+    placement: str = "pack"
+    num_nodes: Optional[int] = None  # the alive nodes the run needs at least (checked before any actor starts)
+    # a custom Ray resource (ray start --resources='{"NAME": 1}') that the trainer's / engines' nodes declare
+    trainer_node: Optional[str] = None
+    rollout_node: Optional[str] = None
 
     def __post_init__(self) -> None:
+        from .placement import PLACEMENTS
+
         c = Checker(self)
-        c.positive_int("num_cpus", optional=True)
+        c.positive_int("num_cpus", "num_nodes", optional=True)
         c.boolean("colocate")
+        c.choice("placement", PLACEMENTS)
+        for name in ("trainer_node", "rollout_node"):
+            value = getattr(self, name)
+            c.require(value is None or (isinstance(value, str) and value.strip() == value and value != ""
+                                        and not value.startswith(("CPU", "GPU", "node:", "memory"))), name,
+                      "must be the name of a custom Ray resource the nodes declare (ray start --resources="
+                      "'{\"NAME\": 1}'), not empty and not one of Ray's own (CPU, GPU, memory, node:...)")
 
 
 @dataclass
@@ -299,6 +316,9 @@ def validate(cfg: Any) -> RunSchema:
         raise ConfigError(f"rollout.weight_sync=cuda_ipc needs trainer and engines on the same GPUs "
                           f"(run.device=cuda and ray.colocate=true; here run.device={s.run.device}, "
                           f"ray.colocate={s.ray.colocate}); use rollout.weight_sync=auto")
+    if s.ray.placement == "split" and s.run.device == "cuda" and s.ray.colocate:
+        raise ConfigError("ray.placement=split puts the rollout engines on other nodes than the trainer, so they "
+                          "cannot share its GPUs: set ray.colocate=false (or use ray.placement=pack|spread)")
     if s.rollout.weight_sync == "collective" and s.run.device == "cuda" and s.ray.colocate:
         raise ConfigError("rollout.weight_sync=collective with ray.colocate=true on CUDA would put the trainer and "
                           "an engine of one GPU into one NCCL communicator, which NCCL refuses (duplicate GPU); "

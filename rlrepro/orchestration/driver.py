@@ -41,6 +41,13 @@ def config_yaml(cfg: RunSchema) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
 
 
+def _cluster_info(actors) -> dict | None:
+    """Where the actors ran, for inputs.json (informational); None for an actor group that cannot say (tests'
+    stand-ins)."""
+    info = getattr(actors, "cluster_info", None)
+    return info() if callable(info) else None
+
+
 def actor_group_class():
     """:class:`ActorGroup`, or the fault-injecting one when a test sets ``RLREPRO_FAULTS``."""
     if not os.environ.get("RLREPRO_FAULTS", "").strip():
@@ -398,7 +405,8 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         inputs = collect_inputs(data_files=self.data_files, records_digest=self.data_stats.records_digest,
                                 data_revision=self.cfg.data.revision, model_dir=self.model_dir,
                                 weights_digest=weights_digest,
-                                eval_files=self.evaluator.files if self.evaluator is not None else None)
+                                eval_files=self.evaluator.files if self.evaluator is not None else None,
+                                cluster=_cluster_info(self.actors))
         if recorded is not None:
             for line in compare_inputs(recorded, inputs):
                 self.log.line(f"rlrepro: warning: resuming with other inputs than the run recorded: {line}")

@@ -78,8 +78,11 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
     if loopback:
         _loopback_for_imported_ray()
     if not local:
-        ray.init(address=str(address).strip(), include_dashboard=False, log_to_driver=True,
-                 job_config=job_config_without_driver_paths())
+        try:
+            ray.init(address=str(address).strip(), include_dashboard=False, log_to_driver=True,
+                     job_config=job_config_without_driver_paths())
+        except ConnectionError as e:
+            raise ConnectionError(join_failure_hint(str(address).strip(), e, loopback)) from e
         return
     if os.environ.get("RAY_ADDRESS"):
         env_address = os.environ["RAY_ADDRESS"]
@@ -110,3 +113,50 @@ def _loopback_for_imported_ray() -> None:
                            f"({CLUSTER_ENV}=0) or let rlrepro's start_ray be the first to import ray")
     if ray_constants.ENABLE_RAY_CLUSTER:
         ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def _cluster_nodes(address: str, timeout_s: float = 10.0) -> tuple[list[str] | None, str | None]:
+    """The node addresses the GCS at ``address`` lists (None when it cannot be asked) and the error of asking;
+    on a thread of its own, so a GCS that does not answer cannot hold the caller past ``timeout_s``."""
+    import threading
+
+    out: dict = {}
+
+    def ask() -> None:
+        try:
+            from ray._raylet import GcsClient
+
+            info = GcsClient(address=address).get_all_node_info(timeout=timeout_s)
+            out["nodes"] = sorted({n.node_manager_address for n in info.values() if n.state == 0})  # 0: ALIVE
+        except Exception as e:  # noqa: BLE001 - a hint only
+            out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    t.join(timeout_s + 5)
+    return out.get("nodes"), out.get("error", None if "nodes" in out else "no answer")
+
+
+def join_failure_hint(address: str, error: BaseException, loopback: bool) -> str:
+    """Why joining the cluster at ``address`` may have failed, in words: the two causes seen on a cluster
+    started by ``ray start`` (docs/CLUSTER.md): token authentication the driver was not given, and, for a
+    loopback address, nodes that took the machine's outward address."""
+    nodes, asked = _cluster_nodes(address)
+    lines = [f"could not join the Ray cluster at ray.address={address} ({str(error).strip().splitlines()[-1]})."]
+    if asked and ("Authentication" in asked or "auth" in asked.lower()):
+        lines.append("The cluster uses token authentication and this process has no token: set "
+                     f"{AUTH_MODE_ENV}=token (and RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token, or RAY_AUTH_TOKEN) as "
+                     "Ray documents, the same as the cluster's nodes.")
+    elif nodes is not None and loopback and any(not is_loopback_address(f"{n}:0") for n in nodes):
+        outward = [n for n in nodes if not is_loopback_address(f"{n}:0")]
+        port = address.rsplit(":", 1)[1]
+        lines.append(f"Its nodes took the address(es) {', '.join(outward)}, not 127.0.0.1: `ray start "
+                     f"--node-ip-address=127.0.0.1` turns 127.0.0.1 into the machine's outward address unless "
+                     f"{CLUSTER_ENV}=0 is set for it. Join it as ray.address={outward[0]}:{port}, or restart it "
+                     f"with {CLUSTER_ENV}=0 to keep it on loopback (docs/CLUSTER.md).")
+    elif nodes is None:
+        lines.append(f"Its GCS did not answer ({asked}): is a head node running there (ray status "
+                     f"--address={address})?")
+    lines.append("rlrepro runs its driver on a node of the cluster (ray.address is the head's GCS address, "
+                 "host:port; not ray://).")
+    return " ".join(lines)

@@ -12,7 +12,10 @@ them; the driver writes the result once per run with ``write_inputs`` (atomicall
   every ``NCCL_*`` but its debug output, ``CUBLAS_WORKSPACE_CONFIG``, ``PYTHONHASHSEED``, ... see
   ``BIT_ENV`` and ``BIT_ENV_PREFIXES``), and, apart, the informational ones (``CUDA_VISIBLE_DEVICES``,
   ``RLREPRO_STACK_DUMP_S``, ``RLREPRO_DEBUG``, ...), which are recorded but cannot change a bit;
-* the python, torch, triton, CUDA (torch's build) and rlrepro versions and the GPU model.
+* the python, torch, triton, CUDA (torch's build) and rlrepro versions and the GPU model;
+* informational, apart: the cluster the run ran on (``"cluster"``: the number of alive Ray nodes, the placement,
+  and per node of the run its address, hostname, CPU/GPU count and the actors placed there). Placement never
+  changes a bit, so a difference there is reported as informational only.
 
 ``compare_inputs(a, b)`` names what differs in sentences; ``input_differences`` gives the same as
 :class:`InputDiff` records, each marked ``bits`` (can change bits) or not. ``rlrepro diff`` compares the two runs'
@@ -148,7 +151,8 @@ def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: s
                    data_revision: str | None, model_dir: str | os.PathLike,
                    tokenizer_files: Iterable[str | os.PathLike] | None = None, weights_digest: str | None,
                    environ: Mapping[str, str] | None = None,
-                   eval_files: Iterable[str | os.PathLike] | None = None) -> dict:
+                   eval_files: Iterable[str | os.PathLike] | None = None,
+                   cluster: Mapping | None = None) -> dict:
     """The inputs of a run, as ``inputs.json`` holds them.
 
     ``data_files``: the data set's local files (or directories) as loaded; ``records_digest``: the digest of the
@@ -156,7 +160,8 @@ def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: s
     starting model's directory, whose tokenizer files are hashed (``tokenizer_files`` lists them instead);
     ``weights_digest``: the starting weights' digest (the trainer's); ``environ``: default ``os.environ``;
     ``eval_files``: the held-out set's files (eval.source) when the run evaluates (the ``"eval"`` entry, absent
-    otherwise). Raises FileNotFoundError for a data or tokenizer file that is missing."""
+    otherwise); ``cluster``: where the actors ran (informational, the ``"cluster"`` entry, absent when None).
+    Raises FileNotFoundError for a data or tokenizer file that is missing."""
     model_dir = Path(model_dir)
     files, paths = _named_digests(data_files)
     tok = [Path(p) for p in tokenizer_files] if tokenizer_files is not None else find_tokenizer_files(model_dir)
@@ -172,6 +177,8 @@ def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: s
     if eval_files is not None:
         eval_digests, eval_paths = _named_digests(eval_files)
         out["eval"] = {"files": eval_digests, "paths": eval_paths}
+    if cluster is not None:
+        out["cluster"] = dict(cluster)
     return out
 
 
@@ -268,6 +275,10 @@ def input_differences(a: Mapping, b: Mapping) -> list[InputDiff]:
     if a.get("gpu") != b.get("gpu"):
         out.append(InputDiff("gpu", "", a.get("gpu"), b.get("gpu"), True,
                              f"GPU differs: {a.get('gpu') or 'none'} vs {b.get('gpu') or 'none'}"))
+    ca, cb = a.get("cluster"), b.get("cluster")
+    if ca is not None and cb is not None and ca != cb:  # older runs have none: nothing to say
+        out.append(InputDiff("cluster", "", ca, cb, False, f"cluster differs: {_cluster_words(ca)} vs "
+                             f"{_cluster_words(cb)} (informational: placement cannot change bits)"))
     for field, bits in (("env", True), ("env_informational", False)):
         ea, eb = a.get(field) or {}, b.get(field) or {}
         for name in sorted(set(ea) | set(eb)):
@@ -276,6 +287,12 @@ def input_differences(a: Mapping, b: Mapping) -> list[InputDiff]:
                 out.append(InputDiff("env", name, ea.get(name), eb.get(name), bits,
                                      f"{name} differs: {_value(ea.get(name))} vs {_value(eb.get(name))}{note}"))
     return out
+
+
+def _cluster_words(c: Mapping) -> str:
+    nodes = c.get("nodes") or []
+    where = "; ".join(f"{n.get('hostname') or n.get('address')}: {', '.join(n.get('actors') or [])}" for n in nodes)
+    return f"{c.get('num_nodes')} node(s), placement {c.get('placement')} ({where})"
 
 
 def compare_inputs(a: Mapping, b: Mapping) -> list[str]:
