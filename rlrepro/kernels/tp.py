@@ -325,18 +325,28 @@ def _piece_grads(pieces, grads, need_x: bool):
     return gxs, gws
 
 
+def _run_pieces(x: torch.Tensor, weight: torch.Tensor, parts: int, row: bool) -> list:
+    """``(xs, ws, y)`` of each piece, its graph kept for the backward: ``weight``'s N-rows (column) or K-columns
+    with the matching slice of ``x`` (row), each a contiguous copy, through the deterministic kernel."""
+    linear = _kernel_linear()
+    size = weight.shape[1] if row else weight.shape[0]
+    what = "the input dimension (K) of a row-parallel linear" if row else \
+        "the output dimension (N) of a column-parallel linear"
+    pieces = []
+    with torch.enable_grad():
+        whole = x.detach().requires_grad_(x.requires_grad)
+        for r in range(parts):
+            a, b = shard_range(size, parts, r, what)
+            xs = x.detach()[..., a:b].contiguous().requires_grad_(x.requires_grad) if row else whole
+            ws = (weight.detach()[:, a:b] if row else weight.detach()[a:b]).contiguous().requires_grad_(True)
+            pieces.append((xs, ws, linear(xs, ws)))
+    return pieces
+
+
 class _ColumnPieces(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, parts, group):
-        linear = _kernel_linear()
-        n = weight.shape[0]
-        with torch.enable_grad():
-            xs = x.detach().requires_grad_(x.requires_grad)
-            pieces = []
-            for r in range(parts):
-                a, b = shard_range(n, parts, r, "the output dimension (N) of a column-parallel linear")
-                ws = weight.detach()[a:b].contiguous().requires_grad_(True)
-                pieces.append((xs, ws, linear(xs, ws)))
+        pieces = _run_pieces(x, weight, parts, row=False)
         ctx.pieces, ctx.group, ctx.need_x = pieces, group, x.requires_grad
         return torch.cat([y.detach() for _, _, y in pieces], dim=-1)
 
@@ -352,15 +362,7 @@ class _ColumnPieces(torch.autograd.Function):
 class _RowPieces(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, parts, group):
-        linear = _kernel_linear()
-        k = weight.shape[1]
-        with torch.enable_grad():
-            pieces = []
-            for r in range(parts):
-                a, b = shard_range(k, parts, r, "the input dimension (K) of a row-parallel linear")
-                xs = x.detach()[..., a:b].contiguous().requires_grad_(x.requires_grad)
-                ws = weight.detach()[:, a:b].contiguous().requires_grad_(True)
-                pieces.append((xs, ws, linear(xs, ws)))
+        pieces = _run_pieces(x, weight, parts, row=True)
         ctx.pieces, ctx.need_x = pieces, x.requires_grad
         partials = [y.detach() for _, _, y in pieces]
         ctx.dtype = partials[0].dtype

@@ -192,15 +192,9 @@ def reconcile_resume(recorded: dict, requested: dict, *, completed_step: int) ->
         if _bit_neutral(key):
             allowed.append((key, old, new))
             continue
-        if key in LAYOUT_KEYS:
-            problem = layout_change_problem(recorded, requested, key)
-            if problem is None:
-                allowed.append((key, old, new))
-                continue
-            refused.append(f"  {key}: {_show(old)} -> {_show(new)} ({problem})")
-            continue
-        if key == STEPS_KEY:
-            problem = steps_change_problem(recorded, new, completed_step)
+        if key in LAYOUT_KEYS or key == STEPS_KEY:
+            problem = (layout_change_problem(recorded, requested, key) if key in LAYOUT_KEYS
+                       else steps_change_problem(recorded, new, completed_step))
             if problem is None:
                 allowed.append((key, old, new))
                 continue
