@@ -120,6 +120,9 @@ class MegatronTrainer(Trainer):
             raise ValueError(f"train.grad_sync={grad_sync!r} is not one of {GRAD_SYNCS}: 'ordered' (rlrepro's "
                              "rank-order gradient sum and AdamW) or 'megatron' (megatron-core's "
                              "DistributedDataParallel and optimizer)")
+        if grad_sync == "megatron" and config.layout_invariant:
+            raise ValueError("train.layout_invariant=true needs train.grad_sync=ordered: megatron-core's gradient "
+                             "sum runs in NCCL's order, which depends on the layout")
         self.grad_sync = grad_sync
         self.groups = model.groups
         self.checkpoint_format = _check_format(checkpoint_format)
