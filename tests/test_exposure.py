@@ -8,7 +8,9 @@ The second test is a whole `rlrepro train` with the listeners rlrepro makes itse
 gloo group, the collective weight sync's TCPStore and gloo group), run where the hostname resolves to the
 machine's outward address, as on many cloud machines: a private /etc/hosts bind-mounted in a mount namespace of
 the run's own (`unshare -m`; nothing outside it changes). Every listening socket of every process of the run must
-be on loopback (issue 22, item 2: gloo's default device followed the hostname)."""
+be on loopback (issue 22, item 2: gloo's default device followed the hostname).
+
+The third is a two-node Ray cluster on loopback (issue 28): both nodes and a driver joining them."""
 import json
 import socket
 import struct
@@ -236,3 +238,71 @@ def test_a_run_with_its_own_listeners_listens_on_loopback_only_where_the_hostnam
     assert not exposed, f"listening beyond loopback with the hostname resolving outward: {exposed}"
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+JOIN_CHILD = textwrap.dedent("""
+    import json, os, sys
+    from rlrepro.orchestration.ray_start import start_ray
+
+    start_ray(sys.argv[1], None)  # as `rlrepro train ray.address=127.0.0.1:PORT` joins
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def where(self):
+            return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    probes = [Probe.options(resources={name: 0.001}).remote() for name in ("trainer_node", "rollout_node")]
+    where = ray.get([p.where.remote() for p in probes])
+    print("READY " + json.dumps({"nodes": len({n for _, n in where}), "driver_ip": ray.util.get_node_ip_address()}),
+          flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_a_two_node_loopback_cluster_and_its_driver_listen_on_loopback_only():
+    """Issue 28: the second node too. tests/test_cluster.py's two-node cluster (a head and a second node on
+    127.0.0.1, Ray's cluster_utils, no dashboard, no usage statistics), a driver joining it as `rlrepro train
+    ray.address=...` does (start_ray) with an actor on each node: every listening socket of both nodes' processes
+    and of the driver is on loopback. (tests/test_cluster.py also samples them through whole runs.)"""
+    from test_cluster import LoopbackCluster, clean_env, kill_session
+
+    cluster = LoopbackCluster()
+    err = tempfile.TemporaryFile(mode="w+")
+    child = subprocess.Popen([sys.executable, "-c", JOIN_CHILD, cluster.address], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env(), start_new_session=True)
+    try:
+        line = ""
+        while not line.startswith("READY"):
+            line = child.stdout.readline()
+            if not line:
+                err.seek(0)
+                raise AssertionError(f"the driver exited before its actors were up: {err.read()[-3000:]}")
+        info = json.loads(line.split(" ", 1)[1])
+        assert info == {"nodes": 2, "driver_ip": "127.0.0.1"}
+        listeners = listening_sockets()
+        found = []
+        for sid in (cluster.proc.pid, child.pid):
+            for pid in session_pids(sid):
+                try:
+                    cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+                except OSError:
+                    continue
+                found += [(pid, cmd[:100], *listeners[i]) for i in socket_inodes(pid) if i in listeners]
+        assert len({pid for pid, cmd, *_ in found if "raylet" in cmd}) == 2, found  # both nodes seen listening
+        assert len({pid for pid, cmd, *_ in found if "gcs_server" in cmd}) == 1, found
+        exposed = [f for f in found if f[2] not in LOOPBACK]
+        assert not exposed, f"listening beyond loopback on a two-node loopback cluster: {exposed}"
+        assert not [cmd for pid in session_pids(cluster.proc.pid)
+                    for cmd in [open(f"/proc/{pid}/cmdline").read()] if "dashboard/dashboard.py" in cmd and
+                    "--disable-frontend" not in cmd]  # no dashboard frontend
+    finally:
+        try:
+            child.stdin.write("\n")
+            child.stdin.flush()
+            child.wait(timeout=60)
+        except Exception:  # noqa: BLE001
+            child.kill()
+        kill_session(child.pid)
+        err.close()
+        cluster.close()

@@ -95,3 +95,18 @@ def test_split_on_cuda_needs_engines_on_their_own_gpus():
     with pytest.raises(ConfigError, match="ray.placement=split .* ray.colocate=false"):
         compose_config(["recipe=grpo_tiny", "run.device=cuda", "ray.placement=split"])
     compose_config(["recipe=grpo_tiny", "run.device=cuda", "ray.placement=split", "ray.colocate=false"])
+
+
+def test_diff_reports_another_cluster_as_informational():
+    from rlrepro.repro.inputs import input_differences
+
+    one = {"cluster": {"num_nodes": 1, "placement": "local", "nodes": [
+        {"address": "127.0.0.1", "hostname": "h", "actors": ["trainer rank 0", "rollout worker 0"]}]}}
+    two = {"cluster": {"num_nodes": 2, "placement": "split", "nodes": [
+        {"address": "10.0.0.2", "hostname": "b", "actors": ["rollout worker 0"]},
+        {"address": "10.0.0.1", "hostname": "a", "actors": ["trainer rank 0"]}]}}
+    (d,) = input_differences(one, two)
+    assert d.what == "cluster" and not d.bits
+    assert d.message.startswith("cluster differs: 1 node(s), placement local (h: trainer rank 0, rollout worker 0) vs "
+                                "2 node(s), placement split (b: rollout worker 0; a: trainer rank 0)")
+    assert input_differences(one, {}) == []  # a run recorded before the field: nothing to say

@@ -400,7 +400,12 @@ def make_placement_groups(ray, layout: Layout, cfg, timeout_s: float = 300.0) ->
             if g.exclude_trainer_nodes:
                 kwargs["bundle_label_selector"] = [{NODE_ID_LABEL: "!in(" + ",".join(sorted(trainer_nodes)) + ")"}
                                                    for _ in g.bundles]
-            pg = placement_group(g.bundles, strategy=g.strategy, name=f"rlrepro-{g.role}-{i}", **kwargs)
+            try:
+                pg = placement_group(g.bundles, strategy=g.strategy, name=f"rlrepro-{g.role}-{i}", **kwargs)
+            except TypeError as e:  # a Ray without bundle label selectors
+                raise PlacementError(f"ray.placement=split needs a Ray with placement-group label selectors (this "
+                                     f"is {ray.__version__}: {e}); name the nodes with ray.trainer_node / "
+                                     "ray.rollout_node and ray.placement=pack instead") from None
             groups.append(pg)
             try:
                 ray.get(pg.ready(), timeout=timeout_s)

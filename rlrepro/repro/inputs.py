@@ -217,7 +217,7 @@ def read_inputs(run_dir: str | os.PathLike) -> dict | None:
 @dataclass
 class InputDiff:
     what: str        # data_file | data_records | data_revision | weights | eval_file | tokenizer_file | version | gpu
-                     # | env
+                     # | env | cluster (informational)
     key: str         # the file, variable or package name ("" where there is one of a kind)
     a: Any           # the values in run A and run B (None: absent / unset)
     b: Any
