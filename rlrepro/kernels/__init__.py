@@ -122,21 +122,27 @@ def qk_norm_rope_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     """Qwen3's attention from its fused q|k|v product ``qkv`` [N, (H + 2 Hkv) D]: per-head RMSNorm of q and k,
     rotary on both, then ``attention`` (which writes k and v into ``kv_cache`` when given). Returns [N, H, D].
 
-    It is those ops one after the other. On CUDA, in deterministic mode, without autograd and with a cache (the
-    engine), the norms, the rotary and the cache write run as one Triton pass instead of five launches, with the
-    same bits (``triton_attention.qk_norm_rope_cache``; GPU test)."""
+    It is those ops one after the other. On CUDA, without autograd and with a cache (the engine), the norms, the
+    rotary and the cache write run as one Triton pass instead of five launches, with the same bits
+    (``triton_attention.qk_norm_rope_cache``; GPU test): in deterministic mode, and in fast mode when flashinfer
+    serves its attention (:mod:`.fast`)."""
     n = qkv.shape[0]
     heads = num_heads + 2 * num_kv_heads
     if qkv.dim() != 2 or qkv.shape[1] % heads or num_heads % num_kv_heads:
         raise ValueError(f"qk_norm_rope_attention: qkv of shape {tuple(qkv.shape)} is not [N, ({num_heads} + 2 x "
                          f"{num_kv_heads}) x head_dim] with {num_kv_heads} dividing {num_heads}")
     d = qkv.shape[1] // heads
-    if (kv_cache is not None and qkv.is_cuda and current_mode() == "deterministic" and not torch.is_grad_enabled()
-            and meta.block_table is not None and meta.slot_mapping is not None):
-        t = _triton()
-        if t.qk_norm_rope_cache_supported(qkv, q_norm_weight, k_norm_weight, kv_cache):
-            q = t.qk_norm_rope_cache(qkv, num_heads, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache, meta)
-            return t.attention_cached(q, meta, scale, kv_cache)
+    if (kv_cache is not None and qkv.is_cuda and not torch.is_grad_enabled() and meta.block_table is not None
+            and meta.slot_mapping is not None):
+        fast = current_mode() == "fast"
+        if not fast or _fast._fi.serves(qkv.device, qkv.dtype, d):
+            t = _triton()
+            if t.qk_norm_rope_cache_supported(qkv, q_norm_weight, k_norm_weight, kv_cache):
+                q = t.qk_norm_rope_cache(qkv, num_heads, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache,
+                                         meta)
+                if fast:  # the serving-stack fast mode: the same fused pass, then flashinfer (kernels.fast)
+                    return _fast._fi.paged(q, meta, scale, kv_cache)
+                return t.attention_cached(q, meta, scale, kv_cache)
     nq, nkv = num_heads * d, num_kv_heads * d
     q = rms_norm(qkv[:, :nq].view(n, num_heads, d), q_norm_weight, eps)
     k = rms_norm(qkv[:, nq:nq + nkv].view(n, num_kv_heads, d), k_norm_weight, eps)

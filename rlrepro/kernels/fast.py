@@ -1,10 +1,15 @@
-"""The ``fast`` mode: what a serving stack runs when determinism is off. Stock torch kernels (cuBLAS/MKL GEMMs,
-torch RMSNorm/softmax/SwiGLU) and, on CUDA, flashinfer's attention (FA3 prefill on Hopper, paged decode; the
-``.[flashinfer]`` extra, :mod:`.flashinfer_attention`) as SGLang uses it. Not batch-invariant.
+"""The ``fast`` mode: what a serving stack runs when determinism is off. Not batch-invariant.
 
-Where flashinfer is absent (the log says so once), or for a call it does not serve: with a KV cache on CUDA the
-paged Triton kernel (the deterministic one: torch has no paged attention), otherwise torch SDPA. The trainer's
-forward with autograd always runs SDPA (flash attention's backward): flashinfer has no backward.
+On CUDA with flashinfer (the ``.[flashinfer]`` extra, :mod:`.flashinfer_attention`), SGLang's choice of kernels:
+cuBLAS GEMMs, flashinfer attention (FA3 prefill on Hopper, paged decode, CUDA-graph decode plans), and fused
+row-wise kernels (RMSNorm with the residual add, SwiGLU, rotary, log-softmax; the per-head q/k norm + rotary +
+cache write in one pass). The row-wise kernels are rlrepro's Triton ones: a row-wise kernel reduces each row by
+itself, so batch invariance costs it nothing, and "deterministic vs fast" then measures what determinism costs
+(the GEMMs and attention), not unfused norms. The trainer's attention with autograd runs SDPA (flash attention's
+backward): flashinfer has no backward.
+
+Without flashinfer (the log says so once) the fast mode is stock torch throughout (cuBLAS/MKL GEMMs, torch
+RMSNorm/softmax/SwiGLU, SDPA); with a KV cache on CUDA it runs the paged Triton attention (torch has none).
 """
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from . import flashinfer_attention as _fi
-from .cpu import apply_rope, embedding, write_kv_cache  # elementwise / gather ops: one implementation serves both
+from .cpu import apply_rope as _cpu_rope
+from .cpu import embedding, write_kv_cache  # gather ops: one implementation serves both modes
 from .flashinfer_attention import flashinfer_module
 from .metadata import AttentionMetadata
 
@@ -24,24 +30,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def _fused(x: torch.Tensor):
+    """The Triton row-wise kernels for a CUDA tensor when flashinfer is present (the serving-stack fast mode)."""
+    if x.is_cuda and flashinfer_module() is not None:
+        from . import triton_ops
+        return triton_ops
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if (t := _fused(x)) is not None:
+        return t.rms_norm(x, weight, eps)
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if (t := _fused(x)) is not None:
+        return t.add_rms_norm(x, residual, weight, eps)
     s = x + residual
     return s, rms_norm(s, weight, eps)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    if (t := _fused(x)) is not None:
+        return t.log_softmax(x)
     return torch.log_softmax(x.float(), dim=-1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if (t := _fused(x)) is not None:
+        return t.silu_and_mul(x)
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if (t := _fused(x)) is not None:
+        return t.apply_rope(x, cos, sin)
+    return _cpu_rope(x, cos, sin)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -83,10 +111,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
             vs = kv_cache[1][blocks].flatten(0, 1)[:n_kv]
         else:
             ks, vs = k[cu[s]:cu[s + 1]], v[cu[s]:cu[s + 1]]
-        qpos = torch.arange(n_kv - n_q, n_kv, device=q.device).unsqueeze(1)
-        mask = torch.arange(n_kv, device=q.device).unsqueeze(0) <= qpos
-        o = F.scaled_dot_product_attention(
-            qs.transpose(0, 1), ks.to(qs.dtype).transpose(0, 1), vs.to(qs.dtype).transpose(0, 1),
-            attn_mask=mask, scale=scale, enable_gqa=h != hkv)
-        outs.append(o.transpose(0, 1))
+        if n_q == n_kv:  # the whole sequence (the trainer): no mask tensor, so SDPA can take flash attention
+            mask, causal = None, True
+        else:
+            qpos = torch.arange(n_kv - n_q, n_kv, device=q.device).unsqueeze(1)
+            mask, causal = torch.arange(n_kv, device=q.device).unsqueeze(0) <= qpos, False
+        o = F.scaled_dot_product_attention(  # 4-D [1, H, L, D]: the layout SDPA's flash kernel takes
+            qs.transpose(0, 1)[None], ks.to(qs.dtype).transpose(0, 1)[None], vs.to(qs.dtype).transpose(0, 1)[None],
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=h != hkv)
+        outs.append(o[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
