@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from test_exposure import LOOPBACK, listening_sockets, session_pids, socket_inodes
+from test_exposure import LOOPBACK, sample_listeners, session_pids
 
 pytestmark = pytest.mark.slow
 
@@ -169,16 +169,7 @@ def test_two_nodes_trainer_on_one_engines_on_the_other_bitwise_identical_and_on_
     found: dict[tuple[int, str, int], str] = {}
 
     def sample(proc) -> None:  # every listener of both nodes (the cluster's session) and of the driver
-        listeners = listening_sockets()
-        for sid in (cluster.proc.pid, proc.pid):
-            for pid in session_pids(sid):
-                try:
-                    name = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:100]
-                except OSError:
-                    continue
-                for inode in socket_inodes(pid):
-                    if inode in listeners:
-                        found.setdefault((pid, *listeners[inode]), name)
+        sample_listeners([cluster.proc.pid, proc.pid], found)
 
     rc, err = train(run, f"ray.address={cluster.address}", *ON_TWO_NODES, watch=sample)
     assert rc == 0, err[-3000:]

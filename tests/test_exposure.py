@@ -102,6 +102,33 @@ def socket_inodes(pid: int) -> set[str]:
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 
+def sample_listeners(sessions, found: dict) -> dict:
+    """Add to ``found`` every listening socket of the processes of ``sessions`` (session ids), as
+    (pid, address, port) -> the first 100 characters of its command line; returns ``found``."""
+    listeners = listening_sockets()
+    for sid in sessions:
+        for pid in session_pids(sid):
+            try:
+                name = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:100]
+            except OSError:
+                continue
+            for inode in socket_inodes(pid):
+                if inode in listeners:
+                    found.setdefault((pid, *listeners[inode]), name)
+    return found
+
+
+def read_ready(child, err, what: str) -> dict:
+    """Wait for the child's ``READY {json}`` line and return the JSON; the child's stderr if it ends first."""
+    line = ""
+    while not line.startswith("READY"):
+        line = child.stdout.readline()
+        if not line:
+            err.seek(0)
+            raise AssertionError(f"the child exited before {what}: {err.read()[-3000:]}")
+    return json.loads(line.split(" ", 1)[1])
+
+
 def test_local_ray_listens_on_loopback_only_without_dashboard_or_usage_stats():
     import os
 
@@ -110,13 +137,7 @@ def test_local_ray_listens_on_loopback_only_without_dashboard_or_usage_stats():
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=err, text=True, env=env, start_new_session=True)
     try:
-        line = ""
-        while not line.startswith("READY"):
-            line = child.stdout.readline()
-            if not line:
-                err.seek(0)
-                raise AssertionError(f"the child exited before Ray was up: {err.read()[-3000:]}")
-        info = json.loads(line.split(" ", 1)[1])
+        info = read_ready(child, err, "Ray was up")
         listeners = listening_sockets()
         found, commands = [], []
         for pid in session_pids(child.pid):
@@ -211,15 +232,7 @@ def test_a_run_with_its_own_listeners_listens_on_loopback_only_where_the_hostnam
     found: dict[tuple[int, str, int], str] = {}
     try:
         while child.poll() is None:  # the groups live from set-up to the end: sample them all the while
-            listeners = listening_sockets()
-            for pid in session_pids(child.pid):
-                try:
-                    name = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:100]
-                except OSError:
-                    continue
-                for inode in socket_inodes(pid):
-                    if inode in listeners:
-                        found.setdefault((pid, *listeners[inode]), name)
+            sample_listeners([child.pid], found)
             time.sleep(0.2)
         err.seek(0)
         assert child.returncode == 0, err.read()[-3000:]
@@ -272,23 +285,9 @@ def test_a_two_node_loopback_cluster_and_its_driver_listen_on_loopback_only():
     child = subprocess.Popen([sys.executable, "-c", JOIN_CHILD, cluster.address], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env(), start_new_session=True)
     try:
-        line = ""
-        while not line.startswith("READY"):
-            line = child.stdout.readline()
-            if not line:
-                err.seek(0)
-                raise AssertionError(f"the driver exited before its actors were up: {err.read()[-3000:]}")
-        info = json.loads(line.split(" ", 1)[1])
-        assert info == {"nodes": 2, "driver_ip": "127.0.0.1"}
-        listeners = listening_sockets()
-        found = []
-        for sid in (cluster.proc.pid, child.pid):
-            for pid in session_pids(sid):
-                try:
-                    cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
-                except OSError:
-                    continue
-                found += [(pid, cmd[:100], *listeners[i]) for i in socket_inodes(pid) if i in listeners]
+        assert read_ready(child, err, "its actors were up") == {"nodes": 2, "driver_ip": "127.0.0.1"}
+        found = [(pid, cmd, host, port) for (pid, host, port), cmd in
+                 sample_listeners([cluster.proc.pid, child.pid], {}).items()]
         assert len({pid for pid, cmd, *_ in found if "raylet" in cmd}) == 2, found  # both nodes seen listening
         assert len({pid for pid, cmd, *_ in found if "gcs_server" in cmd}) == 1, found
         exposed = [f for f in found if f[2] not in LOOPBACK]
