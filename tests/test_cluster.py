@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from test_exposure import LOOPBACK, sample_listeners, session_pids
+from test_exposure import LOOPBACK, kill_session, release, sample_listeners
 
 pytestmark = pytest.mark.slow
 
@@ -97,22 +97,8 @@ class LoopbackCluster:
         self._expect(answer)
 
     def close(self) -> None:
-        try:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=60)
-        except Exception:  # noqa: BLE001
-            self.proc.kill()
-        kill_session(self.proc.pid)
+        release(self.proc, "quit\n")
         self.err.close()
-
-
-def kill_session(sid: int) -> None:
-    for pid in session_pids(sid):  # what outlives its parent (Ray's agents, a raylet's workers)
-        try:
-            os.kill(pid, 9)
-        except OSError:
-            pass
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,29 @@ def sample_listeners(sessions, found: dict) -> dict:
     return found
 
 
+def release(child, message: str = "\n") -> None:
+    """Tell a child waiting on stdin to end (``message``), kill it if it does not, then every process of its
+    session (Ray's agents can outlive a driver)."""
+    try:
+        child.stdin.write(message)
+        child.stdin.flush()
+        child.wait(timeout=60)
+    except Exception:  # noqa: BLE001
+        child.kill()
+    kill_session(child.pid)
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (what outlives its parent: Ray's agents, a raylet's workers)."""
+    import os
+
+    for pid in session_pids(sid):
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+
+
 def read_ready(child, err, what: str) -> dict:
     """Wait for the child's ``READY {json}`` line and return the JSON; the child's stderr if it ends first."""
     line = ""
@@ -161,17 +184,7 @@ def test_local_ray_listens_on_loopback_only_without_dashboard_or_usage_stats():
         err.seek(0)
         assert "Token authentication is enabled for this Ray cluster" not in err.read()  # RAY_AUTH_MODE=token is set
     finally:
-        try:
-            child.stdin.write("\n")
-            child.stdin.flush()
-            child.wait(timeout=60)
-        except Exception:  # noqa: BLE001
-            child.kill()
-        for pid in session_pids(child.pid):  # Ray's agents can outlive a driver
-            try:
-                os.kill(pid, 9)
-            except OSError:
-                pass
+        release(child)
         err.close()
 
 
@@ -239,11 +252,7 @@ def test_a_run_with_its_own_listeners_listens_on_loopback_only_where_the_hostnam
     finally:
         if child.poll() is None:
             child.kill()
-        for pid in session_pids(child.pid):
-            try:
-                os.kill(pid, 9)
-            except OSError:
-                pass
+        kill_session(child.pid)
         err.close()
     actors = {pid for (pid, *_), name in found.items() if "TrainerWorker" in name or "RolloutWorker" in name}
     assert len(actors) >= 3, found  # two trainer ranks and rollout workers were seen listening
@@ -278,7 +287,7 @@ def test_a_two_node_loopback_cluster_and_its_driver_listen_on_loopback_only():
     127.0.0.1, Ray's cluster_utils, no dashboard, no usage statistics), a driver joining it as `rlrepro train
     ray.address=...` does (start_ray) with an actor on each node: every listening socket of both nodes' processes
     and of the driver is on loopback. (tests/test_cluster.py also samples them through whole runs.)"""
-    from test_cluster import LoopbackCluster, clean_env, kill_session
+    from test_cluster import LoopbackCluster, clean_env
 
     cluster = LoopbackCluster()
     err = tempfile.TemporaryFile(mode="w+")
@@ -296,12 +305,6 @@ def test_a_two_node_loopback_cluster_and_its_driver_listen_on_loopback_only():
                     for cmd in [open(f"/proc/{pid}/cmdline").read()] if "dashboard/dashboard.py" in cmd and
                     "--disable-frontend" not in cmd]  # no dashboard frontend
     finally:
-        try:
-            child.stdin.write("\n")
-            child.stdin.flush()
-            child.wait(timeout=60)
-        except Exception:  # noqa: BLE001
-            child.kill()
-        kill_session(child.pid)
+        release(child)
         err.close()
         cluster.close()
