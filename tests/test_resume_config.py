@@ -53,7 +53,8 @@ BIT_NEUTRAL_CHANGES = {
     "run__dir": "/abs/runs/a", "ray__address": "127.0.0.1:6379", "ray__num_cpus": 4, "rollout__num_workers": 2,
     "rollout__max_num_seqs": 48, "rollout__max_num_batched_tokens": 333, "rollout__prefix_cache": False,
     "rollout__num_kv_blocks": 100, "rollout__gpu_memory_fraction": 0.3, "rollout__weight_sync": "object_store",
-    "rollout__max_restarts": 0,
+    "rollout__max_restarts": 0, "ray__placement": "split", "ray__num_nodes": 2, "ray__trainer_node": "trainer_node",
+    "ray__rollout_node": "rollout_node",
 }
 
 

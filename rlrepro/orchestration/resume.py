@@ -45,6 +45,9 @@ BIT_NEUTRAL_KEYS: tuple[str, ...] = (
     "run.resume", "run.overwrite", "run.save_rollouts",
     "run.dir",  # the record's location: the directory the resumed run was found in
     "ray.address", "ray.num_cpus", "ray.network_interface",
+    # where actors are placed (docs/CLUSTER.md): the same kernels on the same device type give the same bits on any
+    # node (tests/test_cluster.py: trainer and engines on two nodes == one process)
+    "ray.placement", "ray.num_nodes", "ray.trainer_node", "ray.rollout_node",
     "rollout.num_workers", "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.prefix_cache",
     "rollout.num_kv_blocks", "rollout.gpu_memory_fraction", "rollout.weight_sync", "rollout.max_restarts",
     "env.tool_threads",  # environment steps per worker at once: results are put back by key
