@@ -19,7 +19,7 @@ import os
 
 import torch
 
-__all__ = ["flashinfer_module", "serves", "supports", "ragged_prefill", "paged", "GraphDecode"]
+__all__ = ["flashinfer_module", "serves", "supports", "ragged_prefill", "paged", "GraphDecode", "host_page_table"]
 
 _log = logging.getLogger("rlrepro.kernels")
 _MODULE: list = []  # [module or None], filled on first use
@@ -152,14 +152,20 @@ class GraphDecode:
 
     def plan(self, seq_lens: list[int], block_tables: list[list[int]]) -> None:
         """``seq_lens`` / ``block_tables``: the ``batch`` rows' KV lengths and blocks (padding rows included)."""
-        bs = self.block_size
-        pages = [-(-n // bs) for n in seq_lens]
-        indptr = [0]
-        for p in pages:
-            indptr.append(indptr[-1] + p)
-        indices = [b for row, p in zip(block_tables, pages) for b in row[:p]]
-        last = [(n - 1) % bs + 1 for n in seq_lens]
+        indptr, indices, last = host_page_table(seq_lens, block_tables, self.block_size)
         h, hkv, d = self.shape
         i32 = dict(dtype=torch.int32)
         self.wrapper.plan(torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32),
-                          h, hkv, d, bs, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+                          h, hkv, d, self.block_size, q_data_type=self.dtype, kv_data_type=self.dtype,
+                          sm_scale=self.scale)
+
+
+def host_page_table(seq_lens: list[int], block_tables: list[list[int]],
+                    block_size: int) -> tuple[list[int], list[int], list[int]]:
+    """:func:`_page_table` from host lists: (indptr, indices, last_page_len)."""
+    pages = [-(-n // block_size) for n in seq_lens]
+    indptr = [0]
+    for p in pages:
+        indptr.append(indptr[-1] + p)
+    indices = [b for row, p in zip(block_tables, pages) for b in row[:p]]
+    return indptr, indices, [(n - 1) % block_size + 1 for n in seq_lens]
