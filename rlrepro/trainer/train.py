@@ -264,6 +264,7 @@ class Trainer:
                 except ValueError as e:
                     raise ValueError(f"train.tp_partials={partials}: {e} (train.tp_partials must divide the model's "
                                      "heads, KV heads, intermediate size and vocabulary)") from None
+
     def _make_optimizer(self, model, **optim_kwargs):
         """The optimizer over ``model``'s parameters (called once, after the cast to ``param_dtype``)."""
         if self.distributed_optimizer:
