@@ -28,7 +28,7 @@ PY=${PYTHON:-python3}
 # the GPU machine has no ray/hydra/datasets of its own: the package kit (.devkit, carried) installs them
 kit() { $PY -c "import ray, hydra, datasets" 2>/dev/null || source .devkit/install.sh; }
 export -f kit
-# flashinfer (the fast mode's attention, issue #27) travels as wheels in .fi/ (carried; see docs/BENCHMARKS.md):
+# flashinfer (the fast mode's attention, issue #27) travels as wheels in .fi/ (scripts/make_fi_kit.sh; carried):
 # flashinfer-python 0.5.3, apache-tvm-ffi 0.1.x, nvidia-cudnn-frontend, installed without their dependencies
 fi_kit() {
   $PY -c "import flashinfer" 2>/dev/null && return 0
