@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 import logging
 import math
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
 from .records import PromptRecord
+from .specs import SpecError, import_spec
 
 __all__ = [
     "RewardFn", "RewardError", "exact_match_reward", "prefix_match_reward", "math_reward", "MathReward",
@@ -245,6 +245,24 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
+def _spec_problem(spec: str, e: SpecError) -> str:
+    """The message of a ``reward.fn`` that does not resolve (``e``: what :func:`import_spec` found)."""
+    if e.problem == "no_path":
+        return (f"unknown reward {spec!r} (reward.fn={spec}). Fix: set reward.fn to one of the built-ins "
+                f"{sorted(BUILTIN_REWARDS)} (e.g. reward.fn=exact_match), or to the dotted path of your "
+                f"function, reward.fn=pkg.module:function.")
+    if e.problem == "malformed":
+        return f"reward.fn={spec!r} must look like reward.fn=pkg.module:function or reward.fn=pkg.module.function"
+    if e.problem == "import":
+        cause = e.__cause__
+        return (f"reward.fn={spec!r}: cannot import module {e.module_name!r} ({type(cause).__name__}: {cause}). "
+                f"Fix: install the package or put its directory on PYTHONPATH (on every worker), "
+                f"and check the spelling in reward.fn.")
+    names = sorted(n for n in dir(e.owner) if not n.startswith("_") and callable(getattr(e.owner, n, None)))
+    return (f"reward.fn={spec!r}: {e.owner_name!r} has no attribute {e.attr!r}; callables there: {names[:20]}. "
+            f"Fix: set reward.fn={e.module_name}:<one of those>.")
+
+
 def load_reward_fn(spec: str) -> RewardFn:
     """A built-in name (``exact_match``, ``prefix_match``, ``math``) or a dotted path to a callable:
     ``"pkg.module:function"`` or ``"pkg.module.function"`` (``"pkg.module:Class.attr"`` also works).
@@ -256,31 +274,10 @@ def load_reward_fn(spec: str) -> RewardFn:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    if ":" in spec:
-        module_name, _, attr_path = spec.partition(":")
-    elif "." in spec:
-        module_name, _, attr_path = spec.rpartition(".")
-    else:
-        raise ValueError(f"unknown reward {spec!r} (reward.fn={spec}). Fix: set reward.fn to one of the built-ins "
-                         f"{sorted(BUILTIN_REWARDS)} (e.g. reward.fn=exact_match), or to the dotted path of your "
-                         f"function, reward.fn=pkg.module:function.")
-    if not module_name or not attr_path:
-        raise ValueError(f"reward.fn={spec!r} must look like reward.fn=pkg.module:function or "
-                         f"reward.fn=pkg.module.function")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ValueError(f"reward.fn={spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e}). "
-                         f"Fix: install the package or put its directory on PYTHONPATH (on every worker), "
-                         f"and check the spelling in reward.fn.") from e
-    obj: Any = module
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            names = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
-            raise ValueError(f"reward.fn={spec!r}: {getattr(obj, '__name__', module_name)!r} has no attribute "
-                             f"{part!r}; callables there: {names[:20]}. Fix: set reward.fn={module_name}:<one of "
-                             f"those>.")
-        obj = getattr(obj, part)
+        obj = import_spec(spec)
+    except SpecError as e:
+        raise ValueError(_spec_problem(spec, e)) from e.__cause__
     if not callable(obj):
         raise ValueError(f"reward.fn={spec!r} names a {type(obj).__name__}, not a function. Fix: point reward.fn "
                          f"at a function (completion, record) -> float.")

@@ -9,12 +9,12 @@ every rollout worker), as a recipe's reward module's does: use only code you tru
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlrepro.data import PromptRecord, RewardFn
+from rlrepro.data.specs import SpecError, import_spec
 
 from .api import EnvError, Environment
 from .calculator_task import make_calculator_task_env
@@ -80,6 +80,21 @@ def _check_factory(spec: str, obj: Any) -> None:
         pass  # no signature to inspect: trust it
 
 
+def _spec_problem(spec: str, e: SpecError) -> str:
+    """The message of an ``env.name`` / ``env.fn`` that does not resolve (``e``: what :func:`import_spec` found)."""
+    if e.problem == "no_path":
+        return (f"unknown environment {spec!r}; built-in: {sorted(BUILTIN_ENVS)}. Fix: set env.name to one of "
+                f"those, or env.fn=pkg.module:factory")
+    if e.problem == "malformed":
+        return f"env.fn={spec!r} must look like env.fn=pkg.module:factory"
+    if e.problem == "import":
+        cause = e.__cause__
+        return (f"env.fn={spec!r}: cannot import module {e.module_name!r} ({type(cause).__name__}: {cause}). Fix: "
+                f"install the package or put its directory on PYTHONPATH (on every worker)")
+    return (f"env.fn={spec!r}: {e.owner_name!r} has no attribute {e.attr!r}. Fix: check the name after ':' in "
+            f"env.fn")
+
+
 def load_env_factory(spec: str) -> EnvFactory:
     """A built-in name (``single_turn``, ``tool``, ``calculator_task``) or ``pkg.module:factory`` /
     ``pkg.module.factory``. Importing the module runs its top-level code."""
@@ -88,26 +103,10 @@ def load_env_factory(spec: str) -> EnvFactory:
     spec = spec.strip()
     if spec in BUILTIN_ENVS:
         return BUILTIN_ENVS[spec]
-    if ":" in spec:
-        module_name, _, attr_path = spec.partition(":")
-    elif "." in spec:
-        module_name, _, attr_path = spec.rpartition(".")
-    else:
-        raise ValueError(f"unknown environment {spec!r}; built-in: {sorted(BUILTIN_ENVS)}. Fix: set env.name to "
-                         f"one of those, or env.fn=pkg.module:factory")
-    if not module_name or not attr_path:
-        raise ValueError(f"env.fn={spec!r} must look like env.fn=pkg.module:factory")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ValueError(f"env.fn={spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e}). Fix: "
-                         f"install the package or put its directory on PYTHONPATH (on every worker)") from e
-    obj: Any = module
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"env.fn={spec!r}: {getattr(obj, '__name__', module_name)!r} has no attribute "
-                             f"{part!r}. Fix: check the name after ':' in env.fn")
-        obj = getattr(obj, part)
+        obj = import_spec(spec)
+    except SpecError as e:
+        raise ValueError(_spec_problem(spec, e)) from e.__cause__
     _check_factory(spec, obj)
     return obj
 

@@ -37,16 +37,22 @@ def job_config_without_driver_paths(**kwargs):
 
 def module_dirs(specs) -> list[str]:
     """The directories the driver imports the modules of ``specs`` from (``pkg.module:attr`` or
-    ``pkg.module.attr``; built-in names, without a dot or colon, and None are skipped): for each, the directory
-    holding its top-level package or module. In the order given, without repeats."""
+    ``pkg.module.attr``, split as the loaders split them, by ``rlrepro.data.specs.split_spec``; built-in names,
+    without a dot or colon, and None are skipped): for each, the directory holding its top-level package or
+    module. In the order given, without repeats."""
     import importlib.util
     from pathlib import Path
 
+    from rlrepro.data.specs import SpecError, split_spec
+
     out: list[str] = []
     for spec in specs:
-        if not spec or (":" not in spec and "." not in spec):
+        if not spec:
             continue
-        module = spec.partition(":")[0] if ":" in spec else spec.rpartition(".")[0]
+        try:
+            module = split_spec(spec)[0]
+        except SpecError:  # a built-in name
+            continue
         try:
             found = importlib.util.find_spec(module.split(".")[0])
         except (ImportError, ValueError):
