@@ -48,7 +48,7 @@ def _driver(tmp_path, monkeypatch, *overrides, informative=lambda uid: True):
 
 
 def _collect(d, step=1):
-    return d.collect(step, driver_mod._Timer())
+    return d.collect(step, driver_mod.PhaseTimer())
 
 
 def test_off_is_one_round_of_prompts_per_step(tmp_path, monkeypatch):

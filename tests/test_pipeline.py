@@ -42,7 +42,7 @@ def test_the_batch_of_step_s_comes_from_version_s_minus_1_minus_k(tmp_path, monk
     next_batch = d.order.next_batch
     d.order.next_batch = lambda n: drawn.append(next_batch(n)) or drawn[-1]
     for step in range(1, 7):
-        d.pipelined_batch(step, driver_mod._Timer())
+        d.pipelined_batch(step, driver_mod.PhaseTimer())
         d.actors.version = step  # the sync at the end of the step
         assert sorted(d.pending) == list(range(step + 1, step + 1 + k))
     for step, samples in trained.items():

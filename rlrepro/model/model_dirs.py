@@ -39,7 +39,7 @@ from .checkpoint_io import iter_checkpoint_tensors, load_pretrained, require_all
 from .config import Qwen3Config
 from .qwen3 import Qwen3ForCausalLM
 
-__all__ = ["resolve_model_dir", "ResolvedModel", "ModelDirError", "load_resolved"]
+__all__ = ["resolve_model_dir", "ResolvedModel", "ModelDirError", "load_resolved", "checkpoint_base"]
 
 CHECKPOINT_FORMAT = "rlrepro-checkpoint"  # rlrepro.trainer.checkpoint.FORMAT / VERSION / MANIFEST
 CHECKPOINT_VERSION = 1
@@ -166,7 +166,7 @@ def _run_model_path(run_dir: Path) -> tuple[str | None, str | None]:
     return model.get("init"), model.get("path")
 
 
-def _checkpoint_base(ckpt: Path, run_dir: Path | None) -> Path:
+def checkpoint_base(ckpt: Path, run_dir: Path | None) -> Path:
     """The HF directory that holds the checkpoint's config.json and tokenizer."""
     if run_dir is None:
         raise ModelDirError(f"checkpoint {ckpt} does not lie in a run directory (RUN/{CHECKPOINTS_DIR}/step_NNNNNN), "
@@ -228,7 +228,7 @@ def resolve_model_dir(path: str | os.PathLike, *, base: str | os.PathLike | None
     manifest = _checkpoint_manifest(ckpt)
     if run_dir is None and ckpt.parent.name == CHECKPOINTS_DIR:
         run_dir = ckpt.parent.parent
-    src = Path(base) if base is not None else _checkpoint_base(ckpt, run_dir)
+    src = Path(base) if base is not None else checkpoint_base(ckpt, run_dir)
     if not (src / "config.json").is_file():
         raise ModelDirError(f"base {src} has no config.json; it must be an HF model directory")
     _require_tokenizer(src, f"the config.json and tokenizer of checkpoint {ckpt}")

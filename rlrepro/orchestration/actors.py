@@ -11,8 +11,8 @@ import dataclasses
 from typing import Any
 
 from .errors import RolloutWorkerLost, describe, is_actor_death, log
-from .placement import (NODE_ID_LABEL, Layout, Placement, PlacementError, _shown, check_capacity,  # noqa: F401
-                        nodes_from_ray, plan_layout, plan_placement, uses_placement_groups)
+from .placement import (NODE_ID_LABEL, Layout, Placement, PlacementError, check_capacity,  # noqa: F401
+                        nodes_from_ray, plan_layout, plan_placement, shown_resource, uses_placement_groups)
 from .ray_start import is_local, start_ray
 from .weight_sync import WEIGHT_SYNC_MODES, resolve_weight_sync
 from .workers import Request, RolloutWorker, TrainerWorker
@@ -173,7 +173,7 @@ class ActorGroup:
             res = info.get("Resources") or {}
             per_node.append({"address": info.get("NodeManagerAddress"), "hostname": info.get("NodeManagerHostname"),
                              "cpus": res.get("CPU", 0), "gpus": res.get("GPU", 0), "actors": actors,
-                             "resources": sorted(k for k in res if k not in ("CPU", "GPU") and _shown(k))})
+                             "resources": sorted(k for k in res if k not in ("CPU", "GPU") and shown_resource(k))})
         per_node.sort(key=lambda n: n["actors"])
         return {"num_nodes": len(nodes), "placement": self.cfg.ray.placement if self._placements else "local",
                 "nodes": per_node}

@@ -25,7 +25,7 @@ from rlrepro.samples import Sample
 from . import preflight
 from .actors import ActorGroup
 from .config import ConfigError, RunSchema, to_schema, uses_episodes, validate_model_layout
-from .generation import GenerationSteps, _Timer, shaped_penalties
+from .generation import GenerationSteps, PhaseTimer, shaped_penalties
 from .pipeline import PipelineSteps, pending_from_state, pending_to_state, test_delay
 from .errors import RunFailed, RunInterrupted, describe, is_actor_death, unwrap
 from .run_lock import RunLock
@@ -147,7 +147,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
 
     # ------------------------------------------------------------------------------------------------ one step
     def run_step(self, step: int) -> dict:
-        cfg, t = self.cfg, _Timer()
+        cfg, t = self.cfg, PhaseTimer()
         if cfg.rollout.max_staleness:  # batch `step` was generated ahead; batch step + K is generated meanwhile
             samples, penalties, num_reward_errors, round_metrics, train_metrics = self.pipelined_batch(step, t)
         else:

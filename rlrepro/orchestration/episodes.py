@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from rlrepro.envs import EnvReset, EnvSpec, Episode, StepResult
     from rlrepro.rollout import Engine, RequestOutput, SamplingParams
 
-__all__ = ["EpisodeRequest", "EpisodeResult", "run_episodes", "episode_metrics"]
+__all__ = ["EpisodeRequest", "EpisodeResult", "run_episodes", "episode_metrics", "TurnTokenizer"]
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,13 @@ class _Live:
     tool_seconds: float = 0.0
 
 
-class _Turns:
-    """What one environment step needs: the tokenizer, the end-of-turn token, the per-turn and context limits."""
+class TurnTokenizer:
+    """How a transcript goes on after a turn, in tokens: what :func:`run_episodes` uses between turns and what the
+    driver uses to replay a demonstration the same way (``GenerationSteps.demonstration_examples``).
+
+    ``end_of_turn``: the chat template's end-of-turn token (Qwen's ``'<|im_end|>'``), which must encode to one
+    token, or None without a chat template (an observation's text then follows the turn as is). ``max_model_len``:
+    the context the transcript must fit in."""
 
     def __init__(self, tokenizer, end_of_turn: Optional[str], max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -129,31 +134,34 @@ class _Turns:
                                  f"{ids}; pass the chat template's end-of-turn token (Qwen's '<|im_end|>')")
             self.end_of_turn_id = ids[0]
 
-    def observation(self, live: _Live, generated: list[int], result: "StepResult") -> tuple[list[int], str]:
-        """The context tokens after a turn that the episode answers with ``result.messages``, and their text."""
+    def observation(self, tools, generated: list[int], result: "StepResult") -> tuple[list[int], str]:
+        """The context tokens, and their text, after a turn that generated ``generated`` and that the episode
+        answers with ``result.messages``; ``tools``: the episode's (``EnvReset.tools``), for the chat template.
+        A turn cut by length (not ending in the end-of-turn token) is closed by one first."""
         if self.end_of_turn is None:  # no chat template: the observation's text follows the turn as is
             text = "".join(m["content"] for m in result.messages)
             return self.tokenizer.encode(text), text
-        cont = continuation_text(self.tokenizer.apply_chat_template, result.messages, tools=live.start.tools,
+        cont = continuation_text(self.tokenizer.apply_chat_template, result.messages, tools=tools,
                                  end_of_turn=self.end_of_turn)
         ids = self.tokenizer.encode(cont)
         if generated and generated[-1] == self.end_of_turn_id:
             return ids, cont
         return [self.end_of_turn_id] + ids, self.end_of_turn + cont  # cut by length: close the turn first
 
-    def env_turn(self, live: _Live, out: "RequestOutput") -> tuple[str, "StepResult", Optional[tuple]]:
-        """Run on the pool: the environment's answer to one turn, and the observation (tokens, text) or None."""
-        t0 = time.perf_counter()
-        try:
-            text = self.tokenizer.decode(out.token_ids)
-            result = live.episode.step(text, len(out.token_ids))
-            obs = None
-            if not live.episode.done:
-                obs = self.observation(live, out.token_ids, result)
-                live.episode.add_context_tokens(len(obs[0]))
-            return text, result, obs
-        finally:
-            live.tool_seconds += time.perf_counter() - t0
+
+def _env_turn(turns: TurnTokenizer, live: _Live, out: "RequestOutput") -> tuple[str, "StepResult", Optional[tuple]]:
+    """Run on the pool: the environment's answer to one turn, and the observation (tokens, text) or None."""
+    t0 = time.perf_counter()
+    try:
+        text = turns.tokenizer.decode(out.token_ids)
+        result = live.episode.step(text, len(out.token_ids))
+        obs = None
+        if not live.episode.done:
+            obs = turns.observation(live.start.tools, out.token_ids, result)
+            live.episode.add_context_tokens(len(obs[0]))
+        return text, result, obs
+    finally:
+        live.tool_seconds += time.perf_counter() - t0
 
 
 def _start(request: EpisodeRequest, env_spec: "EnvSpec") -> _Live:
@@ -199,7 +207,7 @@ def run_episodes(engine: "Engine", requests: list[EpisodeRequest], env_spec: "En
     if engine.has_unfinished():
         raise RuntimeError("run_episodes needs an engine with no unfinished requests")
     ordered = _check(list(requests))
-    turns = _Turns(tokenizer, end_of_turn, engine.max_model_len)
+    turns = TurnTokenizer(tokenizer, end_of_turn, engine.max_model_len)
     lives = [_start(r, env_spec) for r in ordered]
     running: dict[int, _Live] = {}  # engine request id -> episode
     stepping: dict[Future, _Live] = {}  # environment steps on the pool
@@ -243,7 +251,7 @@ def run_episodes(engine: "Engine", requests: list[EpisodeRequest], env_spec: "En
                     live.weight_version = out.weight_version
                     live.turn_cached_tokens.append(out.num_cached_tokens)
                     live.ids = list(out.prompt_token_ids) + list(out.token_ids)
-                    stepping[pool.submit(turns.env_turn, live, out)] = live
+                    stepping[pool.submit(_env_turn, turns, live, out)] = live
                 done = [f for f in stepping if f.done()]
             else:
                 done = list(wait(list(stepping), return_when=FIRST_COMPLETED).done)

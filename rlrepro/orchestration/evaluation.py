@@ -213,10 +213,10 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
     from rlrepro.data import load_reward_fn
     from rlrepro.model import load_tokenizer
     from rlrepro.model.checkpoint_io import check_pretrained
-    from rlrepro.model.model_dirs import _checkpoint_base
+    from rlrepro.model.model_dirs import checkpoint_base
 
     from .config import migrate_legacy_keys, validate
-    from .export import _checkpoint_of
+    from .export import checkpoint_of
     from .workers import RolloutWorker
 
     run_dir = Path(run_dir)
@@ -226,8 +226,8 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
                                                               resolve=True), warn=False))
     if source is not None:
         cfg.eval.source = source
-    ckpt = _checkpoint_of(run_dir, step)
-    base = _checkpoint_base(ckpt, run_dir)
+    ckpt = checkpoint_of(run_dir, step)
+    base = checkpoint_base(ckpt, run_dir)
     tokenizer = load_tokenizer(base)
     evaluator = Evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn),
                           [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],

@@ -27,7 +27,7 @@ from pathlib import Path
 from rlrepro._files import apply_default_mode, fsync_path
 
 __all__ = ["EXPORT_DIR", "export_path", "list_exports", "finish_export", "new_export_tmp", "prune_exports",
-           "export_checkpoint", "main_export"]
+           "export_checkpoint", "main_export", "checkpoint_of"]
 
 EXPORT_DIR = "export"
 # tokenizer files save_pretrained does not copy itself (it copies rlrepro.model.checkpoint_io.TOKENIZER_FILES)
@@ -135,7 +135,9 @@ def export_run_step(actors, run_dir: str | os.PathLike, step: int, keep_last: in
 
 # ------------------------------------------------------------------------------------------ after the fact
 
-def _checkpoint_of(run_dir: Path, step: int | None) -> Path:
+def checkpoint_of(run_dir: Path, step: int | None) -> Path:
+    """The directory of the run's complete checkpoint of ``step`` (None: the newest); raises ValueError naming
+    the complete ones (and what is wrong with that step's) when there is none."""
     from rlrepro.trainer import list_checkpoints
     from rlrepro.trainer.checkpoint import checkpoint_dir_name, scan_checkpoints
 
@@ -163,13 +165,13 @@ def export_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike, *, ste
     ``rlrepro.trainer.megatron.dist_to_hf``. Tokenizer and config.json come from the run's model directory (or
     ``base``). ``out`` must not exist or be empty; it is complete or absent."""
     from rlrepro.model import load_resolved, resolve_model_dir, save_pretrained
-    from rlrepro.model.model_dirs import _checkpoint_base
+    from rlrepro.model.model_dirs import checkpoint_base
     from rlrepro.trainer.checkpoint import verify_checkpoint
 
     run_dir, out = Path(run_dir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} already exists and is not an empty directory; choose another OUT or remove it")
-    ckpt = _checkpoint_of(run_dir, step)
+    ckpt = checkpoint_of(run_dir, step)
     manifest = verify_checkpoint(ckpt, check_hashes=True)
     tmp = new_export_tmp(out.resolve())
     if out.is_dir():
@@ -178,7 +180,7 @@ def export_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike, *, ste
         if manifest.get("layout") not in (None, "full"):
             from rlrepro.trainer.megatron import dist_to_hf
 
-            tok = Path(base) if base is not None else _checkpoint_base(ckpt, run_dir)
+            tok = Path(base) if base is not None else checkpoint_base(ckpt, run_dir)
             dist_to_hf(ckpt, tmp, tokenizer_from=tok)
         else:
             resolved = resolve_model_dir(ckpt, base=base)

@@ -21,7 +21,7 @@ from rlrepro.samples import Sample
 from .config import ConfigError, RunSchema
 from .workers import Request
 
-__all__ = ["GenerationSteps", "shaped_penalties"]
+__all__ = ["GenerationSteps", "shaped_penalties", "PhaseTimer"]
 
 
 def shaped_penalties(lengths: list[int], cfg: RunSchema) -> list[float] | None:
@@ -36,7 +36,10 @@ def shaped_penalties(lengths: list[int], cfg: RunSchema) -> list[float] | None:
 
 
 
-class _Timer:
+class PhaseTimer:
+    """Wall seconds per phase of a step: ``t("phase")`` records the time since the previous call (or since the
+    timer was made) as ``phase`` in :attr:`times`, which go to the step's timing metrics (``perf/*``) only."""
+
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
         self._t = time.perf_counter()
@@ -240,11 +243,11 @@ class GenerationSteps:
         end-of-turn token, and the observations' continuation text) -> the turn and its end-of-turn token."""
         from types import SimpleNamespace
 
-        from .episodes import _Turns
+        from .episodes import TurnTokenizer
 
         cfg, tok = self.cfg, self.tokenizer
         end_of_turn = tok.eos_token if cfg.data.use_chat_template else None
-        turns = _Turns(tok, end_of_turn, self.model_config.max_position_embeddings)
+        turns = TurnTokenizer(tok, end_of_turn, self.model_config.max_position_embeddings)
         examples = []
         for i, record in enumerate(records):
             env = self.env_spec.make(record, cfg.warm_start.seed + i)
@@ -261,7 +264,7 @@ class GenerationSteps:
                 result = env.step(text)
                 if result.done:
                     break
-                obs_ids, _ = turns.observation(SimpleNamespace(start=start), target, result)
+                obs_ids, _ = turns.observation(start.tools, target, result)
                 ids = ids + target + obs_ids
         return examples
 

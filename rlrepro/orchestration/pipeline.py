@@ -31,7 +31,7 @@ import time
 
 from rlrepro.samples import Sample, Turn
 
-from .generation import _Timer
+from .generation import PhaseTimer
 
 __all__ = ["PipelineSteps", "pending_to_state", "pending_from_state"]
 
@@ -71,7 +71,7 @@ class PipelineSteps:
     pending: dict
 
     def _timed_collect(self, step: int) -> tuple:
-        t = _Timer()
+        t = PhaseTimer()
         batch = self.collect(step, t)
         return batch, t.times
 

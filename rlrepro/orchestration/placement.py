@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from rlrepro.checks import ConfigError
 
 __all__ = ["Placement", "plan_placement", "PLACEMENTS", "CPU_PER_ACTOR", "NODE_RESOURCE_SHARE", "Group", "Layout", "NodeInfo", "PlacementError",
-           "plan_layout", "check_capacity", "uses_placement_groups"]
+           "plan_layout", "check_capacity", "uses_placement_groups", "shown_resource"]
 
 PLACEMENTS = ("pack", "spread", "split")
 CPU_PER_ACTOR = 1.0
@@ -69,7 +69,7 @@ class NodeInfo:
     is_head: bool = False
 
     def describe(self) -> str:
-        res = ", ".join(f"{k} {_num(v)}" for k, v in sorted(self.resources.items()) if _shown(k))
+        res = ", ".join(f"{k} {_num(v)}" for k, v in sorted(self.resources.items()) if shown_resource(k))
         head = ", head" if self.is_head else ""
         return f"{self.address} (node {self.node_id[:8]}{head}): {res or 'no resources'}"
 
@@ -78,7 +78,7 @@ def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
 
-def _shown(resource: str) -> bool:
+def shown_resource(resource: str) -> bool:
     """A resource worth naming (not Ray's per-node, memory or placement-group bookkeeping ones)."""
     return not (resource.startswith("node:") or resource in ("memory", "object_store_memory")
                 or resource.startswith("bundle_group"))
