@@ -71,12 +71,44 @@ def test_overwrite_deletes_exactly_the_files_rlrepro_wrote(tmp_path, capsys):
     overwrite(run)
     assert everything(run) == {"notes.txt", "data/mine.jsonl", "rollouts/README", "plots/loss.png"}
     assert (run / "wandb" / "offline-run-1").is_dir()
+    for gone in ("checkpoints", "base_model", "verify", "export"):
+        assert not (run / gone).exists()
     err = capsys.readouterr().err
-    for name in ("config.yaml", "metrics.jsonl", "inputs.json", "checkpoints/step_000001", "base_model",
-                 "verify/from_1", "data/synthetic_first_letter.jsonl", "rollouts/step_000001.jsonl.gz",
-                 "export/step_000001", "summary.json", "summary.txt"):
-        assert name in err
+    # counted, and named up to five: the 7 records, rollouts/step_000001.jsonl.gz and data/synthetic_*.jsonl are
+    # the files; checkpoints/step_000001, checkpoints/step_000002.tmp-7, verify/from_1, export/step_000001 and
+    # base_model the directories
+    assert f"run.overwrite=true: deleting the run in {run}: 9 files and 5 directories: config.yaml, metrics.jsonl, " \
+           "fingerprints.jsonl, inputs.json, amendments.jsonl and 9 more\n" in err
     assert "kept" in err and "README" in err  # rollouts/ stays: it holds a file rlrepro did not write
+
+
+def test_overwrite_of_a_long_run_counts_the_deleted_files_and_names_only_the_first_few(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "rollouts").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    for step in range(1, 301):
+        (run / "rollouts" / f"step_{step:06d}.jsonl.gz").write_bytes(b"\x1f\x8b")
+        if step % 10 == 0:
+            (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    overwrite(run)
+    assert everything(run) == set() and not (run / "rollouts").exists() and not (run / "checkpoints").exists()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "deleting the run" in line]
+    assert len(lines) == 1 and len(lines[0]) < 300 + len(str(run))
+    assert lines[0].endswith(f"deleting the run in {run}: 301 files and 30 directories: metrics.jsonl, "
+                             "rollouts/step_000001.jsonl.gz, rollouts/step_000002.jsonl.gz, "
+                             "rollouts/step_000003.jsonl.gz, rollouts/step_000004.jsonl.gz and 326 more")
+
+
+def test_describe_deletions_counts_in_words(tmp_path):
+    (tmp_path / "a.txt").write_text("")
+    (tmp_path / "d").mkdir()
+    describe = preflight.describe_deletions
+    assert describe([], tmp_path) == "nothing"
+    assert describe([tmp_path / "a.txt"], tmp_path) == "1 file: a.txt"
+    assert describe([tmp_path / "d"], tmp_path) == "1 directory: d"
+    assert describe([tmp_path / "a.txt", tmp_path / "d"], tmp_path, shown=2) == "1 file and 1 directory: a.txt, d"
+    assert describe([tmp_path / "a.txt", tmp_path / "d"], tmp_path, shown=1) == "1 file and 1 directory: a.txt " \
+                                                                                 "and 1 more"
 
 
 def test_overwrite_keeps_a_data_set_inside_the_run_directory_and_the_run_uses_it(tmp_path):

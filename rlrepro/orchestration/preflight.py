@@ -13,8 +13,8 @@ from rlrepro.repro.records import (CHECKPOINTS_DIR, CONFIG_FILE, FINGERPRINTS_FI
 from .config import ConfigError, RunSchema
 from .errors import log
 
-__all__ = ["check_devices", "check_run_dir", "overwrite_plan", "check_tokenizer", "check_lengths", "check_reward",
-           "remove_partial_checkpoints", "resume_checkpoint", "RUN_FILES", "RUN_DIRS"]
+__all__ = ["check_devices", "check_run_dir", "overwrite_plan", "describe_deletions", "check_tokenizer",
+           "check_lengths", "check_reward", "remove_partial_checkpoints", "resume_checkpoint", "RUN_FILES", "RUN_DIRS"]
 
 
 def check_devices(cfg: RunSchema) -> None:
@@ -78,8 +78,7 @@ def check_run_dir(cfg: RunSchema, run_dir: Path, fresh: bool) -> None:
         raise ConfigError(f"run.overwrite=true would delete {links[0]}, a symbolic link to {os.readlink(links[0])!r}; "
                           "rlrepro never deletes through a link (its target is not in the run directory). Move or "
                           "empty the target and remove the link yourself, or choose another run.dir")
-    shown = ", ".join(str(q.relative_to(run_dir)) for q in plan)
-    log(f"run.overwrite=true: deleting the run in {run_dir}: {shown}")
+    log(f"run.overwrite=true: deleting the run in {run_dir}: {describe_deletions(plan, run_dir)}")
     for q in plan:
         if q.is_dir():
             shutil.rmtree(q)
@@ -93,6 +92,20 @@ def check_run_dir(cfg: RunSchema, run_dir: Path, fresh: bool) -> None:
                 log(f"run.overwrite=true: kept {d}, which holds files rlrepro did not write: {', '.join(left[:8])}")
             else:
                 d.rmdir()
+
+
+def describe_deletions(plan: list[Path], run_dir: Path, shown: int = 5) -> str:
+    """What ``plan`` holds, for the log: how many files and directories, the first ``shown`` of them (relative to
+    ``run_dir``) and how many more, e.g. ``"7 files and 2 directories: config.yaml, metrics.jsonl,
+    fingerprints.jsonl, inputs.json, amendments.jsonl and 4 more"``."""
+    if not plan:
+        return "nothing"
+    dirs = sum(1 for q in plan if q.is_dir() and not q.is_symlink())
+    counts = [f"{n} {word if n == 1 else plural}" for n, word, plural in
+              ((len(plan) - dirs, "file", "files"), (dirs, "directory", "directories")) if n]
+    names = ", ".join(str(q.relative_to(run_dir)) for q in plan[:shown])
+    more = f" and {len(plan) - shown} more" if len(plan) > shown else ""
+    return f"{' and '.join(counts)}: {names}{more}"
 
 
 def overwrite_plan(run_dir: Path) -> list[Path]:
