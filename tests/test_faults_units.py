@@ -253,3 +253,16 @@ def test_memory_stats_skips_a_worker_that_died_between_phases():
     group.trainers = [Actor(ActorDiedError())]  # the trainer's death still ends the run
     with pytest.raises(ActorDiedError):
         group.memory_stats()
+
+
+def test_dead_actor_class_reads_rays_message():
+    from ray.exceptions import ActorDiedError
+
+    from rlrepro.orchestration.errors import dead_actor_class
+
+    class Died(ActorDiedError):
+        def __str__(self):
+            return "The actor died unexpectedly before finishing this task.\n\tclass_name: RolloutWorker\n\tactor_id: 45"
+
+    assert dead_actor_class(Died()) == "RolloutWorker"
+    assert dead_actor_class(ValueError("class_name: RolloutWorker")) is None  # not a death

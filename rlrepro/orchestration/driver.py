@@ -27,7 +27,7 @@ from .actors import ActorGroup
 from .config import ConfigError, RunSchema, to_schema, uses_episodes, validate_model_layout
 from .generation import GenerationSteps, PhaseTimer, shaped_penalties
 from .pipeline import PipelineSteps, pending_from_state, pending_to_state, test_delay
-from .errors import RunFailed, RunInterrupted, describe, is_actor_death, unwrap
+from .errors import RunFailed, RunInterrupted, dead_actor_class, describe, is_actor_death, unwrap
 from .run_lock import RunLock
 from .runlog import RunLog, perf_memory_metrics, step_metrics
 
@@ -460,7 +460,9 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         cause = unwrap(error)
         notes = []
         done = self._done_step
-        trainer_died = not interrupted and is_actor_death(error)  # rollout workers are replaced: this is the trainer
+        # rollout workers are replaced during generate and weight sync: a death that ends the run is the trainer's,
+        # unless Ray names a RolloutWorker (one that died between phases)
+        trainer_died = not interrupted and is_actor_death(error) and dead_actor_class(error) != "RolloutWorker"
         if (self.actors is not None and self._trainer_step == done and done > 0 and not self._saving
                 and not trainer_died and not (self.checkpoint_root() / checkpoint_dir_name(done)).is_dir()):
             try:

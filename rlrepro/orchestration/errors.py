@@ -38,6 +38,16 @@ def is_actor_death(exc: BaseException) -> bool:
     return isinstance(exc, RayActorError)
 
 
+def dead_actor_class(exc: BaseException) -> str | None:
+    """The class of the actor whose death ``exc`` reports (Ray writes ``class_name: X`` into its message), or None."""
+    import re
+
+    if not is_actor_death(exc):
+        return None
+    m = re.search(r"class_name: (\w+)", str(exc))
+    return m.group(1) if m else None
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The exception raised inside an actor, without Ray's wrapper (its message holds the remote traceback)."""
     from ray.exceptions import RayTaskError
