@@ -147,8 +147,9 @@ def test_gpu_fast_mode_flashinfer_paths_match_reference():
         cu.append(cu[-1] + n)
     outs = torch.empty_like(want)
     splits = [[0, max(1, int(n * 0.6)), n - 1, n] if n > 2 else [0, n] for n in lens]
+    kinds = []  # the flashinfer path each step took
     for step in range(3):
-        qs, ks, vs, qlens, kvlens, slots, rows, kinds = [], [], [], [], [], [], [], []
+        qs, ks, vs, qlens, kvlens, slots, rows = [], [], [], [], [], [], []
         for s, n in enumerate(lens):
             if step + 1 >= len(splits[s]):
                 continue
@@ -169,6 +170,7 @@ def test_gpu_fast_mode_flashinfer_paths_match_reference():
         for s, a, b in rows:
             outs[cu[s] + a:cu[s] + b] = o[off:off + b - a].cpu().to(outs.dtype)
             off += b - a
+    assert kinds == ["paged_prefill", "paged_prefill", "decode"]
     assert rel_err(outs, want) < 2e-2, f"paged prefill / decode (seed {seed})"
 
 

@@ -84,6 +84,12 @@ def test_one_plan_per_forward_for_every_path(fresh_module_cache, monkeypatch):
     assert len(plans) == 1 and plans[0][1] == "ragged"
     assert plans[0][2][0].tolist() == [0, 4, 9] and plans[0][3]["causal"] is True
     assert [e for e in log if e[0] == "run"] == [("run", "ragged")] * 3
+    # another forward plans the shared wrapper for its own metadata; the first forward's next call plans again
+    other = AttentionMetadata.packed([9])
+    FA.ragged_prefill(q, k, v, other, 0.125)
+    FA.ragged_prefill(q, k, v, meta, 0.125)
+    plans = [e for e in log if e[0] == "plan"]
+    assert [p[2][0].tolist() for p in plans] == [[0, 4, 9], [0, 9], [0, 4, 9]]
     cache = (torch.zeros(6, 4, 2, 64), torch.zeros(6, 4, 2, 64))
     log.clear()
     dec = AttentionMetadata.paged([1, 1], [3, 6], [[0, 9], [1, 2]], 4)

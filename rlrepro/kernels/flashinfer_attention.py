@@ -98,15 +98,26 @@ def _page_table(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: i
     return indptr, indices, last
 
 
+def _is_planned(w, meta, key) -> bool:
+    """Whether the shared wrapper ``w`` holds the plan of this forward's ``meta``: its own record says so (a later
+    forward may have planned the wrapper for other metadata since) and so does the metadata's."""
+    return meta.cache.get(("flashinfer", "planned")) == key and getattr(w, "_rlrepro_plan", None) is meta.cache
+
+
+def _mark_planned(w, meta, key) -> None:
+    meta.cache[("flashinfer", "planned")] = key
+    w._rlrepro_plan = meta.cache
+
+
 def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float) -> torch.Tensor:
     """Causal attention over packed sequences (queries == keys), no cache, no autograd."""
     key = ("flashinfer", "ragged", float(scale))
     w = _wrapper("ragged", q.device)
-    if meta.cache.get(("flashinfer", "planned")) != key:
+    if not _is_planned(w, meta, key):
         indptr = meta.cu_seqlens_q.to(torch.int32)
         w.plan(indptr, indptr, q.shape[1], k.shape[1], q.shape[2], causal=True, sm_scale=float(scale),
                q_data_type=q.dtype, kv_data_type=k.dtype)
-        meta.cache[("flashinfer", "planned")] = key
+        _mark_planned(w, meta, key)
     return w.run(q, k.contiguous() if k.stride(-1) != 1 else k, v.contiguous() if v.stride(-1) != 1 else v)
 
 
@@ -121,7 +132,7 @@ def paged(q: torch.Tensor, meta, scale: float, kv_cache: tuple[torch.Tensor, tor
     kind = "decode" if decode else "paged_prefill"
     key = ("flashinfer", kind, float(scale))
     w = _wrapper(kind, q.device)
-    if meta.cache.get(("flashinfer", "planned")) != key:
+    if not _is_planned(w, meta, key):
         indptr, indices, last = _page_table(meta.seq_lens, meta.block_table, meta.block_size)
         if decode:
             w.plan(indptr, indices, last, q.shape[1], hkv, d, meta.block_size, q_data_type=q.dtype,
@@ -129,7 +140,7 @@ def paged(q: torch.Tensor, meta, scale: float, kv_cache: tuple[torch.Tensor, tor
         else:
             w.plan(meta.cu_seqlens_q.to(torch.int32), indptr, indices, last, q.shape[1], hkv, d, meta.block_size,
                    causal=True, sm_scale=float(scale), q_data_type=q.dtype, kv_data_type=k_cache.dtype)
-        meta.cache[("flashinfer", "planned")] = key
+        _mark_planned(w, meta, key)
     return w.run(q, kv_cache)
 
 
