@@ -8,15 +8,21 @@ model):
 * ``on (tree)``: ``train.layout_invariant=true train.tp_partials=1``: each micro-batch's gradient kept apart and
   combined in the fixed binary tree (a stack of at most ``log2(micro-batches) + 1`` float32 partial sums);
 * ``on (tree + P pieces)``: ``train.tp_partials=P`` as well: every row-/column-parallel product computed as ``P``
-  fixed pieces (what any TP dividing ``P`` computes), forward and backward.
+  fixed pieces (what any TP dividing ``P`` computes), forward and backward. On CUDA in the deterministic mode the
+  pieces take the fused path of ``rlrepro.kernels.tp`` (one launch per row-parallel product, see docs/TRAINER.md);
+* ``--per-piece`` adds ``on (... per-piece)``: the same with ``RLREPRO_TP_PIECES=per-piece`` (the pieces one by one,
+  the same bits), to show what the fused path saves.
 
-After one untimed step of the process, each is warmed up, then ``--steps`` steps are timed (synchronised on CUDA); the median step time is printed with the
-ratio to ``off``. The batch is synthetic (seeded prompts and completions, rollout logprobs -1.0, seeded advantages).
-A benchmark reports, it asserts nothing.
+After one untimed step of the process, each is warmed up, then ``--steps`` steps are timed (synchronised on CUDA);
+the median step time is printed with the ratio to ``off``, and the peak memory of the steps
+(``torch.cuda.max_memory_allocated``, reset after the trainer is built; n/a on CPU) with its ratio. The batch is
+synthetic (seeded prompts and completions, rollout logprobs -1.0, seeded advantages). A benchmark reports, it
+asserts nothing.
 
     python benchmarks/bench_layout_invariance.py --device cpu --hidden 64 --layers 2 --steps 2      # CPU smoke test
     python benchmarks/bench_layout_invariance.py --device cuda --hidden 4096 --layers 4 --heads 32 --kv-heads 8 \\
-        --intermediate 12288 --vocab 151936 --num-samples 64 --micro-batch-size 8 --tp-partials 8     # an H200
+        --head-dim 128 --intermediate 12288 --vocab 151936 --num-samples 64 --micro-batch-size 8 \\
+        --tp-partials 8 --warmup 2 --steps 5 --per-piece                                    # Qwen3-8B width, an H200
 
 Data parallel: run it under ``torchrun --nproc-per-node N``; every rank initialises ``torch.distributed`` (NCCL on
 CUDA with one GPU per local rank, gloo on CPU) and the step is data parallel over the N ranks (the ``off`` sum is the
@@ -25,6 +31,7 @@ all-gather + rank-order sum, the ``on`` one the subtree roots gathered and the t
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -63,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-piece", action="store_true", help="also time the P pieces one by one "
+                   "(RLREPRO_TP_PIECES=per-piece: the same bits; what the CUDA fused path replaces)")
     return p.parse_args(argv)
 
 
@@ -99,25 +108,57 @@ def samples(args) -> list[dict]:
             for _ in range(args.num_samples)]
 
 
-def time_config(args, device, dtype, data_parallel, **train) -> float:
-    model = make_model(args, device, torch.float32)
-    config = TrainConfig(lr=1e-6, steps=args.warmup + args.steps, micro_batch_size=args.micro_batch_size,
-                         num_gpus=1 if data_parallel is None else data_parallel.world_size, **train)
-    trainer = Trainer(model, config, param_dtype=dtype if dtype != torch.float32 else None,
-                      data_parallel=data_parallel)
-    batch = samples(args)
-    times = []
-    with kernels.mode("deterministic"):
-        for i in range(args.warmup + args.steps):
-            if data_parallel is not None:
-                data_parallel.barrier()
-            sync(device)
-            t0 = time.perf_counter()
-            trainer.train_step(batch)
-            sync(device)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def time_config(args, device, dtype, data_parallel, env=None, **train) -> tuple[float, int | None]:
+    """Median step seconds and the steps' peak allocated bytes (None on CPU) of one configuration; ``env``:
+    environment variables set while it runs."""
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        _free(device)
+        model = make_model(args, device, torch.float32)
+        config = TrainConfig(lr=1e-6, steps=args.warmup + args.steps, micro_batch_size=args.micro_batch_size,
+                             num_gpus=1 if data_parallel is None else data_parallel.world_size, **train)
+        trainer = Trainer(model, config, param_dtype=dtype if dtype != torch.float32 else None,
+                          data_parallel=data_parallel)
+        del model
+        batch = samples(args)
+        times = []
+        sync(device)
+        if device.type == "cuda":  # the steps' peak: weights, optimizer state, activations, gradients
+            torch.cuda.reset_peak_memory_stats(device)
+        with kernels.mode("deterministic"):
+            for i in range(args.warmup + args.steps):
+                if data_parallel is not None:
+                    data_parallel.barrier()
+                sync(device)
+                t0 = time.perf_counter()
+                trainer.train_step(batch)
+                sync(device)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        del trainer
+        _free(device)
+        return statistics.median(times), peak
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _gib(peak: int | None, base: int | None) -> str:
+    if peak is None:
+        return "peak memory n/a (CPU)"
+    return f"peak {peak / 2 ** 30:8.2f} GiB   x{peak / base:.3f} of off"
 
 
 def main(argv=None) -> None:
@@ -141,17 +182,26 @@ def main(argv=None) -> None:
         print(f"device {device} x {world} rank(s), {dtype}, hidden {args.hidden}, {args.layers} layers, "
               f"{args.num_samples} samples of {args.prompt_len}+{args.completion_len} tokens, {micro} micro-batches "
               f"of {args.micro_batch_size}, median of {args.steps} steps")
-    configs = [("off", {}), ("on (tree)", dict(layout_invariant=True)),
-               (f"on (tree + {args.tp_partials} pieces)", dict(layout_invariant=True, tp_partials=args.tp_partials))]
+    pieces = f"on (tree + {args.tp_partials} pieces)"
+    configs = [("off", {}, None), ("on (tree)", dict(layout_invariant=True), None),
+               (pieces, dict(layout_invariant=True, tp_partials=args.tp_partials), None)]
+    if args.per_piece:
+        configs.append((pieces[:-1] + ", per-piece)", dict(layout_invariant=True, tp_partials=args.tp_partials),
+                        {"RLREPRO_TP_PIECES": "per-piece"}))
+    if rank0 and device.type == "cuda":
+        print(f"  pieces: the CUDA fused path (rlrepro.kernels.tp; RLREPRO_TP_PIECES="
+              f"{os.environ.get('RLREPRO_TP_PIECES', '') or 'fused'})")
     # one untimed pass first: the process's one-time costs (allocator, kernel compilation, thread pools) would
     # otherwise land on whichever configuration runs first
     time_config(argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0}), device, dtype, data_parallel)
-    base = None
-    for label, train in configs:
-        seconds = time_config(args, device, dtype, data_parallel, **train)
+    base = base_peak = None
+    for label, train, env in configs:
+        seconds, peak = time_config(args, device, dtype, data_parallel, env=env, **train)
         base = base or seconds
+        base_peak = base_peak or peak
         if rank0:
-            print(f"  {label:<24} {seconds * 1e3:10.1f} ms/step   x{seconds / base:.3f} of off")
+            print(f"  {label:<36} {seconds * 1e3:10.1f} ms/step   x{seconds / base:.3f} of off   "
+                  f"{_gib(peak, base_peak)}", flush=True)
     if data_parallel is not None:
         import torch.distributed as dist
 

@@ -42,6 +42,9 @@ Works with gloo (CPU tensors) and NCCL (CUDA tensors); ``group=None`` is the def
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -239,30 +242,52 @@ def _kernel_linear():
     return kernels.linear
 
 
+_ROW_WHAT = "the input dimension (K) of a row-parallel linear"
+_COLUMN_WHAT = "the output dimension (N) of a column-parallel linear"
+
+
 def linear_row_split(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """What a row-parallel linear over ``parts`` ranks returns: partials over contiguous K-slices, each from the
-    deterministic kernel (in the output dtype), added in rank order with :func:`sum_in_rank_order`."""
+    deterministic kernel (in the output dtype), added in rank order with :func:`sum_in_rank_order`. On CUDA without
+    autograd, one launch of the fused piecewise-K kernel (``triton_matmul.matmul_k_pieces``, the same bits)."""
+    if parts > 1 and _fused_usable(x, weight) and not _grad_needed(x, weight):
+        _check_split(weight.shape[1], parts, row=True)
+        return _row_fused(x, weight, parts)
+    return _linear_row_split_per_piece(x, weight, parts)
+
+
+def linear_column_split(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """What a column-parallel linear over ``parts`` ranks returns after the gather: each rank's output slice from
+    the kernel on its contiguous N-shard of the weight, concatenated in rank order. On CUDA without autograd, the
+    one whole product (the Triton kernel's element is the same K chain whatever the N tiling: the same bits)."""
+    if parts > 1 and _fused_usable(x, weight) and not _grad_needed(x, weight):
+        _check_split(weight.shape[0], parts, row=False)
+        return _kernel_linear()(x, weight)
+    return _linear_column_split_per_piece(x, weight, parts)
+
+
+def _linear_row_split_per_piece(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """:func:`linear_row_split` piece by piece (CPU, fast mode, autograd; the reference of the fused path)."""
     if parts == 1:
         return _kernel_linear()(x, weight)
     k = weight.shape[1]
     linear = _kernel_linear()
     partials = []
     for r in range(parts):
-        a, b = shard_range(k, parts, r, "the input dimension (K) of a row-parallel linear")
+        a, b = shard_range(k, parts, r, _ROW_WHAT)
         partials.append(linear(x[..., a:b].contiguous(), weight[:, a:b].contiguous()))
     return sum_in_rank_order(partials)
 
 
-def linear_column_split(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
-    """What a column-parallel linear over ``parts`` ranks returns after the gather: each rank's output slice from
-    the kernel on its contiguous N-shard of the weight, concatenated in rank order."""
+def _linear_column_split_per_piece(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """:func:`linear_column_split` piece by piece (CPU, fast mode, autograd; the reference of the fused path)."""
     if parts == 1:
         return _kernel_linear()(x, weight)
     n = weight.shape[0]
     linear = _kernel_linear()
     outs = []
     for r in range(parts):
-        a, b = shard_range(n, parts, r, "the output dimension (N) of a column-parallel linear")
+        a, b = shard_range(n, parts, r, _COLUMN_WHAT)
         outs.append(linear(x, weight[a:b].contiguous()))
     return torch.cat(outs, dim=-1)
 
@@ -325,20 +350,21 @@ def _piece_grads(pieces, grads, need_x: bool):
     return gxs, gws
 
 
-def _run_pieces(x: torch.Tensor, weight: torch.Tensor, parts: int, row: bool) -> list:
+def _run_pieces(x: torch.Tensor, weight: torch.Tensor, parts: int, row: bool, grad: bool = True) -> list:
     """``(xs, ws, y)`` of each piece, its graph kept for the backward: ``weight``'s N-rows (column) or K-columns
-    with the matching slice of ``x`` (row), each a contiguous copy, through the deterministic kernel."""
+    with the matching slice of ``x`` (row), each a contiguous copy, through the deterministic kernel. ``grad=False``:
+    the same kernel calls without graphs (nothing will differentiate them)."""
     linear = _kernel_linear()
     size = weight.shape[1] if row else weight.shape[0]
-    what = "the input dimension (K) of a row-parallel linear" if row else \
-        "the output dimension (N) of a column-parallel linear"
+    what = _ROW_WHAT if row else _COLUMN_WHAT
     pieces = []
-    with torch.enable_grad():
-        whole = x.detach().requires_grad_(x.requires_grad)
+    with torch.enable_grad() if grad else contextlib.nullcontext():
+        need_x = grad and x.requires_grad
+        whole = x.detach().requires_grad_(need_x)
         for r in range(parts):
             a, b = shard_range(size, parts, r, what)
-            xs = x.detach()[..., a:b].contiguous().requires_grad_(x.requires_grad) if row else whole
-            ws = (weight.detach()[:, a:b] if row else weight.detach()[a:b]).contiguous().requires_grad_(True)
+            xs = x.detach()[..., a:b].contiguous().requires_grad_(need_x) if row else whole
+            ws = (weight.detach()[:, a:b] if row else weight.detach()[a:b]).contiguous().requires_grad_(grad)
             pieces.append((xs, ws, linear(xs, ws)))
     return pieces
 
@@ -408,15 +434,155 @@ class _HeadGroupNorm(torch.autograd.Function):
 def column_pieces_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, group=None) -> torch.Tensor:
     """A column-parallel product as ``parts`` N-pieces of ``weight`` (this rank's shard), concatenated: forward
     :func:`linear_column_split`'s bits; the input gradient is every TP rank's pieces' partials added in piece order
-    (replaces :func:`copy_to_tp`: ``x`` is the replicated input)."""
+    (replaces :func:`copy_to_tp`: ``x`` is the replicated input). On CUDA (deterministic mode) the fast path below
+    computes the same bits; without autograd no per-piece graph is built."""
+    grad = _grad_needed(x, weight)
+    if _fused_usable(x, weight):
+        _check_split(weight.shape[0], parts, row=False)
+        return _ColumnPiecesFused.apply(x, weight, parts, group) if grad else _kernel_linear()(x, weight)
+    if not grad:
+        return torch.cat([y for _, _, y in _run_pieces(x, weight, parts, row=False, grad=False)], dim=-1)
     return _ColumnPieces.apply(x, weight, parts, group)
 
 
 def row_pieces_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, group=None) -> torch.Tensor:
     """A row-parallel product as ``parts`` K-pieces of this rank's slice, the pieces of every TP rank added in piece
     order (float32 accumulator, :func:`sum_in_rank_order`): forward :func:`linear_row_split`'s bits at ``parts x
-    TP`` pieces; replicated output."""
+    TP`` pieces; replicated output. On CUDA (deterministic mode) the fast path below computes the same bits;
+    without autograd no per-piece graph is built."""
+    grad = _grad_needed(x, weight)
+    if _fused_usable(x, weight):
+        _check_split(weight.shape[1], parts, row=True)
+        return _RowPiecesFused.apply(x, weight, parts, group) if grad else _row_pieces_fused_forward(
+            x, weight, parts, group)
+    if not grad:
+        partials = [y for _, _, y in _run_pieces(x, weight, parts, row=True, grad=False)]
+        return sum_in_rank_order(_gather_pieces(partials, group))
     return _RowPieces.apply(x, weight, parts, group)
+
+
+def _column_pieces_per_piece(x: torch.Tensor, weight: torch.Tensor, parts: int, group=None) -> torch.Tensor:
+    """:func:`column_pieces_linear` through the per-piece graphs on any device (the fast path's reference)."""
+    return _ColumnPieces.apply(x, weight, parts, group)
+
+
+def _row_pieces_per_piece(x: torch.Tensor, weight: torch.Tensor, parts: int, group=None) -> torch.Tensor:
+    """:func:`row_pieces_linear` through the per-piece graphs on any device (the fast path's reference)."""
+    return _RowPieces.apply(x, weight, parts, group)
+
+
+# ------------------------------------------------------------------------------- the pieces on CUDA (fast path)
+#
+# With the Triton kernels (CUDA, deterministic mode) every element of ``triton_matmul.matmul`` is one float32 chain
+# over K from k = 0, whatever the M/N tiling, so
+#
+# * a column-parallel forward is the one product over this rank's whole shard: its N-slices *are* the pieces' bits;
+# * a row-parallel forward is ``triton_matmul.matmul_k_pieces``: one launch running each piece's K chain (the same
+#   loop, from the piece's first column), rounding it, and adding the rounded partials in piece order in float32.
+#
+# The backward products of ``kernels.linear`` are cuBLAS (``triton_ops._Linear``: ``torch.mm`` on the operands'
+# shapes), whose algorithm may follow the shape: a piece's gradient is *not* assumed to be a slice of the whole
+# product's. So the backward makes, per piece, exactly the ``torch.mm`` calls the per-piece graphs make (the same
+# shapes and contiguous layouts), without building graphs, and without keeping weight copies from the forward;
+# the column-parallel input gradient's partials are added in one pass (``triton_matmul.ordered_sum``, the float32
+# additions of :func:`sum_in_rank_order` in the same order).
+
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _pieces_impl() -> str:
+    """"fused" (default) or "per-piece": ``RLREPRO_TP_PIECES=per-piece`` runs the pieces one by one on CUDA too (the
+    same bits, slower; for benchmarks and bisecting)."""
+    forced = os.environ.get("RLREPRO_TP_PIECES", "").strip().lower()
+    if forced and forced not in ("fused", "per-piece"):
+        raise ValueError(f"RLREPRO_TP_PIECES must be 'fused' or 'per-piece', not {forced!r}")
+    return forced or "fused"
+
+
+def _fused_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``kernels.linear`` runs the Triton matmul on these tensors (CUDA, the deterministic mode, a dtype the
+    kernel takes): then the fast path has the per-piece path's bits. Anywhere else the pieces run one by one."""
+    if not (x.is_cuda and weight.is_cuda) or x.dtype != weight.dtype or x.dtype not in _FUSED_DTYPES:
+        return False
+    from ._mode import current_mode
+
+    return current_mode() == "deterministic" and _pieces_impl() == "fused"
+
+
+def _grad_needed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+
+
+def _check_split(size: int, parts: int, row: bool) -> None:
+    shard_range(size, parts, 0, _ROW_WHAT if row else _COLUMN_WHAT)  # the per-piece path's error, if any
+
+
+def _ordered_sum_cuda(parts: list[torch.Tensor]) -> torch.Tensor:
+    from . import triton_matmul
+
+    return triton_matmul.ordered_sum(parts)
+
+
+def _row_fused(x: torch.Tensor, weight: torch.Tensor, parts: int, stack: bool = False) -> torch.Tensor:
+    """The ``parts`` K-pieces of ``x @ weight^T`` in one launch: their sum in piece order ``[..., N]``, or the
+    rounded partials ``[parts, ..., N]`` (``stack``)."""
+    from . import triton_matmul
+
+    out = triton_matmul.matmul_k_pieces(x.reshape(-1, x.shape[-1]), weight, parts, stack=stack)
+    return out.reshape(*((parts,) if stack else ()), *x.shape[:-1], weight.shape[0])
+
+
+def _row_pieces_fused_forward(x: torch.Tensor, weight: torch.Tensor, parts: int, group) -> torch.Tensor:
+    if _group_size(group) == 1:
+        return _row_fused(x, weight, parts)
+    gathered = _all_gather(_row_fused(x, weight, parts, stack=True), group)  # every rank's [parts, ..., N]
+    return _ordered_sum_cuda([p for part in gathered for p in part.unbind(0)])
+
+
+class _ColumnPiecesFused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, parts, group):
+        ctx.save_for_backward(x, weight)
+        ctx.parts, ctx.group = parts, group
+        return _kernel_linear()(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        x2d = x.reshape(-1, x.shape[-1])
+        gxs, gws = [], []
+        for r in range(ctx.parts):
+            a, b = shard_range(weight.shape[0], ctx.parts, r, _COLUMN_WHAT)
+            g2 = grad[..., a:b].contiguous().reshape(-1, b - a)  # the per-piece graph's g.contiguous()
+            if need_x:
+                gxs.append(torch.mm(g2, weight[a:b].contiguous()).reshape(x.shape))
+            if need_w:
+                gws.append(torch.mm(g2.t(), x2d))
+        gx = _ordered_sum_cuda(_gather_pieces(gxs, ctx.group)) if need_x else None
+        return gx, torch.cat(gws, dim=0) if need_w else None, None, None
+
+
+class _RowPiecesFused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, parts, group):
+        ctx.save_for_backward(x, weight)
+        ctx.parts = parts
+        return _row_pieces_fused_forward(x, weight, parts, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        g2 = grad.to(x.dtype).contiguous().reshape(-1, weight.shape[0])  # each piece gets the output grad
+        gxs, gws = [], []
+        for r in range(ctx.parts):
+            a, b = shard_range(weight.shape[1], ctx.parts, r, _ROW_WHAT)
+            if need_x:
+                gxs.append(torch.mm(g2, weight[:, a:b].contiguous()).reshape(*x.shape[:-1], b - a))
+            if need_w:
+                gws.append(torch.mm(g2.t(), x[..., a:b].contiguous().reshape(-1, b - a)))
+        return (torch.cat(gxs, dim=-1) if need_x else None, torch.cat(gws, dim=1) if need_w else None, None, None)
 
 
 def head_group_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, parts: int, group=None) -> torch.Tensor:

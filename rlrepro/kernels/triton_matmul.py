@@ -108,8 +108,14 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> MatmulC
         return CONFIGS_16BIT[forced]
     if m <= SMALL_M:
         return CONFIGS_16BIT[_small_m_config(m, n)]
+    return _least_cost(LARGE_M_CANDIDATES, m, n, sms)
+
+
+def _least_cost(candidates, m: int, n: int, sms: int) -> MatmulConfig:
+    """The candidate ``(name, relative speed)`` with the least estimated time, waves x tile area / speed (the first
+    of equal ones)."""
     best, best_cost = None, None
-    for name, speed in LARGE_M_CANDIDATES:
+    for name, speed in candidates:
         c = CONFIGS_16BIT[name]
         tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
         waves = triton.cdiv(tiles, sms * c.ctas_per_sm)
@@ -208,12 +214,8 @@ def tma_usable(weight: torch.Tensor, n: int, k: int) -> bool:
             and (k * esize) % 16 == 0 and (n * esize) % 16 == 0)
 
 
-def matmul(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: MatmulConfig | None = None, use_tma: bool | None = None) -> torch.Tensor:
-    """``x2d [M, K] @ weight[N, K]^T (+ bias)`` in the input dtype, batch-invariant in M.
-
-    ``config`` and ``use_tma`` override the automatic choice (tests and benchmarks only).
-    """
+def _operand_shapes(x2d: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
+    """``(M, K, N)`` of ``x2d [M, K] @ weight[N, K]^T``, after checking the dtypes and K."""
     if x2d.dtype != weight.dtype:
         raise TypeError(f"linear: x is {x2d.dtype} but weight is {weight.dtype}; cast one of them first")
     if x2d.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -222,6 +224,16 @@ def matmul(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"linear: x has K={k} but weight is {tuple(weight.shape)}")
+    return m, k, n
+
+
+def matmul(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: MatmulConfig | None = None, use_tma: bool | None = None) -> torch.Tensor:
+    """``x2d [M, K] @ weight[N, K]^T (+ bias)`` in the input dtype, batch-invariant in M.
+
+    ``config`` and ``use_tma`` override the automatic choice (tests and benchmarks only).
+    """
+    m, k, n = _operand_shapes(x2d, weight)
     out = torch.empty((m, n), device=x2d.device, dtype=x2d.dtype)
     if m == 0 or n == 0:
         return out
@@ -255,4 +267,228 @@ def matmul(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     else:
         _mm_ptr_kernel[grid](x2d, weight, out, bias_arg, m, n, k, x2d.stride(0), weight.stride(0), out.stride(0),
                              **common)
+    return out
+
+
+# --------------------------------------------------------------- piecewise-K products (rlrepro.kernels.tp pieces)
+#
+# ``train.tp_partials=P`` computes a row-parallel product as P K-pieces: piece r is ``matmul(x[:, a_r:b_r],
+# weight[:, a_r:b_r])`` on contiguous copies, rounded to the output dtype, and the P partials are added in piece order
+# with a float32 accumulator cast once (``tp.sum_in_rank_order``). ``matmul_k_pieces`` computes exactly that in one
+# launch: per output tile, for each piece, the same K loop as the kernels above (the same BLOCK_K, the same tl.dot
+# on the same operand tiles, from the piece's first column, the piece's tail masked to zeros as a standalone call on
+# the slice masks its own), the tile rounded to the output dtype, then added as float32 into the tile's total in
+# piece order; the total is stored rounded once. Its tile shapes come from ``pick_pieces_config``: the same configs
+# (any config gives the same bits), restricted to those that hold two float32 tiles (the piece's and the total) in
+# registers. ``stack=True`` stores the rounded partials ``[P, M, N]`` instead, for ranks that gather them.
+
+
+@triton.jit
+def _store_tile(c, rows, cols, M, N, stride_cm, value):
+    # the tile's pointers are made here, not kept through the K loops (64-bit pointers: registers)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(c + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], value, mask=mask)
+
+
+@triton.jit
+def _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, STACK: tl.constexpr):
+    """Piece ``r``'s float32 tile ``acc``, rounded to the output dtype as a standalone call stores it: stored in its
+    ``[M, N]`` slab (``STACK``; ``c_slab``, a scalar 64-bit pointer, then steps to the next slab), or added as float32
+    to ``total`` (sum_in_rank_order: the first partial is the start, not ``0.0 + p``: -0.0 stays)."""
+    part = acc.to(c_slab.dtype.element_ty)
+    if STACK:
+        _store_tile(c_slab, rows, cols, M, N, stride_cm, part)
+        c_slab += stride_cp
+    else:
+        total = tl.where(r == 0, part.to(tl.float32), total + part.to(tl.float32))
+    return total, c_slab
+
+
+@triton.jit
+def _mm_k_pieces_tma_kernel(a_desc, b_desc, c_ptr, M, N, K_PIECE, PIECES, stride_cp, stride_cm,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, PRECISION: tl.constexpr,
+                            STACK: tl.constexpr):
+    # K_PIECE is a multiple of BLOCK_K here (the host checks): a piece's tiles never reach into the next piece
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K_PIECE, BLOCK_K)
+    for tile_id in tl.range(pid, num_tiles, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        c_slab = c_ptr
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r in range(PIECES):
+            k0 = r * K_PIECE
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):  # the piece's k = 0, 64, 128, ...: _mm_tma_kernel's loop on the slice
+                a = a_desc.load([off_m, k0 + ki * BLOCK_K])
+                b = b_desc.load([off_n, k0 + ki * BLOCK_K])
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            total, c_slab = _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, STACK)
+        if not STACK:
+            _store_tile(c_ptr, rows, cols, M, N, stride_cm, total.to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _mm_k_pieces_ptr_kernel(a_ptr, b_ptr, c_ptr, M, N, K_PIECE, PIECES, stride_am, stride_bn, stride_cp, stride_cm,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, PRECISION: tl.constexpr,
+                            STACK: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K_PIECE, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile_id in tl.range(pid, num_tiles, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_ok = rows < M
+        cols_ok = cols < N
+        c_slab = c_ptr
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r in range(PIECES):
+            k0 = r * K_PIECE
+            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + (k0 + offs_k)[None, :]
+            b_ptrs = b_ptr + cols.to(tl.int64)[:, None] * stride_bn + (k0 + offs_k)[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):  # _mm_ptr_kernel's loop on the slice: its tail masked at the piece's end
+                k_ok = offs_k < K_PIECE - ki * BLOCK_K
+                a = tl.load(a_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=cols_ok[:, None] & k_ok[None, :], other=0.0)
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
+            total, c_slab = _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, STACK)
+        if not STACK:
+            _store_tile(c_ptr, rows, cols, M, N, stride_cm, total.to(c_ptr.dtype.element_ty))
+
+
+# Configs of matmul_k_pieces: a piece's accumulator and the total are both float32 tiles in registers, so at most
+# 64 + 64 registers a thread for the two (the 128x256 and 64x256 tiles would spill).
+PIECES_SMALL_M = ("64x128x64w4s8c1", "64x64x64w4s10c1")
+PIECES_LARGE_M_CANDIDATES = (("128x128x64w8s4c1", 0.92), ("64x128x64w4s8c1", 0.80), ("64x64x64w4s6c2", 0.70))
+
+
+def pick_pieces_config(m: int, n: int, dtype: torch.dtype, sms: int) -> MatmulConfig:
+    """The config of :func:`matmul_k_pieces` (any config gives the same bits; ``RLREPRO_MATMUL_CONFIG`` is not
+    read: its large tiles may not fit the kernel's two accumulators)."""
+    if dtype == torch.float32:
+        return CONFIG_FP32
+    if m <= SMALL_M:
+        return CONFIGS_16BIT[PIECES_SMALL_M[0] if triton.cdiv(n, 128) >= sms else PIECES_SMALL_M[1]]
+    return _least_cost(PIECES_LARGE_M_CANDIDATES, m, n, sms)
+
+
+def matmul_k_pieces(x2d: torch.Tensor, weight: torch.Tensor, pieces: int, stack: bool = False,
+                    config: MatmulConfig | None = None, use_tma: bool | None = None) -> torch.Tensor:
+    """``x2d [M, K] @ weight[N, K]^T`` as ``pieces`` equal consecutive K-pieces, in one launch, with the bits of
+
+        parts = [matmul(x2d[:, a:b].contiguous(), weight[:, a:b].contiguous()) for each piece [a, b)]
+        tp.sum_in_rank_order(parts)            # stack=False: [M, N]
+        torch.stack(parts)                     # stack=True: [pieces, M, N]
+
+    ``config`` and ``use_tma`` override the automatic choice (tests only). No autograd."""
+    m, k, n = _operand_shapes(x2d, weight)
+    if pieces < 1 or k % pieces:
+        raise ValueError(f"matmul_k_pieces: K={k} is not {pieces} equal pieces")
+    k_piece = k // pieces
+    out = torch.empty((pieces, m, n) if stack else (m, n), device=x2d.device, dtype=x2d.dtype)
+    if out.numel() == 0:
+        return out
+    if k_piece == 0:  # each piece is a product over nothing: zeros, and so is their sum
+        return out.zero_()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    sms = _device_sms(x2d)
+    cfg = config or pick_pieces_config(m, n, x2d.dtype, sms)
+    precision = "ieee" if x2d.dtype == torch.float32 else "tf32"  # as matmul
+    tma = (tma_usable(weight, n, k) and k_piece % cfg.block_k == 0) if use_tma is None else use_tma
+    if tma and k_piece % cfg.block_k:
+        raise ValueError(f"matmul_k_pieces: the TMA kernel needs pieces of whole K tiles ({k_piece} % "
+                         f"{cfg.block_k} != 0)")
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    grid = (min(tiles, sms * cfg.ctas_per_sm),)
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  FLATTEN=cfg.flatten, PRECISION=precision, STACK=stack, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    stride_cp = m * n if stack else 0
+    if tma:
+        if not _aligned(x2d):
+            x2d = x2d.contiguous() if not x2d.is_contiguous() else x2d.clone()  # fresh memory is aligned
+        a_desc = TensorDescriptor.from_tensor(x2d, [cfg.block_m, cfg.block_k])
+        b_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
+        _mm_k_pieces_tma_kernel[grid](a_desc, b_desc, out, m, n, k_piece, pieces, stride_cp, n, **common)
+    else:
+        _mm_k_pieces_ptr_kernel[grid](x2d, weight, out, m, n, k_piece, pieces, x2d.stride(0), weight.stride(0),
+                                      stride_cp, n, **common)
+    return out
+
+
+@triton.jit
+def _ordered_sum_kernel(out_ptr, acc_ptr, p0, p1, p2, p3, p4, p5, p6, p7, numel, NUM: tl.constexpr,
+                        FROM_ACC: tl.constexpr, TO_ACC: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    if FROM_ACC:
+        total = tl.load(acc_ptr + offs, mask=mask, other=0.0) + tl.load(p0 + offs, mask=mask).to(tl.float32)
+    else:
+        total = tl.load(p0 + offs, mask=mask).to(tl.float32)
+    if NUM > 1:
+        total = total + tl.load(p1 + offs, mask=mask).to(tl.float32)
+    if NUM > 2:
+        total = total + tl.load(p2 + offs, mask=mask).to(tl.float32)
+    if NUM > 3:
+        total = total + tl.load(p3 + offs, mask=mask).to(tl.float32)
+    if NUM > 4:
+        total = total + tl.load(p4 + offs, mask=mask).to(tl.float32)
+    if NUM > 5:
+        total = total + tl.load(p5 + offs, mask=mask).to(tl.float32)
+    if NUM > 6:
+        total = total + tl.load(p6 + offs, mask=mask).to(tl.float32)
+    if NUM > 7:
+        total = total + tl.load(p7 + offs, mask=mask).to(tl.float32)
+    if TO_ACC:
+        tl.store(acc_ptr + offs, total, mask=mask)
+    else:
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+ORDERED_SUM_SLOTS = 8  # partials read per launch; more are added through a float32 accumulator (the same sums)
+ORDERED_SUM_BLOCK = 1024
+
+
+def ordered_sum(parts: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``tp.sum_in_rank_order`` for 16-bit or float32 tensors of one shape and dtype, in one pass over them:
+    ``((p_0 + p_1) + p_2) + ...`` in float32 (each partial converted exactly), cast once to ``dtype`` (default: the
+    parts' dtype); the same float32 additions in the same order, so the same bits."""
+    first = parts[0]
+    if first.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"ordered_sum: unsupported dtype {first.dtype}")
+    for p in parts:
+        if p.shape != first.shape or p.dtype != first.dtype or p.device != first.device:
+            raise ValueError("ordered_sum: the parts must share one shape, dtype and device")
+    parts = [p.contiguous() for p in parts]
+    out = torch.empty(first.shape, device=first.device, dtype=dtype or first.dtype)
+    numel = out.numel()
+    if numel == 0:
+        return out
+    acc = torch.empty(first.shape, device=first.device, dtype=torch.float32) \
+        if len(parts) > ORDERED_SUM_SLOTS else out
+    grid = (triton.cdiv(numel, ORDERED_SUM_BLOCK),)
+    for start in range(0, len(parts), ORDERED_SUM_SLOTS):
+        chunk = parts[start:start + ORDERED_SUM_SLOTS]
+        slots = chunk + [chunk[0]] * (ORDERED_SUM_SLOTS - len(chunk))
+        last = start + ORDERED_SUM_SLOTS >= len(parts)
+        _ordered_sum_kernel[grid](out, acc, *slots, numel, NUM=len(chunk), FROM_ACC=start > 0, TO_ACC=not last,
+                                  BLOCK=ORDERED_SUM_BLOCK)
     return out

@@ -1,0 +1,348 @@
+"""The CUDA fast path of the layout-invariant pieces (``train.tp_partials``, rlrepro/kernels/tp.py) against the
+per-piece path it replaces, bit for bit (``torch.equal``): forward, input and weight gradients, the no-grad
+emulation (``linear_row_split`` / ``linear_column_split``), and the kernels under it
+(``triton_matmul.matmul_k_pieces``, ``triton_matmul.ordered_sum``).
+
+Two tiers, as tests/test_triton_kernels.py:
+
+* CPU: the same comparisons through Triton's interpreter (``TRITON_INTERPRET=1``, float32 only: the interpreter
+  computes bf16 wrongly), the fast path forced onto CPU tensors and both paths' ``kernels.linear`` set to the
+  Triton one (``triton_ops.linear``), so what differs between them is only what the fast path changes.
+  ``TRITON_INTERPRET=1 python tests/test_tp_pieces_fast.py --interpret [NAME ...]`` runs them directly.
+* GPU (``-m gpu``): the compiled kernels, bf16 and float32, through the real dispatch (CUDA, deterministic mode).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from _triton_helpers import fresh_seed, gpu, interpreter_test_items, main, needs_cuda, rel_err  # noqa: E402,F401
+
+
+# ============================================================================================ shared comparisons
+def _assert_equal(got: torch.Tensor, expect: torch.Tensor, what: str) -> None:
+    assert got.shape == expect.shape and got.dtype == expect.dtype, (what, got.shape, expect.shape, got.dtype)
+    assert torch.equal(got, expect), f"{what}: max |diff| {(got.double() - expect.double()).abs().max().item()}"
+
+
+def _run_with_grad(fn, x, w, g, parts, need_x=True):
+    xx = x.clone().requires_grad_(need_x)
+    ww = w.clone().requires_grad_(True)
+    y = fn(xx, ww, parts)
+    y.backward(g)
+    return y.detach(), (xx.grad if need_x else None), ww.grad
+
+
+def compare_pieces(kind: str, device, dtype, m: int, k: int, n: int, parts: int, lead=(), seed_note="") -> None:
+    """``row_pieces_linear`` / ``column_pieces_linear`` (the fast path where it applies) == the per-piece graphs,
+    forward and gradients (with and without an input gradient), and the no-grad forms == the per-piece ones."""
+    from rlrepro.kernels import tp
+
+    x = torch.randn(*lead, m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
+    g = torch.randn(*lead, m, n, device=device).to(dtype)
+    fast, ref = ((tp.row_pieces_linear, tp._row_pieces_per_piece) if kind == "row" else
+                 (tp.column_pieces_linear, tp._column_pieces_per_piece))
+    split, split_ref = ((tp.linear_row_split, tp._linear_row_split_per_piece) if kind == "row" else
+                        (tp.linear_column_split, tp._linear_column_split_per_piece))
+    what = f"{kind} {dtype} m={m} k={k} n={n} P={parts} lead={lead} {seed_note}"
+    for need_x in (True, False):
+        got, expect = _run_with_grad(fast, x, w, g, parts, need_x), _run_with_grad(ref, x, w, g, parts, need_x)
+        for name, a, b in zip(("forward", "input grad", "weight grad"), got, expect):
+            if b is not None:
+                _assert_equal(a, b, f"{what} need_x={need_x}: {name}")
+    with torch.no_grad():
+        _assert_equal(fast(x, w, parts), expect[0], f"{what}: no-grad pieces")
+        _assert_equal(split(x, w, parts), expect[0], f"{what}: no-grad split")
+        _assert_equal(split_ref(x, w, parts), expect[0], f"{what}: per-piece split")
+
+
+def compare_k_pieces(device, dtype, m: int, k: int, n: int, parts: int, configs=(None,), note="") -> int:
+    """``matmul_k_pieces`` == the per-piece products (``matmul`` on contiguous slices), summed by
+    ``sum_in_rank_order`` and stacked, for each config and each kernel (TMA where it may run, pointers)."""
+    from rlrepro.kernels import tp
+    from rlrepro.kernels import triton_matmul as mm
+
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
+    pieces = [mm.matmul(x[:, a:b].contiguous(), w[:, a:b].contiguous())
+              for a, b in (tp.shard_range(k, parts, r) for r in range(parts))]
+    expect, expect_stack = tp.sum_in_rank_order(pieces), torch.stack(pieces)
+    checked = 0
+    for cfg in configs:
+        block_k = (cfg or mm.pick_pieces_config(m, n, dtype, 4)).block_k
+        for tma in (None, False) + ((True,) if (k // parts) % block_k == 0 and mm.tma_usable(w, n, k) else ()):
+            what = f"{dtype} m={m} k={k} n={n} P={parts} config={cfg and cfg.name} tma={tma} {note}"
+            _assert_equal(mm.matmul_k_pieces(x, w, parts, config=cfg, use_tma=tma), expect, what)
+            _assert_equal(mm.matmul_k_pieces(x, w, parts, stack=True, config=cfg, use_tma=tma), expect_stack,
+                          what + " stack")
+            checked += 1
+    return checked
+
+
+def compare_ordered_sum(device, dtype, shape, counts=(1, 2, 3, 8, 9, 17)) -> None:
+    from rlrepro.kernels import tp
+    from rlrepro.kernels import triton_matmul as mm
+
+    for count in counts:
+        parts = [(torch.randn(*shape, device=device) * 10 ** (i % 5 - 2)).to(dtype) for i in range(count)]
+        parts[0].view(-1)[:3] = -0.0  # a -0.0 partial stays -0.0 where nothing else is added
+        for p in parts[1:]:
+            p.view(-1)[:2] = -0.0
+        _assert_equal(mm.ordered_sum(parts), tp.sum_in_rank_order(parts), f"ordered_sum {dtype} x{count}")
+        got, expect = mm.ordered_sum(parts), tp.sum_in_rank_order(parts)
+        assert torch.equal(torch.signbit(got), torch.signbit(expect)), "sign of zero"
+
+
+# ============================================================================================ CPU: interpreter
+INTERP_CHECKS: dict = {}
+
+
+def interp_check(fn):
+    INTERP_CHECKS[fn.__name__] = fn
+    return fn
+
+
+@contextlib.contextmanager
+def _fast_path_on_cpu():
+    """The interpreter run's stand-in for CUDA: the fast path takes float32 CPU tensors, and ``kernels.linear`` of
+    both paths is the Triton one (the per-piece graphs then make the same ``triton_ops`` calls as on a GPU)."""
+    from rlrepro.kernels import tp, triton_ops
+
+    saved = tp._fused_usable, tp._kernel_linear
+    tp._fused_usable = lambda x, w: x.dtype == w.dtype == torch.float32
+    tp._kernel_linear = lambda: triton_ops.linear
+    try:
+        yield
+    finally:
+        tp._fused_usable, tp._kernel_linear = saved
+
+
+@interp_check
+def check_k_pieces_fp32():
+    from dataclasses import replace
+    from rlrepro.kernels import triton_matmul as mm
+    fresh_seed()
+    # K pieces of 40 (a K tile of 32 plus a masked tail: the pointer kernel) and of 64 (whole tiles: TMA)
+    for m, k, n, parts in ((1, 80, 24, 2), (7, 160, 40, 4), (70, 128, 24, 2), (3, 256, 8, 4), (5, 64, 16, 1)):
+        assert compare_k_pieces("cpu", torch.float32, m, k, n, parts, note="interpreter")
+    # the 16-bit tile geometries (persistent loop, grouped order) compute the sum: closeness (other numpy tile
+    # shapes than the per-piece calls' float32 config, so not bit for bit here)
+    x, w = torch.randn(150, 256), torch.randn(300, 256)
+    expect = sum((x[:, a:a + 64] @ w[:, a:a + 64].t()).double() for a in range(0, 256, 64))
+    for name in (*mm.PIECES_SMALL_M, *(c for c, _ in mm.PIECES_LARGE_M_CANDIDATES)):
+        cfg = replace(mm.CONFIGS_16BIT[name], ctas_per_sm=1)
+        for tma in (True, False):
+            e = rel_err(mm.matmul_k_pieces(x, w, 4, config=cfg, use_tma=tma), expect)
+            assert e < 1e-6, (name, tma, e)
+
+
+@interp_check
+def check_ordered_sum_fp32():
+    fresh_seed()
+    compare_ordered_sum("cpu", torch.float32, (5, 333))
+
+
+@interp_check
+def check_pieces_fast_path_fp32():
+    from rlrepro.kernels import triton_matmul as mm
+
+    seed = fresh_seed()
+    calls = {"matmul_k_pieces": 0, "ordered_sum": 0}
+    saved = mm.matmul_k_pieces, mm.ordered_sum
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    mm.matmul_k_pieces, mm.ordered_sum = counted("matmul_k_pieces", saved[0]), counted("ordered_sum", saved[1])
+    try:
+        _pieces_cases(seed)
+    finally:
+        mm.matmul_k_pieces, mm.ordered_sum = saved
+    assert calls["matmul_k_pieces"] and calls["ordered_sum"], calls  # the fast path ran
+
+
+def _pieces_cases(seed):
+    with _fast_path_on_cpu():
+        for kind in ("row", "column"):
+            for m, k, n, parts, lead in ((1, 80, 24, 2, ()), (7, 160, 40, 4, ()), (70, 128, 24, 2, ()),
+                                         (3, 64, 16, 1, ()), (4, 96, 48, 2, (2,))):
+                compare_pieces(kind, "cpu", torch.float32, m, k, n, parts, lead, seed_note=f"seed {seed}")
+
+
+@interp_check
+def check_fast_path_not_used_off_cuda():
+    """Without the stand-in, CPU tensors take the per-piece path (today's CPU bits): no Triton call at all."""
+    from rlrepro.kernels import tp, triton_matmul as mm
+    calls = []
+    saved = mm.matmul_k_pieces, mm.ordered_sum
+    mm.matmul_k_pieces = mm.ordered_sum = lambda *a, **k: calls.append(a)
+    try:
+        x, w = torch.randn(3, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+        tp.row_pieces_linear(x, w, 2).sum().backward()
+        tp.column_pieces_linear(x, w, 2).sum().backward()
+        with torch.no_grad():
+            tp.linear_row_split(x, w, 2), tp.linear_column_split(x, w, 2), tp.row_pieces_linear(x, w, 2)
+    finally:
+        mm.matmul_k_pieces, mm.ordered_sum = saved
+    assert not calls and not tp._fused_usable(x, w)
+
+
+def _group_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A TP rank of :func:`check_pieces_fast_path_tp_group_fp32`: its shard's pieces through both paths, with the
+    gathers of a real (gloo) group."""
+    import torch.distributed as dist
+    from _dist import gloo_process_group
+    from rlrepro.kernels import tp
+
+    with gloo_process_group(rank, world, port), _fast_path_on_cpu():
+        x, w, g = _group_inputs()
+        group, local = dist.group.WORLD, GROUP_PARTS // world
+        res = {}
+        ka, kb = tp.shard_range(x.shape[-1], world, rank)
+        na, nb = tp.shard_range(w.shape[0], world, rank)
+        for name, fn in (("fast", tp.row_pieces_linear), ("ref", tp._row_pieces_per_piece)):
+            res["row", name] = _run_with_grad(lambda xx, ww, p, fn=fn: fn(xx, ww, p, group), x[:, ka:kb].contiguous(),
+                                              w[:, ka:kb].contiguous(), g, local)
+        for name, fn in (("fast", tp.column_pieces_linear), ("ref", tp._column_pieces_per_piece)):
+            res["column", name] = _run_with_grad(lambda xx, ww, p, fn=fn: fn(xx, ww, p, group), x,
+                                                 w[na:nb].contiguous(), g[:, na:nb].contiguous(), local)
+        with torch.no_grad():
+            res["row", "no-grad"] = tp.row_pieces_linear(x[:, ka:kb].contiguous(), w[:, ka:kb].contiguous(), local,
+                                                         group)
+        torch.save(res, f"{out}.rank{rank}")
+
+
+GROUP_PARTS = 4
+
+
+def _group_inputs():
+    gen = torch.Generator().manual_seed(5)
+    m, k, n = 6, 4 * 40, 24  # pieces of 40: the pointer kernel with a masked K tail
+    return (torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / 8, torch.randn(m, n, generator=gen))
+
+
+@interp_check
+def check_pieces_fast_path_tp_group_fp32():
+    """Real TP (gloo, 2 ranks holding 2 of the 4 pieces each): the fast path with its gathers == the per-piece
+    path on every rank, and both == one process computing all 4 pieces (the layout invariance itself)."""
+    import tempfile
+
+    from _dist import spawn_ranks
+    from rlrepro.kernels import tp
+
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = spawn_ranks(_group_worker, world, out=f"{tmp}/res", weights_only=False)
+    x, w, g = _group_inputs()
+    with _fast_path_on_cpu():
+        whole = {"row": _run_with_grad(tp.row_pieces_linear, x, w, g, GROUP_PARTS),
+                 "column": _run_with_grad(tp.column_pieces_linear, x, w, g, GROUP_PARTS)}
+    for rank, res in enumerate(ranks):
+        ka, kb = tp.shard_range(x.shape[-1], world, rank)
+        na, nb = tp.shard_range(w.shape[0], world, rank)
+        for kind in ("row", "column"):
+            for name, a, b in zip(("forward", "input grad", "weight grad"), res[kind, "fast"], res[kind, "ref"]):
+                _assert_equal(a, b, f"rank {rank} {kind} {name}: fast vs per-piece")
+        y, gx, gw = res["row", "fast"]
+        _assert_equal(y, whole["row"][0], "row forward vs one process")
+        _assert_equal(res["row", "no-grad"], whole["row"][0], "row no-grad forward vs one process")
+        _assert_equal(gx, whole["row"][1][:, ka:kb], "row input grad vs one process")
+        _assert_equal(gw, whole["row"][2][:, ka:kb], "row weight grad vs one process")
+        y, gx, gw = res["column", "fast"]
+        _assert_equal(y, whole["column"][0][:, na:nb], "column forward vs one process")
+        _assert_equal(gx, whole["column"][1], "column input grad vs one process")
+        _assert_equal(gw, whole["column"][2][na:nb], "column weight grad vs one process")
+
+
+interp_results, test_interpreter = interpreter_test_items(__file__, INTERP_CHECKS)
+
+
+# ============================================================================================ CPU (no Triton)
+def test_no_grad_pieces_build_no_graph_and_keep_the_bits():
+    """Without autograd the per-piece path makes the same kernel calls without per-piece graphs: the same bits as
+    with the graphs (CPU, where the fast path never runs)."""
+    from rlrepro.kernels import tp
+
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 12), torch.randn(8, 12)
+    for parts in (1, 2, 4):
+        for fast, ref in ((tp.row_pieces_linear, tp._row_pieces_per_piece),
+                          (tp.column_pieces_linear, tp._column_pieces_per_piece)):
+            with_graph = ref(x.clone().requires_grad_(True), w.clone().requires_grad_(True), parts)
+            with torch.no_grad():
+                out = fast(x, w, parts)
+            assert not out.requires_grad and out.grad_fn is None
+            assert torch.equal(out, with_graph.detach())
+            out2 = fast(x, w, parts)  # grad mode on, but nothing requires grad
+            assert out2.grad_fn is None and torch.equal(out2, out)
+
+
+# ============================================================================================ GPU
+GPU_MS = (1, 7, 64, 300)
+GPU_PARTS = (1, 2, 4, 8)
+GPU_KS = (2048 + 64 * 3, 2048)  # pieces of 280 (a masked K tail: pointer kernel) and of 256 (whole tiles: TMA)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["row", "column"])
+@pytest.mark.parametrize("k", GPU_KS)
+def test_gpu_pieces_fast_path_equals_per_piece(dtype, kind, k):
+    from rlrepro import kernels
+    from rlrepro.kernels import tp
+
+    seed = fresh_seed()
+    x = torch.randn(3, 64, device="cuda").to(dtype)
+    assert tp._fused_usable(x, x) and kernels.current_mode() == "deterministic"
+    n = 1000  # not a multiple of 64; its eighth (125) is not 16-byte aligned in bf16 (pieces: pointer kernel)
+    for m in GPU_MS:
+        for parts in GPU_PARTS:
+            compare_pieces(kind, "cuda", dtype, m, k, n, parts, seed_note=f"seed {seed}")
+    compare_pieces(kind, "cuda", dtype, 33, k, n, 4, lead=(3,), seed_note=f"seed {seed}")  # [B, T, K] inputs
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_k_pieces_kernel_all_configs(dtype):
+    from rlrepro.kernels import triton_matmul as mm
+
+    seed = fresh_seed()
+    configs = (None,) if dtype == torch.float32 else \
+        (None, *(mm.CONFIGS_16BIT[c] for c in (*mm.PIECES_SMALL_M, *(c for c, _ in mm.PIECES_LARGE_M_CANDIDATES))))
+    checked = 0
+    for m in (1, 7, 64, 65, 300, 1500):
+        for k, n, parts in ((2240, 1000, 8), (2048, 1003, 8), (4096, 2048, 2), (192, 64, 3), (12288, 512, 8)):
+            checked += compare_k_pieces("cuda", dtype, m, k, n, parts, configs, note=f"seed {seed}")
+    assert checked
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_ordered_sum(dtype):
+    fresh_seed()
+    compare_ordered_sum("cuda", dtype, (300, 2049))
+
+
+@gpu
+@needs_cuda
+def test_gpu_pieces_fast_path_in_fast_mode_is_not_used():
+    """``kernels.mode("fast")``: the pieces run one by one through the stock kernels, as before."""
+    from rlrepro import kernels
+    from rlrepro.kernels import tp
+
+    x = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
+    with kernels.mode("fast"):
+        assert not tp._fused_usable(x, x)
+
+
+if __name__ == "__main__":
+    main(INTERP_CHECKS, __file__)
