@@ -1,14 +1,17 @@
 """train.layout_invariant (issue #26): the tree sum alone, then the Trainer over 1, 2 and 4 gloo data-parallel ranks
 gives the same bits (metrics ==, weights torch.equal), a checkpoint written at DP=2 resumes at DP=1 into the
 uninterrupted run, and with the option off the layouts differ (the option is what holds)."""
+import math
+
 import pytest
 import torch
 
 from rlrepro.checks import ConfigError
 from rlrepro.model import tiny_model
 from rlrepro.trainer import DataParallel, TrainConfig, Trainer, token_logprobs
-from rlrepro.trainer.tree_sum import (GradTree, PairwiseStack, combine_grads, combine_level_order,
-                                      num_leaves_padded, num_subtrees, owned_leaves, owned_subtrees, tree_sum,
+from rlrepro.trainer.tree_sum import (GradTree, PairwiseStack, ShardedGradTree, combine_grads,
+                                      combine_level_order, make_grad_tree, num_leaves_padded, num_subtrees,
+                                      owned_leaves, owned_subtrees, shards_partial_sums, tree_leaves, tree_sum,
                                       tree_sum_floats)
 
 from _dist import gloo_process_group, spawn_ranks
@@ -98,6 +101,114 @@ def test_grad_tree_without_data_parallel_is_the_reference():
         t.push(0, None)
 
 
+# ------------------------------------------------------------------- the sharded partial sums (ZeRO-2 style)
+
+# tensors of 33, 2x2 (absent in every third leaf), 7 (bf16 in odd leaves: widened exactly) and 1 element (absent
+# everywhere): 45 elements, cut into d shards and exchanged in rounds of 3 elements per sender
+SHARD_LIKE = [torch.empty(33), torch.empty(2, 2), torch.empty(7), torch.empty(1)]
+
+
+def _shard_leaves(num, absent):
+    g = torch.Generator().manual_seed(1000 + num)
+    out = {}
+    for k in range(num):
+        small = torch.randn(7, generator=g) * 10.0 ** (k % 5 - 2)
+        leaf = [torch.randn(33, generator=g) * 10.0 ** (k % 7 - 3), None if k % 3 == 1 else torch.randn(2, 2, generator=g),
+                small.bfloat16() if k % 2 else small, None]
+        if k not in absent:
+            out[k] = leaf
+    return out
+
+
+def _absent_patterns(num):
+    return ((), (0,), (num - 1,), tuple(range(1, num, 2)), tuple(range(num)))
+
+
+def _shard_cases(dp, world, rank):
+    """For leaf counts 1..13 and several absent sets: whether ShardedGradTree's root equals tree_sum's (torch.equal,
+    None-ness too), and each case's (num, peak partial bytes, bound, exchange peak bytes, exchange bound)."""
+    results = []
+    total = sum(t.numel() for t in SHARD_LIKE)
+    for num in range(1, 14):
+        for absent in _absent_patterns(num):
+            leaves = _shard_leaves(num, absent)
+            tree = ShardedGradTree(num, dp, SHARD_LIKE, bucket_numel=3 * world)
+            for k in tree_leaves(num, world, rank):
+                if k in leaves:
+                    tree.push(k, _clone(leaves[k]))
+            got = tree.finish(SHARD_LIKE)
+            ref = tree_sum({k: [None if t is None else t.float() for t in v] for k, v in leaves.items()}, num,
+                           combine_grads)
+            ref = [torch.zeros(t.shape) if ref is None or r is None else r for r, t in zip(ref or [None] * 4, SHARD_LIKE)]
+            same = all(a.dtype == torch.float32 and torch.equal(a, b) and str(a) == str(b) for a, b in zip(got, ref))
+            width = max(num_leaves_padded(num), world)
+            bound = (int(math.log2(width // world)) + 1) * -(-total // world) * 4
+            results.append((num, absent, same, tree.peak_partial_bytes, bound, tree.exchange_peak_bytes,
+                            2 * world * tree.chunk * 4))
+    return results
+
+
+def _negative_zero(dp, world, rank) -> bool:
+    """Leaf 0 is -0.0 everywhere, every other leaf absent: the root keeps the sign (absent is not a zero)."""
+    like = [torch.empty(world + 1)]
+    tree = ShardedGradTree(3 * world, dp, like)
+    if rank == 0:
+        tree.push(0, [torch.full((world + 1,), -0.0)])
+    root = tree.finish(like)[0]
+    return bool(torch.signbit(root).all()) and not bool(root.any())
+
+
+def _shard_worker(rank: int, world: int, port: int, out: str) -> None:
+    """8 ranks (one spawn): d = 2 on ranks 0-1 and d = 4 on ranks 4-7 at once, then d = 8 on all."""
+    import torch.distributed as dist
+
+    with gloo_process_group(rank, world, port):
+        subgroups = {2: dist.new_group([0, 1]), 4: dist.new_group([4, 5, 6, 7])}  # every rank creates both
+        res = {}
+        for d, members in ((2, [0, 1]), (4, [4, 5, 6, 7])):
+            if rank in members:
+                res[d] = _shard_cases(DataParallel(subgroups[d], bucket_numel=3 * d), d, members.index(rank))
+        dp = DataParallel(bucket_numel=3 * world)
+        res[world] = _shard_cases(dp, world, rank)
+        res["negative_zero"] = _negative_zero(dp, world, rank)
+        with pytest.raises(ValueError, match="out of order"):
+            tree = ShardedGradTree(2 * world, dp, SHARD_LIKE)  # every rank: leaves rank and rank + world
+            tree.push(rank + world, None)
+            tree.push(rank, None)
+        torch.save(res, f"{out}.rank{rank}")
+
+
+def test_sharded_tree_gives_tree_sums_bits_for_any_power_of_two_world(tmp_path):
+    ranks = spawn_ranks(_shard_worker, 8, out=str(tmp_path / "shards"))
+    assert _negative_zero(None, 1, 0) and all(r["negative_zero"] for r in ranks)
+    per_world = {1: [_shard_cases(None, 1, 0)], 2: [r[2] for r in ranks[:2]], 4: [r[4] for r in ranks[4:]],
+                 8: [r[8] for r in ranks]}
+    for world, ranks in per_world.items():
+        assert len(ranks) == world
+        for rank, cases in enumerate(ranks):
+            assert len(cases) == 13 * 5
+            for num, absent, same, peak, bound, exchange, exchange_bound in cases:
+                assert same, (world, rank, num, absent)
+                # the held partial sums: at most log2(W/d) + 1 shards of 1/d of the parameters
+                assert peak <= bound, (world, rank, num, absent, peak, bound)
+                assert exchange <= exchange_bound, (world, rank, num, exchange, exchange_bound)
+    # sharding is what bounds it: at d = 8, 13 leaves, every leaf present, a rank holds less than one full leaf
+    total = sum(t.numel() for t in SHARD_LIKE) * 4
+    assert [c for c in per_world[8][0] if c[0] == 13 and c[1] == ()][0][3] < total
+
+
+def test_sharded_path_applies_to_power_of_two_worlds_and_assigns_round_robin():
+    assert [shards_partial_sums(w) for w in (1, 2, 3, 4, 6, 8)] == [False, True, False, True, False, True]
+    assert tree_leaves(5, 2, 1) == [1, 3] and tree_leaves(5, 4, 2) == [2] and tree_leaves(3, 8, 5) == []
+    assert tree_leaves(5, 3, 0) == owned_leaves(5, 3, 0)  # the fallback: contiguous subtrees
+    for num in range(1, 14):
+        for world in (2, 4, 8):
+            assert sorted(sum((tree_leaves(num, world, r) for r in range(world)), [])) == list(range(num))
+    assert isinstance(make_grad_tree(5, None, SHARD_LIKE), GradTree)
+    with pytest.raises(ValueError, match="power-of-two"):
+        ShardedGradTree(5, type("DP", (), {"world_size": 3, "rank": 0, "device": torch.device("cpu")})(), SHARD_LIKE)
+
+
 # --------------------------------------------------------------------------------------------- configuration
 
 def test_config_names_the_value_and_the_fix():
@@ -133,13 +244,15 @@ def make_batch(model, step: int):
 
 
 def _result(trainer, metrics):
-    return {"weights": {n: w.clone() for n, w in trainer.named_weights()}, "metrics": metrics}
+    return {"weights": {n: w.clone() for n, w in trainer.named_weights()}, "metrics": metrics,
+            "tree": trainer.grad_tree_stats}
 
 
-def train(invariant: bool, data_parallel=None, steps=STEPS, resume_from=None, save_to=None, **extra):
+def train(invariant: bool, data_parallel=None, steps=STEPS, resume_from=None, save_to=None, param_dtype=None,
+          **extra):
     model = tiny_model(seed=1)
     config = TrainConfig(**CONFIG, layout_invariant=invariant, **extra)
-    trainer = Trainer(model, config, data_parallel=data_parallel)
+    trainer = Trainer(model, config, data_parallel=data_parallel, param_dtype=param_dtype)
     start = 0
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
@@ -153,8 +266,13 @@ def train(invariant: bool, data_parallel=None, steps=STEPS, resume_from=None, sa
 def _dp_worker(rank: int, world: int, port: int, ckpt_root: str, out: str) -> None:
     with gloo_process_group(rank, world, port):
         dp = DataParallel(bucket_numel=3000)
+        if world == 3:  # not a power of two: the unsharded tree (contiguous subtrees), the same bits
+            torch.save({"on": train(True, dp)}, f"{out}.rank{rank}")
+            return
         res = {"on": train(True, dp), "off": train(False, dp),
-               "zero1": train(True, dp, distributed_optimizer=True, decoupled=True, is_correction="tis")}
+               "zero1": train(True, dp, distributed_optimizer=True, decoupled=True, is_correction="tis"),
+               # bf16 compute: the sharded tree widens the bf16 leaves itself (no float32 copy of a leaf)
+               "bf16": train(True, dp, param_dtype=torch.bfloat16)}
         if world == 2:  # the first step at DP=2 with a sharded optimizer, checkpointed (resumed at DP=1 below)
             train(True, dp, steps=1, save_to=ckpt_root, distributed_optimizer=True)
         torch.save(res, f"{out}.rank{rank}")
@@ -177,8 +295,9 @@ def _same(a, b) -> bool:
 def dp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("layout")
     runs = {1: {"on": _single(invariant=True), "off": _single(invariant=False),
-                "zero1": _single(invariant=True, decoupled=True, is_correction="tis")}}
-    for world in (2, 4):
+                "zero1": _single(invariant=True, decoupled=True, is_correction="tis"),
+                "bf16": _single(invariant=True, param_dtype=torch.bfloat16)}}
+    for world in (2, 3, 4):
         ranks = spawn_ranks(_dp_worker, world, str(root / "ckpt"), out=str(root / f"w{world}"))
         for r in ranks[1:]:  # every rank holds the same weights and metrics
             assert all(_same(ranks[0][k], r[k]) for k in ranks[0])
@@ -188,12 +307,29 @@ def dp_runs(tmp_path_factory):
 
 
 def test_any_number_of_data_parallel_ranks_gives_the_same_bits(dp_runs):
+    # 5 micro-batches (a tree of 8: 3 padded leaves, not a multiple of 2 or 4), micro-batch 2 absent (at DP=4 its
+    # rank pushes nothing at all)
     for world in (2, 4):
         assert _same(dp_runs[1]["on"], dp_runs[world]["on"]), world
         # ZeRO-1 sharded optimizer state, decoupled loss with its off-policy metric sums: the same bits too
         assert _same(dp_runs[1]["zero1"], dp_runs[world]["zero1"]), world
+        assert _same(dp_runs[1]["bf16"], dp_runs[world]["bf16"]), world
+        for kind in ("on", "zero1", "bf16"):  # the partial sums were sharded over the ranks (ZeRO-2 style)
+            assert dp_runs[world][kind]["tree"]["kind"] == "ShardedGradTree", (world, kind)
+    assert _same(dp_runs[1]["on"], dp_runs[3]["on"]) and dp_runs[3]["on"]["tree"]["kind"] == "GradTree"
+    assert dp_runs[1]["on"]["tree"]["kind"] == "GradTree"
     for m in dp_runs[1]["on"]["metrics"]:
         assert m["train/rollout_logprob_abs_diff"] == 0.0 and m["train/grad_norm"] > 0
+
+
+def test_sharded_partial_sums_hold_a_fraction_of_the_gradient(dp_runs):
+    # float32 partials: DP=1 holds up to log2(8) + 1 = 4 full gradients; DP=d at most log2(8/d) + 1 shards of 1/d
+    numel = sum(w.numel() for w in dp_runs[1]["on"]["weights"].values())
+    full = dp_runs[1]["on"]["tree"]["peak_partial_bytes"]
+    assert 4 * numel < full <= 4 * 4 * numel
+    for world, levels in ((2, 3), (4, 2)):
+        peak = dp_runs[world]["on"]["tree"]["peak_partial_bytes"]
+        assert 0 < peak <= levels * -(-numel // world) * 4, (world, peak)
 
 
 def test_without_the_option_layouts_differ(dp_runs):

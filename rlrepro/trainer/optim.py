@@ -89,14 +89,17 @@ class MasterWeightAdamW:
             p.grad = None
 
     @torch.no_grad()
-    def take_grads(self) -> list[torch.Tensor | None]:
+    def take_grads(self, float32: bool = True) -> list[torch.Tensor | None]:
         """The model's grads of the last backward as float32 tensors in name order (None: no grad), cleared from the
         parameters: one micro-batch's gradient, a leaf of the layout-invariant tree sum (``train.layout_invariant``;
-        :mod:`rlrepro.trainer.tree_sum`). Use it instead of :meth:`accumulate_grads`, with :meth:`set_grads`."""
+        :mod:`rlrepro.trainer.tree_sum`). Use it instead of :meth:`accumulate_grads`, with :meth:`set_grads`.
+        ``float32=False``: the grads as autograd left them (the compute dtype; no float32 copy), for a consumer that
+        widens them itself (the sharded tree copies them into float32 buffers: the same exact conversion)."""
         out = []
         for p in self.params:
             g = p.grad
-            out.append(None if g is None else g.float())  # float32 grads: the tensor itself (this call owns it)
+            # float32 grads: the tensor itself (this call owns it)
+            out.append(None if g is None else g.float() if float32 else g)
             p.grad = None
         return out
 

@@ -30,7 +30,7 @@ import torch
 from .checkpoint import (StateHolder, capture_rng_state, checkpoint_dir_name, load_checkpoint,
                          save_checkpoint, write_on_one_rank)
 from .data_parallel import DataParallel
-from .tree_sum import GradTree, owned_leaves, tree_sum_floats
+from .tree_sum import make_grad_tree, tree_leaves, tree_sum_floats
 from .logprobs import logprobs_and_entropy, token_logprobs
 from .config import TrainConfig
 from .losses import behaviour_weights, pad_sequences, policy_loss
@@ -184,6 +184,9 @@ class Trainer:
         # train.layout_invariant: micro-batch grads and float sums combined in one tree fixed by the number of
         # micro-batches (rlrepro.trainer.tree_sum), so the step's bits do not depend on the number of ranks
         self.layout_invariant = bool(config.layout_invariant)
+        # layout_invariant: the last PPO epoch's gradient tree on this rank ("kind": GradTree or ShardedGradTree,
+        # "peak_partial_bytes": the most bytes of float32 partial sums it held at once); None before the first step
+        self.grad_tree_stats: dict | None = None
         if self.layout_invariant and config.tp_partials > 1:
             self._set_layout_partials(config.tp_partials)
         self.optimizer = self._make_optimizer(model, **optim_kwargs)
@@ -228,12 +231,13 @@ class Trainer:
 
     def _my_leaves(self, num_micro_batches: int) -> list[int]:
         """The micro-batches this rank computes: all without data parallel; else round robin (``k % world``), or
-        with ``train.layout_invariant`` the contiguous leaves of this rank's subtrees (:mod:`.tree_sum`)."""
+        with ``train.layout_invariant`` :func:`~.tree_sum.tree_leaves` (round robin too when the ranks shard the
+        partial sums, a power-of-two world; else the contiguous leaves of this rank's subtrees)."""
         dp = self.data_parallel
         if dp is None:
             return list(range(num_micro_batches))
         if self.layout_invariant:
-            return owned_leaves(num_micro_batches, dp.world_size, dp.rank)
+            return tree_leaves(num_micro_batches, dp.world_size, dp.rank)
         return dp.my_micro_batches(num_micro_batches)
 
     def _my_chunks(self, num_samples: int) -> list[range]:
@@ -365,7 +369,8 @@ class Trainer:
             self.optimizer.zero_grad()
             loss_sum = 0.0
             sums = [0.0] * 5
-            tree = GradTree(num_chunks, dp) if invariant else None
+            # the step's gradient tree: sharded over the DP ranks (ZeRO-2 style) when their number is a power of two
+            tree = make_grad_tree(num_chunks, dp, self.optimizer.params) if invariant else None
             leaf_floats: dict[int, list[float]] = {}  # layout_invariant: loss, pg*n, kl*n, clip_frac*n, entropy*n, n
             for k, chunk in enumerate(chunks):
                 part = [batch[i] for i in chunk]
@@ -418,13 +423,16 @@ class Trainer:
                 n = out.num_tokens
                 terms = (out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)
                 if invariant:  # this micro-batch's gradient and floats are a leaf of the step's tree
-                    tree.push(leaf_ids[k], self.optimizer.take_grads())
+                    tree.push(leaf_ids[k], self.optimizer.take_grads(float32=tree.takes_float32))
                     leaf_floats[leaf_ids[k]] = [float(out.loss.detach()), *terms]
                     continue
                 self.optimizer.accumulate_grads()
                 loss_sum += float(out.loss.detach())
                 for j, v in enumerate(terms):
                     sums[j] += v
+            # layout_invariant: the tree's remaining micro-steps first (the sharded tree exchanges during the pushes,
+            # so no other collective of the group may come between them)
+            tree_grads = tree.finish(self.optimizer.params) if invariant else None
             if epoch == 0:  # the on-policy check over the trained tokens (one device->host transfer for the batch)
                 if rollout_all:
                     max_diff = _max_abs_diff(current_all, rollout_all, trained_all)
@@ -434,7 +442,8 @@ class Trainer:
                 rollout_all.clear()
                 trained_all.clear()
             if invariant:
-                grads = tree.finish(self.optimizer.params)
+                grads = tree_grads
+                self.grad_tree_stats = {"kind": type(tree).__name__, "peak_partial_bytes": tree.peak_partial_bytes}
                 self.optimizer.set_grads(grads)
                 grads = self._reduce_grads(grads)
                 loss_sum, *sums = tree_sum_floats(leaf_floats, num_chunks, dp, width=6)
