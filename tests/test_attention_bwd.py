@@ -167,6 +167,28 @@ def check_autograd_wiring_fp32():
     check_autograd_wiring("cpu", torch.float32, 1e-5)
 
 
+@interp_check
+def check_forward_lse_fp32():
+    """``attention_fwd(..., return_lse=True)``: the same output, and each row's log2-sum-exp of the scaled scores."""
+    import math
+
+    from rlrepro.kernels import triton_attention as A
+    lens, h, hkv, d = [1, 70, 130], 4, 2, 16
+    q, k, v, _ = make_case(lens, h, hkv, d, torch.float32, "cpu")
+    meta = AttentionMetadata.packed(lens)
+    out, lse = A.attention_fwd(q, k, v, meta, 0.3, return_lse=True)
+    assert torch.equal(out, A.attention_fwd(q, k, v, meta, 0.3)) and lse.shape == (sum(lens), h)
+    a = 0
+    for L in lens:
+        s = torch.einsum("ihd,jhd->hij", q[a:a + L].double(), k[a:a + L].double().repeat_interleave(h // hkv, 1)) * 0.3
+        s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+        want = (torch.logsumexp(s, dim=-1) / math.log(2)).transpose(0, 1)
+        assert float((lse[a:a + L].double() - want).abs().max()) < 1e-5
+        a += L
+    with pytest.raises(ValueError, match="lse was given without"):
+        A.attention_bwd_packed_triton(q, k, v, q, meta, 0.3, lse=lse)
+
+
 interp_results, test_interpreter = interpreter_test_items(__file__, INTERP_CHECKS, drop_env=("RLREPRO_ATTENTION_BWD",))
 
 

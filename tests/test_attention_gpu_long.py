@@ -7,7 +7,8 @@ without flashinfer).
   loop over whole tiles and its masked loop;
 * the tensor-descriptor (TMA) loads give the bits of the pointer loads;
 * engine == trainer at an 8k-token context (chunked prefill, paged decode vs the full-sequence forward);
-* the Triton backward against a float64 autograd reference;
+* the Triton backward against a float64 autograd reference; the forward's log-sum-exp (written for the backward)
+  changes no output bit; the backward's descriptor loads equal its pointer loads;
 * fast mode: flashinfer's ragged / paged-prefill / decode paths agree with the float64 reference to bf16
   tolerance, and the engine's fast mode decodes through CUDA graphs on flashinfer.
 """
@@ -107,6 +108,48 @@ def test_gpu_attention_backward_vs_float64(dtype, tol):
         assert err < tol, f"{name} vs float64: rel err {err} (seed {seed})"
     again = attention_bwd_packed_triton(q, k, v, go, meta, scale, out=out)
     assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_forward_lse_changes_no_bit_and_backward_loads_agree(monkeypatch, dtype):
+    """The trainer's forward writes the log-sum-exp, the engine's does not: the outputs are equal bit for bit, the
+    lse is the float64 one (base 2); the backward with tensor-descriptor loads equals it with pointer loads, and a
+    sequence's gradients alone equal those in the batch, at the backward's tile boundaries (64-position KV tiles,
+    16/8-token query tiles, the masked diagonal and tail steps)."""
+    import math
+
+    from rlrepro.kernels.triton_attention import attention_bwd_packed_triton, attention_fwd
+    seed = _seed()
+    lens = [129, 63, 64, 65, 1, 200, 1100]
+    h, hkv, d = 32, 8, 128
+    q, k, v = make_paged_case(lens, h, hkv, d, dtype, "cuda")
+    go = torch.randn_like(q)
+    scale = d ** -0.5
+    meta = AttentionMetadata.packed(lens, device="cuda")
+    out, lse = attention_fwd(q, k, v, meta, scale, return_lse=True)
+    assert torch.equal(out, attention_fwd(q, k, v, meta, scale)), f"writing the lse changed the output (seed {seed})"
+    cu = [0]
+    for L in lens:
+        cu.append(cu[-1] + L)
+    for a, b in zip(cu[:-1], cu[1:]):  # lse64[i, h] = log2 sum_{j <= i} exp(scale * q_i . k_j)
+        qs, ks = q[a:b].double(), k[a:b].double().repeat_interleave(h // hkv, dim=1)
+        s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+        s = s.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool, device="cuda").tril(), float("-inf"))
+        want = (torch.logsumexp(s, dim=-1) / math.log(2)).transpose(0, 1)
+        assert float((lse[a:b].double() - want).abs().max()) < (1e-4 if dtype == torch.float32 else 5e-2), seed
+    grads = attention_bwd_packed_triton(q, k, v, go, meta, scale, out=out, lse=lse)
+    assert all(torch.equal(a, b) for a, b in zip(grads, attention_bwd_packed_triton(q, k, v, go, meta, scale))), \
+        f"the backward from the forward's lse differs from one that recomputes it (seed {seed})"
+    monkeypatch.setenv("RLREPRO_ATTENTION_TMA", "0")
+    ptr = attention_bwd_packed_triton(q, k, v, go, meta, scale, out=out, lse=lse)
+    monkeypatch.delenv("RLREPRO_ATTENTION_TMA")
+    assert all(torch.equal(a, b) for a, b in zip(grads, ptr)), f"descriptor loads differ (seed {seed})"
+    for i in (0, len(lens) - 1, 5):
+        sl = slice(cu[i], cu[i + 1])
+        alone = attention_bwd_packed_triton(*(t[sl].contiguous() for t in (q, k, v, go)),
+                                            AttentionMetadata.packed([lens[i]], device="cuda"), scale,
+                                            out=out[sl].contiguous(), lse=lse[sl].contiguous())
+        assert all(torch.equal(a, b[sl]) for a, b in zip(alone, grads)), f"sequence {i} alone differs (seed {seed})"
 
 
 # ------------------------------------------------------------------------------------------ fast mode: flashinfer

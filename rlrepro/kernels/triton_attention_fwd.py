@@ -118,9 +118,10 @@ def _schedule_kernel(cu_ptr, S, G, prog_seq_ptr, prog_q0_ptr, BLOCK_Q: tl.conste
 def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
                      bt_ptr, stride_bt, block_size, paged,
                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-                     qk_scale, D, k_desc, v_desc,
+                     qk_scale, D, k_desc, v_desc, lse_ptr, stride_ln,
                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr, USE_DESC: tl.constexpr):
+                     BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr, USE_DESC: tl.constexpr,
+                     WRITE_LSE: tl.constexpr):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     seq = tl.load(prog_seq_ptr + pid)
@@ -201,6 +202,8 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
         out = acc / l_i[:, None]
         tl.store(o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if WRITE_LSE:  # the backward's softmax statistics: log2 of the row's sum of 2^(score * log2(e))
+            tl.store(lse_ptr + tok * stride_ln + head, m_i + tl.log2(l_i), mask=row_ok)
 
 
 def _device_schedule(cu: torch.Tensor, s_count: int, n: int, block: int,
@@ -352,9 +355,11 @@ def qk_norm_rope_cache(qkv: torch.Tensor, num_heads: int, q_norm_weight: torch.T
 
 
 def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
+                  scale: float, config: AttentionConfig | None = None, return_lse: bool = False):
     """q [N, H, D]; k_flat/v_flat [rows, Hkv, D]: the packed tokens, or the cache viewed as [blocks*bs, Hkv, D].
 
+    Returns the output [N, H, D], and with ``return_lse`` also each row's log-sum-exp [N, H] float32, in base 2 of
+    the scores times ``scale * log2(e)`` (what the backward needs; writing it changes no output bit).
     No host synchronisation: the schedule is computed on the device (CUDA-graph friendly).
     """
     n, h, d = q.shape
@@ -366,8 +371,9 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
     cfg = config or pick_attention_config(n, s_count, group, q.dtype)
     block_q, group_p = tile_shape(group, cfg.rows)
     out = torch.empty((n, h, d), device=q.device, dtype=q.dtype)
+    lse = torch.zeros((n, h), device=q.device, dtype=torch.float32) if return_lse else None
     if n == 0 or s_count == 0:
-        return out
+        return (out, lse) if return_lse else out
     for name, t in (("q", q), ("k", k_flat), ("v", v_flat)):
         if t.stride(-1) != 1:
             raise ValueError(f"attention: {name} must have a contiguous last dim")
@@ -377,20 +383,22 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
     bt = meta.block_table if paged else cu
     k_desc = v_desc = None
     if not paged and _use_descriptors(k_flat, v_flat):
-        k_desc, v_desc = (_kv_descriptor(t) for t in (k_flat, v_flat))
+        k_desc, v_desc = (_kv_descriptor(t, BLOCK_KV) for t in (k_flat, v_flat))
     _attn_fwd_kernel[(g_slots, hkv)](
         q, k_flat, v_flat, out, prog_seq, prog_q0, cu, meta.seq_lens,
         bt, bt.stride(0) if paged else 0, meta.block_size if paged else 1, int(paged),
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
         out.stride(0), out.stride(1), float(scale) * LOG2E, d, k_desc, v_desc,
+        lse if return_lse else out, h if return_lse else 0,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV,
         D_P=triton.next_power_of_2(d),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_DESC=k_desc is not None,
+        WRITE_LSE=return_lse,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # no multiply-add contraction: the whole-tile loop's ``qk * scale - m`` could otherwise become one FMA
         # where the masked loop's (a select in between) cannot, and a tile's bits would depend on which loop ran it
         enable_fp_fusion=False)
-    return out
+    return (out, lse) if return_lse else out
 
 
 def _use_descriptors(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -409,10 +417,11 @@ def _use_descriptors(k: torch.Tensor, v: torch.Tensor) -> bool:
     return True
 
 
-def _kv_descriptor(t: torch.Tensor):
-    """A descriptor of K or V [N, Hkv, D] as the 2-D [N, Hkv * D] (row stride kept), tiles of BLOCK_KV x D."""
+def _kv_descriptor(t: torch.Tensor, rows: int, heads: int = 1):
+    """A descriptor of K or V [N, Hkv, D] (or Q, dO [N, H, D]) as the 2-D [N, heads * D] (row stride kept), in
+    tiles of ``rows`` tokens x ``heads`` consecutive heads."""
     n, hkv, d = t.shape
-    return _TensorDescriptor(t, [n, hkv * d], [t.stride(0), 1], [BLOCK_KV, d])
+    return _TensorDescriptor(t, [n, hkv * d], [t.stride(0), 1], [rows, heads * d])
 
 
 

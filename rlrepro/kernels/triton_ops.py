@@ -205,17 +205,21 @@ def _attention_bwd_impl(q: torch.Tensor) -> str:
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta, scale):
-        out = _attn.attention_fwd(q, k, v, meta, scale)
-        ctx.save_for_backward(q, k, v, out)  # out: for the Triton backward's delta = rowsum(dO * O)
+        if any(ctx.needs_input_grad[:3]) and _attention_bwd_impl(q) == "triton":
+            # out and the log-sum-exp: the Triton backward's delta = rowsum(dO * O) and softmax statistics
+            out, lse = _attn.attention_fwd(q, k, v, meta, scale, return_lse=True)
+        else:
+            out, lse = _attn.attention_fwd(q, k, v, meta, scale), None
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta = meta
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         if _attention_bwd_impl(q) == "triton":
-            dq, dk, dv = _attn.attention_bwd_packed_triton(q, k, v, grad, ctx.meta, ctx.scale, out=out)
+            dq, dk, dv = _attn.attention_bwd_packed_triton(q, k, v, grad, ctx.meta, ctx.scale, out=out, lse=lse)
         else:
             dq, dk, dv = _attn.attention_bwd_packed(q, k, v, grad, ctx.meta, ctx.scale)
         return dq, dk, dv, None, None
