@@ -99,6 +99,19 @@ def test_overwrite_of_a_long_run_counts_the_deleted_files_and_names_only_the_fir
                              "rollouts/step_000003.jsonl.gz, rollouts/step_000004.jsonl.gz and 326 more")
 
 
+def test_overwrite_keeps_a_folder_of_foreign_files_and_counts_them(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "rollouts").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    for i in range(11):
+        (run / "rollouts" / f"mine_{i:02d}.txt").write_text("not rlrepro's")
+    overwrite(run)
+    assert len(list((run / "rollouts").iterdir())) == 11
+    kept = [line for line in capsys.readouterr().err.splitlines() if "kept" in line]
+    assert kept == [f"rlrepro: run.overwrite=true: kept {run / 'rollouts'}, which holds 11 entries rlrepro did not write: "
+                    + ", ".join(f"mine_{i:02d}.txt" for i in range(8)) + " and 3 more"], kept
+
+
 def test_describe_deletions_counts_in_words(tmp_path):
     (tmp_path / "a.txt").write_text("")
     (tmp_path / "d").mkdir()

@@ -75,11 +75,11 @@ def require_all_tensors(path: Path, names: Collection[str], seen: set[str]) -> N
                          "a shard is missing from the index or the directory is incomplete")
 
 
-def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> Qwen3ForCausalLM:
-    """Load an HF Qwen3 checkpoint directory. ``dtype=None`` keeps the checkpoint's own dtype (config torch_dtype)."""
-    path, config = model_dir_config(path)
-    dtype = dtype or config.dtype
+def fill_model(path: Path, config: Qwen3Config, device: str | torch.device, dtype: torch.dtype,
+               config_source: str = "config.json") -> Qwen3ForCausalLM:
+    """A model of ``config`` in ``dtype`` on ``device`` holding every tensor of the checkpoint directory ``path``:
+    each tensor's shape checked against the one ``config_source`` implies, none missing (the loading loop of
+    :func:`load_pretrained` and of a run checkpoint's weights, ``model_dirs.load_resolved``)."""
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
@@ -92,11 +92,19 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
             raise ValueError(f"cannot read tensor {name!r} from {f} (truncated or corrupt?): {e}") from e
         if tuple(tensor.shape) != tuple(params[name].shape):
             raise ValueError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"config.json implies {tuple(params[name].shape)}")
+                             f"{config_source} implies {tuple(params[name].shape)}")
         with torch.no_grad():
             params[name].copy_(tensor.to(dtype))
         seen.add(name)
     require_all_tensors(path, params, seen)
+    return model
+
+
+def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> Qwen3ForCausalLM:
+    """Load an HF Qwen3 checkpoint directory. ``dtype=None`` keeps the checkpoint's own dtype (config torch_dtype)."""
+    path, config = model_dir_config(path)
+    model = fill_model(path, config, device, dtype or config.dtype)
     model.source_path = str(path)
     return model
 

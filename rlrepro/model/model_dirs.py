@@ -35,7 +35,7 @@ from safetensors import safe_open
 from rlrepro._files import sha256_file
 
 from .base_model import BASE_MODEL_DIR
-from .checkpoint_io import iter_checkpoint_tensors, load_pretrained, require_all_tensors
+from .checkpoint_io import fill_model, load_pretrained
 from .config import Qwen3Config
 from .qwen3 import Qwen3ForCausalLM
 
@@ -271,22 +271,8 @@ def load_resolved(resolved: ResolvedModel, device: str | torch.device = "cpu",
     stored = _stored_dtype(f)
     config = Qwen3Config.from_file(resolved.config_dir)
     config = dataclasses.replace(config, torch_dtype=str(stored).replace("torch.", ""))
-    dtype = dtype or stored
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
-    params = dict(model.named_parameters())
-    seen: set[str] = set()
     try:
-        for file, name, handle in iter_checkpoint_tensors(ckpt, config, params):
-            tensor = handle.get_tensor(name)
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, {resolved.config_dir}/"
-                                 f"config.json implies {tuple(params[name].shape)}")
-            with torch.no_grad():
-                params[name].copy_(tensor.to(dtype))
-            seen.add(name)
-        require_all_tensors(ckpt, params, seen)
+        model = fill_model(ckpt, config, device, dtype or stored, config_source=f"{resolved.config_dir}/config.json")
     except ValueError as e:
         raise ModelDirError(f"checkpoint {ckpt} does not fit the config.json of {resolved.config_dir}: {e}; pass "
                             "base=HF_DIR with the config.json of the run that wrote it") from None

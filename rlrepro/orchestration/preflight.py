@@ -89,7 +89,9 @@ def check_run_dir(cfg: RunSchema, run_dir: Path, fresh: bool) -> None:
         if d.is_dir() and not d.is_symlink():
             left = sorted(e.name for e in d.iterdir())
             if left:
-                log(f"run.overwrite=true: kept {d}, which holds files rlrepro did not write: {', '.join(left[:8])}")
+                more = f" and {len(left) - 8} more" if len(left) > 8 else ""
+                log(f"run.overwrite=true: kept {d}, which holds {len(left)} entries rlrepro did not write: "
+                    f"{', '.join(left[:8])}{more}")
             else:
                 d.rmdir()
 
