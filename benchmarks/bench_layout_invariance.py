@@ -9,9 +9,10 @@ model):
   combined in the fixed binary tree (a stack of at most ``log2(micro-batches) + 1`` float32 partial sums);
 * ``on (tree + P pieces)``: ``train.tp_partials=P`` as well: every row-/column-parallel product computed as ``P``
   fixed pieces (what any TP dividing ``P`` computes), forward and backward. On CUDA in the deterministic mode the
-  pieces take the fused path of ``rlrepro.kernels.tp`` (one launch per row-parallel product, see docs/TRAINER.md);
+  pieces take the fused path of ``rlrepro.kernels.tp`` (one launch per product and per gradient, see
+  docs/TRAINER.md);
 * ``--per-piece`` adds ``on (... per-piece)``: the same with ``RLREPRO_TP_PIECES=per-piece`` (the pieces one by one,
-  the same bits), to show what the fused path saves.
+  the same forward bits, a cuBLAS backward per piece), to show what the fused path saves.
 
 After one untimed step of the process, each is warmed up, then ``--steps`` steps are timed (synchronised on CUDA);
 the median step time is printed with the ratio to ``off``, and the peak memory of the steps
@@ -71,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per-piece", action="store_true", help="also time the P pieces one by one "
-                   "(RLREPRO_TP_PIECES=per-piece: the same bits; what the CUDA fused path replaces)")
+                   "(RLREPRO_TP_PIECES=per-piece: the same forward bits; what the CUDA fused path replaces)")
     return p.parse_args(argv)
 
 

@@ -325,7 +325,9 @@ def emulated_token_logprob(logits: torch.Tensor, token_ids: torch.Tensor, parts:
 # is fixed too: each piece's gradients come from the deterministic kernel's own backward on that piece, a
 # column-parallel input gradient is the ``P`` pieces' partials added in piece order (:func:`sum_in_rank_order`,
 # across the TP ranks after a gather), a row-parallel one the pieces' slices concatenated; so every gradient has
-# the same bits at any TP (tests/test_layout_invariance_tp.py). ``group=None`` here means one process (TP=1).
+# the same bits at any TP (tests/test_layout_invariance_tp.py). On CUDA the fast path below has the same forward
+# bits and another backward (one Triton product per gradient), again the same bits at any TP
+# (tests/test_tp_pieces_fast.py). ``group=None`` here means one process (TP=1).
 
 def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -435,7 +437,8 @@ def column_pieces_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, grou
     """A column-parallel product as ``parts`` N-pieces of ``weight`` (this rank's shard), concatenated: forward
     :func:`linear_column_split`'s bits; the input gradient is every TP rank's pieces' partials added in piece order
     (replaces :func:`copy_to_tp`: ``x`` is the replicated input). On CUDA (deterministic mode) the fast path below
-    computes the same bits; without autograd no per-piece graph is built."""
+    computes the same forward bits and its own backward (the same at any TP); without autograd no per-piece graph
+    is built."""
     grad = _grad_needed(x, weight)
     if _fused_usable(x, weight):
         _check_split(weight.shape[0], parts, row=False)
@@ -448,8 +451,8 @@ def column_pieces_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, grou
 def row_pieces_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, group=None) -> torch.Tensor:
     """A row-parallel product as ``parts`` K-pieces of this rank's slice, the pieces of every TP rank added in piece
     order (float32 accumulator, :func:`sum_in_rank_order`): forward :func:`linear_row_split`'s bits at ``parts x
-    TP`` pieces; replicated output. On CUDA (deterministic mode) the fast path below computes the same bits;
-    without autograd no per-piece graph is built."""
+    TP`` pieces; replicated output. On CUDA (deterministic mode) the fast path below computes the same forward bits
+    and its own backward (the same at any TP); without autograd no per-piece graph is built."""
     grad = _grad_needed(x, weight)
     if _fused_usable(x, weight):
         _check_split(weight.shape[1], parts, row=True)
@@ -480,19 +483,28 @@ def _row_pieces_per_piece(x: torch.Tensor, weight: torch.Tensor, parts: int, gro
 # * a row-parallel forward is ``triton_matmul.matmul_k_pieces``: one launch running each piece's K chain (the same
 #   loop, from the piece's first column), rounding it, and adding the rounded partials in piece order in float32.
 #
-# The backward products of ``kernels.linear`` are cuBLAS (``triton_ops._Linear``: ``torch.mm`` on the operands'
-# shapes), whose algorithm may follow the shape: a piece's gradient is *not* assumed to be a slice of the whole
-# product's. So the backward makes, per piece, exactly the ``torch.mm`` calls the per-piece graphs make (the same
-# shapes and contiguous layouts), without building graphs, and without keeping weight copies from the forward;
-# the column-parallel input gradient's partials are added in one pass (``triton_matmul.ordered_sum``, the float32
-# additions of :func:`sum_in_rank_order` in the same order).
+# The same identity (a slice of a ``triton_matmul.matmul`` output has the bits of the product on the sliced operand)
+# gives the backward without per-piece products: each gradient is ONE Triton product on transposed contiguous copies
+# (``triton_matmul.linear_grad_input`` / ``linear_grad_weight``), and a piece's gradient is its slice:
+#
+# * row-parallel (``weight [N, K_shard]``): ``grad_x = g @ weight`` and ``grad_w = g^T @ x``, the pieces' K-slices
+#   of the two products over the shard (the concatenation the per-piece graphs make);
+# * column-parallel (``weight [N_shard, K]``): ``grad_w = g^T @ x``, the pieces' N-rows of one product; ``grad_x``
+#   the pieces' partials ``g_r @ weight_r`` (reduction over N split at the pieces) rounded and added in piece order:
+#   one ``triton_matmul.linear_grad_input_n_pieces`` launch (over TP ranks: the partials stacked, gathered, added by
+#   ``triton_matmul.ordered_sum``, the same float32 additions).
+#
+# So a rank's gradients at any TP dividing ``P`` are slices of (or, for the column ``grad_x``, the same sum as) the
+# TP=1 ones. These bits are not the per-piece path's (whose backward is ``torch.mm``, cuBLAS): the layout-invariant
+# backward is promised equal across TP, not equal to the per-piece path. Its forward keeps the per-piece bits (the
+# engine emulates the forward).
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _pieces_impl() -> str:
     """"fused" (default) or "per-piece": ``RLREPRO_TP_PIECES=per-piece`` runs the pieces one by one on CUDA too (the
-    same bits, slower; for benchmarks and bisecting)."""
+    same forward bits, other backward bits (cuBLAS per piece), slower; for benchmarks and bisecting)."""
     forced = os.environ.get("RLREPRO_TP_PIECES", "").strip().lower()
     if forced and forced not in ("fused", "per-piece"):
         raise ValueError(f"RLREPRO_TP_PIECES must be 'fused' or 'per-piece', not {forced!r}")
@@ -501,7 +513,8 @@ def _pieces_impl() -> str:
 
 def _fused_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``kernels.linear`` runs the Triton matmul on these tensors (CUDA, the deterministic mode, a dtype the
-    kernel takes): then the fast path has the per-piece path's bits. Anywhere else the pieces run one by one."""
+    kernel takes): then the fast path has the per-piece path's forward bits (and its own backward, the Triton
+    products). Anywhere else the pieces run one by one."""
     if not (x.is_cuda and weight.is_cuda) or x.dtype != weight.dtype or x.dtype not in _FUSED_DTYPES:
         return False
     from ._mode import current_mode
@@ -539,6 +552,27 @@ def _row_pieces_fused_forward(x: torch.Tensor, weight: torch.Tensor, parts: int,
     return _ordered_sum_cuda([p for part in gathered for p in part.unbind(0)])
 
 
+def _triton_mm():
+    from . import triton_matmul
+
+    return triton_matmul
+
+
+def _column_grad_input_partials(g2d: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """``[parts, M, K]``: this shard's pieces' input-gradient partials ``g_r @ weight_r`` (each rounded to the
+    dtype), in one launch: what a TP rank gathers."""
+    return _triton_mm().linear_grad_input_n_pieces(g2d, weight, parts, stack=True)
+
+
+def _column_grad_input(g2d: torch.Tensor, weight: torch.Tensor, parts: int, group) -> torch.Tensor:
+    """The column-parallel input gradient ``[M, K]``: every TP rank's pieces' partials added in piece order in
+    float32 (one launch at TP=1; over ranks the stacked partials gathered and added by ``ordered_sum``)."""
+    if _group_size(group) == 1:
+        return _triton_mm().linear_grad_input_n_pieces(g2d, weight, parts)
+    gathered = _all_gather(_column_grad_input_partials(g2d, weight, parts), group)
+    return _ordered_sum_cuda([p for part in gathered for p in part.unbind(0)])
+
+
 class _ColumnPiecesFused(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, parts, group):
@@ -550,17 +584,13 @@ class _ColumnPiecesFused(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
-        x2d = x.reshape(-1, x.shape[-1])
-        gxs, gws = [], []
-        for r in range(ctx.parts):
-            a, b = shard_range(weight.shape[0], ctx.parts, r, _COLUMN_WHAT)
-            g2 = grad[..., a:b].contiguous().reshape(-1, b - a)  # the per-piece graph's g.contiguous()
-            if need_x:
-                gxs.append(torch.mm(g2, weight[a:b].contiguous()).reshape(x.shape))
-            if need_w:
-                gws.append(torch.mm(g2.t(), x2d))
-        gx = _ordered_sum_cuda(_gather_pieces(gxs, ctx.group)) if need_x else None
-        return gx, torch.cat(gws, dim=0) if need_w else None, None, None
+        g2d = grad.to(x.dtype).reshape(-1, weight.shape[0])
+        gx = gw = None
+        if need_x:
+            gx = _column_grad_input(g2d, weight, ctx.parts, ctx.group).reshape(x.shape)
+        if need_w:
+            gw = _triton_mm().linear_grad_weight(g2d, x.reshape(-1, x.shape[-1]))
+        return gx, gw, None, None
 
 
 class _RowPiecesFused(torch.autograd.Function):
@@ -574,15 +604,11 @@ class _RowPiecesFused(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
-        g2 = grad.to(x.dtype).contiguous().reshape(-1, weight.shape[0])  # each piece gets the output grad
-        gxs, gws = [], []
-        for r in range(ctx.parts):
-            a, b = shard_range(weight.shape[1], ctx.parts, r, _ROW_WHAT)
-            if need_x:
-                gxs.append(torch.mm(g2, weight[:, a:b].contiguous()).reshape(*x.shape[:-1], b - a))
-            if need_w:
-                gws.append(torch.mm(g2.t(), x[..., a:b].contiguous().reshape(-1, b - a)))
-        return (torch.cat(gxs, dim=-1) if need_x else None, torch.cat(gws, dim=1) if need_w else None, None, None)
+        g2d = grad.to(x.dtype).reshape(-1, weight.shape[0])  # each piece gets the output grad
+        mm = _triton_mm()
+        gx = mm.linear_grad_input(g2d, weight).reshape(x.shape) if need_x else None
+        gw = mm.linear_grad_weight(g2d, x.reshape(-1, x.shape[-1])) if need_w else None
+        return gx, gw, None, None
 
 
 def head_group_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, parts: int, group=None) -> torch.Tensor:

@@ -492,3 +492,34 @@ def ordered_sum(parts: list[torch.Tensor], dtype: torch.dtype | None = None) -> 
         _ordered_sum_kernel[grid](out, acc, *slots, numel, NUM=len(chunk), FROM_ACC=start > 0, TO_ACC=not last,
                                   BLOCK=ORDERED_SUM_BLOCK)
     return out
+
+
+# ------------------------------------------------------------------ the products of a linear's backward (tp pieces)
+#
+# Every element of :func:`matmul` is one float32 chain over its reduction dim from 0, whatever the M/N tiling, so a
+# slice of a product's output along M or N has the bits of the product on the sliced operand. The backward of the
+# layout-invariant pieces (``rlrepro.kernels.tp``) relies on this: the gradients of ``y = x @ weight^T`` below are
+# :func:`matmul` (and :func:`matmul_k_pieces`) on transposed contiguous copies, so a TP rank's gradient of its shard
+# is the matching slice of the unsharded one. No autograd.
+
+
+def linear_grad_input(g2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``g2d [M, N] @ weight [N, K] -> [M, K]`` (reduction over N): :func:`matmul` with ``weight^T`` (a ``[K, N]``
+    copy). Its column slice ``[:, a:b]`` has the bits of ``linear_grad_input(g2d, weight[:, a:b])``."""
+    return matmul(g2d, weight.t().contiguous())
+
+
+def linear_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    """``g2d^T [N, M] @ x2d [M, K] -> [N, K]`` (reduction over M): :func:`matmul` with ``g2d^T`` and ``x2d^T``
+    (``[N, M]`` and ``[K, M]`` copies). Its row slice ``[a:b]`` has the bits of ``linear_grad_weight(g2d[:, a:b],
+    x2d)``, its column slice ``[:, a:b]`` those of ``linear_grad_weight(g2d, x2d[:, a:b])``."""
+    return matmul(g2d.t().contiguous(), x2d.t().contiguous())
+
+
+def linear_grad_input_n_pieces(g2d: torch.Tensor, weight: torch.Tensor, pieces: int,
+                               stack: bool = False) -> torch.Tensor:
+    """``g2d [M, N] @ weight [N, K]`` as ``pieces`` equal consecutive N-pieces (each ``g2d[:, a:b] @ weight[a:b]``,
+    rounded to the dtype), their sum in piece order in float32 (``[M, K]``) or the partials (``stack``: ``[pieces,
+    M, K]``): :func:`matmul_k_pieces` with ``weight^T`` (a ``[K, N]`` copy). Piece ``r``'s partial has the bits of
+    the one-piece call on ``g2d[:, a:b]``, ``weight[a:b]``."""
+    return matmul_k_pieces(g2d, weight.t().contiguous(), pieces, stack=stack)
