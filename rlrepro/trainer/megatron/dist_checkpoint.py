@@ -72,7 +72,7 @@ def dist_to_full(path, ckpt_root) -> Path:
     manifest = ckpt.verify_checkpoint(path, check_hashes=True)
     meta = read_dist_meta(path)
     tensors = _read_full_tensors(path, meta, ("model", "master", "state"))
-    common = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    common = ckpt.load_pt(path / "optimizer.pt")
     names = list(common["names"])
     index = {n: i for i, n in enumerate(names)}
     model_state, masters, state = {}, {}, {}
@@ -88,11 +88,11 @@ def dist_to_full(path, ckpt_root) -> Path:
     state = {i: dict(sorted(per.items())) for i, per in sorted(state.items())}
     optimizer = {"names": names, "adamw": {"state": state, "param_groups": common["param_groups"]},
                  "master_weights": dict(sorted(masters.items()))}
-    load = lambda name: torch.load(path / name, map_location="cpu", weights_only=True)  # noqa: E731
     hold = ckpt.StateHolder
     return ckpt.save_checkpoint(ckpt_root, int(manifest["step"]), model=hold(model_state),
-                                optimizer=hold(optimizer), scheduler=hold(load("scheduler.pt")),
-                                extra_state=load("extra_state.pt"), rng_state=load("rng/rank_00000.pt"))
+                                optimizer=hold(optimizer), scheduler=hold(ckpt.load_pt(path / "scheduler.pt")),
+                                extra_state=ckpt.load_pt(path / "extra_state.pt"),
+                                rng_state=ckpt.load_pt(path / "rng" / "rank_00000.pt"))
 
 
 def read_dist_model_state(path) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as ckpt
-from ..checkpoint import capture_rng_state, checkpoint_dir_name, restore_rng_state
+from ..checkpoint import capture_rng_state, checkpoint_dir_name, load_pt, restore_rng_state
 from .mcore import cuda_calls_on_cpu, merged_over
 
 __all__ = ["LAYOUT", "DIST_DIR", "META", "is_dist_checkpoint", "read_dist_meta", "save_dist_checkpoint",
@@ -356,7 +356,7 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
     with cuda_calls_on_cpu():
         loaded = dc.load(sharded, str(path / DIST_DIR))
 
-    common = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    common = load_pt(path / "optimizer.pt")
     if list(common["names"]) != list(opt.names):
         raise ValueError(f"dist checkpoint {path} holds optimizer state for other parameters; load it into a "
                          "trainer built for the same model")
@@ -378,12 +378,12 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
         masters.update({n: None for n in opt.names if n not in owned})
     opt.load_state_dict({"names": list(opt.names), "adamw": {"state": state, "param_groups": common["param_groups"]},
                          "master_weights": masters})
-    trainer.scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
-    extra_state = torch.load(path / "extra_state.pt", map_location="cpu", weights_only=True)
+    trainer.scheduler.load_state_dict(load_pt(path / "scheduler.pt"))
+    extra_state = load_pt(path / "extra_state.pt")
     if restore_rng:
         own = path / "rng" / f"rank_{rank:05d}.pt"
         src = own if meta["world_size"] == world else path / "rng" / "rank_00000.pt"
-        restore_rng_state(torch.load(src, map_location="cpu", weights_only=True), generators)
+        restore_rng_state(load_pt(src), generators)
     dist.barrier()
     return extra_state
 
