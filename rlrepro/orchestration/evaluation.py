@@ -21,6 +21,16 @@ Rewards are ``reward.fn``'s (no overlong shaping). The metrics, in that step's `
 ``rlrepro eval RUN [--step K]`` loads the run's checkpoint of step K into an engine built as the run's rollout
 workers are (the run's base model, then the checkpoint's weights, as a weight sync loads them) and computes the
 same numbers with the same keys and seeds: equal, bit for bit, to what the run logged at step K.
+
+A run with ``env.*`` (multi-turn episodes, tools) is evaluated on the episodes it was trained on: each request is
+an episode run by the rollout's own episode runner (``RolloutWorker.run_episodes`` ->
+``orchestration.episodes.run_episodes``), every turn sampled with the request's ``eval_seed`` and the environment
+seeded with ``episode_seed(eval_seed(...), k, uid, j)`` (:func:`eval_env_seed`: apart from the training episodes'
+stream), its start rendered as training renders it (``GenerationSteps.episode_prompt``). The reward is the
+episode's (the environment's outcome reward minus its penalties, as training scores it), the length the policy's
+own tokens; ``eval/turns_mean``, ``eval/tool_calls_mean``, ``eval/outcome_reward_mean``, ``eval/penalty_mean`` and
+``eval/finish_<reason>_frac`` (sampled episodes) come on top. ``rlrepro eval --records FILE`` writes one JSON line
+per request (reward, turns, tool calls, text).
 """
 from __future__ import annotations
 
@@ -31,10 +41,12 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable
 
+from .generation import GenerationSteps
 from .workers import Request
 
 __all__ = ["pass_at_k", "eval_metrics", "is_eval_step", "load_eval_prompts", "eval_requests", "run_eval",
-           "Evaluator", "evaluate_checkpoint", "main_eval"]
+           "eval_env_seed", "eval_episode_requests", "run_eval_episodes", "Evaluator", "evaluate_checkpoint",
+           "main_eval"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -140,9 +152,10 @@ def eval_requests(cfg, step: int, prompts: list, stop_token_ids) -> list[Request
 
 
 def run_eval(generate: Callable[[list[Request]], list], cfg, step: int, prompts: list, tokenizer, reward_fn,
-             stop_token_ids) -> dict:
+             stop_token_ids, records: list | None = None) -> dict:
     """Generate (``generate(requests) -> [(key, RequestOutput)]`` in any order), score and reduce to the
-    ``eval/*`` metrics of the evaluation after ``step``."""
+    ``eval/*`` metrics of the evaluation after ``step``; ``records``: a list that gets one dict per request, in
+    key order (:func:`_record`)."""
     from rlrepro.data import compute_rewards
 
     n = cfg.eval.num_samples
@@ -154,7 +167,9 @@ def run_eval(generate: Callable[[list[Request]], list], cfg, step: int, prompts:
     sampled: dict[str, list[float]] = {p.uid: [] for p in prompts}
     lengths: dict[str, list[int]] = {p.uid: [] for p in prompts}
     greedy: dict[str, float] = {}
-    for ((uid, j), out), reward in zip(results, rewards):
+    for ((uid, j), out), text, reward in zip(results, texts, rewards):
+        if records is not None:
+            records.append(_record(cfg, (uid, j), reward, len(out.token_ids), out.finish_reason, text))
         if j < n:
             sampled[uid].append(reward)
             lengths[uid].append(len(out.token_ids))
@@ -164,6 +179,88 @@ def run_eval(generate: Callable[[list[Request]], list], cfg, step: int, prompts:
     return eval_metrics([sampled[u] for u in uids], [lengths[u] for u in uids],
                         [greedy[u] for u in uids] if cfg.eval.greedy else None, k=n,
                         threshold=cfg.eval.pass_threshold)
+
+
+def _record(cfg, key: tuple, reward: float, length: int, finish_reason: str, text: str, **extra) -> dict:
+    uid, j = key
+    return {"uid": uid, "sample": j, "greedy": j == cfg.eval.num_samples, "reward": reward, "length": length,
+            "finish_reason": finish_reason, **extra, "text": text}
+
+
+def eval_env_seed(run_seed: int, step: int, uid: str, j: int) -> int:
+    """The environment seed of eval episode ``(uid, j)`` after ``step``: ``rlrepro.envs.episode_seed`` keyed by
+    the episode's sampling seed (``eval_seed``), so no training episode's environment seed is drawn again."""
+    from rlrepro.envs import episode_seed
+    from rlrepro.rollout import eval_seed
+
+    return episode_seed(eval_seed(run_seed, step, uid, j), step, uid, j)
+
+
+class _EpisodePrompt(GenerationSteps):
+    """The driver's rendering of an episode's start (``GenerationSteps.episode_prompt``) for the eval prompts."""
+
+    def __init__(self, cfg, tokenizer) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+
+
+def eval_episode_requests(cfg, step: int, prompts: list, env_spec, tokenizer, stop_token_ids) -> list:
+    """:func:`eval_requests` as episodes (:class:`~.episodes.EpisodeRequest`): the same keys and sampling params
+    (every turn of episode (uid, j) samples with its ``eval_seed``), the environment seed :func:`eval_env_seed`,
+    the start rendered as the training episodes' (``GenerationSteps.episode_prompt``)."""
+    from .episodes import EpisodeRequest
+
+    render, record_of = _EpisodePrompt(cfg, tokenizer), {p.uid: p for p in prompts}
+    out = []
+    for r in eval_requests(cfg, step, prompts, stop_token_ids):
+        p = record_of[r.key[0]]
+        env_seed = eval_env_seed(cfg.run.seed, step, *r.key)
+        ids = render.episode_prompt(p, env_spec.make(p.record, env_seed).reset())
+        out.append(EpisodeRequest(r.key, p.record, ids, r.params, env_seed))
+    return out
+
+
+def _tool_calls(result) -> int:
+    """The tool calls of an episode: its environment results' ``info["calls"]`` (ToolEnv), else its tool turns."""
+    if any("calls" in info for info in result.infos):
+        return sum(len(info.get("calls") or []) for info in result.infos)
+    return sum(t.role == "tool" for t in result.turns)
+
+
+def run_eval_episodes(run_episodes: Callable[[list], list], cfg, step: int, prompts: list, env_spec, tokenizer,
+                      stop_token_ids, records: list | None = None) -> dict:
+    """The evaluation after ``step`` of a run with ``env.*``: ``run_episodes(requests) -> [EpisodeResult]`` (the
+    rollout's episode runner, any order) on :func:`eval_episode_requests`; the ``eval/*`` metrics of
+    :func:`run_eval` on the episodes' rewards (``EpisodeResult.total_reward``, as training scores an episode)
+    and policy-token lengths, plus the episodes' figures (sampled episodes). ``records``: as :func:`run_eval`'s,
+    with the turns and tool calls."""
+    n, uids = cfg.eval.num_samples, [p.uid for p in prompts]
+    results = sorted(run_episodes(eval_episode_requests(cfg, step, prompts, env_spec, tokenizer, stop_token_ids)),
+                     key=lambda res: res.key)
+    sampled: dict[str, list] = {u: [] for u in uids}
+    greedy: dict[str, float] = {}
+    for res in results:
+        uid, j = res.key
+        if records is not None:
+            records.append(_record(cfg, res.key, res.total_reward, sum(res.loss_mask), res.finish_reason,
+                                   tokenizer.decode(res.completion_token_ids), outcome_reward=res.reward,
+                                   penalties=list(res.penalties), num_turns=res.num_turns,
+                                   num_tool_calls=_tool_calls(res),
+                                   turns=[{"role": t.role, "text": t.text} for t in res.turns]))
+        if j < n:
+            sampled[uid].append(res)
+        else:
+            greedy[uid] = res.total_reward
+    out = eval_metrics([[r.total_reward for r in sampled[u]] for u in uids],
+                       [[sum(r.loss_mask) for r in sampled[u]] for u in uids],
+                       [greedy[u] for u in uids] if cfg.eval.greedy else None, k=n, threshold=cfg.eval.pass_threshold)
+    flat = [r for u in uids for r in sampled[u]]
+    out["eval/turns_mean"] = sum(r.num_turns for r in flat) / len(flat)
+    out["eval/tool_calls_mean"] = sum(_tool_calls(r) for r in flat) / len(flat)
+    out["eval/outcome_reward_mean"] = sum(r.reward for r in flat) / len(flat)
+    out["eval/penalty_mean"] = sum(sum(r.penalties) for r in flat) / len(flat)
+    for reason in sorted({r.finish_reason for r in flat}):
+        out[f"eval/finish_{reason}_frac"] = sum(r.finish_reason == reason for r in flat) / len(flat)
+    return out
 
 
 class Evaluator:
@@ -203,9 +300,12 @@ def _checkpoint_weights(run_dir: Path, ckpt: Path, tmp: Path) -> dict:
     return weights
 
 
-def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: str | None = None) -> tuple[int, dict]:
+def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: str | None = None,
+                        records: list | None = None) -> tuple[int, dict]:
     """``(step, eval/* metrics)`` of the run's checkpoint of ``step`` (default: the newest complete one), as the
-    run computes them after that step; ``source``: another held-out file than the run's ``eval.source``."""
+    run computes them after that step; ``source``: another held-out file than the run's ``eval.source``;
+    ``records``: a list that gets one dict per request (key order). A run with ``env.*`` is evaluated on its
+    episodes (:func:`run_eval_episodes`, on the worker's episode runner, as its rollout ran them)."""
     import tempfile
 
     from omegaconf import OmegaConf
@@ -215,7 +315,7 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
     from rlrepro.model.checkpoint_io import check_pretrained
     from rlrepro.model.model_dirs import checkpoint_base
 
-    from .config import migrate_legacy_keys, validate
+    from .config import ConfigError, migrate_legacy_keys, uses_episodes, validate
     from .export import checkpoint_of
     from .workers import RolloutWorker
 
@@ -232,6 +332,15 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
     evaluator = Evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn),
                           [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
                           check_pretrained(base))
+    env_spec = None
+    if uses_episodes(cfg):  # the run's environment, built as the driver builds it (bad env.* fails before loading)
+        from rlrepro.data import reward_with_policy
+        from rlrepro.envs import load_env
+
+        try:
+            env_spec = load_env(cfg.env, reward_with_policy(evaluator.reward_fn, cfg.reward.on_error))
+        except ValueError as e:
+            raise ConfigError(f"env.* of {run_dir}/config.yaml: {e}") from None
     tp = cfg.train.engine_tp_emulation  # as the run's engines sampled: TP on megatron, or train.tp_partials
     with tempfile.TemporaryDirectory(prefix="rlrepro-eval-") as tmp:
         weights = _checkpoint_weights(run_dir, ckpt, Path(tmp))
@@ -241,11 +350,22 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
         worker.load_weights(weights, version=done)  # as a weight sync loads the trainer's state dict
         del weights
 
+    if env_spec is not None:
+        from .import_path import module_dirs
+
+        def episodes(requests: list) -> list:  # as GenerationSteps.generate_episodes calls the workers
+            return worker.run_episodes(requests, cfg.env, cfg.reward.fn, use_chat_template=cfg.data.use_chat_template,
+                                       tool_threads=cfg.env.tool_threads, reward_on_error=cfg.reward.on_error,
+                                       import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]))
+
+        return done, run_eval_episodes(episodes, cfg, done, evaluator.prompts, env_spec, tokenizer,
+                                       evaluator.stop_token_ids, records)
+
     def generate(requests: list[Request]) -> list:
         return [(r.key, out) for r, out in zip(requests, worker.generate(requests))]
 
     return done, run_eval(generate, cfg, done, evaluator.prompts, tokenizer, evaluator.reward_fn,
-                          evaluator.stop_token_ids)
+                          evaluator.stop_token_ids, records)
 
 
 def _logged(run_dir: Path, step: int) -> dict | None:
@@ -273,9 +393,15 @@ def main_eval(argv: list[str]) -> int:
     ap.add_argument("--source", default=None, help="another held-out file than the run's eval.source (the numbers "
                                                    "are then not compared with the run's)")
     ap.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    ap.add_argument("--records", default=None, metavar="FILE", help="write one JSON line per request (key, reward, "
+                    "length, finish reason, text; with env.*: turns and tool calls) to FILE")
     ns = ap.parse_args(argv)
+    records: list | None = [] if ns.records is not None else None
     try:
-        step, metrics = evaluate_checkpoint(ns.run, ns.step, ns.source)
+        step, metrics = evaluate_checkpoint(ns.run, ns.step, ns.source, records)
+        if records is not None:
+            Path(ns.records).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records),
+                                        encoding="utf-8")
     except (ConfigError, ValueError, OSError) as e:
         print(f"rlrepro eval: {e}", file=sys.stderr)
         return 2
