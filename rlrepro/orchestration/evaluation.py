@@ -220,7 +220,8 @@ def eval_episode_requests(cfg, step: int, prompts: list, env_spec, tokenizer, st
 
 
 def _tool_calls(result) -> int:
-    """The tool calls of an episode: its environment results' ``info["calls"]`` (ToolEnv), else its tool turns."""
+    """The tool calls of an episode: its environment results' ``info["calls"]`` (ToolEnv: every call parsed,
+    malformed and skipped ones included), else its tool turns."""
     if any("calls" in info for info in result.infos):
         return sum(len(info.get("calls") or []) for info in result.infos)
     return sum(t.role == "tool" for t in result.turns)
