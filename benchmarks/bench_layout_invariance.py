@@ -5,9 +5,11 @@ runs it: ``enable_determinism()``, the compute dtype, float32 master weights whe
 model):
 
 * ``off``: today's step (micro-batch grads accumulated in place, rank-order DP sum);
-* ``on (tree)``: ``train.layout_invariant=true train.tp_partials=1``: each micro-batch's gradient kept apart and
-  combined in the fixed binary tree (a stack of at most ``log2(micro-batches) + 1`` float32 partial sums);
-* ``on (tree + P pieces)``: ``train.tp_partials=P`` as well: every row-/column-parallel product computed as ``P``
+* ``on (fold)``: ``train.layout_invariant=true train.tp_partials=1``: the micro-batch gradients folded in
+  micro-batch order (``rlrepro.trainer.grad_fold``): at one rank the very operations of ``off``; over N ranks each
+  micro-batch's gradient exchanged by shard (``all_to_all``) and added into a float32 accumulator shard, the
+  shards all-gathered at the end;
+* ``on (fold + P pieces)``: ``train.tp_partials=P`` as well: every row-/column-parallel product computed as ``P``
   fixed pieces (what any TP dividing ``P`` computes), forward and backward. On CUDA in the deterministic mode the
   pieces take the fused path of ``rlrepro.kernels.tp`` (one launch per product and per gradient, see
   docs/TRAINER.md);
@@ -27,7 +29,7 @@ asserts nothing.
 
 Data parallel: run it under ``torchrun --nproc-per-node N``; every rank initialises ``torch.distributed`` (NCCL on
 CUDA with one GPU per local rank, gloo on CPU) and the step is data parallel over the N ranks (the ``off`` sum is the
-all-gather + rank-order sum, the ``on`` one the subtree roots gathered and the top of the tree added); rank 0 prints.
+all-gather + rank-order sum, the ``on`` one the sharded fold); rank 0 prints.
 """
 from __future__ import annotations
 
@@ -183,8 +185,8 @@ def main(argv=None) -> None:
         print(f"device {device} x {world} rank(s), {dtype}, hidden {args.hidden}, {args.layers} layers, "
               f"{args.num_samples} samples of {args.prompt_len}+{args.completion_len} tokens, {micro} micro-batches "
               f"of {args.micro_batch_size}, median of {args.steps} steps")
-    pieces = f"on (tree + {args.tp_partials} pieces)"
-    configs = [("off", {}, None), ("on (tree)", dict(layout_invariant=True), None),
+    pieces = f"on (fold + {args.tp_partials} pieces)"
+    configs = [("off", {}, None), ("on (fold)", dict(layout_invariant=True), None),
                (pieces, dict(layout_invariant=True, tp_partials=args.tp_partials), None)]
     if args.per_piece:
         configs.append((pieces[:-1] + ", per-piece)", dict(layout_invariant=True, tp_partials=args.tp_partials),

@@ -12,7 +12,9 @@ recorded config with the one the command line asks for (both plain nested dicts 
   ``trainer.tensor_parallel``) may change when the run is ``train.layout_invariant=true`` (recorded and requested):
   then the step's bits do not depend on them (docs/TRAINER.md, "Layout invariance"), and full checkpoints hold the
   optimizer state unsharded (any DP, any TP loads them); without it they are refused with that reason
-  (:func:`layout_change_problem`);
+  (:func:`layout_change_problem`). A run recorded on one trainer rank without the option may turn it on (and then
+  change its layout): at one rank the option's micro-batch fold is the plain step's accumulation, bit for bit
+  (:func:`one_rank_run`);
 * ``train.steps`` may change when the LR schedule gives every step, the recorded ones and those to come, the same
   rate under both lengths (:func:`steps_change_problem`): the schedule's cosine runs over ``train.steps``, so a new
   length changes the rate of every step after the warm-up unless ``train.min_lr_ratio == 1`` (or the run never
@@ -33,7 +35,7 @@ from typing import Any, Iterator
 from rlrepro.checks import ConfigError  # the class rlrepro.orchestration.config exports
 
 __all__ = ["reconcile_resume", "BIT_NEUTRAL_KEYS", "STEPS_KEY", "LAYOUT_KEYS", "LAYOUT_INVARIANT_KEY",
-           "steps_change_problem", "layout_change_problem", "flatten", "differences"]
+           "steps_change_problem", "layout_change_problem", "one_rank_run", "flatten", "differences"]
 
 # fnmatch patterns of dotted keys whose value cannot change the run's numbers (rollout tokens, logprobs, rewards,
 # advantages, loss, grad norm, weights): where and how often things are logged or saved, how the run is started,
@@ -57,7 +59,7 @@ BIT_NEUTRAL_KEYS: tuple[str, ...] = (
 STEPS_KEY = "train.steps"
 # what the LR schedule (rlrepro.trainer.optim.WarmupCosineLR, built in rlrepro.trainer.train) is made of
 LR_KEY, WARMUP_KEY, MIN_LR_RATIO_KEY = "train.lr", "train.warmup_steps", "train.min_lr_ratio"
-# how many ranks hold the trainer: bit-neutral exactly when train.layout_invariant is true (rlrepro.trainer.tree_sum)
+# how many ranks hold the trainer: bit-neutral exactly when train.layout_invariant is true (rlrepro.trainer.grad_fold)
 LAYOUT_KEYS: tuple[str, ...] = ("train.num_gpus", "train.tensor_parallel", "trainer.tensor_parallel")
 LAYOUT_INVARIANT_KEY = "train.layout_invariant"
 
@@ -154,16 +156,32 @@ def steps_change_problem(recorded: dict, new_steps: Any, completed_step: int) ->
     return None
 
 
+def one_rank_run(recorded: dict) -> bool:
+    """Whether the recorded run's steps are those of ``train.layout_invariant=true`` even if it ran without it: one
+    trainer rank (``train.num_gpus=1``: no data- or tensor-parallel sum) and no pieces (``train.tp_partials`` 1 or
+    absent). There the option's micro-batch fold is exactly the plain step's accumulation
+    (:mod:`rlrepro.trainer.grad_fold`), so the option may be turned on at resume."""
+    flat = dict(flatten(recorded))
+    return flat.get("train.num_gpus", ABSENT) == 1 and flat.get("train.tp_partials", 1) == 1
+
+
 def layout_change_problem(recorded: dict, requested: dict, key: str) -> str | None:
     """Why the layout key ``key`` (:data:`LAYOUT_KEYS`) may not change between the recorded and the requested config
-    (None: it may, both are ``train.layout_invariant=true``)."""
+    (None: it may, both are ``train.layout_invariant=true``, or the recorded run is a :func:`one_rank_run` and the
+    requested one turns the option on)."""
     old = dict(flatten(recorded)).get(LAYOUT_INVARIANT_KEY, ABSENT)
     new = dict(flatten(requested)).get(LAYOUT_INVARIANT_KEY, ABSENT)
-    if old is True and new is True:
+    if new is True and (old is True or one_rank_run(recorded)):
         return None
-    return (f"the run was recorded with {LAYOUT_INVARIANT_KEY}={_show(False if old is ABSENT else old)}, so its "
-            f"gradient sums are grouped by the layout and another {key} changes the run's numbers; only a run "
-            f"with {LAYOUT_INVARIANT_KEY}=true (from its first step) resumes at another number of GPUs")
+    if one_rank_run(recorded):
+        return (f"{LAYOUT_INVARIANT_KEY}={_show(False if new is ABSENT else new)} groups the gradient sums by the "
+                f"layout, so another {key} changes the run's numbers; this run was recorded on one GPU, where "
+                f"{LAYOUT_INVARIANT_KEY}=true computes the very same steps: add {LAYOUT_INVARIANT_KEY}=true to resume "
+                "it at another number of GPUs")
+    return (f"the run was recorded with {LAYOUT_INVARIANT_KEY}={_show(False if old is ABSENT else old)} on more "
+            f"than one trainer rank, so its gradient sums are grouped by the layout and another {key} changes the "
+            f"run's numbers; only a run with {LAYOUT_INVARIANT_KEY}=true (from its first step, or recorded on one "
+            "GPU) resumes at another number of GPUs")
 
 
 def _set(tree: dict, key: str, value: Any) -> None:
@@ -194,6 +212,9 @@ def reconcile_resume(recorded: dict, requested: dict, *, completed_step: int) ->
     for key, old, new in differences(recorded, requested):
         if _bit_neutral(key):
             allowed.append((key, old, new))
+            continue
+        if key == LAYOUT_INVARIANT_KEY and new is True and one_rank_run(recorded):
+            allowed.append((key, old, new))  # the recorded one-rank steps are the option's (one_rank_run)
             continue
         if key in LAYOUT_KEYS or key == STEPS_KEY:
             problem = (layout_change_problem(recorded, requested, key) if key in LAYOUT_KEYS

@@ -30,7 +30,7 @@ import torch
 from .checkpoint import (StateHolder, capture_rng_state, checkpoint_dir_name, load_checkpoint,
                          save_checkpoint, write_on_one_rank)
 from .data_parallel import DataParallel
-from .tree_sum import make_grad_tree, tree_leaves, tree_sum_floats
+from .grad_fold import ShardedGradFold, fold_floats
 from .logprobs import logprobs_and_entropy, token_logprobs
 from .config import TrainConfig
 from .losses import behaviour_weights, pad_sequences, policy_loss
@@ -181,12 +181,13 @@ class Trainer:
         optim_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.adam_eps, weight_decay=config.weight_decay,
                             master_init=master_init)
         self.distributed_optimizer = bool(distributed_optimizer) and data_parallel is not None
-        # train.layout_invariant: micro-batch grads and float sums combined in one tree fixed by the number of
-        # micro-batches (rlrepro.trainer.tree_sum), so the step's bits do not depend on the number of ranks
+        # train.layout_invariant: micro-batch grads and float sums folded in micro-batch order whatever the number
+        # of ranks (rlrepro.trainer.grad_fold), so the step's bits do not depend on it; at one rank that is the
+        # plain step's accumulation itself
         self.layout_invariant = bool(config.layout_invariant)
-        # layout_invariant: the last PPO epoch's gradient tree on this rank ("kind": GradTree or ShardedGradTree,
-        # "peak_partial_bytes": the most bytes of float32 partial sums it held at once); None before the first step
-        self.grad_tree_stats: dict | None = None
+        # layout_invariant over several DP ranks: the last PPO epoch's sharded fold on this rank ("kind":
+        # "ShardedGradFold", "peak_partial_bytes": its float32 accumulator shard); None otherwise
+        self.grad_fold_stats: dict | None = None
         if self.layout_invariant and config.tp_partials > 1:
             self._set_layout_partials(config.tp_partials)
         self.optimizer = self._make_optimizer(model, **optim_kwargs)
@@ -230,14 +231,11 @@ class Trainer:
             yield name, p.detach()
 
     def _my_leaves(self, num_micro_batches: int) -> list[int]:
-        """The micro-batches this rank computes: all without data parallel; else round robin (``k % world``), or
-        with ``train.layout_invariant`` :func:`~.tree_sum.tree_leaves` (round robin too when the ranks shard the
-        partial sums, a power-of-two world; else the contiguous leaves of this rank's subtrees)."""
+        """The micro-batches this rank computes: all without data parallel; else round robin (``k % world``, with
+        or without ``train.layout_invariant``)."""
         dp = self.data_parallel
         if dp is None:
             return list(range(num_micro_batches))
-        if self.layout_invariant:
-            return tree_leaves(num_micro_batches, dp.world_size, dp.rank)
         return dp.my_micro_batches(num_micro_batches)
 
     def _my_chunks(self, num_samples: int) -> list[range]:
@@ -279,7 +277,7 @@ class Trainer:
     def _reduce_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Turn this rank's accumulated float32 grads (name order) into the step's grads and return the tensors
         that clipping scales: with data parallel, the order-fixed sum over the replicas, in place."""
-        if self.data_parallel is not None and not self.layout_invariant:  # layout_invariant: the tree did it
+        if self.data_parallel is not None and not self.layout_invariant:  # layout_invariant: the fold did it
             self.data_parallel.sum_tensors_(grads)
         return grads
 
@@ -306,7 +304,7 @@ class Trainer:
 
     def _off_policy_metrics(self, sums: list[float], reduced: bool = False) -> dict:
         """``train/is_*`` and ``train/behaviour_proximal_kl`` over the step's trained tokens (all ranks; ``reduced``:
-        ``sums`` are already the step's, from the layout-invariant tree)."""
+        ``sums`` are already the step's, from the layout-invariant fold)."""
         dp = self.data_parallel
         w_sum, w_max, truncated, masked, kl_sum, n = sums
         if dp is not None and not reduced:
@@ -332,7 +330,8 @@ class Trainer:
         num_chunks = len(micro_batches(len(batch), cfg.micro_batch_size))
         leaf_ids = self._my_leaves(num_chunks)  # the global index of each of this rank's micro-batches
         chunks = self._my_chunks(len(batch))
-        invariant = self.layout_invariant
+        # layout_invariant over several ranks: the micro-batch fold, sharded; at one rank the plain accumulation is it
+        sharded = self.layout_invariant and dp is not None and dp.world_size > 1
         num_tokens = sum(s.num_trained for s in batch)  # the loss's tokens: masked-out ones do not count
         num_seqs = len(batch)
         lr = self.scheduler.get_last_lr()
@@ -361,7 +360,7 @@ class Trainer:
         proximal: dict[int, torch.Tensor] = {}
         is_weights: dict[int, torch.Tensor] = {}
         is_sums = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-        is_leaves: dict[int, list[float]] = {}  # layout_invariant: each micro-batch's is_sums, summed in the tree
+        is_leaves: dict[int, list[float]] = {}  # sharded: each micro-batch's is_sums, folded in micro-batch order
         losses, norms = [], []
         metric_sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # pg*n, kl*n, clip_frac*n, entropy*n, n
         skipped = False
@@ -369,9 +368,9 @@ class Trainer:
             self.optimizer.zero_grad()
             loss_sum = 0.0
             sums = [0.0] * 5
-            # the step's gradient tree: sharded over the DP ranks (ZeRO-2 style) when their number is a power of two
-            tree = make_grad_tree(num_chunks, dp, self.optimizer.params) if invariant else None
-            leaf_floats: dict[int, list[float]] = {}  # layout_invariant: loss, pg*n, kl*n, clip_frac*n, entropy*n, n
+            # the step's micro-batch fold, its accumulator sharded over the DP ranks (ZeRO-2 style)
+            fold = ShardedGradFold(num_chunks, dp, self.optimizer.params) if sharded else None
+            leaf_floats: dict[int, list[float]] = {}  # sharded: loss, pg*n, kl*n, clip_frac*n, entropy*n, n
             for k, chunk in enumerate(chunks):
                 part = [batch[i] for i in chunk]
                 if not any(s.num_trained for s in part):
@@ -407,7 +406,7 @@ class Trainer:
                 is_weight = None
                 if cfg.decoupled:
                     if epoch == 0:
-                        leaf_is = is_leaves.setdefault(leaf_ids[k], [0.0] * 6) if invariant else is_sums
+                        leaf_is = is_leaves.setdefault(leaf_ids[k], [0.0] * 6) if sharded else is_sums
                         is_weights[k] = self._behaviour_weights(proximal[k], behaviour, mask, leaf_is)
                     is_weight = is_weights[k]
                 adv = torch.tensor([s.advantage for s in part], dtype=torch.float32, device=device)
@@ -422,17 +421,17 @@ class Trainer:
                 out.loss.backward()
                 n = out.num_tokens
                 terms = (out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)
-                if invariant:  # this micro-batch's gradient and floats are a leaf of the step's tree
-                    tree.push(leaf_ids[k], self.optimizer.take_grads(float32=tree.takes_float32))
+                if sharded:  # this micro-batch's gradient and floats are a leaf of the step's fold
+                    fold.push(leaf_ids[k], self.optimizer.take_grads(float32=False))
                     leaf_floats[leaf_ids[k]] = [float(out.loss.detach()), *terms]
                     continue
                 self.optimizer.accumulate_grads()
                 loss_sum += float(out.loss.detach())
                 for j, v in enumerate(terms):
                     sums[j] += v
-            # layout_invariant: the tree's remaining micro-steps first (the sharded tree exchanges during the pushes,
-            # so no other collective of the group may come between them)
-            tree_grads = tree.finish(self.optimizer.params) if invariant else None
+            # sharded: the fold's remaining micro-steps first (it exchanges during the pushes, so no other collective
+            # of the group may come between them)
+            fold_grads = fold.finish(self.optimizer.params) if sharded else None
             if epoch == 0:  # the on-policy check over the trained tokens (one device->host transfer for the batch)
                 if rollout_all:
                     max_diff = _max_abs_diff(current_all, rollout_all, trained_all)
@@ -441,12 +440,13 @@ class Trainer:
                 current_all.clear()
                 rollout_all.clear()
                 trained_all.clear()
-            if invariant:
-                grads = tree_grads
-                self.grad_tree_stats = {"kind": type(tree).__name__, "peak_partial_bytes": tree.peak_partial_bytes}
+            if sharded:
+                grads = fold_grads
+                self.grad_fold_stats = {"kind": type(fold).__name__, "peak_partial_bytes": fold.peak_partial_bytes,
+                                        "exchange_peak_bytes": fold.exchange_peak_bytes}
                 self.optimizer.set_grads(grads)
                 grads = self._reduce_grads(grads)
-                loss_sum, *sums = tree_sum_floats(leaf_floats, num_chunks, dp, width=6)
+                loss_sum, *sums = fold_floats(leaf_floats, num_chunks, dp, width=6)
             else:
                 grads = self._reduce_grads(self.optimizer.grads())
                 if dp is not None:
@@ -479,9 +479,9 @@ class Trainer:
         mean = (lambda v: v / n) if n else (lambda v: 0.0)
         loss = sum(losses) / len(losses)
         grad_norm = sum(norms) / len(norms)
-        if cfg.decoupled and invariant:
-            is_sums = tree_sum_floats(is_leaves, num_chunks, dp, width=6, max_indices=(1,))
-        off_policy = self._off_policy_metrics(is_sums, reduced=invariant) if cfg.decoupled else {}
+        if cfg.decoupled and sharded:
+            is_sums = fold_floats(is_leaves, num_chunks, dp, width=6, max_indices=(1,))
+        off_policy = self._off_policy_metrics(is_sums, reduced=sharded) if cfg.decoupled else {}
         return {
             "train/loss": loss,
             "train/pg_loss": mean(metric_sums[0]),
