@@ -41,3 +41,24 @@ def test_one_run_on_any_layout_and_resumed_at_another(tmp_path):
     assert main(["diff", "--strict", str(tmp_path / "dp1"), str(d)]) == 0
     amendments = [json.loads(x) for x in (d / "amendments.jsonl").read_text().splitlines()]
     assert {"key": "train.num_gpus", "old": 2, "new": 1, "from_step": 3} in amendments
+
+
+def test_a_one_gpu_run_without_the_option_resumes_with_it_on_two(tmp_path):
+    """At one trainer rank the option's fold is the plain step: a run recorded on one GPU without it turns it on at
+    resume and continues on 2 ranks into the uninterrupted one-GPU run."""
+    from rlrepro.cli import compose_config
+    from rlrepro.orchestration import GRPODriver
+
+    plain = [k for k in BASE if not k.startswith(("train.layout_invariant", "train.tp_partials"))]
+    assert main(["train", *plain, f"run.dir={tmp_path / 'one'}"]) == 0
+    d = tmp_path / "moved"
+    GRPODriver(compose_config([*plain, f"run.dir={d}", "checkpoint.every=2"])).run(last_step=2)
+    # without turning the option on, the layout may not change (refused before any work: exit 2)
+    assert main(["train", *plain, f"run.dir={d}", "train.num_gpus=2", "checkpoint.every=2", "run.resume=true"]) == 2
+    assert main(["train", *plain, f"run.dir={d}", "train.num_gpus=2", "checkpoint.every=2", "run.resume=true",
+                 "train.layout_invariant=true"]) == 0
+    assert main(["diff", "--strict", str(tmp_path / "one"), str(d)]) == 0
+    amendments = [json.loads(x) for x in (d / "amendments.jsonl").read_text().splitlines()]
+    assert {"key": "train.num_gpus", "old": 1, "new": 2, "from_step": 3} in amendments
+    assert {"key": "train.layout_invariant", "old": False, "new": True, "from_step": 3} in amendments
+    assert all(m["train/rollout_logprob_abs_diff"] == 0.0 and m["train/grad_norm"] > 0 for m in _metrics(d))
