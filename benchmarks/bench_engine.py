@@ -422,6 +422,10 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="profile a deterministic run of STEPS output tokens instead of benchmarking")
     ap.add_argument("--profile-rows", type=int, default=30)
+    ap.add_argument("--tp-emulation", default="1",
+                    help="comma-separated train.tp_partials values P to run the engine modes at: the model computes "
+                         "every row-/column-parallel product as P fixed pieces, as the engines of a "
+                         "train.layout_invariant run do (1: the plain model); e.g. 1,8 for the pieces' cost")
     ap.add_argument("--breakdown", action="store_true",
                     help="time a steady-state decode step's parts (CUDA): launch to launch, graph replay, "
                          "sampler, kernels")
@@ -450,10 +454,15 @@ def main(argv=None) -> None:
     for mode in modes:
         if mode not in ("deterministic", "fast"):
             raise SystemExit(f"--modes: unknown mode {mode!r}; use deterministic and/or fast")
+    pieces = [int(x) for x in args.tp_emulation.split(",") if x.strip()]
     for rnd in range(args.repeat):
-        for mode in modes:
-            results.append(dict(bench_engine(model, prompts, args, deterministic=mode == "deterministic"), round=rnd))
-            print(json.dumps(results[-1]), flush=True)
+        for p in pieces:
+            model.set_tensor_parallel_emulation(p)
+            for mode in modes:
+                results.append(dict(bench_engine(model, prompts, args, deterministic=mode == "deterministic"),
+                                    round=rnd, tp_emulation=p))
+                print(json.dumps(results[-1]), flush=True)
+        model.set_tensor_parallel_emulation(1)
         if not args.no_hf:
             try:
                 results.append(dict(bench_transformers(model, prompts, args), round=rnd))
@@ -462,12 +471,25 @@ def main(argv=None) -> None:
                 print(f"# transformers unavailable: {e}")
 
     print()
-    print("| system | mode | output tok/s | decode tok/s | decode / roofline | prefill s | total s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| system | mode | TP pieces | output tok/s | decode tok/s | decode / roofline | prefill s | total s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['system']} | {r['mode']} | {r['tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | "
-              f"{r['decode_tokens_per_s'] / roofline:.1%} | {r['prefill_s']:.2f} | {r['total_s']:.2f} |")
-    print(f"| roofline | weights + KV at {bandwidth / 1e12:.2f} TB/s | | {roofline:,.0f} | 100% | | |")
+        print(f"| {r['system']} | {r['mode']} | {r.get('tp_emulation', 1)} | {r['tokens_per_s']:,.0f} | "
+              f"{r['decode_tokens_per_s']:,.0f} | {r['decode_tokens_per_s'] / roofline:.1%} | {r['prefill_s']:.2f} | "
+              f"{r['total_s']:.2f} |")
+    print(f"| roofline | weights + KV at {bandwidth / 1e12:.2f} TB/s | | | {roofline:,.0f} | 100% | | |")
+    base = {(r["round"], r["mode"]): r for r in results if r["system"] == "rlrepro" and r.get("tp_emulation") == 1}
+    piece_rows = [r for r in results if r["system"] == "rlrepro" and r.get("tp_emulation", 1) > 1
+                  and (r["round"], r["mode"]) in base]
+    if piece_rows:  # the pieces' cost: each P against P=1 in the same round and mode
+        print()
+        print("| round | mode | TP pieces | decode tok/s / P=1 | prefill s / P=1 |")
+        print("|---:|---|---:|---:|---:|")
+        for r in piece_rows:
+            b = base[(r["round"], r["mode"])]
+            print(f"| {r['round']} | {r['mode']} | {r['tp_emulation']} | "
+                  f"{r['decode_tokens_per_s'] / b['decode_tokens_per_s']:.3f} | "
+                  f"{r['prefill_s'] / max(b['prefill_s'], 1e-9):.3f} |")
     ratios = speedups(results)
     if ratios:
         print()
