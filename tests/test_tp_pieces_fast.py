@@ -78,14 +78,14 @@ def compare_shards(kind: str, x, w, g, parts: int, t: int, whole, what: str) -> 
     """TP=``t`` emulated rank by rank, each rank's shard through the calls the megatron model makes (the pieces
     functions on the shard, ``parts / t`` local pieces): its forward and gradients == the matching slices of the
     TP=1 ones (``whole``: forward, input grad, weight grad), bit for bit. The column-parallel input gradient, which
-    real TP gathers, is the ranks' stacked partials (``tp._column_grad_input_partials``, what a rank gathers) added
-    in piece order by ``tp._ordered_sum_cuda``; the row-parallel forward's stacked partials are compared too."""
-    from rlrepro.kernels import tp
+    real TP gathers, is the ranks' stacked partials (``tp_fused.column_grad_input_partials``, what a rank
+    gathers) added in piece order by ``tp_fused.ordered_sum_cuda``; the row-parallel forward's stacked partials are compared too."""
+    from rlrepro.kernels import tp, tp_fused
 
     local = parts // t
     k, n = x.shape[-1], w.shape[0]
     y, gx, gw = whole
-    partials, row_stack = [], tp._row_fused(x, w, parts, stack=True) if kind == "row" else None
+    partials, row_stack = [], tp_fused.row_fused(x, w, parts, stack=True) if kind == "row" else None
     for r in range(t):
         note = f"{what} TP={t} rank {r}"
         if kind == "row":
@@ -94,7 +94,7 @@ def compare_shards(kind: str, x, w, g, parts: int, t: int, whole, what: str) -> 
             _, gxs, gws = _run_with_grad(tp.row_pieces_linear, xs, ws, g, local)
             _assert_equal(gxs, gx[..., a:b], f"{note}: input grad")
             _assert_equal(gws, gw[:, a:b], f"{note}: weight grad")
-            _assert_equal(tp._row_fused(xs, ws, local, stack=True), row_stack[r * local:(r + 1) * local],
+            _assert_equal(tp_fused.row_fused(xs, ws, local, stack=True), row_stack[r * local:(r + 1) * local],
                           f"{note}: forward partials")
         else:
             a, b = tp.shard_range(n, t, r)
@@ -102,9 +102,9 @@ def compare_shards(kind: str, x, w, g, parts: int, t: int, whole, what: str) -> 
             ys, _, gws = _run_with_grad(tp.column_pieces_linear, x, ws, gs, local, need_x=False)
             _assert_equal(ys, y[..., a:b], f"{note}: forward")
             _assert_equal(gws, gw[a:b], f"{note}: weight grad")
-            partials.extend(tp._column_grad_input_partials(gs.reshape(-1, b - a), ws, local).unbind(0))
+            partials.extend(tp_fused.column_grad_input_partials(gs.reshape(-1, b - a), ws, local).unbind(0))
     if kind == "column":
-        _assert_equal(tp._ordered_sum_cuda(partials).reshape(x.shape), gx, f"{what} TP={t}: input grad")
+        _assert_equal(tp_fused.ordered_sum_cuda(partials).reshape(x.shape), gx, f"{what} TP={t}: input grad")
 
 
 def compare_k_pieces(device, dtype, m: int, k: int, n: int, parts: int, configs=(None,), note="") -> int:

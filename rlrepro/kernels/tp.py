@@ -252,7 +252,9 @@ def linear_row_split(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch
     autograd, one launch of the fused piecewise-K kernel (``triton_matmul.matmul_k_pieces``, the same bits)."""
     if parts > 1 and _fused_usable(x, weight) and not _grad_needed(x, weight):
         _check_split(weight.shape[1], parts, row=True)
-        return _row_fused(x, weight, parts)
+        from . import tp_fused
+
+        return tp_fused.row_fused(x, weight, parts)
     return _linear_row_split_per_piece(x, weight, parts)
 
 
@@ -442,7 +444,10 @@ def column_pieces_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, grou
     grad = _grad_needed(x, weight)
     if _fused_usable(x, weight):
         _check_split(weight.shape[0], parts, row=False)
-        return _ColumnPiecesFused.apply(x, weight, parts, group) if grad else _kernel_linear()(x, weight)
+        from . import tp_fused
+
+        linear = _kernel_linear()
+        return tp_fused.ColumnPiecesFused.apply(x, weight, parts, group, linear) if grad else linear(x, weight)
     if not grad:
         return torch.cat([y for _, _, y in _run_pieces(x, weight, parts, row=False, grad=False)], dim=-1)
     return _ColumnPieces.apply(x, weight, parts, group)
@@ -456,8 +461,10 @@ def row_pieces_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, group=N
     grad = _grad_needed(x, weight)
     if _fused_usable(x, weight):
         _check_split(weight.shape[1], parts, row=True)
-        return _RowPiecesFused.apply(x, weight, parts, group) if grad else _row_pieces_fused_forward(
-            x, weight, parts, group)
+        from . import tp_fused
+
+        return (tp_fused.RowPiecesFused.apply(x, weight, parts, group) if grad
+                else tp_fused.row_pieces_forward(x, weight, parts, group))
     if not grad:
         partials = [y for _, _, y in _run_pieces(x, weight, parts, row=True, grad=False)]
         return sum_in_rank_order(_gather_pieces(partials, group))
@@ -476,28 +483,9 @@ def _row_pieces_per_piece(x: torch.Tensor, weight: torch.Tensor, parts: int, gro
 
 # ------------------------------------------------------------------------------- the pieces on CUDA (fast path)
 #
-# With the Triton kernels (CUDA, deterministic mode) every element of ``triton_matmul.matmul`` is one float32 chain
-# over K from k = 0, whatever the M/N tiling, so
-#
-# * a column-parallel forward is the one product over this rank's whole shard: its N-slices *are* the pieces' bits;
-# * a row-parallel forward is ``triton_matmul.matmul_k_pieces``: one launch running each piece's K chain (the same
-#   loop, from the piece's first column), rounding it, and adding the rounded partials in piece order in float32.
-#
-# The same identity (a slice of a ``triton_matmul.matmul`` output has the bits of the product on the sliced operand)
-# gives the backward without per-piece products: each gradient is ONE Triton product on transposed contiguous copies
-# (``triton_matmul.linear_grad_input`` / ``linear_grad_weight``), and a piece's gradient is its slice:
-#
-# * row-parallel (``weight [N, K_shard]``): ``grad_x = g @ weight`` and ``grad_w = g^T @ x``, the pieces' K-slices
-#   of the two products over the shard (the concatenation the per-piece graphs make);
-# * column-parallel (``weight [N_shard, K]``): ``grad_w = g^T @ x``, the pieces' N-rows of one product; ``grad_x``
-#   the pieces' partials ``g_r @ weight_r`` (reduction over N split at the pieces) rounded and added in piece order:
-#   one ``triton_matmul.linear_grad_input_n_pieces`` launch (over TP ranks: the partials stacked, gathered, added by
-#   ``triton_matmul.ordered_sum``, the same float32 additions).
-#
-# So a rank's gradients at any TP dividing ``P`` are slices of (or, for the column ``grad_x``, the same sum as) the
-# TP=1 ones. These bits are not the per-piece path's (whose backward is ``torch.mm``, cuBLAS): the layout-invariant
-# backward is promised equal across TP, not equal to the per-piece path. Its forward keeps the per-piece bits (the
-# engine emulates the forward).
+# With the Triton kernels (CUDA, deterministic mode) the pieces come from fewer, larger operations with the same
+# forward bits: rlrepro.kernels.tp_fused (the identity it rests on and its backward are described there). Here only
+# the choice of path.
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -528,87 +516,6 @@ def _grad_needed(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _check_split(size: int, parts: int, row: bool) -> None:
     shard_range(size, parts, 0, _ROW_WHAT if row else _COLUMN_WHAT)  # the per-piece path's error, if any
-
-
-def _ordered_sum_cuda(parts: list[torch.Tensor]) -> torch.Tensor:
-    from . import triton_matmul
-
-    return triton_matmul.ordered_sum(parts)
-
-
-def _row_fused(x: torch.Tensor, weight: torch.Tensor, parts: int, stack: bool = False) -> torch.Tensor:
-    """The ``parts`` K-pieces of ``x @ weight^T`` in one launch: their sum in piece order ``[..., N]``, or the
-    rounded partials ``[parts, ..., N]`` (``stack``)."""
-    from . import triton_matmul
-
-    out = triton_matmul.matmul_k_pieces(x.reshape(-1, x.shape[-1]), weight, parts, stack=stack)
-    return out.reshape(*((parts,) if stack else ()), *x.shape[:-1], weight.shape[0])
-
-
-def _row_pieces_fused_forward(x: torch.Tensor, weight: torch.Tensor, parts: int, group) -> torch.Tensor:
-    if _group_size(group) == 1:
-        return _row_fused(x, weight, parts)
-    gathered = _all_gather(_row_fused(x, weight, parts, stack=True), group)  # every rank's [parts, ..., N]
-    return _ordered_sum_cuda([p for part in gathered for p in part.unbind(0)])
-
-
-def _triton_mm():
-    from . import triton_matmul
-
-    return triton_matmul
-
-
-def _column_grad_input_partials(g2d: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
-    """``[parts, M, K]``: this shard's pieces' input-gradient partials ``g_r @ weight_r`` (each rounded to the
-    dtype), in one launch: what a TP rank gathers."""
-    return _triton_mm().linear_grad_input_n_pieces(g2d, weight, parts, stack=True)
-
-
-def _column_grad_input(g2d: torch.Tensor, weight: torch.Tensor, parts: int, group) -> torch.Tensor:
-    """The column-parallel input gradient ``[M, K]``: every TP rank's pieces' partials added in piece order in
-    float32 (one launch at TP=1; over ranks the stacked partials gathered and added by ``ordered_sum``)."""
-    if _group_size(group) == 1:
-        return _triton_mm().linear_grad_input_n_pieces(g2d, weight, parts)
-    gathered = _all_gather(_column_grad_input_partials(g2d, weight, parts), group)
-    return _ordered_sum_cuda([p for part in gathered for p in part.unbind(0)])
-
-
-class _ColumnPiecesFused(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, parts, group):
-        ctx.save_for_backward(x, weight)
-        ctx.parts, ctx.group = parts, group
-        return _kernel_linear()(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[:2]
-        g2d = grad.to(x.dtype).reshape(-1, weight.shape[0])
-        gx = gw = None
-        if need_x:
-            gx = _column_grad_input(g2d, weight, ctx.parts, ctx.group).reshape(x.shape)
-        if need_w:
-            gw = _triton_mm().linear_grad_weight(g2d, x.reshape(-1, x.shape[-1]))
-        return gx, gw, None, None
-
-
-class _RowPiecesFused(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, parts, group):
-        ctx.save_for_backward(x, weight)
-        ctx.parts = parts
-        return _row_pieces_fused_forward(x, weight, parts, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[:2]
-        g2d = grad.to(x.dtype).reshape(-1, weight.shape[0])  # each piece gets the output grad
-        mm = _triton_mm()
-        gx = mm.linear_grad_input(g2d, weight).reshape(x.shape) if need_x else None
-        gw = mm.linear_grad_weight(g2d, x.reshape(-1, x.shape[-1])) if need_w else None
-        return gx, gw, None, None
 
 
 def head_group_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, parts: int, group=None) -> torch.Tensor:
