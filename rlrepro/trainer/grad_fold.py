@@ -33,6 +33,7 @@ that is ``~1e-6`` relative either way, as in any gradient-accumulating trainer.
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -68,12 +69,16 @@ def fold_floats(leaves: Mapping[int, Sequence[float]], num_leaves: int, data_par
 
 def _pieces(sizes: Sequence[int], offsets: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int, int]]:
     """The tensors overlapping the flat range ``[start, stop)``: ``(tensor, lo, hi, at)``, tensor ``i``'s flat
-    elements ``lo:hi`` at offset ``at`` of the range."""
+    elements ``lo:hi`` at offset ``at`` of the range (``offsets`` ascending: a bisection finds the first one, so a
+    round costs the tensors it touches, not all of a model's hundreds)."""
     out = []
-    for i, (n, off) in enumerate(zip(sizes, offsets)):
+    i = max(0, bisect.bisect_right(offsets, start) - 1)
+    while i < len(sizes) and offsets[i] < stop:
+        n, off = sizes[i], offsets[i]
         lo, hi = max(start, off), min(stop, off + n)
         if lo < hi:
             out.append((i, lo - off, hi - off, lo - start))
+        i += 1
     return out
 
 
