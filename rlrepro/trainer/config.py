@@ -95,9 +95,10 @@ class TrainConfig:
     # (verl's rollout_rs_threshold_lower default)
     mis_threshold_lower: Optional[float] = None
     # the same bits on any layout (issue #26; docs/TRAINER.md, "Layout invariance"): the micro-batch gradients and
-    # the loss/metric sums are combined in one tree fixed by the number of micro-batches (any train.num_gpus), and
-    # row-/column-parallel reductions are computed as train.tp_partials fixed pieces (any train.tensor_parallel
-    # that divides it). false: today's rank-order sums, whose bits depend on the layout
+    # the loss/metric sums are folded in micro-batch order at any train.num_gpus (at one GPU that is the false
+    # step itself), and row-/column-parallel reductions are computed as train.tp_partials fixed pieces (any
+    # train.tensor_parallel that divides it). false: per-rank sums added in rank order, whose bits depend on the
+    # layout
     layout_invariant: bool = False
     # layout_invariant only: the K-partials of every row-parallel product (and N-shards of every column-parallel
     # one) whatever TP computes them; a multiple of every train.tensor_parallel the run may use (e.g. 8). 1: plain
