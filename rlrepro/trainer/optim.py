@@ -89,18 +89,15 @@ class MasterWeightAdamW:
             p.grad = None
 
     @torch.no_grad()
-    def take_grads(self, float32: bool = True) -> list[torch.Tensor | None]:
-        """The model's grads of the last backward as float32 tensors in name order (None: no grad), cleared from the
-        parameters: one micro-batch's gradient, a leaf of the layout-invariant fold over data-parallel ranks
-        (``train.layout_invariant``; :mod:`rlrepro.trainer.grad_fold`). Use it instead of :meth:`accumulate_grads`,
-        with :meth:`set_grads`. ``float32=False``: the grads as autograd left them (the compute dtype; no float32
-        copy), for a consumer that widens them itself (the sharded fold adds them into its float32 accumulator: the
-        same exact conversion as :meth:`accumulate_grads`)."""
+    def take_grads(self) -> list[torch.Tensor | None]:
+        """The model's grads of the last backward in name order, as autograd left them (the compute dtype; None: no
+        grad), cleared from the parameters: one micro-batch's gradient, a leaf of the layout-invariant fold over
+        data-parallel ranks (``train.layout_invariant``; :mod:`rlrepro.trainer.grad_fold`, which adds them into its
+        float32 accumulator: the same exact widening as :meth:`accumulate_grads`). Use it instead of
+        :meth:`accumulate_grads`, with :meth:`set_grads`."""
         out = []
         for p in self.params:
-            g = p.grad
-            # float32 grads: the tensor itself (this call owns it)
-            out.append(None if g is None else g.float() if float32 else g)
+            out.append(p.grad)
             p.grad = None
         return out
 

@@ -422,7 +422,7 @@ class Trainer:
                 n = out.num_tokens
                 terms = (out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)
                 if sharded:  # this micro-batch's gradient and floats are a leaf of the step's fold
-                    fold.push(leaf_ids[k], self.optimizer.take_grads(float32=False))
+                    fold.push(leaf_ids[k], self.optimizer.take_grads())
                     leaf_floats[leaf_ids[k]] = [float(out.loss.detach()), *terms]
                     continue
                 self.optimizer.accumulate_grads()
