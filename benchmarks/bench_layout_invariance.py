@@ -75,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per-piece", action="store_true", help="also time the P pieces one by one "
                    "(RLREPRO_TP_PIECES=per-piece: the same forward bits; what the CUDA fused path replaces)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile one more step of each configuration (torch.profiler) and print its "
+                        "N most expensive kernels by device time")
     return p.parse_args(argv)
 
 
@@ -118,9 +121,9 @@ def _free(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def time_config(args, device, dtype, data_parallel, env=None, **train) -> tuple[float, int | None]:
-    """Median step seconds and the steps' peak allocated bytes (None on CPU) of one configuration; ``env``:
-    environment variables set while it runs."""
+def time_config(args, device, dtype, data_parallel, env=None, **train) -> tuple[float, int | None, str | None]:
+    """Median step seconds, the steps' peak allocated bytes (None on CPU) and the profile table (``--profile``,
+    rank 0; else None) of one configuration; ``env``: environment variables set while it runs."""
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
@@ -147,15 +150,34 @@ def time_config(args, device, dtype, data_parallel, env=None, **train) -> tuple[
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        table = _profile_step(args, trainer, batch, device, data_parallel) if args.profile else None
         del trainer
         _free(device)
-        return statistics.median(times), peak
+        return statistics.median(times), peak, table
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _profile_step(args, trainer, batch, device, data_parallel) -> str | None:
+    """One more step under torch.profiler: the table of the ``args.profile`` kernels with the most device time (CPU
+    time on CPU), on rank 0 (None elsewhere)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if data_parallel is not None:
+        data_parallel.barrier()
+    sync(device)
+    with profile(activities=activities) as prof, kernels.mode("deterministic"):
+        trainer.train_step(batch)
+        sync(device)
+    if data_parallel is None or data_parallel.rank == 0:
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        return prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=70)
+    return None
 
 
 def _gib(peak: int | None, base: int | None) -> str:
@@ -196,15 +218,18 @@ def main(argv=None) -> None:
               f"{os.environ.get('RLREPRO_TP_PIECES', '') or 'fused'})")
     # one untimed pass first: the process's one-time costs (allocator, kernel compilation, thread pools) would
     # otherwise land on whichever configuration runs first
-    time_config(argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0}), device, dtype, data_parallel)
+    time_config(argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0, "profile": 0}), device, dtype,
+                data_parallel)
     base = base_peak = None
     for label, train, env in configs:
-        seconds, peak = time_config(args, device, dtype, data_parallel, env=env, **train)
+        seconds, peak, table = time_config(args, device, dtype, data_parallel, env=env, **train)
         base = base or seconds
         base_peak = base_peak or peak
         if rank0:
             print(f"  {label:<36} {seconds * 1e3:10.1f} ms/step   x{seconds / base:.3f} of off   "
                   f"{_gib(peak, base_peak)}", flush=True)
+            if table:
+                print(table, flush=True)
     if data_parallel is not None:
         import torch.distributed as dist
 

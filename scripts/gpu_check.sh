@@ -61,7 +61,7 @@ add_step engine_fast 400 'fi_kit && $PY benchmarks/bench_engine.py --qwen3-8b-sh
 # train.layout_invariant (issue #26): off vs on (the fold) vs on + 8 TP pieces at the 8B width, DP=1; then DP=2 over
 # 2 GPUs (nvidia-h200-x2; torchrun, NCCL); the pieces' cost in the engine (64 requests, 36 layers, P=1 vs P=8)
 LAYOUT_ARGS="--hidden 4096 --layers 2 --heads 32 --kv-heads 8 --head-dim 128 --intermediate 12288 --vocab 151936 --num-samples 64 --micro-batch-size 8 --tp-partials 8 --warmup 1 --steps 3"
-add_step layout_invariance 400 "\$PY benchmarks/bench_layout_invariance.py --device cuda $LAYOUT_ARGS"
+add_step layout_invariance 400 "\$PY benchmarks/bench_layout_invariance.py --device cuda $LAYOUT_ARGS \${LAYOUT_BENCH_ARGS:-}"
 add_step layout_invariance_dp2 500 "\$PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_layout_invariance.py --device cuda $LAYOUT_ARGS"
 add_step engine_tp_pieces 500 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --no-hf --tp-emulation 1,8 --json "$OUT/engine_tp_pieces.json"'
 add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'
