@@ -164,20 +164,60 @@ def time_config(args, device, dtype, data_parallel, env=None, **train) -> tuple[
 
 def _profile_step(args, trainer, batch, device, data_parallel) -> str | None:
     """One more step under torch.profiler: the table of the ``args.profile`` kernels with the most device time (CPU
-    time on CPU), on rank 0 (None elsewhere)."""
+    time on CPU), then where the most expensive fills, copies and adds come from (Python stacks), on rank 0 (None
+    elsewhere)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     if data_parallel is not None:
         data_parallel.barrier()
     sync(device)
-    with profile(activities=activities) as prof, kernels.mode("deterministic"):
+    with profile(activities=activities) as prof, kernels.mode("deterministic"), _MemoryOps() as ops:
         trainer.train_step(batch)
         sync(device)
-    if data_parallel is None or data_parallel.rank == 0:
-        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        return prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=70)
-    return None
+    if data_parallel is not None and data_parallel.rank != 0:
+        return None
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    lines = [prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=70),
+             "fills, copies and adds by bytes written (op, dtype, shape, the innermost rlrepro frames):"]
+    for (op, dtype, shape, where), (count, nbytes) in sorted(ops.seen.items(), key=lambda kv: -kv[1][1])[:15]:
+        lines.append(f"  {nbytes / 2 ** 30:8.3f} GiB x{count:<5} {op:<14} {dtype:<9} {shape:<18} {where}")
+    return "\n".join(lines)
+
+
+class _MemoryOps:
+    """A dispatch mode that counts the bytes written by fills, zeroings, copies and in-place adds, keyed by op,
+    dtype, shape and the innermost rlrepro stack frames (Python frames only: autograd's own nodes show none)."""
+
+    OPS = ("fill_", "zero_", "copy_", "add_", "zeros", "zeros_like", "clone", "contiguous", "cat", "add")
+
+    def __enter__(self):
+        import traceback
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.seen = {}
+        seen = self.seen
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = func.__name__.split(".")[0]
+                if name in _MemoryOps.OPS and isinstance(out, torch.Tensor):
+                    frames = [f for f in traceback.extract_stack()[:-1] if "rlrepro" in f.filename
+                              and "benchmarks" not in f.filename][-3:]
+                    where = " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in reversed(frames))
+                    k = (name, str(out.dtype).replace("torch.", ""), "x".join(map(str, out.shape)), where)
+                    c, b = seen.get(k, (0, 0))
+                    seen[k] = (c + 1, b + out.numel() * out.element_size())
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
 
 
 def _gib(peak: int | None, base: int | None) -> str:

@@ -62,6 +62,9 @@ add_step engine_fast 400 'fi_kit && $PY benchmarks/bench_engine.py --qwen3-8b-sh
 # 2 GPUs (nvidia-h200-x2; torchrun, NCCL); the pieces' cost in the engine (64 requests, 36 layers, P=1 vs P=8)
 LAYOUT_ARGS="--hidden 4096 --layers 2 --heads 32 --kv-heads 8 --head-dim 128 --intermediate 12288 --vocab 151936 --num-samples 64 --micro-batch-size 8 --tp-partials 8 --warmup 1 --steps 3"
 add_step layout_invariance 400 "\$PY benchmarks/bench_layout_invariance.py --device cuda $LAYOUT_ARGS \${LAYOUT_BENCH_ARGS:-}"
+# the same at the recipe's sequence shape (1k prompt + 2k completion tokens, micro-batches of 4: 12k tokens each)
+LAYOUT_LONG_ARGS="--hidden 4096 --layers 2 --heads 32 --kv-heads 8 --head-dim 128 --intermediate 12288 --vocab 151936 --num-samples 16 --prompt-len 1024 --completion-len 2048 --micro-batch-size 4 --tp-partials 8 --warmup 1 --steps 2"
+add_step layout_invariance_long 400 "\$PY benchmarks/bench_layout_invariance.py --device cuda $LAYOUT_LONG_ARGS \${LAYOUT_BENCH_ARGS:-}"
 add_step layout_invariance_dp2 500 "\$PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_layout_invariance.py --device cuda $LAYOUT_ARGS"
 add_step engine_tp_pieces 500 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --no-hf --tp-emulation 1,8 --json "$OUT/engine_tp_pieces.json"'
 add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'

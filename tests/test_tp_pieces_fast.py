@@ -130,6 +130,40 @@ def compare_k_pieces(device, dtype, m: int, k: int, n: int, parts: int, configs=
     return checked
 
 
+def compare_grad_products(device, dtype, m: int, k: int, n: int, parts: int, configs=(None,), note="") -> int:
+    """The backward's products read their operands as stored (no transposed copies): ``linear_grad_input``,
+    ``linear_grad_weight`` and ``linear_grad_input_n_pieces`` == the same products on transposed contiguous copies
+    (``matmul`` / ``matmul_k_pieces``), for each config and kernel (TMA where it may run, pointers)."""
+    from rlrepro.kernels import triton_matmul as mm
+
+    x = torch.randn(m, k, device=device).to(dtype)  # y = x @ w^T: x [M, K], w [N, K], g [M, N]
+    w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
+    g = torch.randn(m, n, device=device).to(dtype)
+    expect = {"input": mm.matmul(g, w.t().contiguous()), "weight": mm.matmul(g.t().contiguous(), x.t().contiguous()),
+              "n_pieces": mm.matmul_k_pieces(g, w.t().contiguous(), parts),
+              "n_pieces stack": mm.matmul_k_pieces(g, w.t().contiguous(), parts, stack=True)}
+    assert torch.equal(mm.linear_grad_input(g, w), expect["input"]), f"{dtype} m={m} k={k} n={n}: input grad"
+    assert torch.equal(mm.linear_grad_weight(g, x), expect["weight"]), f"{dtype} m={m} k={k} n={n}: weight grad"
+    assert torch.equal(mm.linear_grad_input_n_pieces(g, w, parts), expect["n_pieces"])
+    checked = 0
+    for cfg in configs:
+        for tma in (False, True):
+            calls = {"input": (g, w, m, k, n, 1, False, False, True, True),
+                     "weight": (g, x, n, k, m, 1, False, True, True, True),
+                     "n_pieces": (g, w, m, k, n, parts, False, False, True, False),
+                     "n_pieces stack": (g, w, m, k, n, parts, True, False, True, False)}
+            for name, args in calls.items():
+                a, b, mm_, nn_, kk, pieces = args[:6]
+                es, block_k = a.element_size(), mm.BLOCK_K_FP32 if dtype == torch.float32 else mm.BLOCK_K_16BIT
+                aligned = all((s * es) % 16 == 0 for s in (mm_ if args[7] else kk, nn_ if args[8] else kk, nn_))
+                if tma and not (aligned and (pieces == 1 or (kk // pieces) % block_k == 0)):
+                    continue
+                what = f"{name} {dtype} m={m} k={k} n={n} P={parts} config={cfg and cfg.name} tma={tma} {note}"
+                _assert_equal(mm._pieces_product(*args, config=cfg, use_tma=tma), expect[name], what)
+                checked += 1
+    return checked
+
+
 def compare_ordered_sum(device, dtype, shape, counts=(1, 2, 3, 8, 9, 17)) -> None:
     from rlrepro.kernels import tp
     from rlrepro.kernels import triton_matmul as mm
@@ -185,6 +219,14 @@ def check_k_pieces_fp32():
         for tma in (True, False):
             e = rel_err(mm.matmul_k_pieces(x, w, 4, config=cfg, use_tma=tma), expect)
             assert e < 1e-6, (name, tma, e)
+
+
+@interp_check
+def check_grad_products_fp32():
+    fresh_seed()
+    # reductions of 40 (a masked tail), of 64 and 128 (whole tiles); rows and columns not multiples of the tiles
+    for m, k, n, parts in ((5, 24, 80, 2), (70, 40, 128, 2), (3, 16, 256, 4), (9, 8, 64, 1)):
+        assert compare_grad_products("cpu", torch.float32, m, k, n, parts, note="interpreter")
 
 
 @interp_check
@@ -370,6 +412,23 @@ def test_gpu_k_pieces_kernel_all_configs(dtype):
     for m in (1, 7, 64, 65, 300, 1500):
         for k, n, parts in ((2240, 1000, 8), (2048, 1003, 8), (4096, 2048, 2), (192, 64, 3), (12288, 512, 8)):
             checked += compare_k_pieces("cuda", dtype, m, k, n, parts, configs, note=f"seed {seed}")
+    assert checked
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_grad_products_read_operands_as_stored(dtype):
+    """The backward's products without transposed copies == on the copies, bit for bit, every config and kernel."""
+    from rlrepro.kernels import triton_matmul as mm
+
+    seed = fresh_seed()
+    configs = (None,) if dtype == torch.float32 else \
+        (None, *(mm.CONFIGS_16BIT[c] for c in (*mm.PIECES_SMALL_M, *(c for c, _ in mm.PIECES_LARGE_M_CANDIDATES))))
+    checked = 0
+    for m in (1, 7, 300, 1500):
+        for k, n, parts in ((2240, 1000, 8), (1024, 2048, 8), (192, 512, 2), (4096, 1216, 8)):
+            checked += compare_grad_products("cuda", dtype, m, k, n, parts, configs, note=f"seed {seed}")
     assert checked
 
 

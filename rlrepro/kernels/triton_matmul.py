@@ -305,11 +305,29 @@ def _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, ST
 
 
 @triton.jit
+def _load_a(a_desc, off_m, k, A_KM: tl.constexpr):
+    # the [BLOCK_M, BLOCK_K] tile of A at (off_m, k): from A itself, or (A_KM) the transpose of A^T's tile
+    if A_KM:
+        return a_desc.load([k, off_m]).T
+    return a_desc.load([off_m, k])
+
+
+@triton.jit
+def _load_bt(b_desc, off_n, k, B_KN: tl.constexpr):
+    # the [BLOCK_K, BLOCK_N] tile of B^T at (k, off_n): B^T's own tile (B_KN), or the transpose of B's
+    if B_KN:
+        return b_desc.load([k, off_n])
+    return b_desc.load([off_n, k]).T
+
+
+@triton.jit
 def _mm_k_pieces_tma_kernel(a_desc, b_desc, c_ptr, M, N, K_PIECE, PIECES, stride_cp, stride_cm,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, PRECISION: tl.constexpr,
-                            STACK: tl.constexpr):
-    # K_PIECE is a multiple of BLOCK_K here (the host checks): a piece's tiles never reach into the next piece
+                            STACK: tl.constexpr, A_KM: tl.constexpr = False, B_KN: tl.constexpr = False,
+                            SINGLE: tl.constexpr = False):
+    # K_PIECE is a multiple of BLOCK_K here (the host checks): a piece's tiles never reach into the next piece.
+    # A_KM / B_KN: the operands are stored transposed ([K, M] / [K, N]); SINGLE: one piece, stored as it comes
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -322,24 +340,34 @@ def _mm_k_pieces_tma_kernel(a_desc, b_desc, c_ptr, M, N, K_PIECE, PIECES, stride
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
         c_slab = c_ptr
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r in range(PIECES):
-            k0 = r * K_PIECE
+        if SINGLE:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(k_tiles):  # the piece's k = 0, 64, 128, ...: _mm_tma_kernel's loop on the slice
-                a = a_desc.load([off_m, k0 + ki * BLOCK_K])
-                b = b_desc.load([off_n, k0 + ki * BLOCK_K])
-                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-            total, c_slab = _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, STACK)
-        if not STACK:
-            _store_tile(c_ptr, rows, cols, M, N, stride_cm, total.to(c_ptr.dtype.element_ty))
+            for ki in range(k_tiles):
+                a = _load_a(a_desc, off_m, ki * BLOCK_K, A_KM)
+                b = _load_bt(b_desc, off_n, ki * BLOCK_K, B_KN)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            _store_tile(c_ptr, rows, cols, M, N, stride_cm, acc.to(c_ptr.dtype.element_ty))
+        else:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r in range(PIECES):
+                k0 = r * K_PIECE
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for ki in range(k_tiles):  # the piece's k = 0, 64, 128, ...: _mm_tma_kernel's loop on the slice
+                    a = _load_a(a_desc, off_m, k0 + ki * BLOCK_K, A_KM)
+                    b = _load_bt(b_desc, off_n, k0 + ki * BLOCK_K, B_KN)
+                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                total, c_slab = _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, STACK)
+            if not STACK:
+                _store_tile(c_ptr, rows, cols, M, N, stride_cm, total.to(c_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _mm_k_pieces_ptr_kernel(a_ptr, b_ptr, c_ptr, M, N, K_PIECE, PIECES, stride_am, stride_bn, stride_cp, stride_cm,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, PRECISION: tl.constexpr,
-                            STACK: tl.constexpr):
+                            STACK: tl.constexpr, A_KM: tl.constexpr = False, B_KN: tl.constexpr = False,
+                            SINGLE: tl.constexpr = False):
+    # stride_am / stride_bn: the row stride of the stored operand (of A^T / B^T when A_KM / B_KN)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -356,18 +384,35 @@ def _mm_k_pieces_ptr_kernel(a_ptr, b_ptr, c_ptr, M, N, K_PIECE, PIECES, stride_a
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r in range(PIECES):
             k0 = r * K_PIECE
-            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + (k0 + offs_k)[None, :]
-            b_ptrs = b_ptr + cols.to(tl.int64)[:, None] * stride_bn + (k0 + offs_k)[None, :]
+            if A_KM:  # [BLOCK_K, BLOCK_M] tiles of A^T
+                a_ptrs = a_ptr + (k0 + offs_k).to(tl.int64)[:, None] * stride_am + rows[None, :]
+            else:
+                a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + (k0 + offs_k)[None, :]
+            if B_KN:  # [BLOCK_K, BLOCK_N] tiles of B^T
+                b_ptrs = b_ptr + (k0 + offs_k).to(tl.int64)[:, None] * stride_bn + cols[None, :]
+            else:
+                b_ptrs = b_ptr + cols.to(tl.int64)[:, None] * stride_bn + (k0 + offs_k)[None, :]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(k_tiles):  # _mm_ptr_kernel's loop on the slice: its tail masked at the piece's end
                 k_ok = offs_k < K_PIECE - ki * BLOCK_K
-                a = tl.load(a_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=cols_ok[:, None] & k_ok[None, :], other=0.0)
-                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-                a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K
-            total, c_slab = _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, STACK)
-        if not STACK:
+                if A_KM:
+                    a = tl.load(a_ptrs, mask=k_ok[:, None] & rows_ok[None, :], other=0.0).T
+                    a_ptrs += BLOCK_K * stride_am
+                else:
+                    a = tl.load(a_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+                    a_ptrs += BLOCK_K
+                if B_KN:
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & cols_ok[None, :], other=0.0)
+                    b_ptrs += BLOCK_K * stride_bn
+                else:
+                    b = tl.load(b_ptrs, mask=cols_ok[:, None] & k_ok[None, :], other=0.0).T
+                    b_ptrs += BLOCK_K
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if SINGLE:
+                _store_tile(c_ptr, rows, cols, M, N, stride_cm, acc.to(c_ptr.dtype.element_ty))
+            else:
+                total, c_slab = _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, STACK)
+        if not STACK and not SINGLE:
             _store_tile(c_ptr, rows, cols, M, N, stride_cm, total.to(c_ptr.dtype.element_ty))
 
 
@@ -397,23 +442,40 @@ def matmul_k_pieces(x2d: torch.Tensor, weight: torch.Tensor, pieces: int, stack:
 
     ``config`` and ``use_tma`` override the automatic choice (tests only). No autograd."""
     m, k, n = _operand_shapes(x2d, weight)
+    return _pieces_product(x2d, weight, m, n, k, pieces, stack, False, False, False, config, use_tma)
+
+
+def _store_usable(t: torch.Tensor) -> bool:
+    """A stored operand a TMA descriptor can read: 16-byte aligned base and row stride (decided by its shape)."""
+    return TensorDescriptor is not None and _aligned(t)
+
+
+def _pieces_product(a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int, pieces: int, stack: bool,
+                    a_km: bool, b_kn: bool, single: bool, config: MatmulConfig | None = None,
+                    use_tma: bool | None = None) -> torch.Tensor:
+    """``A [M, K] @ B[N, K]^T`` in ``pieces`` K-pieces (``matmul_k_pieces``), each operand read as stored: ``a`` is
+    ``A`` (``[M, K]``) or, with ``a_km``, ``A^T`` (``[K, M]``); ``b`` is ``B`` (``[N, K]``) or, with ``b_kn``,
+    ``B^T`` (``[K, N]``), no transposed copy made. ``single`` (one piece, not stacked): the accumulator stored as
+    it is (the bits of the piece sum of one piece, with room for the large tiles). Every element is the float32
+    chain over its piece's K from the piece's first index, whatever the layout, config or kernel."""
     if pieces < 1 or k % pieces:
         raise ValueError(f"matmul_k_pieces: K={k} is not {pieces} equal pieces")
     k_piece = k // pieces
-    out = torch.empty((pieces, m, n) if stack else (m, n), device=x2d.device, dtype=x2d.dtype)
+    out = torch.empty((pieces, m, n) if stack else (m, n), device=a.device, dtype=a.dtype)
     if out.numel() == 0:
         return out
     if k_piece == 0:  # each piece is a product over nothing: zeros, and so is their sum
         return out.zero_()
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    sms = _device_sms(x2d)
-    cfg = config or pick_pieces_config(m, n, x2d.dtype, sms)
-    precision = "ieee" if x2d.dtype == torch.float32 else "tf32"  # as matmul
-    tma = (tma_usable(weight, n, k) and k_piece % cfg.block_k == 0) if use_tma is None else use_tma
-    if tma and k_piece % cfg.block_k:
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    sms = _device_sms(a)
+    cfg = config or (pick_config(m, n, k, a.dtype, sms) if single else pick_pieces_config(m, n, a.dtype, sms))
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"  # as matmul
+    if use_tma is None:  # decided by the stored operands' row lengths, never by M alone
+        es = a.element_size()
+        strides_ok = all((size * es) % 16 == 0 for size in (m if a_km else k, n if b_kn else k, n))
+        use_tma = _store_usable(b) and strides_ok and (pieces == 1 or k_piece % cfg.block_k == 0)
+    if use_tma and pieces > 1 and k_piece % cfg.block_k:
         raise ValueError(f"matmul_k_pieces: the TMA kernel needs pieces of whole K tiles ({k_piece} % "
                          f"{cfg.block_k} != 0)")
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -421,16 +483,18 @@ def matmul_k_pieces(x2d: torch.Tensor, weight: torch.Tensor, pieces: int, stack:
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   FLATTEN=cfg.flatten, PRECISION=precision, STACK=stack, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
+    if a_km or b_kn or single:  # the backward's layouts (the forward's launch keeps its original arguments)
+        common.update(A_KM=a_km, B_KN=b_kn, SINGLE=single)
     stride_cp = m * n if stack else 0
-    if tma:
-        if not _aligned(x2d):
-            x2d = x2d.contiguous() if not x2d.is_contiguous() else x2d.clone()  # fresh memory is aligned
-        a_desc = TensorDescriptor.from_tensor(x2d, [cfg.block_m, cfg.block_k])
-        b_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
+    if use_tma:
+        if not _aligned(a):
+            a = a.contiguous() if not a.is_contiguous() else a.clone()  # fresh memory is aligned
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_k, cfg.block_m] if a_km else [cfg.block_m, cfg.block_k])
+        b_desc = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
         _mm_k_pieces_tma_kernel[grid](a_desc, b_desc, out, m, n, k_piece, pieces, stride_cp, n, **common)
     else:
-        _mm_k_pieces_ptr_kernel[grid](x2d, weight, out, m, n, k_piece, pieces, x2d.stride(0), weight.stride(0),
-                                      stride_cp, n, **common)
+        _mm_k_pieces_ptr_kernel[grid](a, b, out, m, n, k_piece, pieces, a.stride(0), b.stride(0), stride_cp, n,
+                                      **common)
     return out
 
 
@@ -499,27 +563,34 @@ def ordered_sum(parts: list[torch.Tensor], dtype: torch.dtype | None = None) -> 
 # Every element of :func:`matmul` is one float32 chain over its reduction dim from 0, whatever the M/N tiling, so a
 # slice of a product's output along M or N has the bits of the product on the sliced operand. The backward of the
 # layout-invariant pieces (``rlrepro.kernels.tp``) relies on this: the gradients of ``y = x @ weight^T`` below are
-# :func:`matmul` (and :func:`matmul_k_pieces`) on transposed contiguous copies, so a TP rank's gradient of its shard
-# is the matching slice of the unsharded one. No autograd.
+# the kernels of :func:`matmul_k_pieces` reading the stored operands transposed (``A_KM`` / ``B_KN``: the tiles of
+# ``weight``, ``g`` and ``x`` as they lie, no transposed copies), so a TP rank's gradient of its shard is the matching
+# slice of the unsharded one. No autograd.
 
 
 def linear_grad_input(g2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``g2d [M, N] @ weight [N, K] -> [M, K]`` (reduction over N): :func:`matmul` with ``weight^T`` (a ``[K, N]``
+    """``g2d [M, N] @ weight [N, K] -> [M, K]`` (reduction over N), ``weight`` read as it is stored (no transposed
     copy). Its column slice ``[:, a:b]`` has the bits of ``linear_grad_input(g2d, weight[:, a:b])``."""
-    return matmul(g2d, weight.t().contiguous())
+    m, n = g2d.shape
+    _operand_shapes(g2d, weight.t())
+    return _pieces_product(g2d, weight, m, weight.shape[1], n, 1, False, False, True, True)
 
 
 def linear_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
-    """``g2d^T [N, M] @ x2d [M, K] -> [N, K]`` (reduction over M): :func:`matmul` with ``g2d^T`` and ``x2d^T``
-    (``[N, M]`` and ``[K, M]`` copies). Its row slice ``[a:b]`` has the bits of ``linear_grad_weight(g2d[:, a:b],
-    x2d)``, its column slice ``[:, a:b]`` those of ``linear_grad_weight(g2d, x2d[:, a:b])``."""
-    return matmul(g2d.t().contiguous(), x2d.t().contiguous())
+    """``g2d^T [N, M] @ x2d [M, K] -> [N, K]`` (reduction over M), both read as stored (no transposed copies). Its
+    row slice ``[a:b]`` has the bits of ``linear_grad_weight(g2d[:, a:b], x2d)``, its column slice ``[:, a:b]``
+    those of ``linear_grad_weight(g2d, x2d[:, a:b])``."""
+    m, n = g2d.shape
+    _operand_shapes(g2d.t(), x2d.t())
+    return _pieces_product(g2d, x2d, n, x2d.shape[1], m, 1, False, True, True, True)
 
 
 def linear_grad_input_n_pieces(g2d: torch.Tensor, weight: torch.Tensor, pieces: int,
                                stack: bool = False) -> torch.Tensor:
     """``g2d [M, N] @ weight [N, K]`` as ``pieces`` equal consecutive N-pieces (each ``g2d[:, a:b] @ weight[a:b]``,
     rounded to the dtype), their sum in piece order in float32 (``[M, K]``) or the partials (``stack``: ``[pieces,
-    M, K]``): :func:`matmul_k_pieces` with ``weight^T`` (a ``[K, N]`` copy). Piece ``r``'s partial has the bits of
-    the one-piece call on ``g2d[:, a:b]``, ``weight[a:b]``."""
-    return matmul_k_pieces(g2d, weight.t().contiguous(), pieces, stack=stack)
+    M, K]``), ``weight`` read as stored. Piece ``r``'s partial has the bits of the one-piece call on ``g2d[:, a:b]``,
+    ``weight[a:b]``."""
+    m, n = g2d.shape
+    _operand_shapes(g2d, weight.t())
+    return _pieces_product(g2d, weight, m, weight.shape[1], n, pieces, stack, False, True, False)
