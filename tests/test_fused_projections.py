@@ -66,12 +66,16 @@ def test_fusing_again_with_gradients_on_keeps_the_fused_tensors():
     assert layer.self_attn.qkv.weight is qkv and layer.mlp.gate_up.weight is gate_up
 
 
-def test_tensor_parallel_emulation_disables_the_fused_product():
+def test_tensor_parallel_emulation_disables_the_fused_product_off_cuda():
+    """On the CPU a column split is P products (their bits may differ from one wider product): no fusing."""
     model = tiny_model(seed=0).fuse_projections()
     model.set_tensor_parallel_emulation(2)
+    x = torch.zeros(3, model.config.hidden_size)
     with torch.no_grad():
-        assert not model.model.layers[0].self_attn.qkv.usable()
-        assert not model.model.layers[0].mlp.gate_up.usable()
+        assert not model.model.layers[0].self_attn.qkv.usable(x)
+        assert not model.model.layers[0].mlp.gate_up.usable(x)
+        assert not model.model.layers[0].self_attn.qkv.usable()  # no input: nothing to decide on
+    assert model.model.layers[0].self_attn.qkv.intact()  # the layout holds: fuse_projections keeps the tensors
 
 
 def test_engine_with_fused_projections_loads_weights_into_them():
@@ -108,3 +112,26 @@ def test_fused_projections_are_bitwise_neutral_on_cuda():
                max_num_seqs=8, max_model_len=128).generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.logprobs for o in a] == [o.logprobs for o in b]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_projections_under_tensor_parallel_emulation_are_bitwise_neutral_on_cuda():
+    """Under emulation (``train.tp_partials`` / a TP trainer's engines) CUDA's column split is the one whole product,
+    so q|k|v and gate|up stay fused: the same logits and the same engine tokens and logprobs as the unfused model."""
+    for tp in (2, 4):
+        ref = tiny_model(seed=0, dtype=torch.bfloat16).cuda().set_tensor_parallel_emulation(tp)
+        fused = tiny_model(seed=0, dtype=torch.bfloat16).cuda().fuse_projections().set_tensor_parallel_emulation(tp)
+        x = torch.zeros(2, fused.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert fused.model.layers[0].self_attn.qkv.usable(x) and fused.model.layers[0].mlp.gate_up.usable(x)
+            for n in (1, 7, 65):
+                ids = _ids(n, seed=n).cuda()
+                assert torch.equal(ref(ids), fused(ids)), (tp, n)
+    prompts = [_ids(5 + 3 * i, seed=i)[0].tolist() for i in range(6)]
+    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True) for i in range(6)]
+    outs = [Engine(tiny_model(seed=0, dtype=torch.bfloat16).cuda().set_tensor_parallel_emulation(2), device="cuda",
+                   fuse_projections=fuse, max_num_seqs=8, max_model_len=128).generate(prompts, params)
+            for fuse in (False, True)]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert [o.logprobs for o in outs[0]] == [o.logprobs for o in outs[1]]

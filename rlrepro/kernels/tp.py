@@ -52,7 +52,7 @@ __all__ = [
     "shard_range", "ordered_sum", "copy_to_tp", "row_parallel_sum", "gather_stack", "gather_last_dim",
     "vocab_parallel_log_softmax", "vocab_parallel_token_logprob", "linear_row_split", "linear_column_split",
     "emulated_log_softmax", "emulated_token_logprob", "sum_in_rank_order", "column_pieces_linear",
-    "row_pieces_linear", "head_group_rms_norm",
+    "row_pieces_linear", "head_group_rms_norm", "column_split_is_one_product",
 ]
 
 
@@ -508,6 +508,12 @@ def _fused_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     from ._mode import current_mode
 
     return current_mode() == "deterministic" and _pieces_impl() == "fused"
+
+
+def column_split_is_one_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear_column_split` of ``x`` is ``kernels.linear(x, weight)`` itself at any ``parts`` (the
+    fast path's identity: CUDA, the deterministic mode), so several column-split linears may share one product."""
+    return _fused_usable(x, weight)
 
 
 def _grad_needed(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -57,8 +57,9 @@ class FusedWeight:
     The linears keep their ``Parameter`` objects (names, identities, optimizer references); only their storage is
     moved into ``weight``, so in-place updates (``copy_``, ``load_weights``, a broadcast into ``.data``) reach the
     fused tensor. ``usable()`` is False, and callers fall back to one product per linear, whenever that no longer
-    holds (a ``.to()`` moved a weight, a weight was re-assigned, tensor-parallel emulation is on) or gradients are
-    wanted (autograd would not reach the separate parameters through the fused tensor).
+    holds (a ``.to()`` moved a weight, a weight was re-assigned, tensor-parallel emulation is on off CUDA's
+    deterministic kernels) or gradients are wanted (autograd would not reach the separate parameters through the
+    fused tensor).
 
     Bits: on CUDA the batch-invariant matmul computes every output element as one fixed chain over K whatever N
     and the tile config are (rlrepro.kernels.triton_matmul), so the fused columns equal the separate products bit
@@ -77,21 +78,30 @@ class FusedWeight:
                 row += rows
         self.sizes = [lin.weight.shape[0] for lin in linears]
 
-    def usable(self) -> bool:
-        """Whether a forward may use the fused product now: the layout holds and no gradient is wanted."""
+    def usable(self, x: torch.Tensor | None = None) -> bool:
+        """Whether a forward on ``x`` may use the fused product now: the layout holds, no gradient is wanted, and
+        under tensor-parallel emulation (column splits) the split product is the one whole product on ``x``'s
+        device (CUDA's deterministic kernels, :func:`rlrepro.kernels.tp.column_split_is_one_product`)."""
         if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in self.linears):
             return False
-        return self.intact()
+        if not self.intact():
+            return False
+        splits = [lin.tp_split for lin in self.linears]
+        if all(s is None for s in splits):
+            return True
+        from rlrepro.kernels import tp
+
+        return (x is not None and all(s is not None and s[0] == "column" for s in splits)
+                and tp.column_split_is_one_product(x, self.weight))
 
     def intact(self) -> bool:
-        """Whether every linear's weight is still its slice of ``weight`` (whatever the grad mode)."""
+        """Whether every linear's weight is still its slice of ``weight`` (whatever the grad mode and emulation)."""
         w = self.weight
         step = w.shape[1] * w.element_size()
         ptr = w.data_ptr()
         for lin, rows in zip(self.linears, self.sizes):
             t = lin.weight
-            if (lin.tp_split is not None or t.data_ptr() != ptr or t.dtype != w.dtype or t.device != w.device
-                    or tuple(t.shape) != (rows, w.shape[1])):
+            if t.data_ptr() != ptr or t.dtype != w.dtype or t.device != w.device or tuple(t.shape) != (rows, w.shape[1]):
                 return False
             ptr += rows * step
         return True
@@ -143,7 +153,7 @@ class Qwen3Attention(nn.Module):
     def forward(self, x, cos, sin, meta, kv_cache):
         n = x.shape[0]
         fused = getattr(self, "qkv", None)  # (the megatron backend's TP layers borrow this forward, unfused)
-        if fused is not None and fused.usable():  # one q|k|v product (q_norm and k_norm share the config's eps)
+        if fused is not None and fused.usable(x):  # one q|k|v product (q_norm and k_norm share the config's eps)
             qkv = kernels.linear(x, fused.weight)
             o = kernels.qk_norm_rope_attention(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight,
                                                self.k_norm.weight, self.q_norm.eps, cos, sin, meta, self.scale,
@@ -170,7 +180,7 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x):
         fused = getattr(self, "gate_up", None)
-        if fused is not None and fused.usable():
+        if fused is not None and fused.usable(x):
             gate_up = kernels.linear(x, fused.weight)
         else:
             gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
@@ -260,7 +270,8 @@ class Qwen3ForCausalLM(nn.Module):
         two products per layer instead of five (decode reads the same bytes in fewer, fuller launches).
 
         Parameter names, objects and values stay as they were (see :class:`FusedWeight`); the fused product is
-        used only without gradients and without tensor-parallel emulation, and it is undone by nothing: a later
+        used only without gradients, and under tensor-parallel emulation only where a column split is one product
+        (CUDA, the deterministic mode), and it is undone by nothing: a later
         ``.to()`` or re-assigned weight just makes the layers fall back to separate products. The engine calls
         this on CUDA, where it is bitwise neutral; calling it twice is a no-op."""
         for layer in self.model.layers:
