@@ -11,7 +11,7 @@ from rlrepro.data import PromptRecord, load_reward_fn
 from rlrepro.envs import (BUILTIN_ENVS, EnvConfig, EnvError, EnvReset, Environment, StepResult, episode_seed,
                           make_calculator_records, load_env, register_env)
 from rlrepro.model import load_pretrained, load_tokenizer, write_tiny_checkpoint
-from rlrepro.orchestration.episodes import EpisodeRequest, EpisodeResult, episode_metrics, run_episodes
+from rlrepro.orchestration.episodes import EpisodeRequest, EpisodeResult, episode_metrics, finish_fractions, run_episodes
 from rlrepro.rollout import Engine, SamplingParams, request_seed
 from rlrepro.trainer import token_logprobs
 from rlrepro.trainer.warm_start import supervised_warm_start
@@ -339,3 +339,16 @@ def test_rollout_worker_runs_episodes(model_dir, model, tok):
     plain = worker.run_episodes(reqs, env_config, "exact_match", use_chat_template=False)
     assert plain == run(model, tok, spec(kwargs={"turns": 2}, max_turns=2), reqs, chat=False)
     assert worker.run_episodes([], env_config, "exact_match") == []
+
+
+def test_finish_fractions_name_every_built_in_reason_and_any_other():
+    from types import SimpleNamespace as NS
+
+    from rlrepro.envs import FINISH_REASONS
+
+    got = finish_fractions([NS(finish_reason="done"), NS(finish_reason="done"), NS(finish_reason="solved"),
+                            NS(finish_reason="max_turns")], "episodes/")
+    assert set(got) == {f"episodes/finish_{r}_frac" for r in (*FINISH_REASONS, "solved")}
+    assert got["episodes/finish_done_frac"] == 0.5 and got["episodes/finish_solved_frac"] == 0.25
+    assert got["episodes/finish_malformed_frac"] == 0.0 and got["episodes/finish_token_budget_frac"] == 0.0
+    assert set(finish_fractions([], "eval/")) == {f"eval/finish_{r}_frac" for r in FINISH_REASONS}

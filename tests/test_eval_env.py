@@ -97,6 +97,11 @@ def test_eval_of_a_tool_run_runs_its_episodes_and_repeats_itself(tmp_path, relay
         assert r["reward"] == r["outcome_reward"] - sum(r["penalties"])
     assert got_a["eval/turns_mean"] == 3 and got_a["eval/tool_calls_mean"] == 2
     assert got_a["eval/finish_done_frac"] == 1.0 and got_a["eval/num_prompts"] == 3
+    # every built-in finish reason has its key, 0.0 where no episode ended so (a dashboard's keys stay put)
+    assert {k for k in got_a if k.startswith("eval/finish_")} == {
+        "eval/finish_done_frac", "eval/finish_malformed_frac", "eval/finish_max_turns_frac",
+        "eval/finish_token_budget_frac"}
+    assert got_a["eval/finish_malformed_frac"] == got_a["eval/finish_max_turns_frac"] == 0.0
     sampled = [r["reward"] for r in records if not r["greedy"]]
     assert got_a["eval/avg@2"] == sum(sampled) / len(sampled)   # the environment's reward, not reward.fn's
     assert got_a["eval/response_length_mean"] == sum(r["length"] for r in records if not r["greedy"]) / len(sampled)

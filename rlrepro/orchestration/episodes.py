@@ -31,7 +31,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from rlrepro.envs import continuation_text
+from rlrepro.envs import FINISH_REASONS, continuation_text
 from rlrepro.samples import Sample, Turn
 
 if TYPE_CHECKING:
@@ -294,6 +294,16 @@ def _result(live: _Live, weight_version: int) -> EpisodeResult:
         infos=[dict(r.info) for r in live.episode.results],
         weight_version=live.weight_version if live.weight_version is not None else weight_version,
         seed=live.request.params.seed, metrics=metrics)
+
+
+def finish_fractions(results: list, prefix: str) -> dict[str, float]:
+    """``{prefix}finish_<reason>_frac`` for every built-in reason (:data:`rlrepro.envs.FINISH_REASONS`, 0.0 when
+    none finished so: a dashboard's keys do not come and go between steps) and any other reason an environment
+    gave, the share of ``results`` (anything with a ``finish_reason``) that finished so."""
+    n = max(len(results), 1)
+    reasons = sorted(set(FINISH_REASONS) | {r.finish_reason for r in results})
+    return {f"{prefix}finish_{reason}_frac": sum(r.finish_reason == reason for r in results) / n
+            for reason in reasons}
 
 
 def episode_metrics(results: list[EpisodeResult]) -> dict[str, float]:

@@ -259,8 +259,9 @@ def run_eval_episodes(run_episodes: Callable[[list], list], cfg, step: int, prom
     out["eval/tool_calls_mean"] = sum(_tool_calls(r) for r in flat) / len(flat)
     out["eval/outcome_reward_mean"] = sum(r.reward for r in flat) / len(flat)
     out["eval/penalty_mean"] = sum(sum(r.penalties) for r in flat) / len(flat)
-    for reason in sorted({r.finish_reason for r in flat}):
-        out[f"eval/finish_{reason}_frac"] = sum(r.finish_reason == reason for r in flat) / len(flat)
+    from .episodes import finish_fractions
+
+    out.update(finish_fractions(flat, "eval/"))
     return out
 
 

@@ -213,7 +213,7 @@ class GenerationSteps:
         """``group_size`` episodes of every prompt on the rollout workers (``ActorGroup.run_episodes``), as
         samples in key order with ``loss_mask``, ``turns`` and the episode's reward; the batch's episode metrics
         (turns, finish reasons, prefix-cache hit rate across turns, tool seconds) into ``_episode_metrics``."""
-        from .episodes import episode_metrics
+        from .episodes import episode_metrics, finish_fractions
         from .import_path import module_dirs
 
         cfg = self.cfg
@@ -223,8 +223,7 @@ class GenerationSteps:
                                            import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]))
         metrics = episode_metrics(results)
         n = len(results)
-        for reason in sorted({r.finish_reason for r in results}):
-            metrics[f"episodes/finish_{reason}_frac"] = sum(r.finish_reason == reason for r in results) / n
+        metrics.update(finish_fractions(results, "episodes/"))
         metrics["episodes/penalty_mean"] = sum(sum(r.penalties) for r in results) / n
         metrics["episodes/outcome_reward_mean"] = sum(r.reward for r in results) / n
         metrics["episodes/policy_tokens_mean"] = sum(sum(r.loss_mask) for r in results) / n
