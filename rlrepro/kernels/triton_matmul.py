@@ -307,17 +307,21 @@ def _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, ST
 @triton.jit
 def _load_a(a_desc, off_m, k, A_KM: tl.constexpr):
     # the [BLOCK_M, BLOCK_K] tile of A at (off_m, k): from A itself, or (A_KM) the transpose of A^T's tile
-    if A_KM:
-        return a_desc.load([k, off_m]).T
-    return a_desc.load([off_m, k])
+    if A_KM:  # (one return: Triton compiles a constexpr branch's early return and the code after it alike)
+        a = a_desc.load([k, off_m]).T
+    else:
+        a = a_desc.load([off_m, k])
+    return a
 
 
 @triton.jit
 def _load_bt(b_desc, off_n, k, B_KN: tl.constexpr):
     # the [BLOCK_K, BLOCK_N] tile of B^T at (k, off_n): B^T's own tile (B_KN), or the transpose of B's
     if B_KN:
-        return b_desc.load([k, off_n])
-    return b_desc.load([off_n, k]).T
+        b = b_desc.load([k, off_n])
+    else:
+        b = b_desc.load([off_n, k]).T
+    return b
 
 
 @triton.jit
