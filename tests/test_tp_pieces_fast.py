@@ -2,7 +2,7 @@
 against the per-piece path it replaces, bit for bit (``torch.equal``; the no-grad emulation ``linear_row_split`` /
 ``linear_column_split`` too); its own backward (one Triton product per gradient) the same bits at every TP dividing
 ``P`` (each rank's shard through the pieces functions == the slice of the TP=1 gradient), close to float64 and the
-same run to run; and the kernels under it (``triton_matmul.matmul_k_pieces``, ``triton_matmul.ordered_sum``).
+same run to run; and the kernels under it (``triton_pieces.matmul_k_pieces``, ``triton_pieces.ordered_sum``).
 
 Two tiers, as tests/test_triton_kernels.py:
 
@@ -112,6 +112,7 @@ def compare_k_pieces(device, dtype, m: int, k: int, n: int, parts: int, configs=
     ``sum_in_rank_order`` and stacked, for each config and each kernel (TMA where it may run, pointers)."""
     from rlrepro.kernels import tp
     from rlrepro.kernels import triton_matmul as mm
+    from rlrepro.kernels import triton_pieces as pk
 
     x = torch.randn(m, k, device=device).to(dtype)
     w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
@@ -120,11 +121,11 @@ def compare_k_pieces(device, dtype, m: int, k: int, n: int, parts: int, configs=
     expect, expect_stack = tp.sum_in_rank_order(pieces), torch.stack(pieces)
     checked = 0
     for cfg in configs:
-        block_k = (cfg or mm.pick_pieces_config(m, n, dtype, 4)).block_k
+        block_k = (cfg or pk.pick_pieces_config(m, n, dtype, 4)).block_k
         for tma in (None, False) + ((True,) if (k // parts) % block_k == 0 and mm.tma_usable(w, n, k) else ()):
             what = f"{dtype} m={m} k={k} n={n} P={parts} config={cfg and cfg.name} tma={tma} {note}"
-            _assert_equal(mm.matmul_k_pieces(x, w, parts, config=cfg, use_tma=tma), expect, what)
-            _assert_equal(mm.matmul_k_pieces(x, w, parts, stack=True, config=cfg, use_tma=tma), expect_stack,
+            _assert_equal(pk.matmul_k_pieces(x, w, parts, config=cfg, use_tma=tma), expect, what)
+            _assert_equal(pk.matmul_k_pieces(x, w, parts, stack=True, config=cfg, use_tma=tma), expect_stack,
                           what + " stack")
             checked += 1
     return checked
@@ -135,16 +136,17 @@ def compare_grad_products(device, dtype, m: int, k: int, n: int, parts: int, con
     ``linear_grad_weight`` and ``linear_grad_input_n_pieces`` == the same products on transposed contiguous copies
     (``matmul`` / ``matmul_k_pieces``), for each config and kernel (TMA where it may run, pointers)."""
     from rlrepro.kernels import triton_matmul as mm
+    from rlrepro.kernels import triton_pieces as pk
 
     x = torch.randn(m, k, device=device).to(dtype)  # y = x @ w^T: x [M, K], w [N, K], g [M, N]
     w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
     g = torch.randn(m, n, device=device).to(dtype)
     expect = {"input": mm.matmul(g, w.t().contiguous()), "weight": mm.matmul(g.t().contiguous(), x.t().contiguous()),
-              "n_pieces": mm.matmul_k_pieces(g, w.t().contiguous(), parts),
-              "n_pieces stack": mm.matmul_k_pieces(g, w.t().contiguous(), parts, stack=True)}
-    assert torch.equal(mm.linear_grad_input(g, w), expect["input"]), f"{dtype} m={m} k={k} n={n}: input grad"
-    assert torch.equal(mm.linear_grad_weight(g, x), expect["weight"]), f"{dtype} m={m} k={k} n={n}: weight grad"
-    assert torch.equal(mm.linear_grad_input_n_pieces(g, w, parts), expect["n_pieces"])
+              "n_pieces": pk.matmul_k_pieces(g, w.t().contiguous(), parts),
+              "n_pieces stack": pk.matmul_k_pieces(g, w.t().contiguous(), parts, stack=True)}
+    assert torch.equal(pk.linear_grad_input(g, w), expect["input"]), f"{dtype} m={m} k={k} n={n}: input grad"
+    assert torch.equal(pk.linear_grad_weight(g, x), expect["weight"]), f"{dtype} m={m} k={k} n={n}: weight grad"
+    assert torch.equal(pk.linear_grad_input_n_pieces(g, w, parts), expect["n_pieces"])
     checked = 0
     for cfg in configs:
         for tma in (False, True):
@@ -154,27 +156,27 @@ def compare_grad_products(device, dtype, m: int, k: int, n: int, parts: int, con
                      "n_pieces stack": (g, w, m, k, n, parts, True, False, True, False)}
             for name, args in calls.items():
                 a, b, mm_, nn_, kk, pieces = args[:6]
-                es, block_k = a.element_size(), mm.BLOCK_K_FP32 if dtype == torch.float32 else mm.BLOCK_K_16BIT
+                es, block_k = a.element_size(), pk.BLOCK_K_FP32 if dtype == torch.float32 else pk.BLOCK_K_16BIT
                 aligned = all((s * es) % 16 == 0 for s in (mm_ if args[7] else kk, nn_ if args[8] else kk, nn_))
                 if tma and not (aligned and (pieces == 1 or (kk // pieces) % block_k == 0)):
                     continue
                 what = f"{name} {dtype} m={m} k={k} n={n} P={parts} config={cfg and cfg.name} tma={tma} {note}"
-                _assert_equal(mm._pieces_product(*args, config=cfg, use_tma=tma), expect[name], what)
+                _assert_equal(pk._pieces_product(*args, config=cfg, use_tma=tma), expect[name], what)
                 checked += 1
     return checked
 
 
 def compare_ordered_sum(device, dtype, shape, counts=(1, 2, 3, 8, 9, 17)) -> None:
     from rlrepro.kernels import tp
-    from rlrepro.kernels import triton_matmul as mm
+    from rlrepro.kernels import triton_pieces as pk
 
     for count in counts:
         parts = [(torch.randn(*shape, device=device) * 10 ** (i % 5 - 2)).to(dtype) for i in range(count)]
         parts[0].view(-1)[:3] = -0.0  # a -0.0 partial stays -0.0 where nothing else is added
         for p in parts[1:]:
             p.view(-1)[:2] = -0.0
-        _assert_equal(mm.ordered_sum(parts), tp.sum_in_rank_order(parts), f"ordered_sum {dtype} x{count}")
-        got, expect = mm.ordered_sum(parts), tp.sum_in_rank_order(parts)
+        _assert_equal(pk.ordered_sum(parts), tp.sum_in_rank_order(parts), f"ordered_sum {dtype} x{count}")
+        got, expect = pk.ordered_sum(parts), tp.sum_in_rank_order(parts)
         assert torch.equal(torch.signbit(got), torch.signbit(expect)), "sign of zero"
 
 
@@ -206,6 +208,7 @@ def _fast_path_on_cpu():
 def check_k_pieces_fp32():
     from dataclasses import replace
     from rlrepro.kernels import triton_matmul as mm
+    from rlrepro.kernels import triton_pieces as pk
     fresh_seed()
     # K pieces of 40 (a K tile of 32 plus a masked tail: the pointer kernel) and of 64 (whole tiles: TMA)
     for m, k, n, parts in ((1, 80, 24, 2), (7, 160, 40, 4), (70, 128, 24, 2), (3, 256, 8, 4), (5, 64, 16, 1)):
@@ -214,10 +217,10 @@ def check_k_pieces_fp32():
     # shapes than the per-piece calls' float32 config, so not bit for bit here)
     x, w = torch.randn(150, 256), torch.randn(300, 256)
     expect = sum((x[:, a:a + 64] @ w[:, a:a + 64].t()).double() for a in range(0, 256, 64))
-    for name in (*mm.PIECES_SMALL_M, *(c for c, _ in mm.PIECES_LARGE_M_CANDIDATES)):
+    for name in (*pk.PIECES_SMALL_M, *(c for c, _ in pk.PIECES_LARGE_M_CANDIDATES)):
         cfg = replace(mm.CONFIGS_16BIT[name], ctas_per_sm=1)
         for tma in (True, False):
-            e = rel_err(mm.matmul_k_pieces(x, w, 4, config=cfg, use_tma=tma), expect)
+            e = rel_err(pk.matmul_k_pieces(x, w, 4, config=cfg, use_tma=tma), expect)
             assert e < 1e-6, (name, tma, e)
 
 
@@ -237,11 +240,11 @@ def check_ordered_sum_fp32():
 
 @interp_check
 def check_pieces_fast_path_fp32():
-    from rlrepro.kernels import triton_matmul as mm
+    from rlrepro.kernels import triton_pieces as pk
 
     seed = fresh_seed()
     calls = {"matmul_k_pieces": 0, "ordered_sum": 0}
-    saved = mm.matmul_k_pieces, mm.ordered_sum
+    saved = pk.matmul_k_pieces, pk.ordered_sum
 
     def counted(name, fn):
         def wrapper(*a, **kw):
@@ -249,11 +252,11 @@ def check_pieces_fast_path_fp32():
             return fn(*a, **kw)
         return wrapper
 
-    mm.matmul_k_pieces, mm.ordered_sum = counted("matmul_k_pieces", saved[0]), counted("ordered_sum", saved[1])
+    pk.matmul_k_pieces, pk.ordered_sum = counted("matmul_k_pieces", saved[0]), counted("ordered_sum", saved[1])
     try:
         _pieces_cases(seed)
     finally:
-        mm.matmul_k_pieces, mm.ordered_sum = saved
+        pk.matmul_k_pieces, pk.ordered_sum = saved
     assert calls["matmul_k_pieces"] and calls["ordered_sum"], calls  # the fast path ran
 
 
@@ -268,10 +271,10 @@ def _pieces_cases(seed):
 @interp_check
 def check_fast_path_not_used_off_cuda():
     """Without the stand-in, CPU tensors take the per-piece path (today's CPU bits): no Triton call at all."""
-    from rlrepro.kernels import tp, triton_matmul as mm
+    from rlrepro.kernels import tp, triton_pieces as pk
     calls = []
-    saved = mm.matmul_k_pieces, mm.ordered_sum
-    mm.matmul_k_pieces = mm.ordered_sum = lambda *a, **k: calls.append(a)
+    saved = pk.matmul_k_pieces, pk.ordered_sum
+    pk.matmul_k_pieces = pk.ordered_sum = lambda *a, **k: calls.append(a)
     try:
         x, w = torch.randn(3, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
         tp.row_pieces_linear(x, w, 2).sum().backward()
@@ -279,7 +282,7 @@ def check_fast_path_not_used_off_cuda():
         with torch.no_grad():
             tp.linear_row_split(x, w, 2), tp.linear_column_split(x, w, 2), tp.row_pieces_linear(x, w, 2)
     finally:
-        mm.matmul_k_pieces, mm.ordered_sum = saved
+        pk.matmul_k_pieces, pk.ordered_sum = saved
     assert not calls and not tp._fused_usable(x, w)
 
 
@@ -404,10 +407,11 @@ def test_gpu_pieces_fast_path(dtype, kind, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_k_pieces_kernel_all_configs(dtype):
     from rlrepro.kernels import triton_matmul as mm
+    from rlrepro.kernels import triton_pieces as pk
 
     seed = fresh_seed()
     configs = (None,) if dtype == torch.float32 else \
-        (None, *(mm.CONFIGS_16BIT[c] for c in (*mm.PIECES_SMALL_M, *(c for c, _ in mm.PIECES_LARGE_M_CANDIDATES))))
+        (None, *(mm.CONFIGS_16BIT[c] for c in (*pk.PIECES_SMALL_M, *(c for c, _ in pk.PIECES_LARGE_M_CANDIDATES))))
     checked = 0
     for m in (1, 7, 64, 65, 300, 1500):
         for k, n, parts in ((2240, 1000, 8), (2048, 1003, 8), (4096, 2048, 2), (192, 64, 3), (12288, 512, 8)):

@@ -249,7 +249,7 @@ _COLUMN_WHAT = "the output dimension (N) of a column-parallel linear"
 def linear_row_split(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """What a row-parallel linear over ``parts`` ranks returns: partials over contiguous K-slices, each from the
     deterministic kernel (in the output dtype), added in rank order with :func:`sum_in_rank_order`. On CUDA without
-    autograd, one launch of the fused piecewise-K kernel (``triton_matmul.matmul_k_pieces``, the same bits)."""
+    autograd, one launch of the fused piecewise-K kernel (``triton_pieces.matmul_k_pieces``, the same bits)."""
     if parts > 1 and _fused_usable(x, weight) and not _grad_needed(x, weight):
         _check_split(weight.shape[1], parts, row=True)
         from . import tp_fused

@@ -5,19 +5,19 @@ With the Triton kernels (CUDA, deterministic mode) every element of ``triton_mat
 over K from k = 0, whatever the M/N tiling, so
 
 * a column-parallel forward is the one product over this rank's whole shard: its N-slices *are* the pieces' bits;
-* a row-parallel forward is ``triton_matmul.matmul_k_pieces``: one launch running each piece's K chain (the same
+* a row-parallel forward is ``triton_pieces.matmul_k_pieces``: one launch running each piece's K chain (the same
   loop, from the piece's first column), rounding it, and adding the rounded partials in piece order in float32.
 
 The same identity (a slice of a ``triton_matmul.matmul`` output has the bits of the product on the sliced operand)
 gives the backward without per-piece products: each gradient is ONE Triton product on transposed contiguous copies
-(``triton_matmul.linear_grad_input`` / ``linear_grad_weight``), and a piece's gradient is its slice:
+(``triton_pieces.linear_grad_input`` / ``linear_grad_weight``), and a piece's gradient is its slice:
 
 * row-parallel (``weight [N, K_shard]``): ``grad_x = g @ weight`` and ``grad_w = g^T @ x``, the pieces' K-slices
   of the two products over the shard (the concatenation the per-piece graphs make);
 * column-parallel (``weight [N_shard, K]``): ``grad_w = g^T @ x``, the pieces' N-rows of one product; ``grad_x``
   the pieces' partials ``g_r @ weight_r`` (reduction over N split at the pieces) rounded and added in piece order:
-  one ``triton_matmul.linear_grad_input_n_pieces`` launch (over TP ranks: the partials stacked, gathered, added by
-  ``triton_matmul.ordered_sum``, the same float32 additions).
+  one ``triton_pieces.linear_grad_input_n_pieces`` launch (over TP ranks: the partials stacked, gathered, added by
+  ``triton_pieces.ordered_sum``, the same float32 additions).
 
 So a rank's gradients at any TP dividing ``P`` are slices of (or, for the column ``grad_x``, the same sum as) the
 TP=1 ones. These bits are not the per-piece path's (whose backward is ``torch.mm``, cuBLAS): the layout-invariant
@@ -49,17 +49,17 @@ def _gather(x: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def ordered_sum_cuda(parts: list[torch.Tensor]) -> torch.Tensor:
-    from . import triton_matmul
+    from . import triton_pieces
 
-    return triton_matmul.ordered_sum(parts)
+    return triton_pieces.ordered_sum(parts)
 
 
 def row_fused(x: torch.Tensor, weight: torch.Tensor, parts: int, stack: bool = False) -> torch.Tensor:
     """The ``parts`` K-pieces of ``x @ weight^T`` in one launch: their sum in piece order ``[..., N]``, or the
     rounded partials ``[parts, ..., N]`` (``stack``)."""
-    from . import triton_matmul
+    from . import triton_pieces
 
-    out = triton_matmul.matmul_k_pieces(x.reshape(-1, x.shape[-1]), weight, parts, stack=stack)
+    out = triton_pieces.matmul_k_pieces(x.reshape(-1, x.shape[-1]), weight, parts, stack=stack)
     return out.reshape(*((parts,) if stack else ()), *x.shape[:-1], weight.shape[0])
 
 
@@ -71,9 +71,9 @@ def row_pieces_forward(x: torch.Tensor, weight: torch.Tensor, parts: int, group)
 
 
 def _triton_mm():
-    from . import triton_matmul
+    from . import triton_pieces
 
-    return triton_matmul
+    return triton_pieces
 
 
 def column_grad_input_partials(g2d: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
