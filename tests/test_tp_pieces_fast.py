@@ -121,8 +121,8 @@ def compare_k_pieces(device, dtype, m: int, k: int, n: int, parts: int, configs=
     expect, expect_stack = tp.sum_in_rank_order(pieces), torch.stack(pieces)
     checked = 0
     for cfg in configs:
-        block_k = (cfg or pk.pick_pieces_config(m, n, dtype, 4)).block_k
-        for tma in (None, False) + ((True,) if (k // parts) % block_k == 0 and mm.tma_usable(w, n, k) else ()):
+        # TMA: pieces of whole K tiles, or (forced) any pieces, the last partial tile through pointers (TAIL)
+        for tma in (None, False) + ((True,) if mm.tma_usable(w, n, k) else ()):
             what = f"{dtype} m={m} k={k} n={n} P={parts} config={cfg and cfg.name} tma={tma} {note}"
             _assert_equal(pk.matmul_k_pieces(x, w, parts, config=cfg, use_tma=tma), expect, what)
             _assert_equal(pk.matmul_k_pieces(x, w, parts, stack=True, config=cfg, use_tma=tma), expect_stack,
@@ -156,9 +156,9 @@ def compare_grad_products(device, dtype, m: int, k: int, n: int, parts: int, con
                      "n_pieces stack": (g, w, m, k, n, parts, True, False, True, False)}
             for name, args in calls.items():
                 a, b, mm_, nn_, kk, pieces = args[:6]
-                es, block_k = a.element_size(), pk.BLOCK_K_FP32 if dtype == torch.float32 else pk.BLOCK_K_16BIT
+                es = a.element_size()
                 aligned = all((s * es) % 16 == 0 for s in (mm_ if args[7] else kk, nn_ if args[8] else kk, nn_))
-                if tma and not (aligned and (pieces == 1 or (kk // pieces) % block_k == 0)):
+                if tma and not aligned:
                     continue
                 what = f"{name} {dtype} m={m} k={k} n={n} P={parts} config={cfg and cfg.name} tma={tma} {note}"
                 _assert_equal(pk._pieces_product(*args, config=cfg, use_tma=tma), expect[name], what)

@@ -76,18 +76,45 @@ def _load_bt(b_desc, off_n, k, B_KN: tl.constexpr):
 
 
 @triton.jit
+def _tail_tiles(a_ptr, b_ptr, stride_a, stride_b, off_m, off_n, k, k_end, M, N, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr):
+    # a piece's last, partial K tile [k, k_end) through pointers, zeros past its end (and past M, N): the values the
+    # pointer kernel's masked tile holds, where a TMA box would read into the next piece
+    offs_k = k + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < k_end
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    if A_KM:
+        a = tl.load(a_ptr + offs_k.to(tl.int64)[:, None] * stride_a + rows[None, :],
+                    mask=k_ok[:, None] & (rows < M)[None, :], other=0.0).T
+    else:
+        a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_a + offs_k[None, :],
+                    mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+    if B_KN:
+        b = tl.load(b_ptr + offs_k.to(tl.int64)[:, None] * stride_b + cols[None, :],
+                    mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
+    else:
+        b = tl.load(b_ptr + cols.to(tl.int64)[:, None] * stride_b + offs_k[None, :],
+                    mask=(cols < N)[:, None] & k_ok[None, :], other=0.0).T
+    return a, b
+
+
+@triton.jit
 def _mm_k_pieces_tma_kernel(a_desc, b_desc, c_ptr, M, N, K_PIECE, PIECES, stride_cp, stride_cm,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, PRECISION: tl.constexpr,
                             STACK: tl.constexpr, A_KM: tl.constexpr = False, B_KN: tl.constexpr = False,
-                            SINGLE: tl.constexpr = False):
-    # K_PIECE is a multiple of BLOCK_K here (the host checks): a piece's tiles never reach into the next piece.
-    # A_KM / B_KN: the operands are stored transposed ([K, M] / [K, N]); SINGLE: one piece, stored as it comes
+                            SINGLE: tl.constexpr = False, TAIL: tl.constexpr = False, a_ptr=None, b_ptr=None,
+                            stride_a=0, stride_b=0):
+    # Without TAIL, K_PIECE is a multiple of BLOCK_K (the host checks): a piece's TMA boxes never reach into the next
+    # piece. TAIL: a piece's whole tiles through TMA, its last partial one through pointers (_tail_tiles; a_ptr,
+    # b_ptr: the stored operands, stride_a, stride_b their row strides). A_KM / B_KN: the operands are stored
+    # transposed ([K, M] / [K, N]); SINGLE: one piece, stored as it comes
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    k_tiles = tl.cdiv(K_PIECE, BLOCK_K)
+    k_tiles = K_PIECE // BLOCK_K if TAIL else tl.cdiv(K_PIECE, BLOCK_K)  # the TMA boxes of a piece
     for tile_id in tl.range(pid, num_tiles, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -110,6 +137,10 @@ def _mm_k_pieces_tma_kernel(a_desc, b_desc, c_ptr, M, N, K_PIECE, PIECES, stride
                 for ki in range(k_tiles):  # the piece's k = 0, 64, 128, ...: _mm_tma_kernel's loop on the slice
                     a = _load_a(a_desc, off_m, k0 + ki * BLOCK_K, A_KM)
                     b = _load_bt(b_desc, off_n, k0 + ki * BLOCK_K, B_KN)
+                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                if TAIL:
+                    a, b = _tail_tiles(a_ptr, b_ptr, stride_a, stride_b, off_m, off_n, k0 + k_tiles * BLOCK_K,
+                                       k0 + K_PIECE, M, N, BLOCK_M, BLOCK_N, BLOCK_K, A_KM, B_KN)
                     acc = tl.dot(a, b, acc, input_precision=PRECISION)
                 total, c_slab = _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, STACK)
             if not STACK:
@@ -229,10 +260,10 @@ def _pieces_product(a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int, pi
     if use_tma is None:  # decided by the stored operands' row lengths, never by M alone
         es = a.element_size()
         strides_ok = all((size * es) % 16 == 0 for size in (m if a_km else k, n if b_kn else k, n))
-        use_tma = _store_usable(b) and strides_ok and (pieces == 1 or k_piece % cfg.block_k == 0)
-    if use_tma and pieces > 1 and k_piece % cfg.block_k:
-        raise ValueError(f"matmul_k_pieces: the TMA kernel needs pieces of whole K tiles ({k_piece} % "
-                         f"{cfg.block_k} != 0)")
+        # the backward's layouts take pieces of any length (TAIL); the forward keeps pieces of whole K tiles
+        whole = pieces == 1 or k_piece % cfg.block_k == 0 or a_km or b_kn or single
+        use_tma = _store_usable(b) and strides_ok and whole
+    tail = pieces > 1 and k_piece % cfg.block_k != 0  # (with TMA: the last partial tile through pointers)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = (min(tiles, sms * cfg.ctas_per_sm),)
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -246,7 +277,8 @@ def _pieces_product(a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int, pi
             a = a.contiguous() if not a.is_contiguous() else a.clone()  # fresh memory is aligned
         a_desc = TensorDescriptor.from_tensor(a, [cfg.block_k, cfg.block_m] if a_km else [cfg.block_m, cfg.block_k])
         b_desc = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
-        _mm_k_pieces_tma_kernel[grid](a_desc, b_desc, out, m, n, k_piece, pieces, stride_cp, n, **common)
+        extra = dict(TAIL=True, a_ptr=a, b_ptr=b, stride_a=a.stride(0), stride_b=b.stride(0)) if tail else {}
+        _mm_k_pieces_tma_kernel[grid](a_desc, b_desc, out, m, n, k_piece, pieces, stride_cp, n, **common, **extra)
     else:
         _mm_k_pieces_ptr_kernel[grid](a, b, out, m, n, k_piece, pieces, a.stride(0), b.stride(0), stride_cp, n,
                                       **common)
