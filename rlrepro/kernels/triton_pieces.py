@@ -257,13 +257,19 @@ def _pieces_product(a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int, pi
     sms = _device_sms(a)
     cfg = config or (pick_config(m, n, k, a.dtype, sms) if single else pick_pieces_config(m, n, a.dtype, sms))
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # as matmul
-    if use_tma is None:  # decided by the stored operands' row lengths, never by M alone
-        es = a.element_size()
-        strides_ok = all((size * es) % 16 == 0 for size in (m if a_km else k, n if b_kn else k, n))
-        # the backward's layouts take pieces of any length (TAIL); the forward keeps pieces of whole K tiles
-        whole = pieces == 1 or k_piece % cfg.block_k == 0 or a_km or b_kn or single
-        use_tma = _store_usable(b) and strides_ok and whole
+    es = a.element_size()
     tail = pieces > 1 and k_piece % cfg.block_k != 0  # (with TMA: the last partial tile through pointers)
+    # a piece's TMA boxes start at its first K index: where K is an operand's innermost dimension that offset must
+    # stay 16-byte aligned (the H200 raised "illegal instruction" for pieces of 125 bf16 columns)
+    starts_ok = pieces == 1 or (k_piece * es) % 16 == 0 or (a_km and b_kn)
+    if use_tma is None:  # decided by the stored operands' row lengths and the piece length, never by M alone
+        strides_ok = all((size * es) % 16 == 0 for size in (m if a_km else k, n if b_kn else k, n))
+        # the backward's layouts take pieces of any (aligned) length (TAIL); the forward keeps whole K tiles
+        whole = not tail or a_km or b_kn or single
+        use_tma = _store_usable(b) and strides_ok and starts_ok and whole
+    if use_tma and not starts_ok:
+        raise ValueError(f"matmul_k_pieces: TMA boxes cannot start at pieces of {k_piece} elements "
+                         f"({k_piece * es} bytes, not a multiple of 16)")
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = (min(tiles, sms * cfg.ctas_per_sm),)
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
