@@ -171,6 +171,23 @@ def test_metrics_difference_and_extra_steps(tmp_path, capsys):
     assert diff_runs(a, c, steps=range(1, 3)).steps_compared == [1, 2]
 
 
+def test_an_absent_finish_reason_share_equals_zero(tmp_path):
+    """Records before 2026-12-04 left out ``episodes/finish_<reason>_frac`` for a reason no episode ended with: an
+    absent share against 0.0 is no difference, against anything else it is."""
+    a = make_run(tmp_path / "a", steps=2, metrics_extra={1: {"episodes/finish_done_frac": 1.0}})
+    b = make_run(tmp_path / "b", steps=2, metrics_extra={1: {"episodes/finish_done_frac": 1.0,
+                                                              "episodes/finish_malformed_frac": 0.0}})
+    assert diff_runs(a, b).verdict == "identical"
+    c = make_run(tmp_path / "c", steps=2, metrics_extra={1: {"episodes/finish_done_frac": 0.75,
+                                                              "episodes/finish_malformed_frac": 0.25}})
+    rep = diff_runs(a, c)
+    assert rep.verdict == "diverged"
+    assert [(m.key, m.a, m.b) for m in rep.metric_diffs] == [("episodes/finish_done_frac", 1.0, 0.75),
+                                                              ("episodes/finish_malformed_frac", "<absent>", 0.25)]
+    d = make_run(tmp_path / "d", steps=2, metrics_extra={1: {"episodes/turns_mean": 0.0}})
+    assert diff_runs(make_run(tmp_path / "e", steps=2), d).verdict == "diverged"  # other keys: absent is absent
+
+
 def test_corrupt_fingerprints_exit_2_with_file_and_line(tmp_path, capsys):
     a = make_run(tmp_path / "a")
     b = make_run(tmp_path / "b")

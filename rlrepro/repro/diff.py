@@ -47,6 +47,9 @@ IGNORED_METRIC_PREFIXES = ("perf/",)
 # held-out evaluation (eval.every): compared where both runs logged it, not a difference where one run did not
 # evaluate (a run with eval on trains the same bits as one without)
 OPTIONAL_METRIC_PREFIXES = ("eval/",)
+# finish-reason shares (``episodes/finish_<reason>_frac``, ``eval/...``): records before 2026-12-04 left out a reason
+# no episode ended with, so an absent one equals 0.0
+_ZERO_WHEN_ABSENT = ("/finish_", "_frac")
 
 _ABSENT = "<absent>"
 
@@ -463,7 +466,10 @@ def _metric_diffs(step: int, ma: dict, mb: dict) -> list[MetricDiff]:
         a, b = ma.get(key, _ABSENT), mb.get(key, _ABSENT)
         if key.startswith(OPTIONAL_METRIC_PREFIXES) and (key not in ma or key not in mb):
             continue
-        if not float_bits_equal(a, b):
+        ca, cb = a, b  # the values compared (an absent finish share counts as 0.0); a and b are reported
+        if _ZERO_WHEN_ABSENT[0] in key and key.endswith(_ZERO_WHEN_ABSENT[1]) and _ABSENT in (a, b):
+            ca, cb = (0.0 if a == _ABSENT else a), (0.0 if b == _ABSENT else b)
+        if not float_bits_equal(ca, cb):
             out.append(MetricDiff(step, key, a, b))
     return out
 
