@@ -118,8 +118,9 @@ def test_fused_projections_are_bitwise_neutral_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_projections_under_tensor_parallel_emulation_are_bitwise_neutral_on_cuda():
     """Under emulation (``train.tp_partials`` / a TP trainer's engines) CUDA's column split is the one whole product,
-    so q|k|v and gate|up stay fused: the same logits and the same engine tokens and logprobs as the unfused model."""
-    for tp in (2, 4):
+    so q|k|v and gate|up stay fused: the same logits and the same engine tokens and logprobs as the unfused model
+    (emulated TP 2)."""
+    for tp in (2,):  # (the tiny model has 2 KV heads)
         ref = tiny_model(seed=0, dtype=torch.bfloat16).cuda().set_tensor_parallel_emulation(tp)
         fused = tiny_model(seed=0, dtype=torch.bfloat16).cuda().fuse_projections().set_tensor_parallel_emulation(tp)
         x = torch.zeros(2, fused.config.hidden_size, device="cuda", dtype=torch.bfloat16)
