@@ -47,9 +47,7 @@ IGNORED_METRIC_PREFIXES = ("perf/",)
 # held-out evaluation (eval.every): compared where both runs logged it, not a difference where one run did not
 # evaluate (a run with eval on trains the same bits as one without)
 OPTIONAL_METRIC_PREFIXES = ("eval/",)
-# finish-reason shares (``episodes/finish_<reason>_frac``, ``eval/...``): records before 2026-12-04 left out a reason
-# no episode ended with, so an absent one equals 0.0
-_ZERO_WHEN_ABSENT = ("/finish_", "_frac")
+_FINISH_SHARE = "*/finish_*_frac"  # absent from records before 2026-12-04 where no episode ended so: 0.0
 
 _ABSENT = "<absent>"
 
@@ -466,10 +464,8 @@ def _metric_diffs(step: int, ma: dict, mb: dict) -> list[MetricDiff]:
         a, b = ma.get(key, _ABSENT), mb.get(key, _ABSENT)
         if key.startswith(OPTIONAL_METRIC_PREFIXES) and (key not in ma or key not in mb):
             continue
-        ca, cb = a, b  # the values compared (an absent finish share counts as 0.0); a and b are reported
-        if _ZERO_WHEN_ABSENT[0] in key and key.endswith(_ZERO_WHEN_ABSENT[1]) and _ABSENT in (a, b):
-            ca, cb = (0.0 if a == _ABSENT else a), (0.0 if b == _ABSENT else b)
-        if not float_bits_equal(ca, cb):
+        zero = 0.0 if fnmatch.fnmatchcase(key, _FINISH_SHARE) else _ABSENT  # what an absent value compares as
+        if not float_bits_equal(zero if a == _ABSENT else a, zero if b == _ABSENT else b):
             out.append(MetricDiff(step, key, a, b))
     return out
 
