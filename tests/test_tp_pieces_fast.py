@@ -235,6 +235,20 @@ def check_grad_products_fp32():
 
 
 @interp_check
+def check_k_pieces_flattened_fp32():
+    """``RLREPRO_PIECES_FLATTEN=1`` (the pieces' K loops as one fused loop): the same per-piece products' sum."""
+    import os
+
+    fresh_seed()
+    os.environ["RLREPRO_PIECES_FLATTEN"] = "1"
+    try:
+        for m, k, n, parts in ((7, 256, 40, 4), (70, 128, 24, 2), (5, 160, 16, 4)):
+            assert compare_k_pieces("cpu", torch.float32, m, k, n, parts, note="interpreter, flattened")
+    finally:
+        os.environ.pop("RLREPRO_PIECES_FLATTEN")
+
+
+@interp_check
 def check_ordered_sum_fp32():
     fresh_seed()
     compare_ordered_sum("cpu", torch.float32, (5, 333))
@@ -439,6 +453,21 @@ def test_gpu_grad_products_read_operands_as_stored(dtype):
         for k, n, parts in ((2240, 1000, 8), (1024, 2048, 8), (192, 512, 2), (4096, 1216, 8)):
             checked += compare_grad_products("cuda", dtype, m, k, n, parts, configs, note=f"seed {seed}")
     assert checked
+
+
+@gpu
+@needs_cuda
+def test_gpu_k_pieces_flattened_keeps_the_bits(monkeypatch):
+    """``RLREPRO_PIECES_FLATTEN=1`` (an experiment, off by default): the fused pieces loop == the per-piece products."""
+    from rlrepro.kernels import triton_matmul as mm
+    from rlrepro.kernels import triton_pieces as pk
+
+    monkeypatch.setenv("RLREPRO_PIECES_FLATTEN", "1")
+    seed = fresh_seed()
+    configs = (None, *(mm.CONFIGS_16BIT[c] for c in (*pk.PIECES_SMALL_M, "128x128x64w8s4c1")))
+    for m in (1, 64, 300):
+        for k, n, parts in ((4096, 4096, 8), (12288, 512, 8), (2240, 1000, 8)):
+            assert compare_k_pieces("cuda", torch.bfloat16, m, k, n, parts, configs, note=f"flattened, seed {seed}")
 
 
 @gpu

@@ -9,6 +9,8 @@ config, kernel (TMA or pointers) or operand layout, which is what makes a TP ran
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -100,12 +102,31 @@ def _tail_tiles(a_ptr, b_ptr, stride_a, stride_b, off_m, off_n, k, k_end, M, N, 
 
 
 @triton.jit
+def _tma_piece(a_desc, b_desc, a_ptr, b_ptr, stride_a, stride_b, r, total, c_slab, off_m, off_n, rows, cols, M, N,
+               K_PIECE, k_tiles, stride_cm, stride_cp, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STACK: tl.constexpr, A_KM: tl.constexpr,
+               B_KN: tl.constexpr, TAIL: tl.constexpr):
+    # piece r of an output tile: its K chain from the piece's first index, rounded, added to the total (or stored)
+    k0 = r * K_PIECE
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(k_tiles):  # the piece's k = 0, 64, 128, ...: _mm_tma_kernel's loop on the slice
+        a = _load_a(a_desc, off_m, k0 + ki * BLOCK_K, A_KM)
+        b = _load_bt(b_desc, off_n, k0 + ki * BLOCK_K, B_KN)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if TAIL:
+        a, b = _tail_tiles(a_ptr, b_ptr, stride_a, stride_b, off_m, off_n, k0 + k_tiles * BLOCK_K, k0 + K_PIECE, M,
+                           N, BLOCK_M, BLOCK_N, BLOCK_K, A_KM, B_KN)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, STACK)
+
+
+@triton.jit
 def _mm_k_pieces_tma_kernel(a_desc, b_desc, c_ptr, M, N, K_PIECE, PIECES, stride_cp, stride_cm,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, PRECISION: tl.constexpr,
                             STACK: tl.constexpr, A_KM: tl.constexpr = False, B_KN: tl.constexpr = False,
                             SINGLE: tl.constexpr = False, TAIL: tl.constexpr = False, a_ptr=None, b_ptr=None,
-                            stride_a=0, stride_b=0):
+                            stride_a=0, stride_b=0, FLATTEN_PIECES: tl.constexpr = False):
     # Without TAIL, K_PIECE is a multiple of BLOCK_K (the host checks): a piece's TMA boxes never reach into the next
     # piece. TAIL: a piece's whole tiles through TMA, its last partial one through pointers (_tail_tiles; a_ptr,
     # b_ptr: the stored operands, stride_a, stride_b their row strides). A_KM / B_KN: the operands are stored
@@ -131,18 +152,22 @@ def _mm_k_pieces_tma_kernel(a_desc, b_desc, c_ptr, M, N, K_PIECE, PIECES, stride
             _store_tile(c_ptr, rows, cols, M, N, stride_cm, acc.to(c_ptr.dtype.element_ty))
         else:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for r in range(PIECES):
-                k0 = r * K_PIECE
+            if FLATTEN_PIECES and not TAIL:  # one K loop over all pieces (whole tiles): one software pipeline
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for ki in range(k_tiles):  # the piece's k = 0, 64, 128, ...: _mm_tma_kernel's loop on the slice
-                    a = _load_a(a_desc, off_m, k0 + ki * BLOCK_K, A_KM)
-                    b = _load_bt(b_desc, off_n, k0 + ki * BLOCK_K, B_KN)
+                for t in range(PIECES * k_tiles):  # piece t // k_tiles, its tile t % k_tiles: k = t * BLOCK_K
+                    a = _load_a(a_desc, off_m, t * BLOCK_K, A_KM)
+                    b = _load_bt(b_desc, off_n, t * BLOCK_K, B_KN)
                     acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                if TAIL:
-                    a, b = _tail_tiles(a_ptr, b_ptr, stride_a, stride_b, off_m, off_n, k0 + k_tiles * BLOCK_K,
-                                       k0 + K_PIECE, M, N, BLOCK_M, BLOCK_N, BLOCK_K, A_KM, B_KN)
-                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                total, c_slab = _add_piece(acc, r, total, c_slab, rows, cols, M, N, stride_cm, stride_cp, STACK)
+                    if t % k_tiles == k_tiles - 1:  # the piece's chain is complete: round, add, start the next
+                        total, c_slab = _add_piece(acc, t // k_tiles, total, c_slab, rows, cols, M, N, stride_cm,
+                                                   stride_cp, STACK)
+                        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            else:
+                for r in range(PIECES):
+                    total, c_slab = _tma_piece(a_desc, b_desc, a_ptr, b_ptr, stride_a, stride_b, r, total, c_slab,
+                                               off_m, off_n, rows, cols, M, N, K_PIECE, k_tiles, stride_cm,
+                                               stride_cp, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, STACK, A_KM, B_KN,
+                                               TAIL)
             if not STACK:
                 _store_tile(c_ptr, rows, cols, M, N, stride_cm, total.to(c_ptr.dtype.element_ty))
 
@@ -231,6 +256,17 @@ def matmul_k_pieces(x2d: torch.Tensor, weight: torch.Tensor, pieces: int, stack:
     return _pieces_product(x2d, weight, m, n, k, pieces, stack, False, False, False, config, use_tma)
 
 
+def _flatten_pieces() -> bool:
+    """``RLREPRO_PIECES_FLATTEN=1``: the TMA kernel runs the pieces' K loops as one loop, rounding and adding at
+    each piece's last tile (the same operations in the same order, so the same bits), an experiment against the
+    software pipeline restarting at every piece (the engine's decode at P=8: 8 K tiles a piece for o_proj). Off by
+    default until measured on a GPU."""
+    value = os.environ.get("RLREPRO_PIECES_FLATTEN", "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"RLREPRO_PIECES_FLATTEN must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
 def _store_usable(t: torch.Tensor) -> bool:
     """A stored operand a TMA descriptor can read: 16-byte aligned base and row stride (decided by its shape)."""
     return TensorDescriptor is not None and _aligned(t)
@@ -284,6 +320,8 @@ def _pieces_product(a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int, pi
         a_desc = TensorDescriptor.from_tensor(a, [cfg.block_k, cfg.block_m] if a_km else [cfg.block_m, cfg.block_k])
         b_desc = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
         extra = dict(TAIL=True, a_ptr=a, b_ptr=b, stride_a=a.stride(0), stride_b=b.stride(0)) if tail else {}
+        if pieces > 1 and not single and not tail and _flatten_pieces():
+            extra["FLATTEN_PIECES"] = True
         _mm_k_pieces_tma_kernel[grid](a_desc, b_desc, out, m, n, k_piece, pieces, stride_cp, n, **common, **extra)
     else:
         _mm_k_pieces_ptr_kernel[grid](a, b, out, m, n, k_piece, pieces, a.stride(0), b.stride(0), stride_cp, n,
