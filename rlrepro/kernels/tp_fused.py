@@ -9,8 +9,9 @@ over K from k = 0, whatever the M/N tiling, so
   loop, from the piece's first column), rounding it, and adding the rounded partials in piece order in float32.
 
 The same identity (a slice of a ``triton_matmul.matmul`` output has the bits of the product on the sliced operand)
-gives the backward without per-piece products: each gradient is ONE Triton product on transposed contiguous copies
-(``triton_pieces.linear_grad_input`` / ``linear_grad_weight``), and a piece's gradient is its slice:
+gives the backward without per-piece products: each gradient is ONE Triton product reading the stored operands as
+their transposes (``triton_pieces.linear_grad_input`` / ``linear_grad_weight``: no transposed copies), and a piece's
+gradient is its slice:
 
 * row-parallel (``weight [N, K_shard]``): ``grad_x = g @ weight`` and ``grad_w = g^T @ x``, the pieces' K-slices
   of the two products over the shard (the concatenation the per-piece graphs make);
