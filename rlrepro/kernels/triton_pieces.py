@@ -301,7 +301,7 @@ def _pieces_product(a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int, pi
     if use_tma is None:  # decided by the stored operands' row lengths and the piece length, never by M alone
         strides_ok = all((size * es) % 16 == 0 for size in (m if a_km else k, n if b_kn else k, n))
         # the backward's layouts take pieces of any (aligned) length (TAIL); the forward keeps whole K tiles
-        whole = not tail or a_km or b_kn or single
+        whole = not tail or a_km or b_kn
         use_tma = _store_usable(b) and strides_ok and starts_ok and whole
     if use_tma and not starts_ok:
         raise ValueError(f"matmul_k_pieces: TMA boxes cannot start at pieces of {k_piece} elements "
@@ -320,7 +320,7 @@ def _pieces_product(a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int, pi
         a_desc = TensorDescriptor.from_tensor(a, [cfg.block_k, cfg.block_m] if a_km else [cfg.block_m, cfg.block_k])
         b_desc = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
         extra = dict(TAIL=True, a_ptr=a, b_ptr=b, stride_a=a.stride(0), stride_b=b.stride(0)) if tail else {}
-        if pieces > 1 and not single and not tail and _flatten_pieces():
+        if pieces > 1 and not tail and _flatten_pieces():
             extra["FLATTEN_PIECES"] = True
         _mm_k_pieces_tma_kernel[grid](a_desc, b_desc, out, m, n, k_piece, pieces, stride_cp, n, **common, **extra)
     else:
