@@ -65,6 +65,8 @@ add_step layout_invariance 400 "\$PY benchmarks/bench_layout_invariance.py --dev
 # the same at the recipe's sequence shape (1k prompt + 2k completion tokens, micro-batches of 4: 12k tokens each)
 LAYOUT_LONG_ARGS="--hidden 4096 --layers 2 --heads 32 --kv-heads 8 --head-dim 128 --intermediate 12288 --vocab 151936 --num-samples 16 --prompt-len 1024 --completion-len 2048 --micro-batch-size 4 --tp-partials 8 --warmup 1 --steps 2"
 add_step layout_invariance_long 400 "\$PY benchmarks/bench_layout_invariance.py --device cuda $LAYOUT_LONG_ARGS \${LAYOUT_BENCH_ARGS:-}"
+# the pieces' products one by one against the plain step's (Triton forward, cuBLAS backward), every tile config
+add_step pieces_products 420 '$PY benchmarks/bench_pieces_products.py ${PIECES_BENCH_ARGS:---sweep} --out "$OUT/pieces_products.md"'
 add_step layout_invariance_dp2 500 "\$PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_layout_invariance.py --device cuda $LAYOUT_ARGS"
 add_step engine_tp_pieces 500 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --no-hf --tp-emulation 1,8 --json "$OUT/engine_tp_pieces.json"'
 # the same with RLREPRO_PIECES_FLATTEN=0 then 1 (one K loop over the pieces, an experiment; the same bits), and the

@@ -236,14 +236,16 @@ def check_grad_products_fp32():
 
 @interp_check
 def check_k_pieces_flattened_fp32():
-    """``RLREPRO_PIECES_FLATTEN=1`` (the pieces' K loops as one fused loop): the same per-piece products' sum."""
+    """``RLREPRO_PIECES_FLATTEN`` 1 (the pieces' K loops as one fused loop) and 0 (a loop a piece; ``auto`` picks
+    per piece length): each the same per-piece products' sum."""
     import os
 
     fresh_seed()
-    os.environ["RLREPRO_PIECES_FLATTEN"] = "1"
     try:
-        for m, k, n, parts in ((7, 256, 40, 4), (70, 128, 24, 2), (5, 160, 16, 4)):
-            assert compare_k_pieces("cpu", torch.float32, m, k, n, parts, note="interpreter, flattened")
+        for value in ("1", "0"):
+            os.environ["RLREPRO_PIECES_FLATTEN"] = value
+            for m, k, n, parts in ((7, 256, 40, 4), (70, 128, 24, 2), (5, 160, 16, 4)):
+                assert compare_k_pieces("cpu", torch.float32, m, k, n, parts, note=f"interpreter, flatten={value}")
     finally:
         os.environ.pop("RLREPRO_PIECES_FLATTEN")
 
@@ -392,6 +394,22 @@ def test_no_grad_pieces_build_no_graph_and_keep_the_bits():
             assert out2.grad_fn is None and torch.equal(out2, out)
 
 
+def test_flatten_rule_follows_the_piece_length_and_the_variable(monkeypatch):
+    """``RLREPRO_PIECES_FLATTEN``: auto flattens pieces of at most FLATTEN_MAX_TILES K tiles; 0/1 force; a bad value
+    names itself and the choices."""
+    from rlrepro.kernels import triton_pieces as pk
+
+    monkeypatch.delenv("RLREPRO_PIECES_FLATTEN", raising=False)
+    assert pk._flatten_pieces(pk.FLATTEN_MAX_TILES) and not pk._flatten_pieces(pk.FLATTEN_MAX_TILES + 1)
+    monkeypatch.setenv("RLREPRO_PIECES_FLATTEN", "0")
+    assert not pk._flatten_pieces(1)
+    monkeypatch.setenv("RLREPRO_PIECES_FLATTEN", "1")
+    assert pk._flatten_pieces(1000)
+    monkeypatch.setenv("RLREPRO_PIECES_FLATTEN", "yes")
+    with pytest.raises(ValueError, match="'yes'.*auto, 0 or 1|auto, 0 or 1.*'yes'"):
+        pk._flatten_pieces(1)
+
+
 # ============================================================================================ GPU
 GPU_MS = (1, 7, 300)
 GPU_PARTS = (1, 2, 4, 8)
@@ -457,17 +475,20 @@ def test_gpu_grad_products_read_operands_as_stored(dtype):
 
 @gpu
 @needs_cuda
-def test_gpu_k_pieces_flattened_keeps_the_bits(monkeypatch):
-    """``RLREPRO_PIECES_FLATTEN=1`` (an experiment, off by default): the fused pieces loop == the per-piece products."""
+@pytest.mark.parametrize("flatten", ["1", "0"])
+def test_gpu_k_pieces_flattened_keeps_the_bits(monkeypatch, flatten):
+    """``RLREPRO_PIECES_FLATTEN`` 1 (one K loop over the pieces) and 0 (a loop a piece), which ``auto`` (the default)
+    picks between by the piece length: each == the per-piece products."""
     from rlrepro.kernels import triton_matmul as mm
     from rlrepro.kernels import triton_pieces as pk
 
-    monkeypatch.setenv("RLREPRO_PIECES_FLATTEN", "1")
+    monkeypatch.setenv("RLREPRO_PIECES_FLATTEN", flatten)
     seed = fresh_seed()
     configs = (None, *(mm.CONFIGS_16BIT[c] for c in (*pk.PIECES_SMALL_M, "128x128x64w8s4c1")))
     for m in (1, 64, 300):
         for k, n, parts in ((4096, 4096, 8), (12288, 512, 8), (2240, 1000, 8)):
-            assert compare_k_pieces("cuda", torch.bfloat16, m, k, n, parts, configs, note=f"flattened, seed {seed}")
+            assert compare_k_pieces("cuda", torch.bfloat16, m, k, n, parts, configs,
+                                    note=f"flatten={flatten}, seed {seed}")
 
 
 @gpu

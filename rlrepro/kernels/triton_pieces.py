@@ -228,9 +228,11 @@ def _mm_k_pieces_ptr_kernel(a_ptr, b_ptr, c_ptr, M, N, K_PIECE, PIECES, stride_a
 
 
 # Configs of matmul_k_pieces: a piece's accumulator and the total are both float32 tiles in registers, so at most
-# 64 + 64 registers a thread for the two (the 128x256 and 64x256 tiles would spill).
+# 64 + 64 registers a thread for the two (the 128x256 and 64x256 tiles would spill). The relative speeds per
+# output element are the H200's (benchmarks/bench_pieces_products.py --sweep at the 8B width, P=8): the 128x128
+# tile was 1.2-2.9x faster than the smaller ones on every product there.
 PIECES_SMALL_M = ("64x128x64w4s8c1", "64x64x64w4s10c1")
-PIECES_LARGE_M_CANDIDATES = (("128x128x64w8s4c1", 0.92), ("64x128x64w4s8c1", 0.80), ("64x64x64w4s6c2", 0.70))
+PIECES_LARGE_M_CANDIDATES = (("128x128x64w8s4c1", 1.00), ("64x128x64w4s8c1", 0.60), ("64x64x64w4s6c2", 0.45))
 
 
 def pick_pieces_config(m: int, n: int, dtype: torch.dtype, sms: int) -> MatmulConfig:
@@ -256,15 +258,22 @@ def matmul_k_pieces(x2d: torch.Tensor, weight: torch.Tensor, pieces: int, stack:
     return _pieces_product(x2d, weight, m, n, k, pieces, stack, False, False, False, config, use_tma)
 
 
-def _flatten_pieces() -> bool:
-    """``RLREPRO_PIECES_FLATTEN=1``: the TMA kernel runs the pieces' K loops as one loop, rounding and adding at
-    each piece's last tile (the same operations in the same order, so the same bits), an experiment against the
-    software pipeline restarting at every piece (the engine's decode at P=8: 8 K tiles a piece for o_proj). Off by
-    default until measured on a GPU."""
-    value = os.environ.get("RLREPRO_PIECES_FLATTEN", "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"RLREPRO_PIECES_FLATTEN must be 0 or 1, not {value!r}")
-    return value == "1"
+FLATTEN_MAX_TILES = 16  # automatic: one K loop over the pieces when a piece has at most this many K tiles
+
+
+def _flatten_pieces(k_tiles: int) -> bool:
+    """Whether the TMA kernel runs the pieces' K loops as one loop, rounding and adding at each piece's last tile
+    (the same operations in the same order, so the same bits; ``tests/test_tp_pieces_fast.py`` checks it on the GPU)
+    rather than one loop a piece, whose software pipeline restarts at every piece. ``RLREPRO_PIECES_FLATTEN``:
+    unset or ``auto`` (default) flattens pieces of at most ``FLATTEN_MAX_TILES`` K tiles, where the restarts cost
+    most; ``0`` never, ``1`` always. On the H200 at the 8B width and P=8 (benchmarks/bench_pieces_products.py
+    --sweep, 128x128 tiles) the one loop was 1.09-1.13x faster for pieces of 8 and 12 tiles (o_proj's forward,
+    q|k|v's input gradient) and 0.84-0.87x as fast for pieces of 24 and 48 (down_proj's forward, gate|up's input
+    gradient). Decided by the piece length only, never by M."""
+    value = os.environ.get("RLREPRO_PIECES_FLATTEN", "auto").strip()
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"RLREPRO_PIECES_FLATTEN must be auto, 0 or 1, not {value!r}")
+    return value == "1" or (value == "auto" and k_tiles <= FLATTEN_MAX_TILES)
 
 
 def _store_usable(t: torch.Tensor) -> bool:
@@ -320,7 +329,7 @@ def _pieces_product(a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int, pi
         a_desc = TensorDescriptor.from_tensor(a, [cfg.block_k, cfg.block_m] if a_km else [cfg.block_m, cfg.block_k])
         b_desc = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
         extra = dict(TAIL=True, a_ptr=a, b_ptr=b, stride_a=a.stride(0), stride_b=b.stride(0)) if tail else {}
-        if pieces > 1 and not tail and _flatten_pieces():
+        if pieces > 1 and not tail and _flatten_pieces(triton.cdiv(k_piece, cfg.block_k)):
             extra["FLATTEN_PIECES"] = True
         _mm_k_pieces_tma_kernel[grid](a_desc, b_desc, out, m, n, k_piece, pieces, stride_cp, n, **common, **extra)
     else:
