@@ -75,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per-piece", action="store_true", help="also time the P pieces one by one "
                    "(RLREPRO_TP_PIECES=per-piece: the same forward bits; what the CUDA fused path replaces)")
+    p.add_argument("--rounds", type=int, default=1, help="time the configurations in turn this many times and "
+                   "print each round's ratios and their medians (step times drift by several percent between "
+                   "blocks of steps)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile one more step of each configuration (torch.profiler) and print its "
                         "N most expensive kernels by device time")
@@ -260,16 +263,27 @@ def main(argv=None) -> None:
     # otherwise land on whichever configuration runs first
     time_config(argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0, "profile": 0}), device, dtype,
                 data_parallel)
-    base = base_peak = None
-    for label, train, env in configs:
-        seconds, peak, table = time_config(args, device, dtype, data_parallel, env=env, **train)
-        base = base or seconds
-        base_peak = base_peak or peak
-        if rank0:
-            print(f"  {label:<36} {seconds * 1e3:10.1f} ms/step   x{seconds / base:.3f} of off   "
-                  f"{_gib(peak, base_peak)}", flush=True)
-            if table:
-                print(table, flush=True)
+    ratios: dict[str, list[float]] = {label: [] for label, _, _ in configs}
+    for round_ in range(args.rounds):
+        if rank0 and args.rounds > 1:
+            print(f"round {round_ + 1} of {args.rounds}", flush=True)
+        base = base_peak = None
+        for label, train, env in configs:
+            seconds, peak, table = time_config(args if round_ == 0 else argparse.Namespace(
+                **{**vars(args), "profile": 0}), device, dtype, data_parallel, env=env, **train)
+            base = base or seconds
+            base_peak = base_peak or peak
+            ratios[label].append(seconds / base)
+            if rank0:
+                print(f"  {label:<36} {seconds * 1e3:10.1f} ms/step   x{seconds / base:.3f} of off   "
+                      f"{_gib(peak, base_peak)}", flush=True)
+                if table:
+                    print(table, flush=True)
+    if rank0 and args.rounds > 1:
+        print(f"median over {args.rounds} rounds of the step time / off's in the same round:")
+        for label, values in ratios.items():
+            print(f"  {label:<36} x{statistics.median(values):.3f}   (rounds: "
+                  f"{', '.join(f'x{v:.3f}' for v in values)})", flush=True)
     if data_parallel is not None:
         import torch.distributed as dist
 

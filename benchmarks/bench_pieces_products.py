@@ -27,10 +27,15 @@ import triton  # noqa: E402
 from rlrepro.kernels import triton_matmul as mm  # noqa: E402
 from rlrepro.kernels import triton_pieces as pk  # noqa: E402
 
-# (name, kind, N_out, K_in, tokens): a layer's linears at a 12,288-token micro-batch, the LM head at 8,192
-LINEARS = [("qkv_proj", "column", 6144, 4096, 12288), ("o_proj", "row", 4096, 4096, 12288),
-           ("gate_up_proj", "column", 24576, 4096, 12288), ("down_proj", "row", 4096, 12288, 12288),
-           ("lm_head", "column", 151936, 4096, 8192)]
+# (name, kind, N_out, K_in, tokens): a layer's linears as the trainer runs them (q, k, v and gate, up one product
+# each) at a 12,288-token micro-batch, the LM head at 8,192; --fused: q|k|v and gate|up as one product each
+LINEARS = [("q_proj", "column", 4096, 4096, 12288), ("k_proj", "column", 1024, 4096, 12288),
+           ("v_proj", "column", 1024, 4096, 12288), ("o_proj", "row", 4096, 4096, 12288),
+           ("gate_proj", "column", 12288, 4096, 12288), ("up_proj", "column", 12288, 4096, 12288),
+           ("down_proj", "row", 4096, 12288, 12288), ("lm_head", "column", 151936, 4096, 8192)]
+LINEARS_FUSED = [("qkv_proj", "column", 6144, 4096, 12288), ("o_proj", "row", 4096, 4096, 12288),
+                 ("gate_up_proj", "column", 24576, 4096, 12288), ("down_proj", "row", 4096, 12288, 12288),
+                 ("lm_head", "column", 151936, 4096, 8192)]
 LINES: list[str] = []
 
 
@@ -94,6 +99,7 @@ def main() -> int:
     ap.add_argument("--pieces", type=int, default=8)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated linear names")
+    ap.add_argument("--fused", action="store_true", help="q|k|v and gate|up as one product each (the engine's)")
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "bench_pieces_products.md")
                     if os.environ.get("OUT") else None)
     args = ap.parse_args()
@@ -106,7 +112,7 @@ def main() -> int:
     totals = [0.0, 0.0]
     sweeps = []
     torch.manual_seed(0)
-    for name, kind, n, k, tokens in LINEARS:
+    for name, kind, n, k, tokens in LINEARS_FUSED if args.fused else LINEARS:
         if args.only and name not in args.only.split(","):
             continue
         x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)

@@ -494,6 +494,34 @@ def test_gpu_k_pieces_flattened_keeps_the_bits(monkeypatch, flatten):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_head_group_norm_backward_without_graphs_keeps_the_bits(monkeypatch, dtype):
+    """``tp.head_group_rms_norm``'s backward calling the Triton norm's backward directly == the autograd a head group
+    it replaced (``tp._direct_norm_grads`` giving none), and run to run equal."""
+    from rlrepro.kernels import tp
+
+    seed = fresh_seed()
+
+    def grads():
+        x = torch.randn(300, 32, 128, device="cuda").to(dtype).requires_grad_(True)
+        w = (1 + 0.1 * torch.randn(128, device="cuda")).to(dtype).requires_grad_(True)
+        y = tp.head_group_rms_norm(x, w, 1e-6, 8)
+        return (y, *torch.autograd.grad(y, (x, w), torch.randn_like(y)))
+
+    def with_seed(fn):
+        torch.manual_seed(seed)
+        return fn()
+
+    direct, again = with_seed(grads), with_seed(grads)
+    assert tp._direct_norm_grads(direct[0]) is not None
+    monkeypatch.setattr(tp, "_direct_norm_grads", lambda x: None)
+    autograd = with_seed(grads)
+    for a, b, c in zip(direct, again, autograd):
+        assert torch.equal(a, b) and torch.equal(a, c), f"seed {seed}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_ordered_sum(dtype):
     fresh_seed()
     compare_ordered_sum("cuda", dtype, (300, 2049))

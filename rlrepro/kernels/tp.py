@@ -407,6 +407,13 @@ class _RowPieces(torch.autograd.Function):
         return gx, torch.cat(gws, dim=1), None, None
 
 
+def _direct_norm_grads(x: torch.Tensor):
+    """The kernels' rms_norm backward as a function without autograd (``triton_ops.rms_norm_grads``), or None."""
+    from rlrepro import kernels
+
+    return getattr(kernels._impl(x), "rms_norm_grads", None)
+
+
 class _HeadGroupNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, parts, group):
@@ -423,8 +430,17 @@ class _HeadGroupNorm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         heads = x.shape[-2]
         gxs, gws = [], []
+        # the Triton kernels' own backward called directly (the bits of the autograd below, without a graph or a
+        # second forward a head group); other kernels: autograd through their rms_norm
+        grads = _direct_norm_grads(x)
         for r in range(ctx.parts):
             a, b = shard_range(heads, ctx.parts, r, "the heads of a per-head norm")
+            if grads is not None:
+                gx, gw = grads(x.detach()[..., a:b, :].contiguous(), weight.detach(), grad[..., a:b, :].contiguous(),
+                               ctx.eps)
+                gxs.append(gx)
+                gws.append(gw)
+                continue
             with torch.enable_grad():
                 xs = x.detach()[..., a:b, :].contiguous().requires_grad_(True)
                 ws = weight.detach().requires_grad_(True)

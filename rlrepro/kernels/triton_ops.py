@@ -72,21 +72,28 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        if _rowwise_bwd_impl() == "triton" and _rw.rms_norm_bwd_supported(x.shape[-1]):
-            gx, gw = _rw.rms_norm_bwd(x, weight, grad, ctx.eps, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-            return gx, gw, None
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        y = xf * rstd
-        gf = grad.float()
-        gx = gw = None
-        if ctx.needs_input_grad[1]:
-            normed = y.to(x.dtype).float()
-            gw = (gf * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        if ctx.needs_input_grad[0]:
-            gy = gf * weight.float()
-            gx = (rstd * (gy - y * (gy * y).mean(-1, keepdim=True))).to(x.dtype)
+        gx, gw = rms_norm_grads(x, weight, grad, ctx.eps, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return gx, gw, None
+
+
+def rms_norm_grads(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float, need_gx: bool = True,
+                   need_gw: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of :func:`rms_norm` for the output gradient ``grad``: what its autograd backward returns,
+    without building a graph or running the forward again (``rlrepro.kernels.tp``'s per-head-group norm)."""
+    if _rowwise_bwd_impl() == "triton" and _rw.rms_norm_bwd_supported(x.shape[-1]):
+        return _rw.rms_norm_bwd(x, weight, grad, eps, need_gx, need_gw)
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = xf * rstd
+    gf = grad.float()
+    gx = gw = None
+    if need_gw:
+        normed = y.to(x.dtype).float()
+        gw = (gf * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    if need_gx:
+        gy = gf * weight.float()
+        gx = (rstd * (gy - y * (gy * y).mean(-1, keepdim=True))).to(x.dtype)
+    return gx, gw
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
