@@ -15,6 +15,8 @@
 #                 (CUDA IPC weight sync of the full 8B policy; p1 = p2?)
 #   GRPO_SET=pipeline (1 GPU, colocated): q0 (rollout.max_staleness=0), q1/q1b/q1c (K=1: two runs and other engine
 #                 settings, diffed), q2 (K=2); step and phase times for docs/BENCHMARKS.md
+#   GRPO_SET=layout (1 GPU, colocated): l1 and l2, train.layout_invariant=true train.tp_partials=8 (l1 = l2?,
+#                 on-policy: max lp diff 0.0)
 #   GRPO_SET=eight (8 GPUs): x1 and x2, the recipe's own layout (megatron TP=1 trainer data parallel over 4 GPUs
 #                 with ZeRO-1, 4 engines on their own GPUs; x1 = x2?)
 # GRPO_ONLY="g h m0" (set two) runs only the named runs (g always: it creates the weights).
@@ -77,6 +79,13 @@ elif [ "$SET" = pipeline ]; then
   diffrun q1 q1c "K=1, other engine batch settings"
   train q2 "${PIPE[@]}" rollout.max_staleness=2 train.decoupled=true train.is_correction=tis
   RUNS="q0 q1 q1b q1c q2"
+elif [ "$SET" = layout ]; then
+  # train.layout_invariant with 8 TP pieces (issue #26) on 1 GPU, colocated: l1 (creates the weights) and l2 (= l1?);
+  # the engine emulates the 8 pieces, so "max lp diff" (trainer vs rollout logprobs) must be 0.0
+  LAYOUT=("${ONE[@]}" train.layout_invariant=true train.tp_partials=8)
+  first l1 "${LAYOUT[@]}"
+  want l2 && { train l2 "${LAYOUT[@]}"; diffrun l1 l2 "two runs, layout_invariant with 8 pieces"; }
+  RUNS=$(for n in l1 l2; do [ -d "$W/$n" ] && echo "$n"; done)
 elif [ "$SET" = eight ]; then
   # the recipe's own layout for one 8-GPU node (nvidia-h200-x8): 4 engines on GPUs of their own, the trainer
   # (megatron TP=1, DP=4, ZeRO-1) on the other 4, NCCL broadcast; GRPO_LAYERS=36 for the full model, 2 to compare
@@ -144,7 +153,7 @@ for name in names:
           + ", ".join(f"{v:.1f} ({k})" for k, v in mem.items()) + f" | {lp:.3g} |")
 PYEOF
 # the two-run overlay (reward, loss, KL, entropy, length, grad norm): the curves lie on top of each other
-case $SET in one) PAIR="a b" ;; pipeline) PAIR="q1 q1b" ;; eight) PAIR="x1 x2" ;; full) PAIR="p1 p2" ;; *) PAIR="g h" ;; esac
+case $SET in one) PAIR="a b" ;; layout) PAIR="l1 l2" ;; pipeline) PAIR="q1 q1b" ;; eight) PAIR="x1 x2" ;; full) PAIR="p1 p2" ;; *) PAIR="g h" ;; esac
 PLOT_RUNS=$(for n in $PAIR; do [ -d "$W/$n" ] && echo "$W/$n"; done)
 if [ "$(echo "$PLOT_RUNS" | wc -w)" -eq 2 ]; then  # GRPO_ONLY may have left one of the pair out
   $PY -m rlrepro.cli plot $PLOT_RUNS --out "$R/plots" > /dev/null 2>&1 || log "plot failed"
