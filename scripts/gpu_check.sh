@@ -69,8 +69,8 @@ add_step layout_invariance_long 400 "\$PY benchmarks/bench_layout_invariance.py 
 add_step pieces_products 420 '$PY benchmarks/bench_pieces_products.py ${PIECES_BENCH_ARGS:---sweep} --out "$OUT/pieces_products.md"'
 add_step layout_invariance_dp2 500 "\$PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_layout_invariance.py --device cuda $LAYOUT_ARGS"
 add_step engine_tp_pieces 500 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --no-hf --tp-emulation 1,8 --json "$OUT/engine_tp_pieces.json"'
-# the same with RLREPRO_PIECES_FLATTEN=0 then 1 (one K loop over the pieces, an experiment; the same bits), and the
-# bit tests of that kernel first
+# the same with RLREPRO_PIECES_FLATTEN=0 then 1 (one K loop over the pieces; the default, auto, flattens pieces of
+# <= 16 K tiles; the same bits), and the bit tests of that kernel first
 add_step engine_tp_pieces_flatten 560 '$PY -m pytest -m gpu -q -p no:cacheprovider tests/test_tp_pieces_fast.py -k flattened && for f in 0 1; do RLREPRO_PIECES_FLATTEN=$f $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --no-hf --tp-emulation 1,8 --json "$OUT/engine_tp_pieces_flatten$f.json" || exit 1; done'
 add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'
 add_step grpo 560 'kit && GRPO_SET=one bash scripts/gpu_grpo.sh'
