@@ -49,6 +49,9 @@ add_step env 60 '
   $PY -c "import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0)); print(\"triton\", triton.__version__)"
   $PY -m pytest --version'
 add_step gpu_tests 300 'kit && $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_PATHS:-tests/}'
+# the same tests, a pytest process per test function, 8 at once (compiling is most of their time, on the CPU): the
+# whole GPU suite within one device call; a log per function under gpu_tests_par/
+add_step gpu_tests_par 560 'kit && fi_kit && $PY scripts/gpu_tests_parallel.py --jobs ${GPU_TEST_JOBS:-8} --budget ${GPU_TEST_BUDGET:-520} --out "$OUT/gpu_tests_par" ${GPU_TEST_PATHS:-tests/}'
 # the fast mode's flashinfer paths and long-context attention (issue #27); flashinfer JIT-compiles on first use
 add_step fast_tests 420 'kit && fi_kit && $PY -m pytest -m gpu -q -p no:cacheprovider ${FAST_TEST_PATHS:-tests/test_attention_gpu_long.py}'
 # the attention backward's tile configs against SDPA's flash backward (issue #27)

@@ -1,0 +1,59 @@
+"""scripts/gpu_tests_parallel.py (the GPU suite as parallel pytest processes): its counts, failing ids and exit code,
+on a throwaway test module whose tests carry the ``gpu`` marker but need no GPU."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_runner():
+    spec = importlib.util.spec_from_file_location("gpu_tests_parallel", ROOT / "scripts" / "gpu_tests_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MODULE = '''
+import pytest
+
+@pytest.mark.gpu
+def test_ok():
+    assert 1 + 1 == 2
+
+@pytest.mark.gpu
+def test_bad():
+    assert 1 + 1 == 3
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_skipped(n):
+    pytest.skip("no device here")
+
+def test_not_gpu():
+    raise AssertionError("not selected by -m gpu")
+'''
+
+
+def test_counts_failures_and_exit_code(tmp_path, capsys):
+    runner = load_runner()
+    module = tmp_path / "test_fake_gpu.py"
+    module.write_text(MODULE)
+    code = runner.main([str(module), "--jobs", "2", "--out", str(tmp_path / "logs")])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "5 tests in 3 groups" in out
+    assert "total: 1 passed, 1 failed, 0 errors, 3 skipped" in out
+    assert "FAILING: " in out and "test_bad" in out.split("FAILING: ")[1]
+    assert len(list((tmp_path / "logs").glob("*.log"))) == 3
+
+
+def test_groups_past_the_budget_are_reported_not_run(tmp_path, capsys):
+    runner = load_runner()
+    module = tmp_path / "test_fake_gpu.py"
+    module.write_text(MODULE.replace("assert 1 + 1 == 3", "assert True"))
+    code = runner.main([str(module), "--jobs", "1", "--budget", "0", "--out", str(tmp_path / "logs")])
+    out = capsys.readouterr().out
+    assert code == 2, out
+    assert out.count("not run: ") == 3
