@@ -166,3 +166,22 @@ def test_entropy_gradient_is_the_same_chunked_or_not(model, deterministic_torch)
     model.zero_grad(set_to_none=True)
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+def test_entropy_is_the_tensor_zeros_form_bit_for_bit():
+    """``entropy`` zeroes the log with a scalar 0.0: the same values and gradient, bit for bit, as the form with a
+    ``zeros_like`` tensor it replaced (rows with -inf log-probs included), in float32 and float64."""
+    def with_zeros_tensor(log_probs):
+        p = log_probs.exp()
+        return -(p * torch.where(p > 0, log_probs, torch.zeros_like(log_probs))).sum(dim=-1)
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(37, 1000, generator=gen, dtype=dtype) * 8
+        x[3, :500] = -float("inf")
+        log_probs = torch.log_softmax(x, dim=-1)
+        a, b = log_probs.clone().requires_grad_(True), log_probs.clone().requires_grad_(True)
+        ours, theirs = entropy(a), with_zeros_tensor(b)
+        g = torch.randn(37, generator=gen, dtype=dtype)
+        (ga,), (gb,) = torch.autograd.grad(ours, a, g), torch.autograd.grad(theirs, b, g)
+        assert torch.equal(ours, theirs) and torch.equal(ga, gb) and not torch.isnan(ga).any()

@@ -33,9 +33,10 @@ def tempered_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torc
 
 def entropy(log_probs: torch.Tensor) -> torch.Tensor:
     """Entropy ``-sum_v p_v log p_v`` over the last dim, from a (float32) log-softmax. ``0 * -inf`` counts as 0, in
-    the value and in the gradient (the log is zeroed where ``p == 0`` before the product, so no ``0 * inf``)."""
+    the value and in the gradient (the log is zeroed where ``p == 0`` before the product, so no ``0 * inf``). The
+    zero is a scalar: no ``[tokens, vocab]`` float32 tensor of zeros is written and read (the same values)."""
     p = log_probs.exp()
-    return -(p * torch.where(p > 0, log_probs, torch.zeros_like(log_probs))).sum(dim=-1)
+    return -(p * torch.where(p > 0, log_probs, 0.0)).sum(dim=-1)
 
 
 def _check(prompt_token_ids: Sequence[Sequence[int]], completion_token_ids: Sequence[Sequence[int]]) -> None:
