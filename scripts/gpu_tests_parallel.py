@@ -73,6 +73,9 @@ def run_group(group: str, marker: str, out: Path, timeout: float, base: Path) ->
             counts[kind] += int(m.group(2) or 1)
             if kind in ("FAILED", "ERROR"):
                 failing.append(m.group(3))
+    if code not in (0, 5, "timeout") and not failing:  # the process died (a CUDA fault, a signal) before reporting
+        counts["ERROR"] += 1
+        failing.append(f"{group} (pytest exit {code})")
     return dict(group=group, code=code, seconds=time.monotonic() - start, failing=failing, log=log.name, **counts)
 
 

@@ -57,3 +57,14 @@ def test_groups_past_the_budget_are_reported_not_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 2, out
     assert out.count("not run: ") == 3
+
+
+def test_a_process_that_dies_without_a_report_counts_as_an_error(tmp_path, capsys):
+    """A test that kills its process (as a CUDA fault does) leaves no pytest summary: it must not pass silently."""
+    runner = load_runner()
+    module = tmp_path / "test_fake_gpu.py"
+    module.write_text("import os\nimport pytest\n\n@pytest.mark.gpu\ndef test_dies():\n    os._exit(3)\n")
+    code = runner.main([str(module), "--jobs", "1", "--out", str(tmp_path / "logs")])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "total: 0 passed, 0 failed, 1 errors" in out and "(pytest exit 3)" in out
