@@ -34,6 +34,8 @@ from .metadata import AttentionMetadata
 
 BLOCK_KV = 64  # KV positions per step of the online softmax: the fixed reduction order
 LOG2E = 1.4426950408889634
+LAZY_RESCALE = False  # experimental: keep a row's max until it grows by more than 2^LAZY_THRESHOLD
+LAZY_THRESHOLD = 8.0
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
                      qk_scale, D, k_desc, v_desc, lse_ptr, stride_ln,
                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr, USE_DESC: tl.constexpr,
-                     WRITE_LSE: tl.constexpr):
+                     WRITE_LSE: tl.constexpr, LAZY: tl.constexpr = False, LAZY_T: tl.constexpr = 8.0):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     seq = tl.load(prog_seq_ptr + pid)
@@ -171,6 +173,8 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             s = qk * qk_scale
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            if LAZY:
+                m_new = tl.where(m_new > m_i + LAZY_T, m_new, m_i)
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -179,7 +183,12 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
             else:
                 v = tl.load(v_ptr + kv_row[:, None] * stride_vn + kv_head * stride_vh + d[None, :],
                             mask=d_ok[None, :], other=0.0)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            if LAZY:
+                if tl.min(alpha, axis=0) < 1.0:
+                    acc = acc * alpha[:, None]
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
         for t in range(n_full, n_tiles):
             kv_pos = t * BLOCK_KV + j
@@ -192,12 +201,19 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
             allowed = kv_pos[None, :] <= pos[:, None]
             s = tl.where(allowed, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            if LAZY:
+                m_new = tl.where(m_new > m_i + LAZY_T, m_new, m_i)
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + kv_row[:, None] * stride_vn + kv_head * stride_vh + d[None, :],
                         mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            if LAZY:
+                if tl.min(alpha, axis=0) < 1.0:
+                    acc = acc * alpha[:, None]
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
@@ -393,7 +409,7 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV,
         D_P=triton.next_power_of_2(d),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_DESC=k_desc is not None,
-        WRITE_LSE=return_lse,
+        WRITE_LSE=return_lse, LAZY=LAZY_RESCALE, LAZY_T=LAZY_THRESHOLD,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # no multiply-add contraction: the whole-tile loop's ``qk * scale - m`` could otherwise become one FMA
         # where the masked loop's (a select in between) cannot, and a tile's bits would depend on which loop ran it

@@ -1,0 +1,210 @@
+"""The deterministic attention forward's variants, side by side on one GPU: speed and the bit promises of each.
+
+    python3 benchmarks/bench_attention_fwd.py [--out FILE.md] [--variants kv64,kv128-s3,...] [--no-bits]
+
+A variant sets ``BLOCK_KV`` (KV positions per online-softmax step: the fixed reduction order), ``LAZY_RESCALE``
+(a row's running max is kept until it grows by more than 2^8, so most steps skip rescaling the accumulator; both
+change the arithmetic, so such variants differ in bits from one another) and the prefill tile (rows, warps,
+pipeline stages). Each
+variant is checked for the promises on its own:
+
+* every tile config (16, 64, 128 rows and the variant's prefill tile) gives the same bits, GQA 4 and 1
+  (``torch.equal``);
+* packed == paged (block 16) == chunked prefill == decode, a sequence alone == in the batch, with the 128-row
+  tile switched in at 64 tokens so calls mix configs (the GPU test suite's own check, imported from tests/).
+
+Timed (``triton.testing.do_bench`` medians, L2 flushed; all variants in one process, so ratios compare): Qwen3-8B
+heads (H=32, Hkv=8, D=128, bf16), causal prefill 4 x 2048 and 1 x 16384 (TFLOP/s); a 512-token chunk of 16
+sequences against 2048 cached tokens (paged, block 16, the prefill tile); a mixed step of 16 x 32 new tokens on
+2048 cached (the 64-row tile at 1 and 2 stages); decode 64 x 2048 context (the 16-row tile at 1 and 2 stages,
+TB/s of KV read); and SDPA's flash forward and flashinfer's FA3 prefill (when flashinfer imports) as references.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from rlrepro.kernels import AttentionMetadata  # noqa: E402
+from rlrepro.kernels import triton_attention_fwd as A  # noqa: E402
+
+H, HKV, D = 32, 8, 128
+LINES: list[str] = []
+# name -> (BLOCK_KV, LAZY_RESCALE, prefill tile (rows, warps, stages))
+VARIANTS = {
+    "kv64": (64, False, (128, 8, 2)),
+    "kv64-lazy": (64, True, (128, 8, 2)),
+    "kv64-lazy-s3": (64, True, (128, 8, 3)),
+    "kv128-lazy-s3": (128, True, (128, 8, 3)),
+    "kv64-r256w16": (64, False, (256, 16, 2)),
+    "kv64-r256w8": (64, False, (256, 8, 2)),
+    "kv64-r256w16-s3": (64, False, (256, 16, 3)),
+    "kv128-s2": (128, False, (128, 8, 2)),
+    "kv128-s3": (128, False, (128, 8, 3)),
+}
+COLS = ["4x2048", "1x16384", "chunk 16x512", "mixed 16x32 s1", "mixed 16x32 s2", "decode s1", "decode s2"]
+
+
+def emit(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def bench(fn) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def rnd(*shape, gen):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
+def set_variant(name: str) -> A.AttentionConfig:
+    block_kv, lazy, (rows, warps, stages) = VARIANTS[name]
+    A.BLOCK_KV, A.LAZY_RESCALE = block_kv, lazy
+    return A.AttentionConfig(rows=rows, num_warps=warps, num_stages=stages)
+
+
+def causal_tflops(batch: int, length: int, ms: float) -> float:
+    return 4.0 * batch * H * D * length * length / 2 / (ms * 1e-3) / 1e12
+
+
+def timings(large: A.AttentionConfig, gen) -> dict[str, float]:
+    scale = D ** -0.5
+    row = {}
+    for batch, length in ((4, 2048), (1, 16384)):
+        n = batch * length
+        q, k, v = rnd(n, H, D, gen=gen), rnd(n, HKV, D, gen=gen), rnd(n, HKV, D, gen=gen)
+        meta = AttentionMetadata.packed([length] * batch, "cuda")
+        row[f"{batch}x{length}"] = bench(lambda: A.attention_fwd(q, k, v, meta, scale, config=large))
+    bs, ctx = 16, 2048
+    cases = (("chunk 16x512", 16, 512, (large,)), ("mixed 16x32", 16, 32, (A.AttentionConfig(64, 4, 1),
+                                                                           A.AttentionConfig(64, 4, 2))),
+             ("decode", 64, 1, (A.AttentionConfig(16, 1, 1), A.AttentionConfig(16, 1, 2))))
+    for name, s_count, q_len, cfgs in cases:
+        nblk = ctx // bs
+        perm = torch.randperm(s_count * nblk).view(s_count, nblk)
+        kc, vc = rnd(s_count * nblk * bs, HKV, D, gen=gen), rnd(s_count * nblk * bs, HKV, D, gen=gen)
+        meta = AttentionMetadata.paged([q_len] * s_count, [ctx] * s_count, perm.tolist(), bs, device="cuda")
+        q = rnd(s_count * q_len, H, D, gen=gen)
+        for cfg in cfgs:
+            key = name if len(cfgs) == 1 else f"{name} s{cfg.num_stages}"
+            row[key] = bench(lambda: A.attention_fwd(q, kc, vc, meta, scale, config=cfg))
+    return row
+
+
+def references(gen, fi) -> dict[str, float]:
+    scale = D ** -0.5
+    row = {}
+    for batch, length in ((4, 2048), (1, 16384)):
+        n = batch * length
+        q, k, v = rnd(n, H, D, gen=gen), rnd(n, HKV, D, gen=gen), rnd(n, HKV, D, gen=gen)
+        qd, kd, vd = (t.view(batch, length, -1, D).transpose(1, 2) for t in (q, k, v))
+        row[f"SDPA {batch}x{length}"] = bench(lambda: F.scaled_dot_product_attention(
+            qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True))
+        if fi is not None:
+            try:
+                indptr = torch.arange(0, n + 1, length, dtype=torch.int32, device="cuda")
+                ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+                w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+                w.plan(indptr, indptr, H, HKV, D, causal=True, sm_scale=scale, q_data_type=torch.bfloat16)
+                row[f"FA3 {batch}x{length}"] = bench(lambda: w.run(q, k, v))
+            except Exception as e:  # noqa: BLE001 - report and go on
+                emit(f"flashinfer FA3 failed: {type(e).__name__}: {e}")
+    return row
+
+
+def bits(large: A.AttentionConfig) -> str:
+    """The promises for the current variant: configs agree; packed/paged/chunked/decode/alone agree."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import test_triton_kernels as TK
+    from rlrepro.kernels import triton_ops as T
+    lens = [300, 129, 1, 77, 200]
+    for h, hkv in ((32, 8), (16, 16)):
+        q, k, v = TK.make_paged_case(lens, h, hkv, 128, torch.bfloat16, "cuda")
+        meta = AttentionMetadata.packed(lens, device="cuda")
+        cfgs = dict(A.ATTENTION_CONFIGS, variant=large, decode1=A.AttentionConfig(16, 1, 1),
+                    small1=A.AttentionConfig(64, 4, 1))
+        outs = {c: A.attention_fwd(q, k, v, meta, 0.09, config=cfg) for c, cfg in cfgs.items()}
+        first = next(iter(outs.values()))
+        bad = [c for c, o in outs.items() if not torch.equal(o, first)]
+        if bad:
+            return f"configs {bad} differ (h={h}, hkv={hkv})"
+    old = A.LARGE_MIN_TOKENS
+    A.LARGE_MIN_TOKENS = 64
+    try:
+        TK.check_attention_invariance(T.attention, lens, h=32, hkv=8, d=128, dtype=torch.bfloat16, device="cuda",
+                                      block_sizes=(16,), tol=2e-2)
+    except AssertionError as e:
+        return f"invariance: {e}"
+    finally:
+        A.LARGE_MIN_TOKENS = old
+    return "all equal"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--no-bits", action="store_true")
+    args = ap.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    for v in names:
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants: {v!r} is not one of {sorted(VARIANTS)}")
+    from rlrepro.kernels.fast import flashinfer_module
+    fi = flashinfer_module()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    emit(f"### Attention forward variants ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
+         f"{time.strftime('%Y-%m-%d')})")
+    emit()
+    ref = references(gen, fi)
+    emit("References: " + ", ".join(
+        f"{k} {ms:.3f} ms ({causal_tflops(int(k.split()[1].split('x')[0]), int(k.split('x')[1]), ms):.0f} TFLOP/s)"
+        for k, ms in ref.items()))
+    emit()
+    emit("| variant | " + " | ".join(f"{c} ms" for c in COLS) + " | 4x2048 TFLOP/s | 16k TFLOP/s | "
+         "decode s1 / s2 TB/s | bits |")
+    emit("|---|" + "---:|" * (len(COLS) + 3) + "---|")
+    default = (A.BLOCK_KV, A.LAZY_RESCALE)
+    kv_bytes = 2.0 * 64 * 2048 * HKV * D * 2
+    rows = {}
+    for name in names:
+        large = set_variant(name)
+        try:
+            row = timings(large, gen)
+            verdict = "not checked" if args.no_bits else bits(large)
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
+            emit(f"| {name} | failed: {type(e).__name__}: {str(e)[:300]} |")
+            continue
+        finally:
+            A.BLOCK_KV, A.LAZY_RESCALE = default
+        rows[name] = row
+        emit(f"| {name} | " + " | ".join(f"{row[c]:.4f}" for c in COLS)
+             + f" | {causal_tflops(4, 2048, row['4x2048']):.0f} | {causal_tflops(1, 16384, row['1x16384']):.0f}"
+             f" | {kv_bytes / row['decode s1'] / 1e9:.2f} / {kv_bytes / row['decode s2'] / 1e9:.2f} | {verdict} |")
+        torch.cuda.empty_cache()
+    if rows:
+        first = next(iter(rows))
+        emit()
+        emit(f"Speed against {first} (its time / the variant's; > 1 is faster):")
+        emit()
+        emit("| variant | " + " | ".join(COLS) + " |")
+        emit("|---|" + "---:|" * len(COLS))
+        for name, row in rows.items():
+            emit(f"| {name} | " + " | ".join(f"{rows[first][c] / row[c]:.3f}" for c in COLS) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(LINES) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
