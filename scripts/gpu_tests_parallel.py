@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                 return None
             return run_group(group, args.marker, out, min(args.group_timeout, left), base)
 
-        for r in pool.map(submit, groups):
+        # printed as each group ends (not in submission order), so a run cut short still shows what finished
+        for fut in cf.as_completed([pool.submit(submit, g) for g in groups]):
+            r = fut.result()
             if r is None:
                 continue
             results.append(r)

@@ -431,7 +431,17 @@ def test_attention_config_choice(monkeypatch):
     assert pick(64) is A.ATTENTION_CONFIGS["small"]  # sequence count unknown
     for dtype in (torch.float32, torch.float16):  # decode's bits are proven for bf16 only
         assert pick(64, 64, 4, dtype) is A.ATTENTION_CONFIGS["small"]
-    assert pick(A.LARGE_MIN_TOKENS, A.LARGE_MIN_TOKENS, 4) is A.ATTENTION_CONFIGS["large"]
+    assert pick(A.LARGE_MIN_TOKENS, A.LARGE_MIN_TOKENS, 4) is A.ATTENTION_CONFIGS["large"]  # decodes + a chunk
+    # long query runs (prefill, the trainer): the 256-row tile, from LONG_MIN_QUERIES queries a sequence on average
+    assert pick(A.LARGE_MIN_TOKENS, 1, 4) is A.ATTENTION_CONFIGS["long"]
+    n = 16 * A.LONG_MIN_QUERIES
+    assert pick(n, 16, 4) is A.ATTENTION_CONFIGS["long"]
+    assert pick(n, 17, 4) is A.ATTENTION_CONFIGS["large"]
+    assert pick(n, 0, 4) is A.ATTENTION_CONFIGS["large"]  # sequence count unknown
+    for dtype in (torch.float32, torch.float16):  # bf16 only, as "decode"
+        assert pick(n, 1, 4, dtype) is A.ATTENTION_CONFIGS["large"]
+    assert pick(n, 1, 4, head_dim=A.LONG_MAX_HEAD_DIM) is A.ATTENTION_CONFIGS["long"]
+    assert pick(n, 1, 4, head_dim=A.LONG_MAX_HEAD_DIM + 1) is A.ATTENTION_CONFIGS["large"]  # would not fit
     monkeypatch.setenv("RLREPRO_ATTENTION_CONFIG", "large3")
     assert pick(1, 1, 4) is A.ATTENTION_CONFIGS["large3"]
     monkeypatch.setenv("RLREPRO_ATTENTION_CONFIG", "huge")

@@ -34,8 +34,6 @@ from .metadata import AttentionMetadata
 
 BLOCK_KV = 64  # KV positions per step of the online softmax: the fixed reduction order
 LOG2E = 1.4426950408889634
-LAZY_RESCALE = False  # experimental: keep a row's max until it grows by more than 2^LAZY_THRESHOLD
-LAZY_THRESHOLD = 8.0
 
 
 @dataclass(frozen=True)
@@ -47,33 +45,44 @@ class AttentionConfig:
 
 # "decode" serves calls of a few queries per sequence (decode steps: one): 16 rows, one warp, so a decode step
 # wastes 12 of 16 rows instead of 60 of 64 (H200, 64 x 2048 context: 0.160 vs 0.235 ms a layer). "small" serves
-# mixed steps and short prefills; "large" long prefills and training. All keep BLOCK_KV, the KV order and one warp
-# per 16 rows (the 1-warp tile runs mma.sync where the 4- and 8-warp tiles run wgmma), so a row's softmax state
-# evolves identically; tests/test_triton_kernels.py checks bitwise on the GPU that every config gives the same
-# output. (A 2-warp, 32-row tile does not: it splits the KV columns across warps.)
+# mixed steps and short prefills; "large" long calls of short query runs (a mixed step: decodes and a chunk);
+# "long" long calls whose sequences bring at least LONG_MIN_QUERIES queries each on average (prefill, chunked
+# prefill, the trainer): 256 rows in 16 warps, so each KV tile read serves twice the queries (H200, Qwen3-8B heads:
+# 1.13x at 4 x 2048 causal, 1.19x at 16k, 2.1x for 512-token chunks against a paged 2k cache;
+# benchmarks/bench_attention_fwd.py). All keep BLOCK_KV, the KV order and one warp per 16 rows (the 1-warp tile runs
+# mma.sync where the others run wgmma), so a row's softmax state evolves identically; tests/test_triton_kernels.py
+# checks bitwise on the GPU that every config gives the same output. (A 2-warp, 32-row tile does not: it splits the
+# KV columns across warps.)
 ATTENTION_CONFIGS = {
     "small": AttentionConfig(rows=64, num_warps=4, num_stages=2),
     "large": AttentionConfig(rows=128, num_warps=8, num_stages=2),
     "large3": AttentionConfig(rows=128, num_warps=8, num_stages=3),
+    "long": AttentionConfig(rows=256, num_warps=16, num_stages=3),
     "decode": AttentionConfig(rows=16, num_warps=1, num_stages=2),
 }
-LARGE_MIN_TOKENS = 1024  # calls with at least this many query tokens use "large" (H200: prefill 13% faster)
+LARGE_MIN_TOKENS = 1024  # calls with at least this many query tokens use "large" or "long" (H200: prefill 13% faster)
+LONG_MIN_QUERIES = 128  # ... and "long" when they average at least this many queries per sequence
+LONG_MAX_HEAD_DIM = 128  # "long" holds 256 x D of Q and 3 stages of 64 x D of K and V in shared memory
 
 
 def pick_attention_config(num_tokens: int, num_seqs: int = 0, group: int = 1,
-                          dtype: torch.dtype = torch.bfloat16) -> AttentionConfig:
+                          dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> AttentionConfig:
     """The tile config for a call of ``num_tokens`` queries over ``num_seqs`` sequences with ``group`` query heads
-    per KV head (``RLREPRO_ATTENTION_CONFIG`` forces one by name). Speed only: every config gives the same bits.
+    per KV head and heads of ``head_dim`` (``RLREPRO_ATTENTION_CONFIG`` forces one by name). Speed only: every
+    config gives the same bits.
 
-    "decode" is taken for bf16 inputs only: that is where the GPU test proves it equal to the others (float16 is
-    likely the same but unproven; float32 runs ``ieee`` dots whose order may follow the tile, and the
-    interpreter's numpy dots do change with it)."""
+    "decode" and "long" are taken for bf16 inputs only: that is where the GPU test proves them equal to the others
+    (float16 is likely the same but unproven; float32 runs ``ieee`` dots whose order may follow the tile, and the
+    interpreter's numpy dots do change with it; and "long"'s float32 tiles would not fit shared memory)."""
     forced = os.environ.get("RLREPRO_ATTENTION_CONFIG")
     if forced:
         if forced not in ATTENTION_CONFIGS:
             raise ValueError(f"RLREPRO_ATTENTION_CONFIG={forced!r} is not one of {sorted(ATTENTION_CONFIGS)}")
         return ATTENTION_CONFIGS[forced]
     if num_tokens >= LARGE_MIN_TOKENS:
+        if (dtype == torch.bfloat16 and num_seqs and num_tokens >= LONG_MIN_QUERIES * num_seqs
+                and triton.next_power_of_2(head_dim) <= LONG_MAX_HEAD_DIM):
+            return ATTENTION_CONFIGS["long"]
         return ATTENTION_CONFIGS["large"]
     per_program = ATTENTION_CONFIGS["decode"].rows // triton.next_power_of_2(group)
     if dtype == torch.bfloat16 and num_seqs and per_program >= 1 and num_tokens <= num_seqs * per_program:
@@ -123,7 +132,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
                      qk_scale, D, k_desc, v_desc, lse_ptr, stride_ln,
                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr, USE_DESC: tl.constexpr,
-                     WRITE_LSE: tl.constexpr, LAZY: tl.constexpr = False, LAZY_T: tl.constexpr = 8.0):
+                     WRITE_LSE: tl.constexpr):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     seq = tl.load(prog_seq_ptr + pid)
@@ -173,8 +182,6 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             s = qk * qk_scale
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            if LAZY:
-                m_new = tl.where(m_new > m_i + LAZY_T, m_new, m_i)
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -183,12 +190,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
             else:
                 v = tl.load(v_ptr + kv_row[:, None] * stride_vn + kv_head * stride_vh + d[None, :],
                             mask=d_ok[None, :], other=0.0)
-            if LAZY:
-                if tl.min(alpha, axis=0) < 1.0:
-                    acc = acc * alpha[:, None]
-                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
         for t in range(n_full, n_tiles):
             kv_pos = t * BLOCK_KV + j
@@ -201,19 +203,12 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
             allowed = kv_pos[None, :] <= pos[:, None]
             s = tl.where(allowed, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            if LAZY:
-                m_new = tl.where(m_new > m_i + LAZY_T, m_new, m_i)
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + kv_row[:, None] * stride_vn + kv_head * stride_vh + d[None, :],
                         mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-            if LAZY:
-                if tl.min(alpha, axis=0) < 1.0:
-                    acc = acc * alpha[:, None]
-                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
@@ -384,7 +379,7 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         raise ValueError(f"attention: {h} query heads is not a multiple of {hkv} KV heads")
     group = h // hkv
     s_count = meta.num_seqs
-    cfg = config or pick_attention_config(n, s_count, group, q.dtype)
+    cfg = config or pick_attention_config(n, s_count, group, q.dtype, d)
     block_q, group_p = tile_shape(group, cfg.rows)
     out = torch.empty((n, h, d), device=q.device, dtype=q.dtype)
     lse = torch.zeros((n, h), device=q.device, dtype=torch.float32) if return_lse else None
@@ -409,7 +404,7 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV,
         D_P=triton.next_power_of_2(d),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_DESC=k_desc is not None,
-        WRITE_LSE=return_lse, LAZY=LAZY_RESCALE, LAZY_T=LAZY_THRESHOLD,
+        WRITE_LSE=return_lse,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # no multiply-add contraction: the whole-tile loop's ``qk * scale - m`` could otherwise become one FMA
         # where the masked loop's (a select in between) cannot, and a tile's bits would depend on which loop ran it
