@@ -3,8 +3,9 @@
     python3 benchmarks/bench_attention_fwd.py [--out FILE.md] [--variants kv64,kv128-s3,...] [--no-bits]
 
 A variant sets ``BLOCK_KV`` (KV positions per online-softmax step: the fixed reduction order, so variants of
-another BLOCK_KV differ in bits from the shipped kernel) and the prefill tile (rows, warps, pipeline stages; speed
-only). Each variant is checked for the promises on its own:
+another BLOCK_KV differ in bits from the shipped kernel), the prefill tile (rows, warps, pipeline stages) and
+whether packed KV tiles are read by TMA descriptors (both speed only). Each variant is checked for the promises
+on its own:
 
 * every tile config (16, 64, 128 rows and the variant's prefill tile) gives the same bits, GQA 4 and 1
   (``torch.equal``);
@@ -35,15 +36,16 @@ from rlrepro.kernels import triton_attention_fwd as A  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 LINES: list[str] = []
-# name -> (BLOCK_KV, prefill tile (rows, warps, stages)). kv64 r128 s2 is the "large" config, r256 w16 s3 "long".
+# name -> (BLOCK_KV, prefill tile (rows, warps, stages), largest tile that reads packed KV by TMA descriptors).
+# kv64 is the "large" config (TMA), kv64-r256w16-s3 the "long" one (pointer loads).
 VARIANTS = {
-    "kv64": (64, (128, 8, 2)),
-    "kv64-r128-s3": (64, (128, 8, 3)),
-    "kv64-r256w16-s2": (64, (256, 16, 2)),
-    "kv64-r256w16-s3": (64, (256, 16, 3)),
-    "kv64-r256w16-s4": (64, (256, 16, 4)),
-    "kv64-r256w8": (64, (256, 8, 2)),
-    "kv128-s3": (128, (128, 8, 3)),
+    "kv64": (64, (128, 8, 2), 128),
+    "kv64-r128-s3": (64, (128, 8, 3), 128),
+    "kv64-r256w16-s2": (64, (256, 16, 2), 128),
+    "kv64-r256w16-s3": (64, (256, 16, 3), 128),
+    "kv64-r256w16-s3-tma": (64, (256, 16, 3), 256),
+    "kv64-r256w16-s4": (64, (256, 16, 4), 128),
+    "kv64-r256w8": (64, (256, 8, 2), 128),
 }
 COLS = ["4x2048", "1x16384", "chunk 16x512", "mixed 16x32 s1", "mixed 16x32 s2", "decode s1", "decode s2"]
 
@@ -63,8 +65,8 @@ def rnd(*shape, gen):
 
 
 def set_variant(name: str) -> A.AttentionConfig:
-    block_kv, (rows, warps, stages) = VARIANTS[name]
-    A.BLOCK_KV = block_kv
+    block_kv, (rows, warps, stages), desc_rows = VARIANTS[name]
+    A.BLOCK_KV, A.DESC_MAX_ROWS = block_kv, desc_rows
     return A.AttentionConfig(rows=rows, num_warps=warps, num_stages=stages)
 
 
@@ -169,7 +171,7 @@ def main() -> int:
     emit("| variant | " + " | ".join(f"{c} ms" for c in COLS) + " | 4x2048 TFLOP/s | 16k TFLOP/s | "
          "decode s1 / s2 TB/s | bits |")
     emit("|---|" + "---:|" * (len(COLS) + 3) + "---|")
-    default = A.BLOCK_KV
+    default = (A.BLOCK_KV, A.DESC_MAX_ROWS)
     kv_bytes = 2.0 * 64 * 2048 * HKV * D * 2
     rows = {}
     for name in names:
@@ -181,7 +183,7 @@ def main() -> int:
             emit(f"| {name} | failed: {type(e).__name__}: {str(e)[:300]} |")
             continue
         finally:
-            A.BLOCK_KV = default
+            A.BLOCK_KV, A.DESC_MAX_ROWS = default
         rows[name] = row
         emit(f"| {name} | " + " | ".join(f"{row[c]:.4f}" for c in COLS)
              + f" | {causal_tflops(4, 2048, row['4x2048']):.0f} | {causal_tflops(1, 16384, row['1x16384']):.0f}"

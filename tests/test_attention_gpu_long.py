@@ -45,25 +45,33 @@ def test_gpu_attention_tile_boundaries_bitwise(h, hkv):
 
 
 def test_gpu_attention_descriptor_loads_equal_pointer_loads(monkeypatch):
+    """Descriptor (TMA) and pointer loads give the same bits, in every tile config: the 128-row tiles read packed KV
+    by descriptors by default, the 256-row tile ("long") by pointers; here each config is run both ways."""
     from rlrepro.kernels import triton_attention_fwd as A
     seed = _seed()
     lens = [2048, 700, 65, 1, 4100]
+    monkeypatch.setattr(A, "DESC_MAX_ROWS", max(c.rows for c in A.ATTENTION_CONFIGS.values()))
     for h, hkv in ((32, 8), (16, 16)):
         q, k, v = make_paged_case(lens, h, hkv, 128, torch.bfloat16, "cuda")
         meta = AttentionMetadata.packed(lens, device="cuda")
         assert A._use_descriptors(k, v) == (torch.cuda.get_device_capability()[0] >= 9)
-        tma = A.attention_fwd(q, k, v, meta, 0.088)
         # K/V as slices of a fused q|k|v row (the trainer's layout): strided rows, still descriptor-loadable
         qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
         nq, nk = h * 128, hkv * 128
         ks = qkv[:, nq:nq + nk].view(-1, hkv, 128)
         vs = qkv[:, nq + nk:].view(-1, hkv, 128)
-        strided = A.attention_fwd(q, ks, vs, meta, 0.088)
-        monkeypatch.setenv("RLREPRO_ATTENTION_TMA", "0")
-        ptr = A.attention_fwd(q, k, v, meta, 0.088)
-        monkeypatch.delenv("RLREPRO_ATTENTION_TMA")
-        assert torch.equal(tma, ptr), f"descriptor loads differ from pointer loads (h={h}; seed {seed})"
-        assert torch.equal(strided, ptr), f"strided K/V differ (h={h}; seed {seed})"
+        first = None
+        for name in ("large", "long"):
+            cfg = A.ATTENTION_CONFIGS[name]
+            tma = A.attention_fwd(q, k, v, meta, 0.088, config=cfg)
+            strided = A.attention_fwd(q, ks, vs, meta, 0.088, config=cfg)
+            monkeypatch.setenv("RLREPRO_ATTENTION_TMA", "0")
+            ptr = A.attention_fwd(q, k, v, meta, 0.088, config=cfg)
+            monkeypatch.delenv("RLREPRO_ATTENTION_TMA")
+            assert torch.equal(tma, ptr), f"{name}: descriptor loads differ from pointer loads (h={h}; seed {seed})"
+            assert torch.equal(strided, ptr), f"{name}: strided K/V differ (h={h}; seed {seed})"
+            first = ptr if first is None else first
+            assert torch.equal(ptr, first), f"{name} differs from large (h={h}; seed {seed})"
 
 
 def test_gpu_engine_equals_trainer_at_8k_context():
