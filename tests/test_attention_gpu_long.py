@@ -3,8 +3,9 @@ flashinfer attention (run by scripts/gpu_check.sh on the H200; skipped without C
 without flashinfer).
 
 * packed == each sequence alone == reordered == paged (one step, chunked prefill, decode), bitwise, for lengths on
-  both sides of the 64-position KV tiles and the 32-query tiles, where the kernel switches between its mask-free
-  loop over whole tiles and its masked loop;
+  both sides of the 64-position KV tiles and the query tiles (32 and 64 tokens at GQA 4: the 128- and 256-row
+  tiles, the latter also forced into most calls), where the kernel switches between its mask-free loop over whole
+  tiles and its masked loop;
 * the tensor-descriptor (TMA) loads give the bits of the pointer loads;
 * engine == trainer at an 8k-token context (chunked prefill, paged decode vs the full-sequence forward);
 * the Triton backward against a float64 autograd reference; the forward's log-sum-exp (written for the backward)
@@ -27,7 +28,9 @@ from test_triton_kernels import check_attention_invariance, make_paged_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-BOUNDARY_LENS = [63, 64, 65, 127, 128, 129, 31, 32, 33, 191, 1, 257]
+# around the 64-position KV tiles and the query tiles: 16/32/64 tokens (16-, 128-, 256-row tiles at GQA 4), 16/64/
+# 128/256 tokens at MHA
+BOUNDARY_LENS = [63, 64, 65, 127, 128, 129, 31, 32, 33, 191, 1, 255, 256, 257]
 
 
 def _seed() -> int:
@@ -36,10 +39,17 @@ def _seed() -> int:
     return seed
 
 
+@pytest.mark.parametrize("tiles", ["default", "long"])
 @pytest.mark.parametrize("h,hkv", [(32, 8), (8, 8)], ids=["gqa4", "mha"])
-def test_gpu_attention_tile_boundaries_bitwise(h, hkv):
+def test_gpu_attention_tile_boundaries_bitwise(h, hkv, tiles, monkeypatch):
+    """``long``: the 256-row tile takes every call of at least 64 queries that averages 16 a sequence, so the
+    packed batch, most sequences alone and the chunks run it while decode steps run the 16- and 64-row tiles."""
+    from rlrepro.kernels import triton_attention_fwd as A
     from rlrepro.kernels import triton_ops as T
     _seed()
+    if tiles == "long":
+        monkeypatch.setattr(A, "LARGE_MIN_TOKENS", 64)
+        monkeypatch.setattr(A, "LONG_MIN_QUERIES", 16)
     check_attention_invariance(T.attention, BOUNDARY_LENS, h=h, hkv=hkv, d=128, dtype=torch.bfloat16,
                                device="cuda", block_sizes=(16, 64), tol=2e-2)
 
