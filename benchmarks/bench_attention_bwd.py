@@ -1,6 +1,6 @@
 """The deterministic attention backward's tile configs on one GPU, against SDPA's flash backward.
 
-    python3 benchmarks/bench_attention_bwd.py [--out FILE.md] [--cases 4x2048,1x16384]
+    python3 benchmarks/bench_attention_bwd.py [--out FILE.md] [--cases 4x2048,1x16384] [--fused] [--no-sweep]
 
 Qwen3-8B's head shape (H=32, Hkv=8, D=128), bf16, causal, packed sequences of equal length. For each candidate
 ``AttentionBwdConfig`` (the dQ part and the dK/dV part vary separately; the other part keeps the default):
@@ -11,6 +11,10 @@ Qwen3-8B's head shape (H=32, Hkv=8, D=128), bf16, causal, packed sequences of eq
 * bits: two calls equal (``torch.equal``), tensor-descriptor loads equal pointer loads (``RLREPRO_ATTENTION_TMA=0``),
   a sequence alone equal to the same sequence in the batch, and the relative error against SDPA's gradients
   (float32 math would differ in the last bits; this only catches a wrong kernel).
+
+``--fused`` adds the experimental one-kernel backward (``triton_attention_bwd_fused``: dQ added in KV-tile order
+behind per-step counters) with each dK/dV tile part: its time, rerun ==, alone == batch, its dK/dV == the two-kernel
+backward's, and its error against SDPA. ``--no-sweep`` keeps the two-kernel default config only.
 
 Also the forward's output with and without the log-sum-exp written (``torch.equal``: the trainer's forward writes
 it, the engine's does not). A benchmark reports, it asserts nothing.
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rlrepro.kernels import AttentionMetadata  # noqa: E402
 from rlrepro.kernels.triton_attention import (attention_bwd_packed_triton, attention_fwd,  # noqa: E402
                                               pick_attention_bwd_config)
+from rlrepro.kernels.triton_attention_bwd_fused import attention_bwd_fused_triton  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 LINES: list[str] = []
@@ -53,7 +58,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def case(batch: int, length: int) -> None:
+def case(batch: int, length: int, fused: bool = False, sweep: bool = True) -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(batch * 7919 + length)
     n = batch * length
@@ -78,6 +83,8 @@ def case(batch: int, length: int) -> None:
     base = pick_attention_bwd_config(D, 2)
     cfgs = [replace(base, dq_rows=a, dq_kv=b, dq_warps=c, dq_stages=d) for a, b, c, d in DQ_PARTS]
     cfgs += [replace(base, kv_block=a, kv_rows=b, kv_warps=c, kv_stages=d) for a, b, c, d in KV_PARTS[1:]]
+    if not sweep:
+        cfgs = [base]
     for cfg in cfgs:
         try:
             g1 = attention_bwd_packed_triton(q, k, v, go, meta, scale, out=out, lse=lse, config=cfg)
@@ -106,14 +113,49 @@ def case(batch: int, length: int) -> None:
         except Exception as e:  # noqa: BLE001 - report and go on
             emit(f"| {cfg} | failed: {type(e).__name__}: {str(e)[:300]} |")
     emit("")
+    if fused:
+        fused_rows(q, k, v, go, out, lse, meta, scale, ref, flops, t_sdpa, batch, length)
     del q, k, v, go, out, lse, qd, kd, vd, o_s, ref
     torch.cuda.empty_cache()
+
+
+def fused_rows(q, k, v, go, out, lse, meta, scale, ref, flops, t_sdpa, batch, length) -> None:
+    """The one-kernel backward with each dK/dV tile part (its dQ is added in KV-tile order)."""
+    n = q.shape[0]
+    emit("One kernel (`RLREPRO_ATTENTION_BWD=triton_fused`), per dK/dV tile part:")
+    emit("")
+    emit("| kv_block,kv_rows,w,s | ms | TFLOP/s | vs SDPA | rerun == (x3) | alone == batch | dK/dV == two kernels | "
+         "rel err vs SDPA (dq, dk, dv) |")
+    emit("|---|---:|---:|---:|---|---|---|---|")
+    base = pick_attention_bwd_config(D, 2)
+    two = attention_bwd_packed_triton(q, k, v, go, meta, scale, out=out, lse=lse, config=base)
+    for a, b, c, d in KV_PARTS:
+        cfg = replace(base, kv_block=a, kv_rows=b, kv_warps=c, kv_stages=d)
+        try:
+            g1 = attention_bwd_fused_triton(q, k, v, go, meta, scale, out=out, lse=lse, config=cfg)
+            rerun = all(all(torch.equal(x, y) for x, y in zip(g1, attention_bwd_fused_triton(
+                q, k, v, go, meta, scale, out=out, lse=lse, config=cfg))) for _ in range(3))
+            sl = slice(n - length, n)
+            alone = attention_bwd_fused_triton(q[sl].contiguous(), k[sl].contiguous(), v[sl].contiguous(),
+                                               go[sl].contiguous(), AttentionMetadata.packed([length], q.device),
+                                               scale, out=out[sl].contiguous(), lse=lse[sl].contiguous(), config=cfg)
+            al = all(torch.equal(x, y[sl]) for x, y in zip(alone, g1))
+            same_kv = all(torch.equal(x, y) for x, y in zip(g1[1:], two[1:]))
+            t = bench(lambda: attention_bwd_fused_triton(q, k, v, go, meta, scale, out=out, lse=lse, config=cfg))
+            errs = ", ".join(f"{rel(x, y):.1e}" for x, y in zip(g1, ref))
+            emit(f"| {a},{b},{c},{d} | {t:.3f} | {flops / t / 1e9:.0f} | {t_sdpa / t:.2f} | {rerun} | {al} | "
+                 f"{same_kv} | {errs} |")
+        except Exception as e:  # noqa: BLE001 - report and go on
+            emit(f"| {a},{b},{c},{d} | failed: {type(e).__name__}: {str(e)[:300]} |")
+    emit("")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--cases", default="4x2048,1x16384")
+    ap.add_argument("--fused", action="store_true", help="also the one-kernel backward, per dK/dV tile part")
+    ap.add_argument("--no-sweep", action="store_true", help="the two-kernel backward's default config only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention_bwd.py needs a CUDA GPU")
@@ -122,7 +164,7 @@ def main() -> int:
     emit("")
     for c in args.cases.split(","):
         b, L = (int(x) for x in c.split("x"))
-        case(b, L)
+        case(b, L, fused=args.fused, sweep=not args.no_sweep)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(LINES) + "\n")
