@@ -184,6 +184,26 @@ def check_bwd_fused_fp32():
 
 
 @interp_check
+def check_bwd_fused_launch_order_fp32():
+    """What keeps the one-kernel backward from waiting forever: program i runs block i of the schedule, and within a
+    sequence the KV tiles come in ascending order, from tile 0, so every tile's predecessors are programs with lower
+    indices (started before it on a GPU; already run in the interpreter)."""
+    from rlrepro.kernels.triton_attention_fwd import _device_schedule
+    lens, block = [1, 130, 64, 65, 300], 64
+    meta = AttentionMetadata.packed(lens)
+    g_slots, prog_seq, prog_n0 = _device_schedule(meta.cu_seqlens_q, len(lens), sum(lens), block)
+    seen: dict[int, list[int]] = {}
+    for pid in range(g_slots):
+        slot = g_slots - 1 - pid  # the kernel's mapping
+        seq = int(prog_seq[slot])
+        if seq >= 0:
+            seen.setdefault(seq, []).append(int(prog_n0[slot]))
+    assert sorted(seen) == list(range(len(lens)))
+    for seq, starts in seen.items():
+        assert starts == list(range(0, lens[seq], block)), (seq, starts)
+
+
+@interp_check
 def check_autograd_wiring_fp32():
     check_autograd_wiring("cpu", torch.float32, 1e-5)
 
