@@ -62,6 +62,8 @@ add_step attention_bwd 300 '$PY benchmarks/bench_attention_bwd.py --out "$OUT/at
 add_step attention_fwd 540 'fi_kit && $PY benchmarks/bench_attention_fwd.py --out "$OUT/attention_fwd.md" ${ATTN_FWD_ARGS:-}'
 # the experimental one-kernel backward (RLREPRO_ATTENTION_BWD=triton_fused): its GPU test, then its speed per tile part
 add_step attention_bwd_fused 420 'kit && $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_bwd.py -k "fused or wiring" && $PY benchmarks/bench_attention_bwd.py --fused --no-sweep --out "$OUT/attention_bwd_fused.md"'
+# the engine with and without the 256-row attention tile: prefill time, and the outputs' bits equal (8 layers)
+add_step engine_tiles 300 '$PY benchmarks/bench_engine_tiles.py --json "$OUT/engine_tiles.json" ${ENGINE_TILES_ARGS:-}'
 add_step attention_long 500 'fi_kit && $PY benchmarks/bench_attention_long.py --out "$OUT/attention_long.md" ${ATTN_BENCH_ARGS:-}'
 # one train step of 16 x 16k-token sequences at the 8B width (2 layers), deterministic then fast (MFU, issue #27)
 add_step train_long 400 'kit && fi_kit && for m in deterministic fast; do $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode $m --num-samples 16 --prompt-len 1024 --completion-len 15360 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 2 --no-phases --json "$OUT/train_long_$m.json" || exit 1; done'
