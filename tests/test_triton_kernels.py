@@ -12,6 +12,7 @@ of ``rlrepro.kernels.reference`` by a relative norm ``|out - ref| / |ref|``.
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -263,6 +264,21 @@ def check_attention_invariance_fp32():
     # GQA group 3 (padded to 4), head dim 24 (padded to 32); sequences around the 64-wide KV tile
     check_attention_invariance(T.attention, [70, 5, 1, 66], h=6, hkv=2, d=24, dtype=torch.float32,
                                device="cpu", block_sizes=(4,), tol=1e-5)
+
+
+@interp_check
+def check_attention_invariance_long_tile_fp32():
+    """The 256-row tile ("long"; on the GPU bf16 only) forced into every call: its logic at its query blocks' edges
+    (64 tokens at GQA 4, 256 at MHA) across packed / alone / reordered / paged / chunked / decode calls."""
+    from rlrepro.kernels import triton_ops as T
+    os.environ["RLREPRO_ATTENTION_CONFIG"] = "long"
+    try:
+        check_attention_invariance(T.attention, [65, 5, 1, 130], h=8, hkv=2, d=16, dtype=torch.float32,
+                                   device="cpu", block_sizes=(16,), tol=1e-5)
+        check_attention_invariance(T.attention, [257, 3], h=2, hkv=2, d=16, dtype=torch.float32, device="cpu",
+                                   block_sizes=(32,), tol=1e-5)
+    finally:
+        del os.environ["RLREPRO_ATTENTION_CONFIG"]
 
 
 @interp_check
@@ -575,6 +591,19 @@ def test_gpu_attention_configs_agree(monkeypatch):
     monkeypatch.setattr(A, "LARGE_MIN_TOKENS", 64)
     check_attention_invariance(T.attention, lens, h=8, hkv=2, d=128, dtype=torch.bfloat16, device="cuda",
                                block_sizes=(16,), tol=2e-2)
+
+
+@gpu
+@needs_cuda
+def test_gpu_long_tile_refuses_what_does_not_fit(monkeypatch):
+    """The 256-row tile forced on float32 (or heads over 128) would not fit in shared memory: a clear error."""
+    from rlrepro.kernels import triton_attention_fwd as A
+    lens = [300]
+    meta = AttentionMetadata.packed(lens, device="cuda")
+    q, k, v = make_paged_case(lens, 8, 2, 128, torch.float32, "cuda")
+    monkeypatch.setenv("RLREPRO_ATTENTION_CONFIG", "long")
+    with pytest.raises(ValueError, match="RLREPRO_ATTENTION_CONFIG='long'.*16-bit.*choose 'large'"):
+        A.attention_fwd(q, k, v, meta, 0.1)
 
 
 @gpu

@@ -383,6 +383,11 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
     group = h // hkv
     s_count = meta.num_seqs
     cfg = config or pick_attention_config(n, s_count, group, q.dtype, d)
+    if cfg.rows > 128 and q.is_cuda and (q.element_size() > 2 or triton.next_power_of_2(d) > LONG_MAX_HEAD_DIM):
+        forced = os.environ.get("RLREPRO_ATTENTION_CONFIG")
+        raise ValueError(f"attention: the {cfg.rows}-row tile (RLREPRO_ATTENTION_CONFIG={forced!r} or config=) "
+                         f"needs 16-bit inputs with head_dim <= {LONG_MAX_HEAD_DIM} to fit in shared memory; got "
+                         f"{q.dtype}, head_dim {d}: unset the variable or choose 'large'")
     block_q, group_p = tile_shape(group, cfg.rows)
     out = torch.empty((n, h, d), device=q.device, dtype=q.dtype)
     lse = torch.zeros((n, h), device=q.device, dtype=torch.float32) if return_lse else None
