@@ -47,8 +47,8 @@ class AttentionConfig:
 # wastes 12 of 16 rows instead of 60 of 64 (H200, 64 x 2048 context: 0.160 vs 0.235 ms a layer). "small" serves
 # mixed steps and short prefills; "large" long calls of short query runs (a mixed step: decodes and a chunk);
 # "long" long calls whose sequences bring at least LONG_MIN_QUERIES queries each on average (prefill, chunked
-# prefill, the trainer): 256 rows in 16 warps, so each KV tile read serves twice the queries (H200, Qwen3-8B heads:
-# 1.13x at 4 x 2048 causal, 1.19x at 16k, 2.1x for 512-token chunks against a paged 2k cache;
+# prefill, the trainer): 256 rows in 16 warps, so each KV tile read serves twice the queries (H200, Qwen3-8B heads,
+# against "large": 1.22x at 4 x 2048 causal, 1.25x at 16k, 2.1x for 512-token chunks against a paged 2k cache;
 # benchmarks/bench_attention_fwd.py). All keep BLOCK_KV, the KV order and one warp per 16 rows (the 1-warp tile runs
 # mma.sync where the others run wgmma), so a row's softmax state evolves identically; tests/test_triton_kernels.py
 # checks bitwise on the GPU that every config gives the same output. (A 2-warp, 32-row tile does not: it splits the

@@ -6,7 +6,8 @@ Backward passes are deterministic: Triton kernels for RMSNorm, SwiGLU and rotary
 ``RLREPRO_ROWWISE_BWD=torch`` selects the float32 torch compositions instead), fixed-shape cuBLAS products, torch
 reductions, a sorted segment sum for the embedding and, for attention, two Triton kernels without atomics
 (``triton_attention.attention_bwd_packed_triton``; ``RLREPRO_ATTENTION_BWD=torch`` selects the float32 torch
-recomputation instead, ``=triton_fused`` the experimental one-kernel backward): reproducible run to run, though not batch-invariant, which training does not need.
+recomputation instead, ``=triton_fused`` the experimental one-kernel backward): reproducible run to run, though
+not batch-invariant, which training does not need.
 The paged-cache path of ``attention`` is inference only and has no backward.
 """
 from __future__ import annotations
