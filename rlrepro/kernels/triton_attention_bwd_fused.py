@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .metadata import AttentionMetadata
-from .triton_attention_bwd import (AttentionBwdConfig, _descriptors_ok, _rows_descriptor, pick_attention_bwd_config)
-from .triton_attention_fwd import LOG2E, _device_schedule, attention_fwd
+from .triton_attention_bwd import AttentionBwdConfig, _descriptors_ok, _rows_descriptor, backward_inputs
+from .triton_attention_fwd import LOG2E, _device_schedule
 
 
 @triton.jit
@@ -158,33 +158,17 @@ def attention_bwd_fused_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """``attention_bwd_packed_triton``'s inputs and results, by one kernel (see the module): dK and dV with the
     two-kernel backward's arithmetic, dQ summed over KV tiles in tile order in float32. Deterministic run to run;
     bits differ from the two-kernel backward's in dQ."""
-    if meta.block_table is not None:
-        raise ValueError("attention backward: only the packed (no cache) layout has a backward")
+    x = backward_inputs(q, k, v, grad_out, meta, scale, out, config, lse)
     n, h, d = q.shape
     hkv = k.shape[1]
-    if h % hkv:
-        raise ValueError(f"attention: {h} query heads is not a multiple of {hkv} KV heads")
-    group = h // hkv
     dk = torch.empty((n, hkv, d), device=k.device, dtype=k.dtype)
     dv = torch.empty((n, hkv, d), device=v.device, dtype=v.dtype)
-    s_count = meta.num_seqs
-    if n == 0 or s_count == 0:
+    if x is None:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
-    if lse is None:
-        recomputed, lse = attention_fwd(q, k, v, meta, scale, return_lse=True)
-        out = recomputed if out is None else out
-    elif out is None:
-        raise ValueError("attention backward: lse was given without the forward's output (out)")
-
-    def last_contiguous(t: torch.Tensor) -> torch.Tensor:
-        return t if t.stride(-1) == 1 else t.contiguous()
-    q, k, v, out, grad_out = (last_contiguous(t) for t in (q, k, v, out, grad_out))
-    d_p = max(16, triton.next_power_of_2(d))
-    cfg = config or pick_attention_bwd_config(d_p, q.element_size())
-    group_p = triton.next_power_of_2(group)
+    q, k, v, out, grad_out, lse = x.q, x.k, x.v, x.out, x.grad_out, x.lse
+    cfg, group, group_p, d_p, precision = x.cfg, x.group, x.group_p, x.d_p, x.precision
     if group_p > cfg.kv_rows:
         raise ValueError(f"attention backward: {group} query heads per KV head is more than the tile supports")
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     delta = torch.empty((n, h), device=q.device, dtype=torch.float32)
     block_r = 64
     _delta_kernel[(triton.cdiv(n * h, block_r),)](
@@ -193,7 +177,7 @@ def attention_bwd_fused_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dq_acc = torch.zeros((n, h, d), device=q.device, dtype=torch.float32)
     turns = torch.zeros((n, hkv), device=q.device, dtype=torch.int32)
     block_q = cfg.kv_rows // group_p
-    g_slots, prog_seq, prog_n0 = _device_schedule(meta.cu_seqlens_q, s_count, n, cfg.kv_block, meta)
+    g_slots, prog_seq, prog_n0 = _device_schedule(meta.cu_seqlens_q, meta.num_seqs, n, cfg.kv_block, meta)
     q_desc = do_desc = None
     if group == group_p and _descriptors_ok(q, grad_out):
         q_desc, do_desc = (_rows_descriptor(t, block_q, group) for t in (q, grad_out))
