@@ -181,26 +181,36 @@ def check_bwd_fused_fp32():
     check_backward(LENS_CPU, 4, 1, 16, torch.float32, "cpu", 1e-5, 1e-5, fused=True)
     check_backward([2, 67], 6, 2, 16, torch.float32, "cpu", 1e-5, 1e-5, scale=0.7, fused=True)
     check_backward([1, 2], 2, 1, 16, torch.float32, "cpu", 1e-5, 1e-5, fused=True)
+    # a counter per query block (waited on once a block, the default) or per query step: the same order of adds,
+    # the same bits
+    from rlrepro.kernels import triton_attention as A
+    from rlrepro.kernels.triton_attention_bwd_fused import attention_bwd_fused_triton
+    q, k, v, g = make_case(LENS_CPU, 4, 2, 16, torch.float32, "cpu")
+    meta = AttentionMetadata.packed(LENS_CPU)
+    out = A.attention_fwd(q, k, v, meta, 0.25)
+    a = attention_bwd_fused_triton(q, k, v, g, meta, 0.25, out=out, turns="block")
+    b = attention_bwd_fused_triton(q, k, v, g, meta, 0.25, out=out, turns="step")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @interp_check
 def check_bwd_fused_launch_order_fp32():
     """What keeps the one-kernel backward from waiting forever: program i runs block i of the schedule, and within a
-    sequence the KV tiles come in ascending order, from tile 0, so every tile's predecessors are programs with lower
-    indices (started before it on a GPU; already run in the interpreter)."""
+    sequence the KV tiles come in descending order, so the tiles whose dQ contributions come first (those above)
+    are programs with lower indices (started before it on a GPU; already run in the interpreter)."""
     from rlrepro.kernels.triton_attention_fwd import _device_schedule
     lens, block = [1, 130, 64, 65, 300], 64
     meta = AttentionMetadata.packed(lens)
     g_slots, prog_seq, prog_n0 = _device_schedule(meta.cu_seqlens_q, len(lens), sum(lens), block)
     seen: dict[int, list[int]] = {}
     for pid in range(g_slots):
-        slot = g_slots - 1 - pid  # the kernel's mapping
+        slot = pid  # the kernel's mapping
         seq = int(prog_seq[slot])
         if seq >= 0:
             seen.setdefault(seq, []).append(int(prog_n0[slot]))
     assert sorted(seen) == list(range(len(lens)))
     for seq, starts in seen.items():
-        assert starts == list(range(0, lens[seq], block)), (seq, starts)
+        assert starts == list(range(0, lens[seq], block))[::-1], (seq, starts)
 
 
 @interp_check

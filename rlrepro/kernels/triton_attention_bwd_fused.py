@@ -3,19 +3,22 @@
 :mod:`.triton_attention_bwd` runs two kernels without atomics: dQ by query tiles (3 products per tile pair) and
 dK/dV by KV tiles (4 products), 7 in all. FlashAttention's backward runs one kernel by KV tiles (5 products) and
 adds each pair's dQ contribution to a float32 buffer with atomics, in whatever order the tiles finish. This kernel
-does the same work in one pass and keeps a fixed order: the program of KV tile ``n`` adds its contribution to the
-rows of query step ``t`` only after the programs of KV tiles ``0 .. n-1`` have added theirs, which it learns from a
-per-(step, KV head) counter (acquire spin on the counter, add, release ``n + 1``). So dQ is the float32 sum of the
-contributions in tile order, the same bits run to run and a sequence's gradients independent of the batch (the
-tiles start at the sequence's first token). The dQ bits differ from the two-kernel backward's (another summation);
-dK and dV are computed as there.
+does the same work in one pass and keeps a fixed order: the contributions to the rows of query step ``t`` are added
+from the KV tile that holds ``t`` (the diagonal one) down to tile 0. The program of KV tile ``n`` adds to step
+``t`` only after the programs of tiles ``n+1 .. t // BLOCK_N`` have added theirs, which it learns from a counter
+per (query block, KV head) (acquire spin on the counter, add, release). So dQ is the float32 sum of the
+contributions in descending tile order, the same bits run to run, and a sequence's gradients are independent of
+the batch (the tiles start at the sequence's first token). The dQ bits differ from the two-kernel backward's
+(another summation); dK and dV are computed as there. The adds are float32 atomics (``red``, which flush
+subnormals to zero), in the counters' order. ``turns``: a counter per (query block of BLOCK_N tokens, KV head),
+waited on once a block (``block``, the default), or one per query step, waited on every step (``step``).
 
-Progress: program ``pid`` handles block ``pid`` of the schedule (sequences in order, KV tiles ascending), and CUDA
-starts blocks in index order, so a program only ever waits for programs that started before it; tile 0 never
-waits. Triton's interpreter runs programs one after another in that order, so a wait there is always already met.
-
-Not yet measured or run on a GPU (written in a session without device time left): the GPU test in
-``tests/test_attention_gpu_long.py`` and ``benchmarks/bench_attention_bwd.py --fused`` are the next step.
+Progress: program ``pid`` handles block ``pid`` of the schedule, which lists the blocks last-first (sequences from
+the last, KV tiles descending), and CUDA starts blocks in index order, so a program only ever waits for programs
+that started before it. It rarely waits at all: tile ``n+1`` reaches a step ``BLOCK_N / BLOCK_Q`` steps before
+tile ``n`` does. (The first version added in ascending tile order: every tile then waited on tile 0's pace and
+held its SM the whole time, 4-6x slower than the two kernels on the H200.) Triton's interpreter runs programs one
+after another in index order, so a wait there is always already met.
 """
 from __future__ import annotations
 
@@ -45,12 +48,14 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, stride_on, stride_oh, stride_don, st
 
 @triton.jit
 def _fused_step(q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, sem_ptr, k, v, dk, dv, kv_pos, t0, cu0, seq_len, hk,
-                head, g_ok, d, d_ok, wait_for, q_desc, do_desc,
+                head, g_ok, d, d_ok, tile, q_desc, do_desc,
                 stride_qn, stride_qh, stride_don, stride_doh, stride_sn, stride_an, stride_ah, stride_semn, qk_scale,
-                GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, D_P: tl.constexpr,
-                PRECISION: tl.constexpr, MASKED: tl.constexpr, USE_DESC: tl.constexpr):
+                GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                D_P: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, USE_DESC: tl.constexpr,
+                BLOCK_Q: tl.constexpr, PER_BLOCK: tl.constexpr):
     """One query step (tokens ``t0 ..``, x the group's heads) against the program's KV tile: dK, dV accumulate in
-    registers; the step's dQ contribution is added to the float32 buffer in KV tile order."""
+    registers; the step's dQ contribution is added to the float32 buffer in descending KV tile order (its turn:
+    how many tiles above ``tile`` see the step)."""
     r = tl.arange(0, BLOCK_M)
     qi = t0 + r // GROUP_P
     tok = (cu0 + qi).to(tl.int64)
@@ -79,17 +84,30 @@ def _fused_step(q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, sem_ptr, k, v, dk, d
     ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
     dq_part = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION)  # [BLOCK_M, D_P]
-    # wait until KV tiles 0 .. wait_for-1 of the sequence have added to this step's rows, add, pass the turn on
-    s_ptr = sem_ptr + (cu0 + t0).to(tl.int64) * stride_semn + hk
-    turn = tl.atomic_add(s_ptr, 0, sem="acquire", scope="gpu")
-    while turn != wait_for:
-        turn = tl.atomic_add(s_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
+    # the contributions to query block ``blk`` (BLOCK_N tokens) come from its own KV tile down to tile 0: wait for
+    # the tiles above this one to have added theirs (PER_BLOCK: once, at the block's first step; else every step,
+    # with a counter per step), add by float32 atomics, pass the turn on after the block's (or step's) last add
+    blk = t0 // BLOCK_N
+    my_turn = blk - tile
+    if PER_BLOCK:
+        s_ptr = sem_ptr + (cu0 + blk * BLOCK_N).to(tl.int64) * stride_semn + hk
+        first = t0 % BLOCK_N == 0
+        last = ((t0 + BLOCK_Q) % BLOCK_N == 0) | (t0 + BLOCK_Q >= seq_len)
+    else:
+        s_ptr = sem_ptr + (cu0 + t0).to(tl.int64) * stride_semn + hk
+        first = True
+        last = True
+    if first:
+        if my_turn > 0:
+            turn = tl.atomic_add(s_ptr, 0, sem="acquire", scope="gpu")
+            while turn != my_turn:
+                turn = tl.atomic_add(s_ptr, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()
     a_ptrs = dqa_ptr + tok[:, None] * stride_an + head[:, None] * stride_ah + d[None, :]
-    acc = tl.load(a_ptrs, mask=rmask, other=0.0, cache_modifier=".cg")
-    tl.store(a_ptrs, acc + dq_part, mask=rmask, cache_modifier=".cg")
-    tl.debug_barrier()
-    tl.atomic_xchg(s_ptr, wait_for + 1, sem="release", scope="gpu")
+    tl.atomic_add(a_ptrs, dq_part, mask=rmask, sem="relaxed", scope="gpu")
+    if last:
+        tl.debug_barrier()
+        tl.atomic_xchg(s_ptr, my_turn + 1, sem="release", scope="gpu")
     return dk, dv
 
 
@@ -101,8 +119,8 @@ def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dqa_ptr,
                            stride_an, stride_ah, stride_semn, qk_scale, scale, D, q_desc, do_desc,
                            GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr,
-                           USE_DESC: tl.constexpr):
-    slot = G_SLOTS - 1 - tl.program_id(0)  # the schedule lists blocks last-first: program i runs block i
+                           USE_DESC: tl.constexpr, PER_BLOCK: tl.constexpr):
+    slot = tl.program_id(0)  # the schedule lists blocks last-first: each chain's KV tiles descending
     hk = tl.program_id(1)
     seq = tl.load(prog_seq_ptr + slot)
     if seq >= 0:
@@ -126,25 +144,28 @@ def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dqa_ptr,
         g = r % GROUP_P
         g_ok = g < GROUP
         head = (hk * GROUP + g).to(tl.int64)
-        wait_for = n0 // BLOCK_N  # every earlier KV tile of the sequence adds to each of this tile's query steps
+        tile = n0 // BLOCK_N
         n_steps = (seq_len - n0 + BLOCK_Q - 1) // BLOCK_Q
         n_diag = tl.minimum((BLOCK_N + BLOCK_Q - 2) // BLOCK_Q, n_steps)
         n_whole = tl.maximum((seq_len - n0) // BLOCK_Q, n_diag)
         for i in range(0, n_diag):
             dk, dv = _fused_step(q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, sem_ptr, k, v, dk, dv, kv_pos,
-                                 n0 + i * BLOCK_Q, cu0, seq_len, hk, head, g_ok, d, d_ok, wait_for, q_desc, do_desc,
+                                 n0 + i * BLOCK_Q, cu0, seq_len, hk, head, g_ok, d, d_ok, tile, q_desc, do_desc,
                                  stride_qn, stride_qh, stride_don, stride_doh, stride_sn, stride_an, stride_ah,
-                                 stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, D_P, PRECISION, True, False)
+                                 stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, BLOCK_N, D_P,
+                                 PRECISION, True, False, BLOCK_Q, PER_BLOCK)
         for i in range(n_diag, n_whole):
             dk, dv = _fused_step(q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, sem_ptr, k, v, dk, dv, kv_pos,
-                                 n0 + i * BLOCK_Q, cu0, seq_len, hk, head, g_ok, d, d_ok, wait_for, q_desc, do_desc,
+                                 n0 + i * BLOCK_Q, cu0, seq_len, hk, head, g_ok, d, d_ok, tile, q_desc, do_desc,
                                  stride_qn, stride_qh, stride_don, stride_doh, stride_sn, stride_an, stride_ah,
-                                 stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, D_P, PRECISION, False, USE_DESC)
+                                 stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, BLOCK_N, D_P,
+                                 PRECISION, False, USE_DESC, BLOCK_Q, PER_BLOCK)
         for i in range(n_whole, n_steps):
             dk, dv = _fused_step(q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, sem_ptr, k, v, dk, dv, kv_pos,
-                                 n0 + i * BLOCK_Q, cu0, seq_len, hk, head, g_ok, d, d_ok, wait_for, q_desc, do_desc,
+                                 n0 + i * BLOCK_Q, cu0, seq_len, hk, head, g_ok, d, d_ok, tile, q_desc, do_desc,
                                  stride_qn, stride_qh, stride_don, stride_doh, stride_sn, stride_an, stride_ah,
-                                 stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, D_P, PRECISION, True, False)
+                                 stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, BLOCK_N, D_P,
+                                 PRECISION, True, False, BLOCK_Q, PER_BLOCK)
         tl.store(dk_ptr + kv_row[:, None] * stride_dkn + kv_head * stride_dkh + d[None, :],
                  (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(dv_ptr + kv_row[:, None] * stride_dvn + kv_head * stride_dvh + d[None, :],
@@ -153,11 +174,13 @@ def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dqa_ptr,
 
 def attention_bwd_fused_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                                meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                               config: AttentionBwdConfig | None = None, lse: torch.Tensor | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               config: AttentionBwdConfig | None = None, lse: torch.Tensor | None = None,
+                               turns: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``attention_bwd_packed_triton``'s inputs and results, by one kernel (see the module): dK and dV with the
-    two-kernel backward's arithmetic, dQ summed over KV tiles in tile order in float32. Deterministic run to run;
-    bits differ from the two-kernel backward's in dQ."""
+    two-kernel backward's arithmetic, dQ summed over KV tiles in descending tile order in float32. Deterministic
+    run to run; bits differ from the two-kernel backward's in dQ."""
+    if turns not in ("block", "step"):
+        raise ValueError(f"attention_bwd_fused_triton: turns={turns!r}; use 'block' or 'step'")
     x = backward_inputs(q, k, v, grad_out, meta, scale, out, config, lse)
     n, h, d = q.shape
     hkv = k.shape[1]
@@ -188,5 +211,6 @@ def attention_bwd_fused_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         lse.stride(0), dq_acc.stride(0), dq_acc.stride(1), turns.stride(0), float(scale) * LOG2E, float(scale), d,
         q_desc, do_desc,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=cfg.kv_rows, BLOCK_N=cfg.kv_block, D_P=d_p,
-        PRECISION=precision, USE_DESC=q_desc is not None, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+        PRECISION=precision, USE_DESC=q_desc is not None, PER_BLOCK=turns == "block", num_warps=cfg.kv_warps,
+        num_stages=cfg.kv_stages)
     return (dq_acc * scale).to(q.dtype), dk, dv
