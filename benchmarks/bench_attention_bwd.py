@@ -13,10 +13,11 @@ Qwen3-8B's head shape (H=32, Hkv=8, D=128), bf16, causal, packed sequences of eq
   (float32 math would differ in the last bits; this only catches a wrong kernel).
 
 ``--fused`` adds the experimental one-kernel backward (``triton_attention_bwd_fused``: dQ added in descending
-KV-tile order behind counters) with each dK/dV tile part of ``FUSED_PARTS`` and each way of keeping the turns (a
-counter per query block, waited on once a block, or one per query step): its time, rerun ==, alone == batch, its
-dK/dV == the two-kernel backward's, the two ways' bits equal, and its error against SDPA. ``--no-sweep`` keeps the
-two-kernel default config only.
+KV-tile order behind counters) with each dK/dV tile part of ``FUSED_PARTS`` and each of ``FUSED_MODES``: the turns
+kept by a counter per query block (waited on once a block) or per query step, dQ added by float32 element atomics
+or by a bulk TMA reduce per whole step. Its time, rerun ==, alone == batch, its dK/dV == the two-kernel
+backward's, its bits == the first mode's, and its error against SDPA. ``--no-sweep`` keeps the two-kernel default
+config only.
 
 Also the forward's output with and without the log-sum-exp written (``torch.equal``: the trainer's forward writes
 it, the engine's does not). A benchmark reports, it asserts nothing.
@@ -45,7 +46,8 @@ DQ_PARTS = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (6
 KV_PARTS = [(64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3),
             (128, 64, 8, 3)]
 # the one-kernel backward's dK/dV parts (the default's, the 2026-12-04 runs' fastest, larger steps)
-FUSED_PARTS = [(64, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2)]
+FUSED_PARTS = [(64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2)]
+FUSED_MODES = [("block", False), ("step", False), ("block", True)]  # turns, bulk dQ adds
 
 
 def emit(line: str = "") -> None:
@@ -124,37 +126,41 @@ def case(batch: int, length: int, fused: bool = False, sweep: bool = True) -> No
 
 
 def fused_rows(q, k, v, go, out, lse, meta, scale, ref, flops, t_sdpa, batch, length) -> None:
-    """The one-kernel backward with each dK/dV tile part (its dQ is added in KV-tile order)."""
+    """The one-kernel backward with each dK/dV tile part and mode (its dQ is added in descending KV-tile order)."""
     n = q.shape[0]
     emit("One kernel (`RLREPRO_ATTENTION_BWD=triton_fused`), per dK/dV tile part:")
     emit("")
-    emit("| kv_block,kv_rows,w,s, dQ add | ms | TFLOP/s | vs SDPA | rerun == (x3) | alone == batch | "
-         "dK/dV == two kernels | block == step turns | rel err vs SDPA (dq, dk, dv) |")
+    emit("| kv_block,kv_rows,w,s, turns, dQ adds | ms | TFLOP/s | vs SDPA | rerun == (x3) | alone == batch | "
+         "dK/dV == two kernels | == block turns, element adds | rel err vs SDPA (dq, dk, dv) |")
     emit("|---|---:|---:|---:|---|---|---|---|---|")
     base = pick_attention_bwd_config(D, 2)
     two = attention_bwd_packed_triton(q, k, v, go, meta, scale, out=out, lse=lse, config=base)
-    for (a, b, c, d), mode in [(p, m) for p in FUSED_PARTS for m in ("block", "step")]:
+    for a, b, c, d in FUSED_PARTS:
         cfg = replace(base, kv_block=a, kv_rows=b, kv_warps=c, kv_stages=d)
-        try:
-            def run(**kw):
-                return attention_bwd_fused_triton(q, k, v, go, meta, scale, out=out, lse=lse, config=cfg, **kw)
-            g1 = run(turns=mode)
-            rerun = all(all(torch.equal(x, y) for x, y in zip(g1, run(turns=mode))) for _ in range(3))
-            other = run(turns="step" if mode == "block" else "block")
-            same_add = all(torch.equal(x, y) for x, y in zip(g1, other))
-            sl = slice(n - length, n)
-            alone = attention_bwd_fused_triton(q[sl].contiguous(), k[sl].contiguous(), v[sl].contiguous(),
-                                               go[sl].contiguous(), AttentionMetadata.packed([length], q.device),
-                                               scale, out=out[sl].contiguous(), lse=lse[sl].contiguous(), config=cfg,
-                                               turns=mode)
-            al = all(torch.equal(x, y[sl]) for x, y in zip(alone, g1))
-            same_kv = all(torch.equal(x, y) for x, y in zip(g1[1:], two[1:]))
-            t = bench(lambda: run(turns=mode))
-            errs = ", ".join(f"{rel(x, y):.1e}" for x, y in zip(g1, ref))
-            emit(f"| {a},{b},{c},{d}, {mode} | {t:.3f} | {flops / t / 1e9:.0f} | {t_sdpa / t:.2f} | {rerun} | {al} | "
-                 f"{same_kv} | {same_add} | {errs} |")
-        except Exception as e:  # noqa: BLE001 - report and go on
-            emit(f"| {a},{b},{c},{d}, {mode} | failed: {type(e).__name__}: {str(e)[:300]} |")
+        first = None
+        for mode, bulk in FUSED_MODES:
+            try:
+                def run(**kw):
+                    return attention_bwd_fused_triton(q, k, v, go, meta, scale, out=out, lse=lse, config=cfg,
+                                                      turns=mode, bulk=bulk, **kw)
+                g1 = run()
+                first = g1 if first is None else first
+                rerun = all(all(torch.equal(x, y) for x, y in zip(g1, run())) for _ in range(3))
+                same_first = all(torch.equal(x, y) for x, y in zip(g1, first))
+                sl = slice(n - length, n)
+                alone = attention_bwd_fused_triton(q[sl].contiguous(), k[sl].contiguous(), v[sl].contiguous(),
+                                                   go[sl].contiguous(), AttentionMetadata.packed([length], q.device),
+                                                   scale, out=out[sl].contiguous(), lse=lse[sl].contiguous(),
+                                                   config=cfg, turns=mode, bulk=bulk)
+                al = all(torch.equal(x, y[sl]) for x, y in zip(alone, g1))
+                same_kv = all(torch.equal(x, y) for x, y in zip(g1[1:], two[1:]))
+                t = bench(run)
+                errs = ", ".join(f"{rel(x, y):.1e}" for x, y in zip(g1, ref))
+                adds = "bulk (TMA)" if bulk else "element"
+                emit(f"| {a},{b},{c},{d}, {mode}, {adds} | {t:.3f} | {flops / t / 1e9:.0f} | {t_sdpa / t:.2f} | "
+                     f"{rerun} | {al} | {same_kv} | {same_first} | {errs} |")
+            except Exception as e:  # noqa: BLE001 - report and go on
+                emit(f"| {a},{b},{c},{d}, {mode}, bulk={bulk} | failed: {type(e).__name__}: {str(e)[:300]} |")
     emit("")
 
 

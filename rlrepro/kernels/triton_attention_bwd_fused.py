@@ -9,9 +9,11 @@ from the KV tile that holds ``t`` (the diagonal one) down to tile 0. The program
 per (query block, KV head) (acquire spin on the counter, add, release). So dQ is the float32 sum of the
 contributions in descending tile order, the same bits run to run, and a sequence's gradients are independent of
 the batch (the tiles start at the sequence's first token). The dQ bits differ from the two-kernel backward's
-(another summation); dK and dV are computed as there. The adds are float32 atomics (``red``, which flush
-subnormals to zero), in the counters' order. ``turns``: a counter per (query block of BLOCK_N tokens, KV head),
-waited on once a block (``block``, the default), or one per query step, waited on every step (``step``).
+(another summation); dK and dV are computed as there. The adds are float32 atomics in the counters' order: a bulk
+TMA reduce per whole step where tensor descriptors work (``bulk``, the default; masked steps and the CPU use
+element atomics), else element atomics. ``turns``: a counter per (query block of BLOCK_N tokens, KV head), waited
+on once a block (``block``, the default), or one per query step, waited on every step (``step``). All of these
+give the same bits (GPU benchmark and CPU checks).
 
 Progress: program ``pid`` handles block ``pid`` of the schedule, which lists the blocks last-first (sequences from
 the last, KV tiles descending), and CUDA starts blocks in index order, so a program only ever waits for programs
@@ -19,6 +21,9 @@ that started before it. It rarely waits at all: tile ``n+1`` reaches a step ``BL
 tile ``n`` does. (The first version added in ascending tile order: every tile then waited on tile 0's pace and
 held its SM the whole time, 4-6x slower than the two kernels on the H200.) Triton's interpreter runs programs one
 after another in index order, so a wait there is always already met.
+
+Measured on the H200 (docs/BENCHMARKS.md, "The one-kernel backward, measured"): correct and deterministic, but
+2.1x slower than the two kernels (2.36 vs 1.13 ms at 4 x 2048), hence opt-in.
 """
 from __future__ import annotations
 
@@ -48,11 +53,11 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, stride_on, stride_oh, stride_don, st
 
 @triton.jit
 def _fused_step(q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, sem_ptr, k, v, dk, dv, kv_pos, t0, cu0, seq_len, hk,
-                head, g_ok, d, d_ok, tile, q_desc, do_desc,
+                head, g_ok, d, d_ok, tile, q_desc, do_desc, dqa_desc,
                 stride_qn, stride_qh, stride_don, stride_doh, stride_sn, stride_an, stride_ah, stride_semn, qk_scale,
                 GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 D_P: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, USE_DESC: tl.constexpr,
-                BLOCK_Q: tl.constexpr, PER_BLOCK: tl.constexpr):
+                BLOCK_Q: tl.constexpr, PER_BLOCK: tl.constexpr, BULK: tl.constexpr):
     """One query step (tokens ``t0 ..``, x the group's heads) against the program's KV tile: dK, dV accumulate in
     registers; the step's dQ contribution is added to the float32 buffer in descending KV tile order (its turn:
     how many tiles above ``tile`` see the step)."""
@@ -102,10 +107,19 @@ def _fused_step(q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, sem_ptr, k, v, dk, d
             turn = tl.atomic_add(s_ptr, 0, sem="acquire", scope="gpu")
             while turn != my_turn:
                 turn = tl.atomic_add(s_ptr, 0, sem="acquire", scope="gpu")
+            if BULK:  # what the generic proxy acquired, ordered before this program's bulk (async proxy) adds
+                tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [my_turn],
+                                          dtype=tl.int32, is_pure=False, pack=1)
             tl.debug_barrier()
-    a_ptrs = dqa_ptr + tok[:, None] * stride_an + head[:, None] * stride_ah + d[None, :]
-    tl.atomic_add(a_ptrs, dq_part, mask=rmask, sem="relaxed", scope="gpu")
+    if BULK and USE_DESC and not MASKED:  # the whole step's rows in one bulk reduce (TMA), else element atomics
+        dqa_desc.atomic_add([(cu0 + t0).to(tl.int32), hk * GROUP, 0], tl.reshape(dq_part, (BLOCK_Q, GROUP, D_P)))
+    else:
+        a_ptrs = dqa_ptr + tok[:, None] * stride_an + head[:, None] * stride_ah + d[None, :]
+        tl.atomic_add(a_ptrs, dq_part, mask=rmask, sem="relaxed", scope="gpu")
     if last:
+        if BULK:  # the bulk adds written (not only read from shared memory) before the turn passes on
+            tl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, $1;", "=r,r", [my_turn],
+                                      dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
         tl.atomic_xchg(s_ptr, my_turn + 1, sem="release", scope="gpu")
     return dk, dv
@@ -116,10 +130,10 @@ def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dqa_ptr,
                            prog_seq_ptr, prog_n0_ptr, cu_ptr, G_SLOTS,
                            stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                            stride_don, stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_sn,
-                           stride_an, stride_ah, stride_semn, qk_scale, scale, D, q_desc, do_desc,
+                           stride_an, stride_ah, stride_semn, qk_scale, scale, D, q_desc, do_desc, dqa_desc,
                            GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr,
-                           USE_DESC: tl.constexpr, PER_BLOCK: tl.constexpr):
+                           USE_DESC: tl.constexpr, PER_BLOCK: tl.constexpr, BULK: tl.constexpr):
     slot = tl.program_id(0)  # the schedule lists blocks last-first: each chain's KV tiles descending
     hk = tl.program_id(1)
     seq = tl.load(prog_seq_ptr + slot)
@@ -151,21 +165,21 @@ def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dqa_ptr,
         for i in range(0, n_diag):
             dk, dv = _fused_step(q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, sem_ptr, k, v, dk, dv, kv_pos,
                                  n0 + i * BLOCK_Q, cu0, seq_len, hk, head, g_ok, d, d_ok, tile, q_desc, do_desc,
-                                 stride_qn, stride_qh, stride_don, stride_doh, stride_sn, stride_an, stride_ah,
-                                 stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, BLOCK_N, D_P,
-                                 PRECISION, True, False, BLOCK_Q, PER_BLOCK)
+                                 dqa_desc, stride_qn, stride_qh, stride_don, stride_doh, stride_sn, stride_an,
+                                 stride_ah, stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, BLOCK_N, D_P,
+                                 PRECISION, True, False, BLOCK_Q, PER_BLOCK, BULK)
         for i in range(n_diag, n_whole):
             dk, dv = _fused_step(q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, sem_ptr, k, v, dk, dv, kv_pos,
                                  n0 + i * BLOCK_Q, cu0, seq_len, hk, head, g_ok, d, d_ok, tile, q_desc, do_desc,
-                                 stride_qn, stride_qh, stride_don, stride_doh, stride_sn, stride_an, stride_ah,
-                                 stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, BLOCK_N, D_P,
-                                 PRECISION, False, USE_DESC, BLOCK_Q, PER_BLOCK)
+                                 dqa_desc, stride_qn, stride_qh, stride_don, stride_doh, stride_sn, stride_an,
+                                 stride_ah, stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, BLOCK_N, D_P,
+                                 PRECISION, False, USE_DESC, BLOCK_Q, PER_BLOCK, BULK)
         for i in range(n_whole, n_steps):
             dk, dv = _fused_step(q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, sem_ptr, k, v, dk, dv, kv_pos,
                                  n0 + i * BLOCK_Q, cu0, seq_len, hk, head, g_ok, d, d_ok, tile, q_desc, do_desc,
-                                 stride_qn, stride_qh, stride_don, stride_doh, stride_sn, stride_an, stride_ah,
-                                 stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, BLOCK_N, D_P,
-                                 PRECISION, True, False, BLOCK_Q, PER_BLOCK)
+                                 dqa_desc, stride_qn, stride_qh, stride_don, stride_doh, stride_sn, stride_an,
+                                 stride_ah, stride_semn, qk_scale, GROUP, GROUP_P, BLOCK_M, BLOCK_N, D_P,
+                                 PRECISION, True, False, BLOCK_Q, PER_BLOCK, BULK)
         tl.store(dk_ptr + kv_row[:, None] * stride_dkn + kv_head * stride_dkh + d[None, :],
                  (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(dv_ptr + kv_row[:, None] * stride_dvn + kv_head * stride_dvh + d[None, :],
@@ -175,7 +189,8 @@ def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dqa_ptr,
 def attention_bwd_fused_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                                meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                                config: AttentionBwdConfig | None = None, lse: torch.Tensor | None = None,
-                               turns: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               turns: str = "block", bulk: bool = True
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``attention_bwd_packed_triton``'s inputs and results, by one kernel (see the module): dK and dV with the
     two-kernel backward's arithmetic, dQ summed over KV tiles in descending tile order in float32. Deterministic
     run to run; bits differ from the two-kernel backward's in dQ."""
@@ -198,19 +213,21 @@ def attention_bwd_fused_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         out, grad_out, delta, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), delta.stride(0),
         n, h, d, BLOCK_R=block_r, D_P=d_p, num_warps=4)
     dq_acc = torch.zeros((n, h, d), device=q.device, dtype=torch.float32)
-    turns = torch.zeros((n, hkv), device=q.device, dtype=torch.int32)
+    counters = torch.zeros((n, hkv), device=q.device, dtype=torch.int32)
     block_q = cfg.kv_rows // group_p
     g_slots, prog_seq, prog_n0 = _device_schedule(meta.cu_seqlens_q, meta.num_seqs, n, cfg.kv_block, meta)
-    q_desc = do_desc = None
+    q_desc = do_desc = dqa_desc = None
     if group == group_p and _descriptors_ok(q, grad_out):
         q_desc, do_desc = (_rows_descriptor(t, block_q, group) for t in (q, grad_out))
+        if bulk:
+            dqa_desc = _rows_descriptor(dq_acc, block_q, group)
     _attn_bwd_fused_kernel[(g_slots, hkv)](
-        q, k, v, grad_out, dk, dv, dq_acc, turns, lse, delta, prog_seq, prog_n0, meta.cu_seqlens_q, g_slots,
+        q, k, v, grad_out, dk, dv, dq_acc, counters, lse, delta, prog_seq, prog_n0, meta.cu_seqlens_q, g_slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        lse.stride(0), dq_acc.stride(0), dq_acc.stride(1), turns.stride(0), float(scale) * LOG2E, float(scale), d,
-        q_desc, do_desc,
+        lse.stride(0), dq_acc.stride(0), dq_acc.stride(1), counters.stride(0), float(scale) * LOG2E, float(scale), d,
+        q_desc, do_desc, dqa_desc,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=cfg.kv_rows, BLOCK_N=cfg.kv_block, D_P=d_p,
-        PRECISION=precision, USE_DESC=q_desc is not None, PER_BLOCK=turns == "block", num_warps=cfg.kv_warps,
-        num_stages=cfg.kv_stages)
+        PRECISION=precision, USE_DESC=q_desc is not None, PER_BLOCK=turns == "block", BULK=dqa_desc is not None,
+        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     return (dq_acc * scale).to(q.dtype), dk, dv
