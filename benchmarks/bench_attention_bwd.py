@@ -1,6 +1,7 @@
 """The deterministic attention backward's tile configs on one GPU, against SDPA's flash backward.
 
     python3 benchmarks/bench_attention_bwd.py [--out FILE.md] [--cases 4x2048,1x16384] [--fused] [--no-sweep]
+                                              [--kv-parts "64,32,8,3;64,64,8,2"]
 
 Qwen3-8B's head shape (H=32, Hkv=8, D=128), bf16, causal, packed sequences of equal length. For each candidate
 ``AttentionBwdConfig`` (the dQ part and the dK/dV part vary separately; the other part keeps the default):
@@ -9,7 +10,7 @@ Qwen3-8B's head shape (H=32, Hkv=8, D=128), bf16, causal, packed sequences of eq
 * TFLOP/s counted as FlashAttention counts a backward (2.5x the forward's causal FLOPs) for the whole backward;
   the dK/dV kernel's time is the whole minus the dQ kernel's;
 * bits: two calls equal (``torch.equal``), tensor-descriptor loads equal pointer loads (``RLREPRO_ATTENTION_TMA=0``),
-  a sequence alone equal to the same sequence in the batch, and the relative error against SDPA's gradients
+  a sequence alone equal to the same sequence in the batch, the gradients equal the first row's (the default's), and the relative error against SDPA's gradients
   (float32 math would differ in the last bits; this only catches a wrong kernel).
 
 ``--fused`` adds the experimental one-kernel backward (``triton_attention_bwd_fused``: dQ added in descending
@@ -64,7 +65,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def case(batch: int, length: int, fused: bool = False, sweep: bool = True) -> None:
+def case(batch: int, length: int, fused: bool = False, sweep: bool = True, kv_parts=None) -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(batch * 7919 + length)
     n = batch * length
@@ -84,16 +85,21 @@ def case(batch: int, length: int, fused: bool = False, sweep: bool = True) -> No
          f"forward with lse == without: {same_fwd}")
     emit("")
     emit("| config (dq_rows,dq_kv,w,s / kv_block,kv_rows,w,s) | dQ ms | dK/dV ms | total ms | TFLOP/s | vs SDPA | "
-         "rerun == | TMA == ptr | alone == batch | rel err vs SDPA (dq, dk, dv) |")
-    emit("|---|---:|---:|---:|---:|---:|---|---|---|---|")
+         "rerun == | TMA == ptr | alone == batch | == first row | rel err vs SDPA (dq, dk, dv) |")
+    emit("|---|---:|---:|---:|---:|---:|---|---|---|---|---|")
     base = pick_attention_bwd_config(D, 2)
     cfgs = [replace(base, dq_rows=a, dq_kv=b, dq_warps=c, dq_stages=d) for a, b, c, d in DQ_PARTS]
     cfgs += [replace(base, kv_block=a, kv_rows=b, kv_warps=c, kv_stages=d) for a, b, c, d in KV_PARTS[1:]]
     if not sweep:
         cfgs = [base]
+    if kv_parts:  # --kv-parts: the default, then the dK/dV parts named (the dQ part kept)
+        cfgs = [base] + [replace(base, kv_block=a, kv_rows=b, kv_warps=c, kv_stages=d) for a, b, c, d in kv_parts]
+    g_first = None
     for cfg in cfgs:
         try:
             g1 = attention_bwd_packed_triton(q, k, v, go, meta, scale, out=out, lse=lse, config=cfg)
+            g_first = g1 if g_first is None else g_first
+            same_first = all(torch.equal(a, b) for a, b in zip(g1, g_first))
             g2 = attention_bwd_packed_triton(q, k, v, go, meta, scale, out=out, lse=lse, config=cfg)
             os.environ["RLREPRO_ATTENTION_TMA"] = "0"
             try:
@@ -115,7 +121,7 @@ def case(batch: int, length: int, fused: bool = False, sweep: bool = True) -> No
             name = (f"{cfg.dq_rows},{cfg.dq_kv},{cfg.dq_warps},{cfg.dq_stages} / "
                     f"{cfg.kv_block},{cfg.kv_rows},{cfg.kv_warps},{cfg.kv_stages}")
             emit(f"| {name} | {t_dq:.3f} | {t_all - t_dq:.3f} | {t_all:.3f} | {flops / t_all / 1e9:.0f} | "
-                 f"{t_sdpa / t_all:.2f} | {rerun} | {tma} | {al} | {errs} |")
+                 f"{t_sdpa / t_all:.2f} | {rerun} | {tma} | {al} | {same_first} | {errs} |")
         except Exception as e:  # noqa: BLE001 - report and go on
             emit(f"| {cfg} | failed: {type(e).__name__}: {str(e)[:300]} |")
     emit("")
@@ -170,6 +176,7 @@ def main() -> int:
     ap.add_argument("--cases", default="4x2048,1x16384")
     ap.add_argument("--fused", action="store_true", help="also the one-kernel backward, per dK/dV tile part")
     ap.add_argument("--no-sweep", action="store_true", help="the two-kernel backward's default config only")
+    ap.add_argument("--kv-parts", help="the default and these dK/dV parts only: 'kv_block,kv_rows,warps,stages;...'")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention_bwd.py needs a CUDA GPU")
@@ -178,7 +185,8 @@ def main() -> int:
     emit("")
     for c in args.cases.split(","):
         b, L = (int(x) for x in c.split("x"))
-        case(b, L, fused=args.fused, sweep=not args.no_sweep)
+        kv = [tuple(int(x) for x in p.split(",")) for p in args.kv_parts.split(";")] if args.kv_parts else None
+        case(b, L, fused=args.fused, sweep=not args.no_sweep, kv_parts=kv)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(LINES) + "\n")
