@@ -10,8 +10,9 @@ Qwen3-8B's head shape (H=32, Hkv=8, D=128), bf16, causal, packed sequences of eq
 * TFLOP/s counted as FlashAttention counts a backward (2.5x the forward's causal FLOPs) for the whole backward;
   the dK/dV kernel's time is the whole minus the dQ kernel's;
 * bits: two calls equal (``torch.equal``), tensor-descriptor loads equal pointer loads (``RLREPRO_ATTENTION_TMA=0``),
-  a sequence alone equal to the same sequence in the batch, the gradients equal the first row's (the default's), and the relative error against SDPA's gradients
-  (float32 math would differ in the last bits; this only catches a wrong kernel).
+  a sequence alone equal to the same sequence in the batch, the gradients equal the first row's (the default's),
+  and the relative error against SDPA's gradients (float32 math would differ in the last bits; this only catches a
+  wrong kernel).
 
 ``--fused`` adds the experimental one-kernel backward (``triton_attention_bwd_fused``: dQ added in descending
 KV-tile order behind counters) with each dK/dV tile part of ``FUSED_PARTS`` and each of ``FUSED_MODES``: the turns
