@@ -13,6 +13,8 @@ tokens (ignore_eos). A benchmark reports, it asserts nothing.
     python benchmarks/bench_engine.py --tiny --device cpu --num-requests 4 --prompt-len 32 --output-len 16
     python benchmarks/bench_engine.py --qwen3-8b-shape --device cuda --num-requests 64      # on the H200
     python benchmarks/bench_engine.py --qwen3-8b-shape --layers 4 --device cuda            # a quick look
+    python benchmarks/bench_engine.py --qwen3-8b-shape --prompt-len 1024 --output-len 8192 --warmup-output-len 64 \
+        --no-hf                                                                             # long outputs (1k/8k)
 """
 from __future__ import annotations
 
@@ -158,8 +160,10 @@ def bench_engine(model, prompts, args, deterministic: bool) -> dict:
     engine = Engine(model, device=str(device), deterministic=deterministic, max_num_seqs=max(n, 1),
                     max_num_batched_tokens=args.max_num_batched_tokens, block_size=bs, num_kv_blocks=blocks,
                     max_model_len=p_len + o_len, enable_cuda_graphs=not args.no_cuda_graphs)
-    # a whole-size warm-up, as transformers gets (bench_transformers)
-    engine.generate(prompts, [sampling(args, o_len, i) for i in range(n)])
+    # a whole-size warm-up, as transformers gets (bench_transformers); --warmup-output-len shortens it (long outputs:
+    # the same batch sizes and graphs, without a second full run)
+    w_len = args.warmup_output_len or o_len
+    engine.generate(prompts, [sampling(args, w_len, i) for i in range(n)])
     engine.reset_prefix_cache()
     sync(device)
     t0 = time.perf_counter()
@@ -408,6 +412,8 @@ def main(argv=None) -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--warmup-output-len", type=int, default=0,
+                    help="output tokens of the engine's warm-up run (default: --output-len)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)

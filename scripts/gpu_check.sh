@@ -69,6 +69,9 @@ add_step attention_long 500 'fi_kit && $PY benchmarks/bench_attention_long.py --
 add_step train_long 400 'kit && fi_kit && for m in deterministic fast; do $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode $m --num-samples 16 --prompt-len 1024 --completion-len 15360 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 2 --no-phases --json "$OUT/train_long_$m.json" || exit 1; done'
 # the engine end to end, deterministic vs fast (flashinfer attention + cuBLAS), 36 layers, 64 requests
 add_step engine_fast 400 'fi_kit && $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --no-hf ${ENGINE_BENCH_ARGS:-} --json "$OUT/engine_fast.json"'
+# the issue #27 long-output workload: 64 requests of 1k prompt + 8k output tokens, 36 layers, deterministic vs fast
+# (~87 GB of KV; a 64-token warm-up captures the same graphs)
+add_step engine_long 590 'fi_kit && $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --prompt-len 1024 --output-len 8192 --warmup-output-len 64 --no-hf ${ENGINE_BENCH_ARGS:-} --json "$OUT/engine_long.json"'
 # train.layout_invariant (issue #26): off vs on (the fold) vs on + 8 TP pieces at the 8B width, DP=1; then DP=2 over
 # 2 GPUs (nvidia-h200-x2; torchrun, NCCL); the pieces' cost in the engine (64 requests, 36 layers, P=1 vs P=8)
 LAYOUT_ARGS="--hidden 4096 --layers 2 --heads 32 --kv-heads 8 --head-dim 128 --intermediate 12288 --vocab 151936 --num-samples 64 --micro-batch-size 8 --tp-partials 8 --warmup 1 --steps 3"
