@@ -1,6 +1,6 @@
 """The deterministic attention backward's tile configs on one GPU, against SDPA's flash backward.
 
-    python3 benchmarks/bench_attention_bwd.py [--out FILE.md] [--cases 4x2048,1x16384] [--fused] [--no-sweep]
+    python3 benchmarks/bench_attention_bwd.py [--out FILE.md] [--cases 4x2048,1x16384] [--no-sweep]
                                               [--kv-parts "64,32,8,3;64,64,8,2"]
 
 Qwen3-8B's head shape (H=32, Hkv=8, D=128), bf16, causal, packed sequences of equal length. For each candidate
@@ -14,12 +14,8 @@ Qwen3-8B's head shape (H=32, Hkv=8, D=128), bf16, causal, packed sequences of eq
   and the relative error against SDPA's gradients (float32 math would differ in the last bits; this only catches a
   wrong kernel).
 
-``--fused`` adds the experimental one-kernel backward (``triton_attention_bwd_fused``: dQ added in descending
-KV-tile order behind counters) with each dK/dV tile part of ``FUSED_PARTS`` and each of ``FUSED_MODES``: the turns
-kept by a counter per query block (waited on once a block) or per query step, dQ added by float32 element atomics
-or by a bulk TMA reduce per whole step. Its time, rerun ==, alone == batch, its dK/dV == the two-kernel
-backward's, its bits == the first mode's, and its error against SDPA. ``--no-sweep`` keeps the two-kernel default
-config only.
+``--kv-parts`` runs the default and the named dK/dV parts only; ``--no-sweep`` the default only. (The one-kernel
+backward that ``--fused`` measured is in the history: commit 54d07f2, docs/BENCHMARKS.md.)
 
 Also the forward's output with and without the log-sum-exp written (``torch.equal``: the trainer's forward writes
 it, the engine's does not). A benchmark reports, it asserts nothing.
@@ -39,7 +35,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rlrepro.kernels import AttentionMetadata  # noqa: E402
 from rlrepro.kernels.triton_attention import (attention_bwd_packed_triton, attention_fwd,  # noqa: E402
                                               pick_attention_bwd_config)
-from rlrepro.kernels.triton_attention_bwd_fused import attention_bwd_fused_triton  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 LINES: list[str] = []
@@ -47,9 +42,6 @@ DQ_PARTS = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (6
             (128, 32, 4, 3)]
 KV_PARTS = [(64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3),
             (128, 64, 8, 3)]
-# the one-kernel backward's dK/dV parts (the default's, the 2026-12-04 runs' fastest, larger steps)
-FUSED_PARTS = [(64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2)]
-FUSED_MODES = [("block", False), ("step", False), ("block", True)]  # turns, bulk dQ adds
 
 
 def emit(line: str = "") -> None:
@@ -66,7 +58,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def case(batch: int, length: int, fused: bool = False, sweep: bool = True, kv_parts=None) -> None:
+def case(batch: int, length: int, sweep: bool = True, kv_parts=None) -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(batch * 7919 + length)
     n = batch * length
@@ -126,56 +118,14 @@ def case(batch: int, length: int, fused: bool = False, sweep: bool = True, kv_pa
         except Exception as e:  # noqa: BLE001 - report and go on
             emit(f"| {cfg} | failed: {type(e).__name__}: {str(e)[:300]} |")
     emit("")
-    if fused:
-        fused_rows(q, k, v, go, out, lse, meta, scale, ref, flops, t_sdpa, batch, length)
     del q, k, v, go, out, lse, qd, kd, vd, o_s, ref
     torch.cuda.empty_cache()
-
-
-def fused_rows(q, k, v, go, out, lse, meta, scale, ref, flops, t_sdpa, batch, length) -> None:
-    """The one-kernel backward with each dK/dV tile part and mode (its dQ is added in descending KV-tile order)."""
-    n = q.shape[0]
-    emit("One kernel (`RLREPRO_ATTENTION_BWD=triton_fused`), per dK/dV tile part:")
-    emit("")
-    emit("| kv_block,kv_rows,w,s, turns, dQ adds | ms | TFLOP/s | vs SDPA | rerun == (x3) | alone == batch | "
-         "dK/dV == two kernels | == block turns, element adds | rel err vs SDPA (dq, dk, dv) |")
-    emit("|---|---:|---:|---:|---|---|---|---|---|")
-    base = pick_attention_bwd_config(D, 2)
-    two = attention_bwd_packed_triton(q, k, v, go, meta, scale, out=out, lse=lse, config=base)
-    for a, b, c, d in FUSED_PARTS:
-        cfg = replace(base, kv_block=a, kv_rows=b, kv_warps=c, kv_stages=d)
-        first = None
-        for mode, bulk in FUSED_MODES:
-            try:
-                def run(**kw):
-                    return attention_bwd_fused_triton(q, k, v, go, meta, scale, out=out, lse=lse, config=cfg,
-                                                      turns=mode, bulk=bulk, **kw)
-                g1 = run()
-                first = g1 if first is None else first
-                rerun = all(all(torch.equal(x, y) for x, y in zip(g1, run())) for _ in range(3))
-                same_first = all(torch.equal(x, y) for x, y in zip(g1, first))
-                sl = slice(n - length, n)
-                alone = attention_bwd_fused_triton(q[sl].contiguous(), k[sl].contiguous(), v[sl].contiguous(),
-                                                   go[sl].contiguous(), AttentionMetadata.packed([length], q.device),
-                                                   scale, out=out[sl].contiguous(), lse=lse[sl].contiguous(),
-                                                   config=cfg, turns=mode, bulk=bulk)
-                al = all(torch.equal(x, y[sl]) for x, y in zip(alone, g1))
-                same_kv = all(torch.equal(x, y) for x, y in zip(g1[1:], two[1:]))
-                t = bench(run)
-                errs = ", ".join(f"{rel(x, y):.1e}" for x, y in zip(g1, ref))
-                adds = "bulk (TMA)" if bulk else "element"
-                emit(f"| {a},{b},{c},{d}, {mode}, {adds} | {t:.3f} | {flops / t / 1e9:.0f} | {t_sdpa / t:.2f} | "
-                     f"{rerun} | {al} | {same_kv} | {same_first} | {errs} |")
-            except Exception as e:  # noqa: BLE001 - report and go on
-                emit(f"| {a},{b},{c},{d}, {mode}, bulk={bulk} | failed: {type(e).__name__}: {str(e)[:300]} |")
-    emit("")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--cases", default="4x2048,1x16384")
-    ap.add_argument("--fused", action="store_true", help="also the one-kernel backward, per dK/dV tile part")
     ap.add_argument("--no-sweep", action="store_true", help="the two-kernel backward's default config only")
     ap.add_argument("--kv-parts", help="the default and these dK/dV parts only: 'kv_block,kv_rows,warps,stages;...'")
     args = ap.parse_args()
@@ -187,7 +137,7 @@ def main() -> int:
     for c in args.cases.split(","):
         b, L = (int(x) for x in c.split("x"))
         kv = [tuple(int(x) for x in p.split(",")) for p in args.kv_parts.split(";")] if args.kv_parts else None
-        case(b, L, fused=args.fused, sweep=not args.no_sweep, kv_parts=kv)
+        case(b, L, sweep=not args.no_sweep, kv_parts=kv)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(LINES) + "\n")

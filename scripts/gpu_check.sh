@@ -60,8 +60,6 @@ add_step fast_tests 420 'kit && fi_kit && $PY -m pytest -m gpu -q -p no:cachepro
 add_step attention_bwd 300 '$PY benchmarks/bench_attention_bwd.py --out "$OUT/attention_bwd.md" ${ATTN_BWD_ARGS:-}'
 # the forward's variants (BLOCK_KV, explicit FMA, warp specialisation, stages): speed and each one's bit promises
 add_step attention_fwd 540 'fi_kit && $PY benchmarks/bench_attention_fwd.py --out "$OUT/attention_fwd.md" ${ATTN_FWD_ARGS:-}'
-# the experimental one-kernel backward (RLREPRO_ATTENTION_BWD=triton_fused): its GPU test, then its speed per tile part
-add_step attention_bwd_fused 420 'kit && $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_bwd.py -k "fused or wiring" && $PY benchmarks/bench_attention_bwd.py --fused --no-sweep --out "$OUT/attention_bwd_fused.md"'
 # the engine with and without the 256-row attention tile: prefill time, and the outputs' bits equal (8 layers)
 add_step engine_tiles 300 '$PY benchmarks/bench_engine_tiles.py --json "$OUT/engine_tiles.json" ${ENGINE_TILES_ARGS:-}'
 add_step attention_long 500 'fi_kit && $PY benchmarks/bench_attention_long.py --out "$OUT/attention_long.md" ${ATTN_BENCH_ARGS:-}'

@@ -37,24 +37,15 @@ def float64_grads(q, k, v, g, lens, scale):
     return torch.autograd.grad(out, xr, g.double())
 
 
-def check_backward(lens, h, hkv, d, dtype, device, tol_torch, tol_f64, scale=None, f64=True, fused=False,
-                   reruns=1):
-    """Triton backward vs the torch path and float64 autograd; bitwise equal on ``reruns`` reruns and per sequence
-    alone. ``fused``: the one-kernel backward (``triton_attention_bwd_fused``), whose dK and dV must also equal the
-    two-kernel backward's bits (the same arithmetic; only dQ is summed differently)."""
+def check_backward(lens, h, hkv, d, dtype, device, tol_torch, tol_f64, scale=None, f64=True):
+    """Triton backward vs the torch path and float64 autograd; bitwise equal on a rerun and per sequence alone."""
     from rlrepro.kernels import triton_attention as A
-    from rlrepro.kernels.triton_attention_bwd_fused import attention_bwd_fused_triton
-    bwd = attention_bwd_fused_triton if fused else A.attention_bwd_packed_triton
     seed = fresh_seed()
     scale = d ** -0.5 if scale is None else scale
     q, k, v, g = make_case(lens, h, hkv, d, dtype, device)
     meta = AttentionMetadata.packed(lens, device=device)
     out = A.attention_fwd(q, k, v, meta, scale)
-    got = bwd(q, k, v, g, meta, scale, out=out)
-    if fused:
-        two = A.attention_bwd_packed_triton(q, k, v, g, meta, scale, out=out)
-        for name, a, b in zip("kv", got[1:], two[1:]):
-            assert torch.equal(a, b), f"fused d{name} differs from the two-kernel backward's (seed {seed})"
+    got = A.attention_bwd_packed_triton(q, k, v, g, meta, scale, out=out)
     for t, x in zip(got, (q, k, v)):
         assert t.dtype == x.dtype and t.shape == x.shape and t.device == x.device
     expect = A.attention_bwd_packed(q, k, v, g, meta, scale)
@@ -65,11 +56,10 @@ def check_backward(lens, h, hkv, d, dtype, device, tol_torch, tol_f64, scale=Non
         if c is not None:
             err = rel_err(a, c)
             assert err < tol_f64, f"d{name} vs float64: rel err {err} (seed {seed}, {lens} {h}/{hkv}x{d} {dtype})"
-    for _ in range(reruns):
-        again = bwd(q, k, v, g, meta, scale, out=out)
-        for name, a, b in zip("qkv", got, again):
-            assert torch.equal(a, b), f"d{name} differs between two runs (seed {seed})"
-    recomputed = bwd(q, k, v, g, meta, scale)  # out=None: the forward is rerun
+    again = A.attention_bwd_packed_triton(q, k, v, g, meta, scale, out=out)
+    for name, a, b in zip("qkv", got, again):
+        assert torch.equal(a, b), f"d{name} differs between two runs (seed {seed})"
+    recomputed = A.attention_bwd_packed_triton(q, k, v, g, meta, scale)  # out=None: the forward is rerun
     for name, a, b in zip("qkv", got, recomputed):
         assert torch.equal(a, b), f"d{name} differs with O recomputed (seed {seed})"
     # a sequence's gradients depend only on its own tokens: alone or in the batch, the same bits
@@ -78,8 +68,8 @@ def check_backward(lens, h, hkv, d, dtype, device, tol_torch, tol_f64, scale=Non
         cu.append(cu[-1] + L)
     for s in (0, len(lens) - 1):
         sl = slice(cu[s], cu[s + 1])
-        alone = bwd(q[sl], k[sl], v[sl], g[sl], AttentionMetadata.packed([lens[s]], device=device), scale,
-                    out=out[sl])
+        alone = A.attention_bwd_packed_triton(q[sl], k[sl], v[sl], g[sl], AttentionMetadata.packed([lens[s]], device=device),
+                                              scale, out=out[sl])
         for name, a, b in zip("qkv", alone, got):
             assert torch.equal(a, b[sl]), f"d{name} of sequence {s} alone differs from the batch (seed {seed})"
 
@@ -98,7 +88,7 @@ def check_autograd_wiring(device, dtype, tol):
     before = os.environ.get("RLREPRO_ATTENTION_BWD")
     grads = {}
     try:
-        for impl in ("triton", "triton_fused", "torch"):
+        for impl in ("triton", "torch"):
             os.environ["RLREPRO_ATTENTION_BWD"] = impl
             x = qkv.detach().clone().requires_grad_(True)
             q = x[:, : h * d].view(n, h, d)
@@ -111,9 +101,8 @@ def check_autograd_wiring(device, dtype, tol):
             os.environ.pop("RLREPRO_ATTENTION_BWD", None)
         else:
             os.environ["RLREPRO_ATTENTION_BWD"] = before
-    for impl in ("triton", "triton_fused"):
-        err = rel_err(grads[impl], grads["torch"])
-        assert err < tol, f"autograd {impl} vs torch backward: rel err {err} (seed {seed})"
+    err = rel_err(grads["triton"], grads["torch"])
+    assert err < tol, f"autograd triton vs torch backward: rel err {err} (seed {seed})"
     q, k, v = (t.contiguous() for t in (qkv[:, : h * d].view(n, h, d), qkv[:, h * d:(h + hkv) * d].view(n, hkv, d),
                                          qkv[:, (h + hkv) * d:].view(n, hkv, d)))
     direct = A.attention_bwd_packed_triton(q, k, v, g.contiguous(), meta, 0.3)
@@ -174,46 +163,6 @@ def check_bwd_edge_cases_fp32():
 
 
 @interp_check
-def check_bwd_fused_fp32():
-    """The one-kernel backward: GQA groups 1, 2, 4 and 3 (padded), D 16 and 24 (padded), lengths across the tiles."""
-    check_backward(LENS_CPU, 4, 2, 16, torch.float32, "cpu", 1e-5, 1e-5, fused=True)
-    check_backward(LENS_CPU, 4, 4, 24, torch.float32, "cpu", 1e-5, 1e-5, fused=True)
-    check_backward(LENS_CPU, 4, 1, 16, torch.float32, "cpu", 1e-5, 1e-5, fused=True)
-    check_backward([2, 67], 6, 2, 16, torch.float32, "cpu", 1e-5, 1e-5, scale=0.7, fused=True)
-    check_backward([1, 2], 2, 1, 16, torch.float32, "cpu", 1e-5, 1e-5, fused=True)
-    # a counter per query block (waited on once a block, the default) or per query step: the same order of adds,
-    # the same bits
-    from rlrepro.kernels import triton_attention as A
-    from rlrepro.kernels.triton_attention_bwd_fused import attention_bwd_fused_triton
-    q, k, v, g = make_case(LENS_CPU, 4, 2, 16, torch.float32, "cpu")
-    meta = AttentionMetadata.packed(LENS_CPU)
-    out = A.attention_fwd(q, k, v, meta, 0.25)
-    a = attention_bwd_fused_triton(q, k, v, g, meta, 0.25, out=out, turns="block")
-    b = attention_bwd_fused_triton(q, k, v, g, meta, 0.25, out=out, turns="step")
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-@interp_check
-def check_bwd_fused_launch_order_fp32():
-    """What keeps the one-kernel backward from waiting forever: program i runs block i of the schedule, and within a
-    sequence the KV tiles come in descending order, so the tiles whose dQ contributions come first (those above)
-    are programs with lower indices (started before it on a GPU; already run in the interpreter)."""
-    from rlrepro.kernels.triton_attention_fwd import _device_schedule
-    lens, block = [1, 130, 64, 65, 300], 64
-    meta = AttentionMetadata.packed(lens)
-    g_slots, prog_seq, prog_n0 = _device_schedule(meta.cu_seqlens_q, len(lens), sum(lens), block)
-    seen: dict[int, list[int]] = {}
-    for pid in range(g_slots):
-        slot = pid  # the kernel's mapping
-        seq = int(prog_seq[slot])
-        if seq >= 0:
-            seen.setdefault(seq, []).append(int(prog_n0[slot]))
-    assert sorted(seen) == list(range(len(lens)))
-    for seq, starts in seen.items():
-        assert starts == list(range(0, lens[seq], block))[::-1], (seq, starts)
-
-
-@interp_check
 def check_autograd_wiring_fp32():
     check_autograd_wiring("cpu", torch.float32, 1e-5)
 
@@ -251,7 +200,7 @@ def test_backward_choice(monkeypatch):
     assert T._attention_bwd_impl(x) == "torch"
     if HAS_CUDA:
         assert T._attention_bwd_impl(x.cuda()) == "triton"
-    for forced in ("torch", "triton", "Torch", "triton_fused"):
+    for forced in ("torch", "triton", "Torch"):
         monkeypatch.setenv("RLREPRO_ATTENTION_BWD", forced)
         assert T._attention_bwd_impl(x) == forced.lower()
     monkeypatch.setenv("RLREPRO_ATTENTION_BWD", "flash")
@@ -286,17 +235,6 @@ def test_gpu_bwd_shapes(dtype, h, hkv, d):
 @needs_cuda
 def test_gpu_bwd_long_sequence():
     check_backward([4000, 3], 8, 2, 128, torch.bfloat16, "cuda", 2e-2, 2e-2, f64=False)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_bwd_fused(dtype):
-    """The one-kernel backward (dQ added in KV-tile order behind per-step counters): close to the torch path and
-    float64, dK/dV equal to the two-kernel backward's, and bitwise equal over 5 reruns (a race would show here)."""
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    check_backward(LENS_GPU, 32, 8, 128, dtype, "cuda", tol, tol, fused=True, reruns=5)
-    check_backward([4000, 3], 8, 2, 128, dtype, "cuda", tol, tol, f64=False, fused=True)
 
 
 @gpu

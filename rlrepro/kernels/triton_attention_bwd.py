@@ -306,9 +306,8 @@ class BwdInputs:
 def backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                     meta: AttentionMetadata, scale: float, out: torch.Tensor | None,
                     config: AttentionBwdConfig | None, lse: torch.Tensor | None) -> BwdInputs | None:
-    """What both Triton backwards (this module's and ``triton_attention_bwd_fused``'s) check and prepare; ``None``
-    when there is nothing to compute (no tokens or no sequence). ``out`` and ``lse`` are recomputed by the forward
-    when ``lse`` is not given (the same bits)."""
+    """What the Triton backward checks and prepares; ``None`` when there is nothing to compute (no tokens or no
+    sequence). ``out`` and ``lse`` are recomputed by the forward when ``lse`` is not given (the same bits)."""
     if meta.block_table is not None:
         raise ValueError("attention backward: only the packed (no cache) layout has a backward")
     n, h, d = q.shape

@@ -6,8 +6,7 @@ Backward passes are deterministic: Triton kernels for RMSNorm, SwiGLU and rotary
 ``RLREPRO_ROWWISE_BWD=torch`` selects the float32 torch compositions instead), fixed-shape cuBLAS products, torch
 reductions, a sorted segment sum for the embedding and, for attention, two Triton kernels without atomics
 (``triton_attention.attention_bwd_packed_triton``; ``RLREPRO_ATTENTION_BWD=torch`` selects the float32 torch
-recomputation instead, ``=triton_fused`` the experimental one-kernel backward): reproducible run to run, though
-not batch-invariant, which training does not need.
+recomputation instead): reproducible run to run, though not batch-invariant, which training does not need.
 The paged-cache path of ``attention`` is inference only and has no backward.
 """
 from __future__ import annotations
@@ -200,24 +199,20 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- attention
-BWD_IMPLS = ("torch", "triton", "triton_fused")
-
-
 def _attention_bwd_impl(q: torch.Tensor) -> str:
-    """"triton" (CUDA default) or "torch" (CPU default); RLREPRO_ATTENTION_BWD=torch|triton|triton_fused forces one
-    ("triton_fused": the experimental one-kernel backward, ``triton_attention_bwd_fused``)."""
+    """"triton" (CUDA default) or "torch" (CPU default); RLREPRO_ATTENTION_BWD=torch|triton forces one."""
     forced = os.environ.get("RLREPRO_ATTENTION_BWD", "").strip().lower()
-    if forced in BWD_IMPLS:
+    if forced in ("torch", "triton"):
         return forced
     if forced:
-        raise ValueError(f"RLREPRO_ATTENTION_BWD must be one of {', '.join(BWD_IMPLS)}, not {forced!r}")
+        raise ValueError(f"RLREPRO_ATTENTION_BWD must be 'torch' or 'triton', not {forced!r}")
     return "triton" if q.is_cuda else "torch"
 
 
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta, scale):
-        if any(ctx.needs_input_grad[:3]) and _attention_bwd_impl(q) != "torch":
+        if any(ctx.needs_input_grad[:3]) and _attention_bwd_impl(q) == "triton":
             # out and the log-sum-exp: the Triton backward's delta = rowsum(dO * O) and softmax statistics
             out, lse = _attn.attention_fwd(q, k, v, meta, scale, return_lse=True)
         else:
@@ -230,12 +225,8 @@ class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        impl = _attention_bwd_impl(q)
-        if impl == "triton":
+        if _attention_bwd_impl(q) == "triton":
             dq, dk, dv = _attn.attention_bwd_packed_triton(q, k, v, grad, ctx.meta, ctx.scale, out=out, lse=lse)
-        elif impl == "triton_fused":
-            from .triton_attention_bwd_fused import attention_bwd_fused_triton
-            dq, dk, dv = attention_bwd_fused_triton(q, k, v, grad, ctx.meta, ctx.scale, out=out, lse=lse)
         else:
             dq, dk, dv = _attn.attention_bwd_packed(q, k, v, grad, ctx.meta, ctx.scale)
         return dq, dk, dv, None, None
