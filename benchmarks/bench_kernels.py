@@ -1,11 +1,13 @@
 """Benchmark of the deterministic (batch-invariant) Triton kernels against stock torch / cuBLAS, on one GPU.
 
     python benchmarks/bench_kernels.py [--out FILE] [--sweep] [--only matmul,rowwise,rowwise_bwd,attention,attention_bwd,sampler] [--quick]
+                                       [--k128]
 
 Times are medians of ``triton.testing.do_bench`` (which clears the L2 cache before every repetition), taken in
 the same run for both sides, bf16 unless noted. The matmul table reports ``speed = t_cuBLAS / t_ours`` (1.0 =
 as fast as cuBLAS). ``--sweep`` also times every candidate tile config per shape and checks that all of them
-give bitwise the same output (the evidence behind picking tiles by M). Writes markdown to stdout and to
+give bitwise the same output (the evidence behind picking tiles by M); ``--k128`` adds the experimental 128-wide K
+tile configs (``triton_matmul.CONFIGS_16BIT_K128``) to it. Writes markdown to stdout and to
 ``--out`` (default ``$OUT/bench_kernels.md`` when ``$OUT`` is set).
 """
 from __future__ import annotations
@@ -82,8 +84,13 @@ def rnd(*shape, dtype=torch.bfloat16, scale=1.0):
 
 
 # ------------------------------------------------------------------------------------------------ matmul
-def sweep_candidates(m: int) -> list[str]:
-    names = list(_mm.CONFIGS_16BIT)
+def sweep_configs(k128: bool) -> dict:
+    """The configs a sweep times: the shipped candidates, and with ``--k128`` the experimental 128-wide K tiles."""
+    return {**_mm.CONFIGS_16BIT, **(_mm.CONFIGS_16BIT_K128 if k128 else {})}
+
+
+def sweep_candidates(m: int, k128: bool = False) -> list[str]:
+    names = list(sweep_configs(k128))
     if m <= 64:
         return [n for n in names if n.startswith("64x")]
     if m <= 512:
@@ -91,7 +98,7 @@ def sweep_candidates(m: int) -> list[str]:
     return [n for n in names if n.startswith(("128x", "64x256"))]
 
 
-def bench_matmul(ms, shapes, sweep: bool) -> None:
+def bench_matmul(ms, shapes, sweep: bool, k128: bool = False) -> None:
     emit("### Matmul: deterministic Triton vs cuBLAS (`torch.mm`), bf16, weight [N, K]")
     emit()
     emit("Both sides timed as CUDA-graph replays over rotating weight copies (>= 256 MB, so L2 holds none); "
@@ -121,8 +128,8 @@ def bench_matmul(ms, shapes, sweep: bool) -> None:
             if sweep:
                 auto = _mm.matmul(x, ws[0])
                 row = {"shape": f"{k}x{n}", "m": m, "cublas": t_cub}
-                for name in sweep_candidates(m):
-                    c = _mm.CONFIGS_16BIT[name]
+                for name in sweep_candidates(m, k128):
+                    c = sweep_configs(k128)[name]
                     try:
                         same = torch.equal(_mm.matmul(x, ws[0], config=c), auto)
                         t = bench_graph([lambda w=w: _mm.matmul(x, w, config=c) for w in ws], rep=30)
@@ -139,7 +146,7 @@ def bench_matmul(ms, shapes, sweep: bool) -> None:
                  f"max {max(sel):.2f} (time ratio max {1 / min(sel):.2f})")
     emit()
     if sweep:
-        names = list(_mm.CONFIGS_16BIT)
+        names = list(sweep_configs(k128))
         emit("### Matmul config sweep: speed vs cuBLAS per config, CUDA-graph timed "
              "(`*` = output differs from the auto config)")
         emit()
@@ -374,6 +381,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="time every candidate matmul config too")
+    ap.add_argument("--k128", action="store_true",
+                    help="the sweep also times the experimental 128-wide K tile configs (bits against the auto config)")
     ap.add_argument("--only", default="matmul,rowwise,rowwise_bwd,attention,attention_bwd,sampler")
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     args = ap.parse_args()
@@ -390,7 +399,7 @@ def main() -> int:
     failed = []
     only = set(args.only.split(","))
     sections = [("matmul", lambda: bench_matmul(MATMUL_MS if not args.quick else [1, 64, 1024, 4096],
-                                                MATMUL_SHAPES, args.sweep)),
+                                                MATMUL_SHAPES, args.sweep, args.k128)),
                 ("rowwise", lambda: bench_rowwise(args.quick)), ("rowwise_bwd", bench_rowwise_bwd),
                 ("attention", bench_attention), ("attention_bwd", bench_attention_bwd),
                 ("sampler", bench_sampler)]

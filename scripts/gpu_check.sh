@@ -67,6 +67,9 @@ add_step attention_long 500 'fi_kit && $PY benchmarks/bench_attention_long.py --
 add_step train_long 400 'kit && fi_kit && for m in deterministic fast; do $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode $m --num-samples 16 --prompt-len 1024 --completion-len 15360 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 2 --no-phases --json "$OUT/train_long_$m.json" || exit 1; done'
 # the engine end to end, deterministic vs fast (flashinfer attention + cuBLAS), 36 layers, 64 requests
 add_step engine_fast 400 'fi_kit && $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --no-hf ${ENGINE_BENCH_ARGS:-} --json "$OUT/engine_fast.json"'
+# the experimental 128-wide K tile matmul configs: their bits against the shipped 64-wide tile, then their speed in
+# the sweep (`*` marks a config whose output differs)
+add_step matmul_k128 420 'kit && $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k "k128 or all_configs_agree" ; $PY benchmarks/bench_kernels.py --only matmul --sweep --k128 --quick --out "$OUT/matmul_k128.md"'
 # the issue #27 long-output workload: 64 requests of 1k prompt + 8k output tokens, 36 layers, deterministic vs fast
 # (~87 GB of KV; a 64-token warm-up captures the same graphs)
 add_step engine_long 590 'fi_kit && $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --prompt-len 1024 --output-len 8192 --warmup-output-len 64 --no-hf ${ENGINE_BENCH_ARGS:-} --json "$OUT/engine_long.json"'

@@ -178,6 +178,24 @@ def check_matmul_configs_fp32():
 
 
 @interp_check
+def check_matmul_k128_configs_fp32():
+    """The experimental 128-wide K tile configs compute the product (TMA and pointer loads, K not a multiple of 128);
+    that they give the 64-wide tile's bits is a GPU question (``test_gpu_matmul_k128_configs_give_the_k64_bits``)."""
+    from dataclasses import replace
+    from rlrepro.kernels import triton_matmul as mm
+    fresh_seed()
+    k, n = 196, 300
+    w = torch.randn(n, k)
+    x = torch.randn(70, k)
+    expect = ref.linear(x, w)
+    for i, cfg in enumerate(mm.CONFIGS_16BIT_K128.values()):
+        assert cfg.block_k == 128 and cfg.block_m == 64 and cfg.name not in mm.CONFIGS_16BIT
+        got = mm.matmul(x, w, config=replace(cfg, ctas_per_sm=1), use_tma=i % 2 == 0)
+        e = rel_err(got, expect)
+        assert e < 1e-6, (cfg.name, e)
+
+
+@interp_check
 def check_pick_config():
     from rlrepro.kernels import triton_matmul as mm
     for m in (1, 64, 65, 256, 257, 1024, 4096, 8192):
@@ -515,6 +533,34 @@ def test_gpu_matmul_all_configs_agree_and_use_wgmma():
             for ptx in ptxs:
                 if ".bf16" in ptx or ".f16" in ptx:
                     assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
+
+
+@gpu
+@needs_cuda
+def test_gpu_matmul_k128_configs_give_the_k64_bits():
+    """The experimental 128-wide K tile configs against the shipped 64-wide tile: the same bits (``torch.equal``) at
+    decode-sized M and the Qwen3-8B projections' K, TMA and pointer loads, and wgmma. Passing is what would let the
+    small-M choice take them (``triton_matmul.CONFIGS_16BIT_K128``)."""
+    from rlrepro.kernels import triton_matmul as mm
+    seed = _cuda_seed()
+    dtype = torch.bfloat16
+    for k, n in ((4096, 1536), (12288, 4096), (4096, 24576)):
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(dtype)
+        for m in (1, 7, 16, 64):
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            expect = mm.matmul(x, w, config=mm.CONFIGS_16BIT["64x128x64w4s8c1"])
+            assert torch.equal(mm.matmul(x, w), expect), f"the shipped small-M configs differ (seed {seed})"
+            for name, cfg in mm.CONFIGS_16BIT_K128.items():
+                for tma in (True, False):
+                    got = mm.matmul(x, w, config=cfg, use_tma=tma)
+                    assert torch.equal(got, expect), f"{name} (tma={tma}) at {m}x{k}x{n} differs (seed {seed})"
+    if torch.cuda.get_device_capability()[0] == 9:
+        for fn in (mm._mm_tma_kernel, mm._mm_ptr_kernel):
+            for cache in fn.device_caches.values():
+                for kern in cache[0].values():
+                    ptx = kern.asm["ptx"]
+                    if ".bf16" in ptx:
+                        assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
 
 
 @gpu

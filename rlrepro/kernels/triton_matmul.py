@@ -68,6 +68,20 @@ CONFIGS_16BIT: dict[str, MatmulConfig] = {c.name: c for c in [
 ]}
 CONFIG_FP32 = MatmulConfig(64, 64, BLOCK_K_FP32, 4, 3)
 
+# Experimental, never picked: small-M configs with a 128-wide K tile (fewer, larger K steps for the decode-sized
+# products that read the weight once). A wgmma chain over K runs 16 K-values an instruction, in order, whatever the
+# tile, so these should give the 64-wide tile's bits: the attention backward's tile parts did (docs/BENCHMARKS.md,
+# "The one-kernel backward, measured"). ``test_gpu_matmul_k128_configs_give_the_k64_bits`` checks it and
+# ``bench_kernels.py --sweep --k128`` times them (``scripts/gpu_check.sh matmul_k128``); until both have run on
+# the GPU, no product takes them.
+CONFIGS_16BIT_K128: dict[str, MatmulConfig] = {c.name: c for c in [
+    MatmulConfig(64, 256, 128, 4, 2, subtile=True),
+    MatmulConfig(64, 128, 128, 4, 4),
+    MatmulConfig(64, 128, 128, 4, 2, ctas_per_sm=2),
+    MatmulConfig(64, 64, 128, 4, 6),
+    MatmulConfig(64, 64, 128, 4, 3, ctas_per_sm=2),
+]}
+
 # Which config serves which M (16-bit); chosen from the H200 sweep in docs/BENCHMARKS.md ("Kernels"), where all
 # configs gave bitwise-identical outputs. M <= 64 is bound by reading the weight once; no split-K means N alone
 # sets the parallelism, so wide N tiles (more bytes per K step) win unless N is small.
