@@ -526,13 +526,20 @@ def test_gpu_matmul_all_configs_agree_and_use_wgmma():
         for tma in (True, False):
             got = mm.matmul(x, w, config=cfg, use_tma=tma)
             assert torch.equal(got, expect), f"config {name} (tma={tma}) differs (seed {seed})"
-    if torch.cuda.get_device_capability()[0] == 9:
-        for fn in (mm._mm_tma_kernel, mm._mm_ptr_kernel):
-            ptxs = [kern.asm["ptx"] for cache in fn.device_caches.values() for kern in cache[0].values()]
-            assert ptxs, "no compiled kernels found in Triton's cache"
-            for ptx in ptxs:
-                if ".bf16" in ptx or ".f16" in ptx:
-                    assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
+    _assert_16bit_matmuls_use_wgmma()
+
+
+def _assert_16bit_matmuls_use_wgmma():
+    """On Hopper, every compiled 16-bit matmul kernel in Triton's cache runs wgmma (never mma.sync)."""
+    from rlrepro.kernels import triton_matmul as mm
+    if torch.cuda.get_device_capability()[0] != 9:
+        return
+    for fn in (mm._mm_tma_kernel, mm._mm_ptr_kernel):
+        ptxs = [kern.asm["ptx"] for cache in fn.device_caches.values() for kern in cache[0].values()]
+        assert ptxs, "no compiled kernels found in Triton's cache"
+        for ptx in ptxs:
+            if ".bf16" in ptx or ".f16" in ptx:
+                assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
 
 
 @gpu
@@ -554,13 +561,7 @@ def test_gpu_matmul_k128_configs_give_the_k64_bits():
                 for tma in (True, False):
                     got = mm.matmul(x, w, config=cfg, use_tma=tma)
                     assert torch.equal(got, expect), f"{name} (tma={tma}) at {m}x{k}x{n} differs (seed {seed})"
-    if torch.cuda.get_device_capability()[0] == 9:
-        for fn in (mm._mm_tma_kernel, mm._mm_ptr_kernel):
-            for cache in fn.device_caches.values():
-                for kern in cache[0].values():
-                    ptx = kern.asm["ptx"]
-                    if ".bf16" in ptx:
-                        assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
+    _assert_16bit_matmuls_use_wgmma()
 
 
 @gpu
