@@ -287,50 +287,6 @@ def _rows_descriptor(t: torch.Tensor, tokens: int, heads: int):
     return _TensorDescriptor(t, list(t.shape), [t.stride(0), t.stride(1), 1], [tokens, heads, t.shape[2]])
 
 
-@dataclass(frozen=True)
-class BwdInputs:
-    """The Triton backwards' checked inputs: last dims contiguous, the forward's O and lse, the tile config."""
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
-    grad_out: torch.Tensor
-    lse: torch.Tensor
-    cfg: AttentionBwdConfig
-    group: int
-    group_p: int
-    d_p: int
-    precision: str
-
-
-def backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, out: torch.Tensor | None,
-                    config: AttentionBwdConfig | None, lse: torch.Tensor | None) -> BwdInputs | None:
-    """What the Triton backward checks and prepares; ``None`` when there is nothing to compute (no tokens or no
-    sequence). ``out`` and ``lse`` are recomputed by the forward when ``lse`` is not given (the same bits)."""
-    if meta.block_table is not None:
-        raise ValueError("attention backward: only the packed (no cache) layout has a backward")
-    n, h, d = q.shape
-    hkv = k.shape[1]
-    if h % hkv:
-        raise ValueError(f"attention: {h} query heads is not a multiple of {hkv} KV heads")
-    if n == 0 or meta.num_seqs == 0:
-        return None
-    if lse is None:
-        recomputed, lse = attention_fwd(q, k, v, meta, scale, return_lse=True)
-        out = recomputed if out is None else out
-    elif out is None:
-        raise ValueError("attention backward: lse was given without the forward's output (out)")
-
-    def last_contiguous(t: torch.Tensor) -> torch.Tensor:
-        return t if t.stride(-1) == 1 else t.contiguous()
-    q, k, v, out, grad_out = (last_contiguous(t) for t in (q, k, v, out, grad_out))
-    d_p = max(16, triton.next_power_of_2(d))
-    cfg = config or pick_attention_bwd_config(d_p, q.element_size())
-    return BwdInputs(q, k, v, out, grad_out, lse, cfg, h // hkv, triton.next_power_of_2(h // hkv), d_p,
-                     "ieee" if q.dtype == torch.float32 else "tf32")
-
-
 def attention_bwd_packed_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                                 meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                                 config: AttentionBwdConfig | None = None, lse: torch.Tensor | None = None,
@@ -342,19 +298,34 @@ def attention_bwd_packed_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     ``attention_bwd_packed``, up to rounding; bitwise reproducible run to run. No [L, L] tensor, no host sync.
     ``dq_only`` (benchmarks: the two kernels' shares) runs the dQ kernel alone (dK, dV are left unset).
     """
-    x = backward_inputs(q, k, v, grad_out, meta, scale, out, config, lse)
+    if meta.block_table is not None:
+        raise ValueError("attention backward: only the packed (no cache) layout has a backward")
     n, h, d = q.shape
     hkv = k.shape[1]
+    if h % hkv:
+        raise ValueError(f"attention: {h} query heads is not a multiple of {hkv} KV heads")
+    group = h // hkv
     dq = torch.empty((n, h, d), device=q.device, dtype=q.dtype)
     dk = torch.empty((n, hkv, d), device=k.device, dtype=k.dtype)
     dv = torch.empty((n, hkv, d), device=v.device, dtype=v.dtype)
-    if x is None:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    q, k, v, out, grad_out, lse = x.q, x.k, x.v, x.out, x.grad_out, x.lse
-    cfg, group, group_p, d_p, precision = x.cfg, x.group, x.group_p, x.d_p, x.precision
     s_count = meta.num_seqs
+    if n == 0 or s_count == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if lse is None:
+        recomputed, lse = attention_fwd(q, k, v, meta, scale, return_lse=True)
+        out = recomputed if out is None else out
+    elif out is None:
+        raise ValueError("attention backward: lse was given without the forward's output (out)")
+
+    def last_contiguous(t: torch.Tensor) -> torch.Tensor:
+        return t if t.stride(-1) == 1 else t.contiguous()
+    q, k, v, out, grad_out = (last_contiguous(t) for t in (q, k, v, out, grad_out))
+    d_p = max(16, triton.next_power_of_2(d))
+    cfg = config or pick_attention_bwd_config(d_p, q.element_size())
+    group_p = triton.next_power_of_2(group)
     if group_p > min(cfg.dq_rows, cfg.kv_rows):
         raise ValueError(f"attention backward: {group} query heads per KV head is more than the tile supports")
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     qk_scale = float(scale) * LOG2E
     delta = torch.empty((n, h), device=q.device, dtype=torch.float32)
     cu = meta.cu_seqlens_q
