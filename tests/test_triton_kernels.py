@@ -198,11 +198,23 @@ def check_matmul_k128_configs_fp32():
 @interp_check
 def check_pick_config():
     from rlrepro.kernels import triton_matmul as mm
-    for m in (1, 64, 65, 256, 257, 1024, 4096, 8192):
+    for m in (1, 16, 17, 64, 65, 256, 257, 1024, 4096, 8192):
         for n in (4096, 6144, 24576, 151936):
             cfg = mm.pick_config(m, n, 4096, torch.bfloat16, 132)
-            assert cfg.block_k == mm.BLOCK_K_16BIT and cfg.num_warps % 4 == 0 and cfg.block_m >= 64
+            assert cfg.num_warps % 4 == 0 and cfg.block_m >= 64
+            # the 128-wide K tile serves 16 < M <= 64 at narrow N only (measured there), never the pieces kernel
+            narrow_small = 16 < m <= mm.SMALL_M and -(-n // 256) < mm.SMALL_M_WIDE_N_TILES
+            assert cfg.block_k == (128 if narrow_small else mm.BLOCK_K_16BIT), (m, n, cfg.name)
+            assert mm.pick_config(m, n, 4096, torch.bfloat16, 132, k128=False).block_k == mm.BLOCK_K_16BIT
     assert all(c.block_k == mm.BLOCK_K_16BIT for c in mm.CONFIGS_16BIT.values())
+    saved = os.environ.get("RLREPRO_MATMUL_K128")
+    os.environ["RLREPRO_MATMUL_K128"] = "0"  # the 64-wide tile again (same bits; for measuring)
+    try:
+        assert mm.pick_config(64, 4096, 4096, torch.bfloat16, 132).name == "64x64x64w4s10c1"
+    finally:
+        del os.environ["RLREPRO_MATMUL_K128"]
+        if saved is not None:
+            os.environ["RLREPRO_MATMUL_K128"] = saved
     assert mm.pick_config(5000, 4096, 4096, torch.float32, 132) == mm.CONFIG_FP32
 
 

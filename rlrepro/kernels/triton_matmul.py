@@ -68,12 +68,14 @@ CONFIGS_16BIT: dict[str, MatmulConfig] = {c.name: c for c in [
 ]}
 CONFIG_FP32 = MatmulConfig(64, 64, BLOCK_K_FP32, 4, 3)
 
-# Experimental, never picked: small-M configs with a 128-wide K tile (fewer, larger K steps for the decode-sized
-# products that read the weight once). A wgmma chain over K runs 16 K-values an instruction, in order, whatever the
-# tile, so these should give the 64-wide tile's bits: the attention backward's tile parts did (docs/BENCHMARKS.md,
-# "The one-kernel backward, measured"). ``test_gpu_matmul_k128_configs_give_the_k64_bits`` checks it and
-# ``bench_kernels.py --sweep --k128`` times them (``scripts/gpu_check.sh matmul_k128``); until both have run on
-# the GPU, no product takes them.
+# Small-M configs with a 128-wide K tile (fewer, larger K steps for the decode-sized products that read the weight
+# once). A wgmma chain over K runs 16 K-values an instruction, in order, whatever the tile, so they give the
+# 64-wide tile's bits: ``test_gpu_matmul_k128_configs_give_the_k64_bits`` passed on the H200 (2026-12-04, M 1/7/16/64,
+# K 4096 and 12288, TMA and pointer loads), and the sweep (``bench_kernels.py --sweep --k128``) found no config
+# with other bits. The sweep had "64x64x128w4s6c1" 1.01 / 0.97 / 1.03 of cuBLAS at M = 64 on the 8B's qkv / o_proj
+# / down_proj where "64x64x64w4s10c1" gave 0.95 / 0.85 / 0.91, so the small-M rule takes it for 16 < M <= 64 and
+# narrow N (``RLREPRO_MATMUL_K128=0`` restores the 64-wide tile there: the same bits, for measuring). The
+# K-pieces kernel (:mod:`.triton_pieces`) keeps the 64-wide tile: its bit tests ran with that.
 CONFIGS_16BIT_K128: dict[str, MatmulConfig] = {c.name: c for c in [
     MatmulConfig(64, 256, 128, 4, 2, subtile=True),
     MatmulConfig(64, 128, 128, 4, 4),
@@ -93,10 +95,16 @@ LARGE_M_CANDIDATES = (("128x256x64w8s3c1s", 1.00), ("128x128x64w8s4c1", 0.92), (
                       ("64x128x64w4s8c1", 0.80))
 
 
-def _small_m_config(m: int, n: int) -> str:
+SMALL_M_K128 = "64x64x128w4s6c1"  # 16 < M <= 64, narrow N (see CONFIGS_16BIT_K128)
+ALL_CONFIGS_16BIT = {**CONFIGS_16BIT, **CONFIGS_16BIT_K128}
+
+
+def _small_m_config(m: int, n: int, k128: bool = True) -> str:
     if triton.cdiv(n, 256) >= SMALL_M_WIDE_N_TILES:
         return "64x256x64w4s4c1s"
-    return "64x128x64w4s8c1" if m <= 16 else "64x64x64w4s10c1"
+    if m <= 16:
+        return "64x128x64w4s8c1"
+    return SMALL_M_K128 if k128 and os.environ.get("RLREPRO_MATMUL_K128", "1") != "0" else "64x64x64w4s10c1"
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -113,15 +121,19 @@ def _device_sms(t: torch.Tensor) -> int:
     return num_sms(t.device.index if t.is_cuda else -1)
 
 
-def pick_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> MatmulConfig:
-    """The config for an ``m x k @ k x n`` product. Any choice is numerically the same (see module docstring)."""
+def pick_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int, k128: bool = True) -> MatmulConfig:
+    """The config for an ``m x k @ k x n`` product. Any choice is numerically the same (see module docstring).
+    ``k128=False``: only 64-wide K tiles (the K-pieces kernel)."""
     forced = os.environ.get("RLREPRO_MATMUL_CONFIG")
     if dtype == torch.float32:
         return CONFIG_FP32
     if forced:
-        return CONFIGS_16BIT[forced]
+        if forced not in ALL_CONFIGS_16BIT:
+            raise ValueError(f"RLREPRO_MATMUL_CONFIG={forced!r} is not one of {sorted(ALL_CONFIGS_16BIT)}")
+        if k128 or forced in CONFIGS_16BIT:
+            return ALL_CONFIGS_16BIT[forced]
     if m <= SMALL_M:
-        return CONFIGS_16BIT[_small_m_config(m, n)]
+        return ALL_CONFIGS_16BIT[_small_m_config(m, n, k128)]
     return _least_cost(LARGE_M_CANDIDATES, m, n, sms)
 
 

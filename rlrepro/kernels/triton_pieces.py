@@ -300,7 +300,8 @@ def _pieces_product(a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int, pi
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = b if b.stride(-1) == 1 else b.contiguous()
     sms = _device_sms(a)
-    cfg = config or (pick_config(m, n, k, a.dtype, sms) if single else pick_pieces_config(m, n, a.dtype, sms))
+    cfg = config or (pick_config(m, n, k, a.dtype, sms, k128=False) if single
+                     else pick_pieces_config(m, n, a.dtype, sms))
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # as matmul
     es = a.element_size()
     tail = pieces > 1 and k_piece % cfg.block_k != 0  # (with TMA: the last partial tile through pointers)
