@@ -221,19 +221,26 @@ def _lse_partial_kernel(x_ptr, m_ptr, s_ptr, V, stride_x, P, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _log_softmax_write_kernel(x_ptr, out_ptr, m_ptr, s_ptr, V, stride_x, stride_o, P, P_P: tl.constexpr,
-                              BLOCK: tl.constexpr):
-    """Program (row, p): the row's log-sum-exp from its P range partials (the same reduction in every program of
-    the row), then x - lse over range p."""
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
+def _row_lse(m_ptr, s_ptr, row, P, P_P: tl.constexpr):
+    """A row's log-sum-exp from its P range partials, in one fixed order (the same in every program of the row,
+    and in every kernel that calls it: the log-softmax's write and the trainer's fused token logprob)."""
     i = tl.arange(0, P_P)
     ok = i < P
     mp = tl.load(m_ptr + row * P + i, mask=ok, other=float("-inf"))
     sp = tl.load(s_ptr + row * P + i, mask=ok, other=0.0)
     m = tl.max(mp, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    lse = m + tl.log(tl.sum(sp * tl.exp(mp - m_safe), axis=0))
+    return m + tl.log(tl.sum(sp * tl.exp(mp - m_safe), axis=0))
+
+
+@triton.jit
+def _log_softmax_write_kernel(x_ptr, out_ptr, m_ptr, s_ptr, V, stride_x, stride_o, P, P_P: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    """Program (row, p): the row's log-sum-exp from its P range partials (the same reduction in every program of
+    the row), then x - lse over range p."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    lse = _row_lse(m_ptr, s_ptr, row, P, P_P)
     cols = part * BLOCK + tl.arange(0, BLOCK)
     mask = cols < V
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -250,14 +257,24 @@ def log_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
     rows = x2.shape[0]
     out = torch.empty(x2.shape, device=x.device, dtype=torch.float32)
     if rows > 0 and v > 0:
-        parts = triton.cdiv(v, LSM_BLOCK)
-        m = torch.empty((rows, parts), device=x.device, dtype=torch.float32)
-        s = torch.empty_like(m)
-        warps = _row_warps(LSM_BLOCK)
-        _lse_partial_kernel[(rows, parts)](x2, m, s, v, x2.stride(0), parts, BLOCK=LSM_BLOCK, num_warps=warps)
+        m, s = lse_partials(x2)
+        parts = m.shape[1]
         _log_softmax_write_kernel[(rows, parts)](x2, out, m, s, v, x2.stride(0), out.stride(0), parts,
-                                                 P_P=triton.next_power_of_2(parts), BLOCK=LSM_BLOCK, num_warps=warps)
+                                                 P_P=triton.next_power_of_2(parts), BLOCK=LSM_BLOCK,
+                                                 num_warps=_row_warps(LSM_BLOCK))
     return out.reshape(x.shape)
+
+
+def lse_partials(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range maxima and sums ``[rows, cdiv(V, LSM_BLOCK)]`` of a 2-D ``x2`` (rows >= 1, V >= 1, last stride 1)
+    from which ``_row_lse`` combines each row's log-sum-exp."""
+    rows, v = x2.shape
+    parts = triton.cdiv(v, LSM_BLOCK)
+    m = torch.empty((rows, parts), device=x2.device, dtype=torch.float32)
+    s = torch.empty_like(m)
+    _lse_partial_kernel[(rows, parts)](x2, m, s, v, x2.stride(0), parts, BLOCK=LSM_BLOCK,
+                                       num_warps=_row_warps(LSM_BLOCK))
+    return m, s
 
 
 # ----------------------------------------------------------------------------------------------- SwiGLU

@@ -12,6 +12,7 @@ grad: under ``torch.no_grad()`` it is the on-policy check, with grad it is the l
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -116,8 +117,17 @@ def logprobs_and_entropy(model, prompt_token_ids: Sequence[Sequence[int]],
     of rows: it may differ in the last bits between chunk sizes on CUDA (as it does between micro-batch sizes), and
     so may the gradient when the entropy is in the loss (``entropy_grad``). The LM head's GEMMs are not chunked.
     Measured: docs/BENCHMARKS.md ("one train step").
+
+    On CUDA in deterministic mode without ``entropy_grad`` (:func:`fused_path`) the logprob, the entropy and the
+    logprob's gradient come from fused Triton passes (:mod:`rlrepro.kernels.triton_logprob`) instead of the torch
+    ops: the same logprob and gradient bits (GPU test), no ``[tokens, vocab]`` float32 tensor but one chunk's
+    ``logits.float()``, and an entropy summed in one fixed order per row (independent of the other rows and of
+    ``chunk_rows``; its last bits differ from the torch ops'). ``RLREPRO_FUSED_LOGPROB=0`` keeps the torch ops.
     """
     logits, targets, lengths = _completion_logits(model, prompt_token_ids, completion_token_ids)
+    if fused_path(logits, entropy_grad):
+        lp, ent = _FusedTokenLogprob.apply(logits, targets, float(temperature), int(chunk_rows))
+        return list(torch.split(lp, lengths)), list(torch.split(ent, lengths))
     if chunk_rows and chunk_rows < logits.shape[0]:
         lp, ent = _ChunkedTokenLogprob.apply(logits, targets, float(temperature), int(chunk_rows), bool(entropy_grad))
         return list(torch.split(lp, lengths)), list(torch.split(ent, lengths))
@@ -180,3 +190,40 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                     grads.append(grad_ent[r0:r0 + chunk])
                 (grad[r0:r0 + chunk],) = torch.autograd.grad(outputs, rows, grads)
         return grad, None, None, None, None
+
+
+def fused_path(logits: torch.Tensor, entropy_grad: bool) -> bool:
+    """Whether :func:`logprobs_and_entropy` takes the fused Triton passes: CUDA logits [rows, vocab] in
+    deterministic mode, no entropy gradient, and ``RLREPRO_FUSED_LOGPROB`` not ``0``."""
+    return (logits.is_cuda and logits.dim() == 2 and logits.shape[0] > 0 and not entropy_grad
+            and kernels.current_mode() == "deterministic" and os.environ.get("RLREPRO_FUSED_LOGPROB", "1") != "0")
+
+
+class _FusedTokenLogprob(torch.autograd.Function):
+    """Token logprobs and (non-differentiable) entropies of ``logits`` [M, V] through
+    :mod:`rlrepro.kernels.triton_logprob`: the forward scales ``chunk`` rows at a time (all when 0) with
+    ``kernels.scale_logits`` and keeps each row's log-sum-exp; the backward writes the logits' gradient in one
+    pass. The bits of :func:`_token_logprob_rows` and its autograd backward (GPU test)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, chunk):
+        from rlrepro.kernels import triton_logprob
+        m = logits.shape[0]
+        step = chunk if 0 < chunk < m else m
+        lp, ent, lse = (torch.empty(m, dtype=torch.float32, device=logits.device) for _ in range(3))
+        for r0 in range(0, m, step):
+            r1 = r0 + step
+            triton_logprob.token_logprob_entropy(kernels.scale_logits(logits[r0:r1], temperature),
+                                                 targets[r0:r1], lp[r0:r1], ent[r0:r1], lse[r0:r1])
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        from rlrepro.kernels import triton_logprob
+        if grad_lp is None:
+            return None, None, None, None
+        logits, targets, lse = ctx.saved_tensors
+        return triton_logprob.token_logprob_grad(logits, targets, lse, grad_lp, ctx.temperature), None, None, None
