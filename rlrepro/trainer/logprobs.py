@@ -118,7 +118,7 @@ def logprobs_and_entropy(model, prompt_token_ids: Sequence[Sequence[int]],
     so may the gradient when the entropy is in the loss (``entropy_grad``). The LM head's GEMMs are not chunked.
     Measured: docs/BENCHMARKS.md ("one train step").
 
-    On CUDA in deterministic mode without ``entropy_grad`` (:func:`fused_path`) the logprob, the entropy and the
+    On CUDA without ``entropy_grad`` (:func:`fused_path`) the logprob, the entropy and the
     logprob's gradient come from fused Triton passes (:mod:`rlrepro.kernels.triton_logprob`) instead of the torch
     ops: the same logprob and gradient bits (GPU test), no ``[tokens, vocab]`` float32 tensor but one chunk's
     ``logits.float()``, and an entropy summed in one fixed order per row (independent of the other rows and of
@@ -193,10 +193,11 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
 
 
 def fused_path(logits: torch.Tensor, entropy_grad: bool) -> bool:
-    """Whether :func:`logprobs_and_entropy` takes the fused Triton passes: CUDA logits [rows, vocab] in
-    deterministic mode, no entropy gradient, and ``RLREPRO_FUSED_LOGPROB`` not ``0``."""
+    """Whether :func:`logprobs_and_entropy` takes the fused Triton passes: CUDA logits [rows, vocab], no entropy
+    gradient, and ``RLREPRO_FUSED_LOGPROB`` not ``0``. In both kernel modes: a fused loss is what a fast training
+    stack runs too (verl's fused kernels), so the fast mode keeps it and deterministic-vs-fast compares the rest."""
     return (logits.is_cuda and logits.dim() == 2 and logits.shape[0] > 0 and not entropy_grad
-            and kernels.current_mode() == "deterministic" and os.environ.get("RLREPRO_FUSED_LOGPROB", "1") != "0")
+            and os.environ.get("RLREPRO_FUSED_LOGPROB", "1") != "0")
 
 
 class _FusedTokenLogprob(torch.autograd.Function):
