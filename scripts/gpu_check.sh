@@ -76,7 +76,8 @@ add_step engine_fast 400 'fi_kit && $PY benchmarks/bench_engine.py --qwen3-8b-sh
 add_step matmul_k128 420 'kit && $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k "k128 or all_configs_agree" ; $PY benchmarks/bench_kernels.py --only matmul --sweep --k128 --quick --out "$OUT/matmul_k128.md"'
 # the engine (36 layers, 64 requests, 512/512, deterministic) with the small-M matmul's 64-wide K tile, then the
 # 128-wide one it takes now (RLREPRO_MATMUL_K128=0, 1: the same bits, so the outputs' digest must agree)
-add_step engine_k128 400 'for k in 0 1; do RLREPRO_MATMUL_K128=$k $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --no-hf --json "$OUT/engine_k128_$k.json" || exit 1; done'
+# (K128_REQUESTS="64 256" K128_ORDER="1 0": other request counts and the other order)
+add_step engine_k128 400 'for n in ${K128_REQUESTS:-64}; do for k in ${K128_ORDER:-0 1}; do RLREPRO_MATMUL_K128=$k $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests $n --modes deterministic --no-hf --json "$OUT/engine_k128_${n}_$k.json" || exit 1; done; done'
 # the issue #27 long-output workload: 64 requests of 1k prompt + 8k output tokens, 36 layers, deterministic vs fast
 # (~87 GB of KV; a 64-token warm-up captures the same graphs)
 add_step engine_long 590 'fi_kit && $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --prompt-len 1024 --output-len 8192 --warmup-output-len 64 --no-hf ${ENGINE_BENCH_ARGS:-} --json "$OUT/engine_long.json"'
