@@ -385,6 +385,7 @@ def main() -> int:
                     help="the sweep also times the experimental 128-wide K tile configs (bits against the auto config)")
     ap.add_argument("--only", default="matmul,rowwise,rowwise_bwd,attention,attention_bwd,sampler")
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    ap.add_argument("--ms", default=None, help="the matmul's M values, comma-separated (default: all, or --quick's)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device", file=sys.stderr)
@@ -398,8 +399,8 @@ def main() -> int:
     emit()
     failed = []
     only = set(args.only.split(","))
-    sections = [("matmul", lambda: bench_matmul(MATMUL_MS if not args.quick else [1, 64, 1024, 4096],
-                                                MATMUL_SHAPES, args.sweep, args.k128)),
+    ms = ([int(m) for m in args.ms.split(",")] if args.ms else MATMUL_MS if not args.quick else [1, 64, 1024, 4096])
+    sections = [("matmul", lambda: bench_matmul(ms, MATMUL_SHAPES, args.sweep, args.k128)),
                 ("rowwise", lambda: bench_rowwise(args.quick)), ("rowwise_bwd", bench_rowwise_bwd),
                 ("attention", bench_attention), ("attention_bwd", bench_attention_bwd),
                 ("sampler", bench_sampler)]

@@ -73,7 +73,8 @@ add_step train_long_fused 500 'kit && for f in 0 1; do RLREPRO_FUSED_LOGPROB=$f 
 add_step engine_fast 400 'fi_kit && $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --no-hf ${ENGINE_BENCH_ARGS:-} --json "$OUT/engine_fast.json"'
 # the experimental 128-wide K tile matmul configs: their bits against the shipped 64-wide tile, then their speed in
 # the sweep (`*` marks a config whose output differs)
-add_step matmul_k128 420 'kit && $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k "k128 or all_configs_agree" ; $PY benchmarks/bench_kernels.py --only matmul --sweep --k128 --quick --out "$OUT/matmul_k128.md"'
+# (K128_MS="128,256": the sweep at those M instead of 1, 64, 1024, 4096)
+add_step matmul_k128 420 'kit && $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k "k128 or all_configs_agree" ; $PY benchmarks/bench_kernels.py --only matmul --sweep --k128 --ms ${K128_MS:-1,64,1024,4096} --out "$OUT/matmul_k128.md"'
 # the engine (36 layers, 64 requests, 512/512, deterministic) with the small-M matmul's 64-wide K tile, then the
 # 128-wide one it takes now (RLREPRO_MATMUL_K128=0, 1: the same bits, so the outputs' digest must agree)
 # (K128_REQUESTS="64 256" K128_ORDER="1 0": other request counts and the other order)
