@@ -140,10 +140,10 @@ def test_gpu_fused_token_logprob_has_the_torch_bits(dtype):
 @gpu
 @needs_cuda
 def test_gpu_logprobs_and_entropy_take_the_fused_path():
-    """Through ``logprobs_and_entropy`` on a tiny CUDA model: the fused path's logprobs and parameter gradients equal
-    the torch ops' (``RLREPRO_FUSED_LOGPROB=0``), chunked and not."""
+    """Through ``logprobs_and_entropy`` and ``token_logprobs`` on a tiny CUDA model: the fused path's logprobs and
+    parameter gradients equal the torch ops' (``RLREPRO_FUSED_LOGPROB=0``), chunked and not."""
     from rlrepro.model.tiny import tiny_model
-    from rlrepro.trainer.logprobs import logprobs_and_entropy
+    from rlrepro.trainer.logprobs import logprobs_and_entropy, token_logprobs
     model = tiny_model(seed=0, dtype=torch.bfloat16).cuda()
     prompts = [[1, 2, 3], [4, 5], [6]]
     completions = [[7, 8, 9, 10], [11], [12, 13]]
@@ -152,16 +152,18 @@ def test_gpu_logprobs_and_entropy_take_the_fused_path():
         model.zero_grad(set_to_none=True)
         lps, ents = logprobs_and_entropy(model, prompts, completions, 0.8, chunk_rows=chunk)
         torch.cat(lps).mul(torch.linspace(-1, 1, 7, device="cuda")).sum().backward()
-        return torch.cat(lps).detach(), [p.grad.clone() for p in model.parameters()]
+        with torch.no_grad():  # token_logprobs (the reference model's logprobs) takes the fused forward too
+            ref = torch.cat(token_logprobs(model, prompts, completions, 0.8, chunk_rows=chunk))
+        return torch.cat(lps).detach(), ref, [p.grad.clone() for p in model.parameters()]
 
     for chunk in (0, 3):
-        lp1, g1 = run(chunk)
+        lp1, ref1, g1 = run(chunk)
         os.environ["RLREPRO_FUSED_LOGPROB"] = "0"
         try:
-            lp0, g0 = run(chunk)
+            lp0, ref0, g0 = run(chunk)
         finally:
             del os.environ["RLREPRO_FUSED_LOGPROB"]
-        assert torch.equal(lp1, lp0)
+        assert torch.equal(lp1, lp0) and torch.equal(ref1, ref0) and torch.equal(ref1, lp1)
         assert all(torch.equal(a, b) for a, b in zip(g1, g0))
 
 

@@ -85,9 +85,13 @@ def token_logprobs(model, prompt_token_ids: Sequence[Sequence[int]], completion_
 
     ``temperature <= 0`` means 1 (greedy rollouts report the untempered distribution), as in the engine.
     ``chunk_rows > 0``: the float32 log-softmax over at most that many rows at a time (the same bits, less memory);
-    without a gradient only (a loss uses :func:`logprobs_and_entropy`).
+    without a gradient only (a loss uses :func:`logprobs_and_entropy`). On CUDA the fused passes of
+    :func:`logprobs_and_entropy` serve (:func:`fused_path`; the same bits, chunked or not, with or without grad).
     """
     logits, targets, lengths = _completion_logits(model, prompt_token_ids, completion_token_ids)
+    if fused_path(logits, False):  # the same bits (the reference model's logprobs, the warm start)
+        lp, _ = _FusedTokenLogprob.apply(logits, targets, float(temperature), int(chunk_rows))
+        return list(torch.split(lp, lengths))
     if chunk_rows and chunk_rows < logits.shape[0]:
         if torch.is_grad_enabled() and logits.requires_grad:
             raise ValueError("token_logprobs(chunk_rows=...) has no backward; use logprobs_and_entropy(chunk_rows=...)"
