@@ -92,6 +92,16 @@ def check_fused_grad_fp32():
             torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)
             for row in (4, 5):  # weight 0 and -0: all +0, as torch's one-hot makes it
                 assert torch.equal(g1[row], torch.zeros(v)) and not torch.signbit(g1[row]).any()
+    # a vocabulary smaller than one range (a tiny model's), and a target outside it: NaN, not stale memory
+    x, targets, weight = _inputs(8, 37, torch.float32, "cpu")
+    lp0, _, g0 = _reference(x, targets, 0.7, weight)
+    lp1, _, g1 = _fused(x, targets, 0.7, weight)
+    torch.testing.assert_close(lp1, lp0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)
+    from rlrepro.trainer.logprobs import _FusedTokenLogprob
+    bad = targets.clone()
+    bad[0] = 37
+    assert torch.isnan(_FusedTokenLogprob.apply(x, bad, 1.0, 0)[0][0])
 
 
 interp_results, test_interpreter = interpreter_test_items(__file__, INTERP_CHECKS)

@@ -215,7 +215,9 @@ class _FusedTokenLogprob(torch.autograd.Function):
         from rlrepro.kernels import triton_logprob
         m = logits.shape[0]
         step = chunk if 0 < chunk < m else m
-        lp, ent, lse = (torch.empty(m, dtype=torch.float32, device=logits.device) for _ in range(3))
+        # a target outside [0, vocab) matches no column: its logprob stays NaN (never stale memory)
+        lp = torch.full((m,), float("nan"), dtype=torch.float32, device=logits.device)
+        ent, lse = (torch.empty(m, dtype=torch.float32, device=logits.device) for _ in range(2))
         for r0 in range(0, m, step):
             r1 = r0 + step
             triton_logprob.token_logprob_entropy(kernels.scale_logits(logits[r0:r1], temperature),
