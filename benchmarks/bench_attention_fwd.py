@@ -3,9 +3,10 @@
     python3 benchmarks/bench_attention_fwd.py [--out FILE.md] [--variants kv64,kv128-s3,...] [--no-bits]
 
 A variant sets ``BLOCK_KV`` (KV positions per online-softmax step: the fixed reduction order, so variants of
-another BLOCK_KV differ in bits from the shipped kernel), the prefill tile (rows, warps, pipeline stages) and
-whether packed KV tiles are read by TMA descriptors (both speed only). Each variant is checked for the promises
-on its own:
+another BLOCK_KV differ in bits from the shipped kernel), the prefill tile (rows, warps, pipeline stages),
+whether packed KV tiles are read by TMA descriptors (both speed only), and (``-pf``) the experimental
+``PREFETCH_QK`` loop. Each variant is checked for the promises on its own, and a 64-position one against the
+shipped kernel's output (``torch.equal``):
 
 * every tile config (16, 64, 128 rows and the variant's prefill tile) gives the same bits, GQA 4 and 1
   (``torch.equal``);
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from rlrepro.kernels import AttentionMetadata  # noqa: E402
 from rlrepro.kernels import triton_attention_fwd as A  # noqa: E402
@@ -46,7 +48,11 @@ VARIANTS = {
     "kv64-r256w16-s3-tma": (64, (256, 16, 3), 256),
     "kv64-r256w16-s4": (64, (256, 16, 4), 128),
     "kv64-r256w8": (64, (256, 8, 2), 128),
+    # "-pf": the experimental PREFETCH_QK loop (tile t+1's QK^T issued before tile t's softmax)
+    "kv64-pf": (64, (128, 8, 2), 128),
+    "kv64-r256w16-s3-pf": (64, (256, 16, 3), 128),
 }
+DEFAULTS = (A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK)  # the shipped kernel's settings
 COLS = ["4x2048", "1x16384", "chunk 16x512", "mixed 16x32 s1", "mixed 16x32 s2", "decode s1", "decode s2"]
 
 
@@ -66,8 +72,26 @@ def rnd(*shape, gen):
 
 def set_variant(name: str) -> A.AttentionConfig:
     block_kv, (rows, warps, stages), desc_rows = VARIANTS[name]
-    A.BLOCK_KV, A.DESC_MAX_ROWS = block_kv, desc_rows
+    A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK = block_kv, desc_rows, name.endswith("-pf")
     return A.AttentionConfig(rows=rows, num_warps=warps, num_stages=stages)
+
+
+def same_as_shipped(large: A.AttentionConfig) -> str:
+    """A 64-position variant's output against the shipped kernel's (``torch.equal``), Qwen3-8B heads."""
+    if A.BLOCK_KV != 64:
+        return "n/a (another KV order)"
+    import test_triton_kernels as TK
+    lens = [300, 129, 1, 77, 2000]
+    q, k, v = TK.make_paged_case(lens, H, HKV, D, torch.bfloat16, "cuda")
+    meta = AttentionMetadata.packed(lens, device="cuda")
+    got = A.attention_fwd(q, k, v, meta, 0.09, config=large)
+    saved = A.DESC_MAX_ROWS, A.PREFETCH_QK
+    A.DESC_MAX_ROWS, A.PREFETCH_QK = DEFAULTS[1], False
+    try:
+        shipped = A.attention_fwd(q, k, v, meta, 0.09, config=A.ATTENTION_CONFIGS["large"])
+    finally:
+        A.DESC_MAX_ROWS, A.PREFETCH_QK = saved
+    return "== shipped" if torch.equal(got, shipped) else "**differs from the shipped kernel**"
 
 
 def causal_tflops(batch: int, length: int, ms: float) -> float:
@@ -121,7 +145,6 @@ def references(gen, fi) -> dict[str, float]:
 
 def bits(large: A.AttentionConfig) -> str:
     """The promises for the current variant: configs agree; packed/paged/chunked/decode/alone agree."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     import test_triton_kernels as TK
     from rlrepro.kernels import triton_ops as T
     lens = [300, 129, 1, 77, 200]
@@ -144,7 +167,7 @@ def bits(large: A.AttentionConfig) -> str:
         return f"invariance: {e}"
     finally:
         A.LARGE_MIN_TOKENS = old
-    return "all equal"
+    return "all equal, " + same_as_shipped(large)
 
 
 def main() -> int:
@@ -171,7 +194,7 @@ def main() -> int:
     emit("| variant | " + " | ".join(f"{c} ms" for c in COLS) + " | 4x2048 TFLOP/s | 16k TFLOP/s | "
          "decode s1 / s2 TB/s | bits |")
     emit("|---|" + "---:|" * (len(COLS) + 3) + "---|")
-    default = (A.BLOCK_KV, A.DESC_MAX_ROWS)
+    default = DEFAULTS
     kv_bytes = 2.0 * 64 * 2048 * HKV * D * 2
     rows = {}
     for name in names:
@@ -183,7 +206,7 @@ def main() -> int:
             emit(f"| {name} | failed: {type(e).__name__}: {str(e)[:300]} |")
             continue
         finally:
-            A.BLOCK_KV, A.DESC_MAX_ROWS = default
+            A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK = default
         rows[name] = row
         emit(f"| {name} | " + " | ".join(f"{row[c]:.4f}" for c in COLS)
              + f" | {causal_tflops(4, 2048, row['4x2048']):.0f} | {causal_tflops(1, 16384, row['1x16384']):.0f}"

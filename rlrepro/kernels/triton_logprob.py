@@ -139,8 +139,9 @@ def token_logprob_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.T
     x2 = logits if logits.stride(-1) == 1 else logits.contiguous()
     inv_t = reciprocal_temperature(temperature)
     block = _rw.LSM_BLOCK
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     _lp_grad_kernel[(rows, triton.cdiv(v, block))](
         x2, targets, grad_lp.float().contiguous(), lse, out, v, x2.stride(0), out.stride(0),
-        1.0 if inv_t is None else inv_t, HAS_T=inv_t is not None, LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
+        1.0 if inv_t is None else inv_t, HAS_T=inv_t is not None, LIBDEVICE_EXP=not interpreted,
         BLOCK=block, num_warps=_rw._row_warps(block), enable_fp_fusion=False)
     return out
