@@ -69,6 +69,8 @@ add_step train_long 400 'kit && fi_kit && for m in deterministic fast; do $PY be
 # the trainer's fused token logprob + entropy + gradient: its GPU bit tests, then torch ops vs fused on one
 # [4096, 151936] chunk (speed, bits), then the train_long step with RLREPRO_FUSED_LOGPROB=0 and 1 (deterministic)
 add_step token_logprob 300 'kit && $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_token_logprob_fused.py ; $PY benchmarks/bench_token_logprob.py --out "$OUT/token_logprob.md"'
+# the same step once more under torch.profiler (deterministic): where the time goes now (top kernels)
+add_step train_long_profile 300 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode deterministic --num-samples 16 --prompt-len 1024 --completion-len 15360 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 1 --profile --profile-rows 45 --json "$OUT/train_long_profile.json"'
 add_step train_long_fused 500 'kit && for f in 0 1; do RLREPRO_FUSED_LOGPROB=$f $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode deterministic --num-samples 16 --prompt-len 1024 --completion-len 15360 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 2 --no-phases --json "$OUT/train_long_fused$f.json" || exit 1; done'
 # the engine end to end, deterministic vs fast (flashinfer attention + cuBLAS), 36 layers, 64 requests
 add_step engine_fast 400 'fi_kit && $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --no-hf ${ENGINE_BENCH_ARGS:-} --json "$OUT/engine_fast.json"'
