@@ -10,12 +10,10 @@ torch ops it replaces (``rlrepro.trainer.logprobs._token_logprob_rows`` and its 
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from _triton_helpers import HAS_TRITON, fresh_seed, gpu, interpreter_test_items, main, needs_cuda  # noqa: E402,F401
+from _triton_helpers import fresh_seed, gpu, interpreter_test_items, main, needs_cuda  # noqa: E402
 
 INTERP_CHECKS: dict = {}
 
@@ -107,9 +105,10 @@ def check_fused_grad_fp32():
 interp_results, test_interpreter = interpreter_test_items(__file__, INTERP_CHECKS)
 
 
-def test_fused_path_is_cuda_only():
+def test_fused_path_is_cuda_only(monkeypatch):
     from rlrepro import kernels
     from rlrepro.trainer.logprobs import fused_path
+    monkeypatch.delenv("RLREPRO_FUSED_LOGPROB", raising=False)
     x = torch.zeros(3, 5)
     assert not fused_path(x, False)  # CPU: the torch ops
     if torch.cuda.is_available():
@@ -117,11 +116,8 @@ def test_fused_path_is_cuda_only():
         assert fused_path(y, False) and not fused_path(y, True)  # an entropy bonus: the torch ops
         with kernels.mode("fast"):
             assert fused_path(y, False)
-        os.environ["RLREPRO_FUSED_LOGPROB"] = "0"
-        try:
-            assert not fused_path(y, False)
-        finally:
-            del os.environ["RLREPRO_FUSED_LOGPROB"]
+        monkeypatch.setenv("RLREPRO_FUSED_LOGPROB", "0")
+        assert not fused_path(y, False)
 
 
 # ============================================================================================ GPU
@@ -149,7 +145,7 @@ def test_gpu_fused_token_logprob_has_the_torch_bits(dtype):
 
 @gpu
 @needs_cuda
-def test_gpu_logprobs_and_entropy_take_the_fused_path():
+def test_gpu_logprobs_and_entropy_take_the_fused_path(monkeypatch):
     """Through ``logprobs_and_entropy`` and ``token_logprobs`` on a tiny CUDA model: the fused path's logprobs and
     parameter gradients equal the torch ops' (``RLREPRO_FUSED_LOGPROB=0``), chunked and not."""
     from rlrepro.model.tiny import tiny_model
@@ -167,12 +163,10 @@ def test_gpu_logprobs_and_entropy_take_the_fused_path():
         return torch.cat(lps).detach(), ref, [p.grad.clone() for p in model.parameters()]
 
     for chunk in (0, 3):
+        monkeypatch.delenv("RLREPRO_FUSED_LOGPROB", raising=False)
         lp1, ref1, g1 = run(chunk)
-        os.environ["RLREPRO_FUSED_LOGPROB"] = "0"
-        try:
-            lp0, ref0, g0 = run(chunk)
-        finally:
-            del os.environ["RLREPRO_FUSED_LOGPROB"]
+        monkeypatch.setenv("RLREPRO_FUSED_LOGPROB", "0")
+        lp0, ref0, g0 = run(chunk)
         assert torch.equal(lp1, lp0) and torch.equal(ref1, ref0) and torch.equal(ref1, lp1)
         assert all(torch.equal(a, b) for a, b in zip(g1, g0))
 
