@@ -123,7 +123,7 @@ def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scal
 
 def paged(q: torch.Tensor, meta, scale: float, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Attention of this step's queries against the paged cache (already holding this step's K/V)."""
-    graph = meta.cache.get(("flashinfer", "graph_decode"))
+    graph = meta.cache.get(GraphDecode.CACHE_KEY)
     if graph is not None:  # a captured decode graph: planned by the runner before capture / each replay
         return graph.wrapper.run(q, kv_cache)
     k_cache = kv_cache[0]
@@ -147,6 +147,8 @@ def paged(q: torch.Tensor, meta, scale: float, kv_cache: tuple[torch.Tensor, tor
 class GraphDecode:
     """A flashinfer decode wrapper for one CUDA-graph batch size ``batch``: fixed device buffers for the page
     table (at most ``max_pages`` pages), planned with :meth:`plan` before the capture and before every replay."""
+
+    CACHE_KEY = ("flashinfer", "graph_decode")  # where the runner puts it in the step's ``meta.cache``
 
     def __init__(self, batch: int, max_pages: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, scale: float) -> None:

@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from . import fa3_attention as _fa3
 from . import triton_attention as _attn
 from . import triton_matmul as _mm
 from . import triton_rowwise as _rw
@@ -212,11 +213,13 @@ def _attention_bwd_impl(q: torch.Tensor) -> str:
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta, scale):
-        if any(ctx.needs_input_grad[:3]) and _attention_bwd_impl(q) == "triton":
+        want_lse = any(ctx.needs_input_grad[:3]) and _attention_bwd_impl(q) == "triton"
+        fwd = _fa3.packed if _fa3.usable(q) else _attn.attention_fwd  # RLREPRO_ATTENTION=fa3: the experiment
+        if want_lse:
             # out and the log-sum-exp: the Triton backward's delta = rowsum(dO * O) and softmax statistics
-            out, lse = _attn.attention_fwd(q, k, v, meta, scale, return_lse=True)
+            out, lse = fwd(q, k, v, meta, scale, return_lse=True)
         else:
-            out, lse = _attn.attention_fwd(q, k, v, meta, scale), None
+            out, lse = fwd(q, k, v, meta, scale), None
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta = meta
         ctx.scale = scale
@@ -254,6 +257,8 @@ def attention_cached(q: torch.Tensor, meta: AttentionMetadata, scale: float,
     k_cache, v_cache = kv_cache
     nb, bs, hkv, d = k_cache.shape
     with torch.no_grad():  # inference path: the cache is state, not part of a graph
+        if _fa3.usable(q):
+            return _fa3.paged(q.detach(), meta, scale, kv_cache)
         return _attn.attention_fwd(q.detach(), k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d),
                                    meta, scale)
 

@@ -26,7 +26,7 @@ import torch
 from torch.profiler import record_function
 
 from rlrepro import kernels
-from rlrepro.kernels import AttentionMetadata, flashinfer_attention
+from rlrepro.kernels import AttentionMetadata, fa3_attention, flashinfer_attention
 from rlrepro.kernels.metadata import tensor_to_device
 
 from .sampler import SampleRequest, sample_on_device
@@ -143,8 +143,8 @@ class ModelRunner:
             cu_seqlens_q=self._cu[: b + 1], seq_lens=self._seq_lens[:b], positions=self._positions[:b],
             seq_idx=self._seq_idx[:b], max_seq_len=self.max_model_len, slot_mapping=self._slots[:b],
             block_table=self._block_table[:b], block_size=self.block_size)
-        if b in self._fi_graphs:  # fast mode on flashinfer: the decode wrapper planned for this graph size
-            meta.cache[("flashinfer", "graph_decode")] = self._fi_graphs[b]
+        if b in self._fi_graphs:  # attention on flashinfer: the decode wrapper planned for this graph size
+            meta.cache[self._fi_graphs[b].CACHE_KEY] = self._fi_graphs[b]
         hidden = self.model.forward_tokens(self._ids[:b], meta, self.kv_caches, check_ids=False)
         return self.model.compute_logits(hidden)
 
@@ -170,9 +170,14 @@ class ModelRunner:
         self._seq_idx = torch.arange(max_b, dtype=torch.int64, device=dev)
         self._reset_graph_inputs()
         cfg = self.model.config
+        graph_decode = None  # attention on flashinfer: the fast mode's decode, or the FA3 experiment's (#27)
         if kernels.current_mode() == "fast" and flashinfer_attention.serves(dev, self.model.dtype, cfg.head_dim):
+            graph_decode = flashinfer_attention.GraphDecode
+        elif kernels.current_mode() == "deterministic" and fa3_attention.serves(dev, self.model.dtype, cfg.head_dim):
+            graph_decode = fa3_attention.GraphDecode
+        if graph_decode is not None:
             for b in sizes:
-                fg = flashinfer_attention.GraphDecode(
+                fg = graph_decode(
                     b, b * width, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.block_size,
                     self.model.dtype, dev, cfg.head_dim ** -0.5)
                 fg.plan([1] * b, [[self.scratch_block] * width] * b)

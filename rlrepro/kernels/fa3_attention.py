@@ -1,0 +1,163 @@
+"""The deterministic mode's attention on flashinfer's FA3 kernel (Hopper): an experiment of issue #27, off unless
+``RLREPRO_ATTENTION=fa3``. Not yet run on a GPU; ``benchmarks/probe_fa3_invariance.py`` holds the evidence it
+waits for.
+
+Why it could keep the promises. FA3's forward walks a query row's KV in tiles aligned to position 0, from the last
+to the first, in one program (flashinfer's sm90 plan never splits the KV), so a row's reduction order is fixed by
+its own position. A tile past a row's diagonal (inside its query tile's reach) is masked with a finite -5e4 and
+undone exactly by the next tile's rescale. And flashinfer's paged FA3 kernel gathers K/V token by token (its page
+table becomes per-token offsets), so one kernel, with one KV tile (96 positions at D = 128), serves:
+
+* the trainer's packed forward: the packed K/V as a cache of 1-token pages, causal (``packed``), with the
+  log-sum-exp in base 2 of the scaled scores, which is what rlrepro's Triton backward reads (no other change);
+* the engine's prefill, chunked prefill and mixed steps: the paged cache, causal, a request per sequence;
+* decode steps: the GQA group's query heads folded into one request's rows, non-causal (a decode row sees every
+  cached position), so each KV tile is read once per group (``paged``; :class:`GraphDecode` under CUDA graphs).
+
+If the probe shows the same bits across all of these, engine == trainer holds with FA3's speed for the forward.
+Until then nothing selects this module by default, and a run that sets the variable says so in its log.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from . import flashinfer_attention as _fi
+
+__all__ = ["requested", "serves", "usable", "packed", "paged", "GraphDecode"]
+
+_log = logging.getLogger("rlrepro.kernels")
+_SAID: list[bool] = []
+_KEY = "fa3det"
+
+
+def requested() -> bool:
+    """``RLREPRO_ATTENTION`` is ``fa3`` (``triton`` or unset: rlrepro's Triton kernels)."""
+    value = os.environ.get("RLREPRO_ATTENTION", "").strip().lower()
+    if value not in ("", "triton", "fa3"):
+        raise ValueError(f"RLREPRO_ATTENTION must be 'triton' or 'fa3', not {value!r}")
+    return value == "fa3"
+
+
+def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention of this device, dtype and head size runs on FA3: requested, on CUDA, and FA3's. A request
+    that cannot be served is an error naming why (a silent fallback would give other bits than asked for)."""
+    if not requested() or device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        raise RuntimeError("RLREPRO_ATTENTION=fa3 needs a Hopper GPU (sm90); unset it to use the Triton kernels")
+    if not _fi.serves(device, dtype, head_dim):
+        raise RuntimeError(f"RLREPRO_ATTENTION=fa3: flashinfer does not serve {dtype} with head size {head_dim} here"
+                           " (pip install 'rlrepro[flashinfer]'; bf16/fp16, head size 64/128/256), or unset it")
+    if not _SAID:
+        _log.warning("deterministic attention on flashinfer's FA3 kernel (RLREPRO_ATTENTION=fa3, experimental)")
+        _SAID.append(True)
+    return True
+
+
+def usable(q: torch.Tensor) -> bool:
+    """``serves`` for the queries ``q`` [N, H, D] of a call."""
+    return serves(q.device, q.dtype, q.shape[-1])
+
+
+def _wrapper(kind: str, device: torch.device):
+    key = (device.type, device.index, _KEY, kind)
+    if key not in _fi._WRAPPERS:
+        _fi._WRAPPERS[key] = _fi.flashinfer_module().BatchPrefillWithPagedKVCacheWrapper(
+            _fi._workspace(device), "NHD", backend="fa3")
+    return _fi._WRAPPERS[key]
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _fold(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[R, H, D] -> [R * G, Hkv, D]: row r * G + g, head j holds query head j * G + g of request r."""
+    r, h, d = q.shape
+    return q.view(r, hkv, h // hkv, d).transpose(1, 2).reshape(r * (h // hkv), hkv, d)
+
+
+def _unfold(out: torch.Tensor, h: int) -> torch.Tensor:
+    rg, hkv, d = out.shape
+    g = h // hkv
+    return out.view(rg // g, g, hkv, d).transpose(1, 2).reshape(rg // g, h, d)
+
+
+def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float,
+           return_lse: bool = False):
+    """Causal attention over packed sequences (the trainer's forward), the packed K/V read as 1-token pages.
+    Returns out [N, H, D] and, with ``return_lse``, the rows' log-sum-exp [N, H] (float32, base 2 of the scaled
+    scores, the Triton backward's convention)."""
+    q, k, v = _dense(q.detach()), _dense(k.detach()), _dense(v.detach())
+    w = _wrapper("packed", q.device)
+    key = (_KEY, "packed", float(scale))
+    if not _fi._is_planned(w, meta, key):
+        cu = meta.cu_seqlens_q.to(torch.int32)
+        n = q.shape[0]
+        w.plan(cu, cu, torch.arange(n, dtype=torch.int32, device=q.device),
+               torch.ones(meta.num_seqs, dtype=torch.int32, device=q.device), q.shape[1], k.shape[1], q.shape[2], 1,
+               causal=True, sm_scale=float(scale), q_data_type=q.dtype, kv_data_type=k.dtype)
+        _fi._mark_planned(w, meta, key)
+    out, lse = w.run(q, (k.unsqueeze(1), v.unsqueeze(1)), return_lse=True)
+    return (out, lse) if return_lse else out
+
+
+def paged(q: torch.Tensor, meta, scale: float, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """This step's queries against the paged cache (already holding their K/V): decode steps with the GQA group
+    folded into rows (non-causal), any other step causal with a request per sequence."""
+    graph = meta.cache.get(GraphDecode.CACHE_KEY)
+    k_cache = kv_cache[0]
+    h, hkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if graph is not None:
+        return _unfold(graph.wrapper.run(_fold(_dense(q), hkv), kv_cache), h)
+    decode = q.shape[0] == meta.num_seqs
+    kind = "decode" if decode else "prefill"
+    w = _wrapper(kind, q.device)
+    key = (_KEY, kind, float(scale))
+    if not _fi._is_planned(w, meta, key):
+        indptr, indices, last = _fi._page_table(meta.seq_lens, meta.block_table, meta.block_size)
+        if decode:
+            g = h // hkv
+            qo = torch.arange(0, (meta.num_seqs + 1) * g, g, dtype=torch.int32, device=q.device)
+            w.plan(qo, indptr, indices, last, hkv, hkv, d, meta.block_size, causal=False, sm_scale=float(scale),
+                   q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        else:
+            w.plan(meta.cu_seqlens_q.to(torch.int32), indptr, indices, last, h, hkv, d, meta.block_size,
+                   causal=True, sm_scale=float(scale), q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        _fi._mark_planned(w, meta, key)
+    if decode:
+        return _unfold(w.run(_fold(_dense(q), hkv), kv_cache), h)
+    return w.run(_dense(q), kv_cache)
+
+
+class GraphDecode:
+    """The folded decode of :func:`paged` for one CUDA-graph batch size ``batch``: a wrapper with fixed device
+    buffers (at most ``max_pages`` pages), planned with :meth:`plan` before the capture and before every replay
+    (flashinfer's ``plan`` runs on the host)."""
+
+    CACHE_KEY = (_KEY, "graph_decode")  # where the runner puts it in the step's ``meta.cache``
+
+    def __init__(self, batch: int, max_pages: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device, scale: float) -> None:
+        g = num_heads // num_kv_heads
+        self.batch, self.block_size, self.group = batch, block_size, g
+        self.shape = (num_kv_heads, head_dim)
+        self.dtype, self.scale = dtype, float(scale)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.qo = torch.arange(0, (batch + 1) * g, g, **i32)
+        self.wrapper = _fi.flashinfer_module().BatchPrefillWithPagedKVCacheWrapper(
+            _fi._workspace(device), "NHD", use_cuda_graph=True, backend="fa3", qo_indptr_buf=self.qo.clone(),
+            paged_kv_indptr_buf=torch.zeros(batch + 1, **i32), paged_kv_indices_buf=torch.zeros(max_pages, **i32),
+            paged_kv_last_page_len_buf=torch.zeros(batch, **i32))
+
+    def plan(self, seq_lens: list[int], block_tables: list[list[int]]) -> None:
+        """``seq_lens`` / ``block_tables``: the ``batch`` rows' KV lengths and blocks (padding rows included)."""
+        indptr, indices, last = _fi.host_page_table(seq_lens, block_tables, self.block_size)
+        hkv, d = self.shape
+        i32 = dict(dtype=torch.int32)
+        self.wrapper.plan(self.qo.cpu(), torch.tensor(indptr, **i32), torch.tensor(indices, **i32),
+                          torch.tensor(last, **i32), hkv, hkv, d, self.block_size, causal=False, sm_scale=self.scale,
+                          q_data_type=self.dtype, kv_data_type=self.dtype)
