@@ -67,11 +67,14 @@ add_step engine_tiles 300 '$PY benchmarks/bench_engine_tiles.py --json "$OUT/eng
 # (issue #27: one kernel for the trainer, prefill and decode at FA3 speed, if the bits hold; JIT-compiles ~4 kernels)
 add_step fa3_invariance 540 'fi_kit && $PY benchmarks/probe_fa3_invariance.py --out "$OUT/fa3_invariance.md" ${FA3_PROBE_ARGS:-}'
 # the FA3 experiment through rlrepro (RLREPRO_ATTENTION=fa3): its GPU tests (invariance battery, engine ==
-# trainer at 8k on CUDA graphs, the Triton backward from FA3's lse), then the engine and the 16k train step with
-# the Triton attention (triton) and with FA3, in one call each
-add_step fa3_tests 420 'kit && fi_kit && $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_fa3_attention.py'
+# trainer at 8k on CUDA graphs, the Triton backward from FA3's lse) and the FA2 backward's (RLREPRO_ATTENTION_BWD=
+# flash2), then the engine with the Triton attention (triton) and with FA3, in one call
+add_step fa3_tests 420 'kit && fi_kit && $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_fa3_attention.py tests/test_flash2_bwd.py'
 add_step engine_fa3 500 'fi_kit && for a in ${FA3_ORDER:-triton fa3}; do RLREPRO_ATTENTION=$a $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests ${FA3_REQUESTS:-64} --modes deterministic --no-hf --json "$OUT/engine_fa3_$a.json" || exit 1; done'
-add_step train_long_fa3 500 'kit && fi_kit && for a in ${FA3_ORDER:-triton fa3}; do RLREPRO_ATTENTION=$a $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode deterministic --num-samples 16 --prompt-len 1024 --completion-len 15360 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 2 --no-phases --json "$OUT/train_long_fa3_$a.json" || exit 1; done'
+# the 16k train step with each forward:backward pair of ATTN_COMBOS (RLREPRO_ATTENTION : RLREPRO_ATTENTION_BWD)
+add_step train_long_attn 590 'kit && fi_kit && for c in ${ATTN_COMBOS:-triton:triton fa3:triton fa3:flash2}; do RLREPRO_ATTENTION=${c%%:*} RLREPRO_ATTENTION_BWD=${c##*:} $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode deterministic --num-samples 16 --prompt-len 1024 --completion-len 15360 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 2 --no-phases --json "$OUT/train_long_${c%%:*}_${c##*:}.json" || exit 1; done'
+# torch's attention backward kernels (FA2 varlen deterministic or not, SDPA's backends) vs the Triton backward
+add_step attention_bwd_refs 400 '$PY benchmarks/bench_attention_bwd_refs.py --out "$OUT/attention_bwd_refs.md" ${ATTN_BWD_REFS_ARGS:-}'
 add_step attention_long 500 'fi_kit && $PY benchmarks/bench_attention_long.py --out "$OUT/attention_long.md" ${ATTN_BENCH_ARGS:-}'
 # one train step of 16 x 16k-token sequences at the 8B width (2 layers), deterministic then fast (MFU, issue #27)
 add_step train_long 400 'kit && fi_kit && for m in deterministic fast; do $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode $m --num-samples 16 --prompt-len 1024 --completion-len 15360 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 2 --no-phases --json "$OUT/train_long_$m.json" || exit 1; done'

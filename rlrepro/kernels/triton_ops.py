@@ -16,6 +16,7 @@ import os
 import torch
 
 from . import fa3_attention as _fa3
+from . import flash2_bwd as _flash2
 from . import triton_attention as _attn
 from . import triton_matmul as _mm
 from . import triton_rowwise as _rw
@@ -201,19 +202,23 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- attention
 def _attention_bwd_impl(q: torch.Tensor) -> str:
-    """"triton" (CUDA default) or "torch" (CPU default); RLREPRO_ATTENTION_BWD=torch|triton forces one."""
+    """"triton" (CUDA default) or "torch" (CPU default); RLREPRO_ATTENTION_BWD=torch|triton forces one, and
+    ``flash2`` (the experiment of ``kernels/flash2_bwd.py``) runs torch's FA2 backward where it serves the call
+    (CUDA, bf16/fp16), the Triton one elsewhere."""
     forced = os.environ.get("RLREPRO_ATTENTION_BWD", "").strip().lower()
+    if forced == "flash2":
+        return "flash2" if _flash2.supported(q) else "triton" if q.is_cuda else "torch"
     if forced in ("torch", "triton"):
         return forced
     if forced:
-        raise ValueError(f"RLREPRO_ATTENTION_BWD must be 'torch' or 'triton', not {forced!r}")
+        raise ValueError(f"RLREPRO_ATTENTION_BWD must be 'torch', 'triton' or 'flash2', not {forced!r}")
     return "triton" if q.is_cuda else "torch"
 
 
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta, scale):
-        want_lse = any(ctx.needs_input_grad[:3]) and _attention_bwd_impl(q) == "triton"
+        want_lse = any(ctx.needs_input_grad[:3]) and _attention_bwd_impl(q) in ("triton", "flash2")
         fwd = _fa3.packed if _fa3.usable(q) else _attn.attention_fwd  # RLREPRO_ATTENTION=fa3: the experiment
         if want_lse:
             # out and the log-sum-exp: the Triton backward's delta = rowsum(dO * O) and softmax statistics
@@ -228,7 +233,10 @@ class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        if _attention_bwd_impl(q) == "triton":
+        impl = _attention_bwd_impl(q)
+        if impl == "flash2":
+            dq, dk, dv = _flash2.attention_bwd(q, k, v, grad, ctx.meta, ctx.scale, out, lse)
+        elif impl == "triton":
             dq, dk, dv = _attn.attention_bwd_packed_triton(q, k, v, grad, ctx.meta, ctx.scale, out=out, lse=lse)
         else:
             dq, dk, dv = _attn.attention_bwd_packed(q, k, v, grad, ctx.meta, ctx.scale)
