@@ -32,33 +32,21 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _report import bench, emit, rel, write  # noqa: E402
 from rlrepro.kernels import AttentionMetadata  # noqa: E402
 from rlrepro.kernels.triton_attention import (attention_bwd_packed_triton, attention_fwd,  # noqa: E402
                                               pick_attention_bwd_config)
 
 H, HKV, D = 32, 8, 128
-LINES: list[str] = []
 DQ_PARTS = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2), (128, 128, 8, 2),
             (128, 32, 4, 3)]
 KV_PARTS = [(64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3),
             (128, 64, 8, 3)]
 
 
-def emit(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
-
-
-def bench(fn) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
-def case(batch: int, length: int, sweep: bool = True, kv_parts=None) -> None:
+def make_case(batch: int, length: int):
+    """Seeded bf16 q, k, v and an output gradient for ``batch`` packed sequences of ``length``, their metadata,
+    scale and backward FLOPs (2.5x the forward's causal count), and the Triton forward's output and lse."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(batch * 7919 + length)
     n = batch * length
@@ -68,6 +56,13 @@ def case(batch: int, length: int, sweep: bool = True, kv_parts=None) -> None:
     meta = AttentionMetadata.packed([length] * batch, dev)
     flops = 2.5 * 4.0 * batch * H * D * length * length / 2
     out, lse = attention_fwd(q, k, v, meta, scale, return_lse=True)
+    return q, k, v, go, meta, scale, flops, out, lse
+
+
+def case(batch: int, length: int, sweep: bool = True, kv_parts=None) -> None:
+    dev = torch.device("cuda")
+    n = batch * length
+    q, k, v, go, meta, scale, flops, out, lse = make_case(batch, length)
     same_fwd = torch.equal(out, attention_fwd(q, k, v, meta, scale))
     qd, kd, vd = (t.detach().view(batch, length, -1, D).transpose(1, 2).requires_grad_(True) for t in (q, k, v))
     o_s = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)
@@ -138,9 +133,7 @@ def main() -> int:
         b, L = (int(x) for x in c.split("x"))
         kv = [tuple(int(x) for x in p.split(",")) for p in args.kv_parts.split(";")] if args.kv_parts else None
         case(b, L, sweep=not args.no_sweep, kv_parts=kv)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(LINES) + "\n")
+    write(args.out)
     return 0
 
 

@@ -29,26 +29,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from rlrepro.kernels import AttentionMetadata  # noqa: E402
+from _report import bench, emit, rel, write  # noqa: E402
+from bench_attention_bwd import D, H, HKV, make_case  # noqa: E402
 from rlrepro.kernels import flash2_bwd as F2  # noqa: E402
-from rlrepro.kernels.triton_attention import attention_bwd_packed_triton, attention_fwd  # noqa: E402
-
-H, HKV, D = 32, 8, 128
-LINES: list[str] = []
-
-
-def emit(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
-
-
-def bench(fn) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+from rlrepro.kernels.triton_attention import attention_bwd_packed_triton  # noqa: E402
 
 
 def deterministic(on: bool):
@@ -80,14 +64,8 @@ def row(name: str, fn, flops: float, t_ref: float | None, want) -> float | None:
 def case(batch: int, length: int) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(batch * 7919 + length)
     n = batch * length
-    q, go = (torch.randn(n, H, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    k, v = (torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    scale = D ** -0.5
-    meta = AttentionMetadata.packed([length] * batch, dev)
-    flops = 2.5 * 4.0 * batch * H * D * length * length / 2
-    out, lse = attention_fwd(q, k, v, meta, scale, return_lse=True)
+    q, k, v, go, meta, scale, flops, out, lse = make_case(batch, length)  # bench_attention_bwd's seeded case
     want = attention_bwd_packed_triton(q, k, v, go, meta, scale, out=out, lse=lse)
     dense = [t.view(batch, length, -1, D).transpose(1, 2) for t in (q, k, v)]
     gos = go.view(batch, length, H, D).transpose(1, 2)
@@ -161,9 +139,7 @@ def main() -> int:
     for c in args.cases.split(","):
         b, length = (int(x) for x in c.split("x"))
         case(b, length)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(LINES) + "\n")
+    write(args.out)
     return 0
 
 

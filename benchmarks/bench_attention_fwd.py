@@ -32,12 +32,12 @@ import torch.nn.functional as F
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+from _report import bench, emit, write  # noqa: E402
 
 from rlrepro.kernels import AttentionMetadata  # noqa: E402
 from rlrepro.kernels import triton_attention_fwd as A  # noqa: E402
 
 H, HKV, D = 32, 8, 128
-LINES: list[str] = []
 # name -> (BLOCK_KV, prefill tile (rows, warps, stages), largest tile that reads packed KV by TMA descriptors).
 # kv64 is the "large" config (TMA), kv64-r256w16-s3 the "long" one (pointer loads).
 VARIANTS = {
@@ -54,16 +54,6 @@ VARIANTS = {
 }
 DEFAULTS = (A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK)  # the shipped kernel's settings
 COLS = ["4x2048", "1x16384", "chunk 16x512", "mixed 16x32 s1", "mixed 16x32 s2", "decode s1", "decode s2"]
-
-
-def emit(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
-
-
-def bench(fn) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
 def rnd(*shape, gen):
@@ -221,9 +211,7 @@ def main() -> int:
         emit("|---|" + "---:|" * len(COLS))
         for name, row in rows.items():
             emit(f"| {name} | " + " | ".join(f"{rows[first][c] / row[c]:.3f}" for c in COLS) + " |")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(LINES) + "\n")
+    write(args.out)
     return 0
 
 

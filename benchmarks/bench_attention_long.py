@@ -25,23 +25,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _report import bench, emit, write  # noqa: E402
 
 from rlrepro.kernels import AttentionMetadata  # noqa: E402
 from rlrepro.kernels.fast import flashinfer_module  # noqa: E402
 from rlrepro.kernels.triton_attention import attention_bwd_packed_triton, attention_fwd  # noqa: E402
 
 H, HKV, D = 32, 8, 128
-LINES: list[str] = []
-
-
-def emit(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
-
-
-def bench(fn) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
 def causal_flops(batch: int, length: int) -> float:
@@ -172,9 +162,7 @@ def main() -> int:
         emit("| flashinfer decode | shape | time, KV bandwidth | batch invariance |")
         emit("|---|---|---|---|")
         decode_invariance(fi)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(LINES) + "\n")
+    write(args.out)
     return 0
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _report import emit, write  # noqa: E402
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
@@ -36,12 +37,6 @@ from rlrepro.kernels.metadata import AttentionMetadata  # noqa: E402
 MATMUL_SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)]  # (K, N); weight [N, K]
 MATMUL_MS = [1, 16, 64, 256, 1024, 4096, 8192]
 
-LINES: list[str] = []
-
-
-def emit(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
 
 
 def bench(fn, rep: int = 100) -> float:
@@ -415,7 +410,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     out = args.out or (os.path.join(os.environ["OUT"], "bench_kernels.md") if os.environ.get("OUT") else None)
     if out:
-        Path(out).write_text("\n".join(LINES) + "\n")
+        write(out)
     return 1 if failed else 0
 
 

@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import triton  # noqa: E402
-
+import _report  # noqa: E402
+from _report import emit, write  # noqa: E402
 from rlrepro.kernels import triton_matmul as mm  # noqa: E402
 from rlrepro.kernels import triton_pieces as pk  # noqa: E402
 
@@ -36,16 +35,10 @@ LINEARS = [("q_proj", "column", 4096, 4096, 12288), ("k_proj", "column", 1024, 4
 LINEARS_FUSED = [("qkv_proj", "column", 6144, 4096, 12288), ("o_proj", "row", 4096, 4096, 12288),
                  ("gate_up_proj", "column", 24576, 4096, 12288), ("down_proj", "row", 4096, 12288, 12288),
                  ("lm_head", "column", 151936, 4096, 8192)]
-LINES: list[str] = []
-
-
-def emit(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
 
 
 def bench(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+    return _report.bench(fn, warmup=10, rep=50)
 
 
 def products(kind: str, x, w, g, pieces: int):
@@ -137,7 +130,7 @@ def main() -> int:
         for r in rows:
             emit(f"  {r}")
     if args.out:
-        Path(args.out).write_text("\n".join(LINES) + "\n")
+        write(args.out)
     return 0
 
 

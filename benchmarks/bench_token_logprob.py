@@ -24,20 +24,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _report  # noqa: E402
+from _report import emit, write  # noqa: E402
 
 from rlrepro.trainer.logprobs import _FusedTokenLogprob, _token_logprob_rows, entropy  # noqa: E402
 
-LINES: list[str] = []
-
-
-def emit(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
 
 
 def bench(fn) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median"))
+    return _report.bench(fn, warmup=5, rep=40)
 
 
 def torch_path(logits, targets, t, weight, backward: bool):
@@ -101,9 +96,7 @@ def main() -> None:
              f"{(ent0 - ent1).abs().max().item():.2e} |")
         del g0, g1, diff
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(LINES) + "\n")
+    write(args.out)
 
 
 if __name__ == "__main__":

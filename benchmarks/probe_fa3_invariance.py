@@ -36,16 +36,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _report, also when loaded by a test
+from _report import bench, emit, write  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 PAGE = 16
 LENS = [2048, 1531, 777, 3001, 64, 1, 95, 96, 97, 129, 130, 383]
-LINES: list[str] = []
-
-
-def emit(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
 
 
 class Case:
@@ -234,11 +230,6 @@ def bits(fi, ws, c: Case) -> dict[str, bool]:
     return res
 
 
-def bench(fn) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-
-
 def speed(fi, ws) -> None:
     from rlrepro.kernels import AttentionMetadata
     from rlrepro.kernels.triton_attention import attention_fwd
@@ -322,9 +313,7 @@ def main(argv=None, fi=None, device: str = "cuda", lens=None, heads=(H, HKV, D))
          f"{all(v for k, v in res.items() if k != 'ragged')}")
     if not args.no_bench:
         speed(fi, ws)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(LINES) + "\n")
+    write(args.out)
     return 0
 
 

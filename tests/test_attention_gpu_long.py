@@ -87,17 +87,25 @@ def test_gpu_attention_descriptor_loads_equal_pointer_loads(monkeypatch):
 def test_gpu_engine_equals_trainer_at_8k_context():
     """An 8,200-token prompt, prefilled in chunks and decoded from the paged cache, gives logprobs equal to the
     trainer's full-sequence forward with autograd (the packed kernel, TMA loads) bit for bit."""
+    _seed()
+    check_engine_equals_trainer_at_8k()
+
+
+def check_engine_equals_trainer_at_8k(engine_check=None):
+    """The 8k engine == trainer check; ``engine_check(engine)`` runs on the engine before it generates."""
     from rlrepro.model import tiny_model
     from rlrepro.rollout import Engine, SamplingParams
-    _seed()
     model = tiny_model(seed=3, dtype=torch.bfloat16, initializer_range=0.3, head_dim=128, num_attention_heads=8,
                        num_key_value_heads=2, hidden_size=256, max_position_embeddings=9000).cuda()
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, model.config.vocab_size, (8200,), generator=g).tolist()
     engine = Engine(model, device="cuda", max_num_batched_tokens=1536, num_kv_blocks=1200, max_num_seqs=4,
                     max_model_len=8300)
+    if engine_check is not None:
+        engine_check(engine)
     params = SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
     outs = engine.generate([prompt, prompt[:5000]], [params, params])
+    assert engine.runner.num_graph_steps > 0
     for p, out in zip((prompt, prompt[:5000]), outs):
         ids = torch.tensor([p + out.token_ids], device="cuda")
         with torch.enable_grad():

@@ -121,29 +121,32 @@ def test_gpu_fa3_attention_invariance(h, hkv, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_fa3_engine_equals_trainer_at_8k_context(monkeypatch):
-    """The 8,200-token prompt of ``test_gpu_engine_equals_trainer_at_8k_context`` on FA3: chunked prefill and
-    decode on the CUDA graphs (the folded decode planned per replay) == the trainer's forward with autograd."""
-    from rlrepro import kernels
-    from rlrepro.model import tiny_model
-    from rlrepro.rollout import Engine, SamplingParams
+    """The 8,200-token check of ``test_attention_gpu_long`` on FA3: chunked prefill and decode on the CUDA graphs
+    (the folded decode planned per replay) == the trainer's forward with autograd."""
+    from test_attention_gpu_long import check_engine_equals_trainer_at_8k
     _hopper_with_flashinfer(monkeypatch)
     fresh_seed()
-    model = tiny_model(seed=3, dtype=torch.bfloat16, initializer_range=0.3, head_dim=128, num_attention_heads=8,
-                       num_key_value_heads=2, hidden_size=256, max_position_embeddings=9000).cuda()
-    g = torch.Generator().manual_seed(11)
-    prompt = torch.randint(0, model.config.vocab_size, (8200,), generator=g).tolist()
-    engine = Engine(model, device="cuda", max_num_batched_tokens=1536, num_kv_blocks=1200, max_num_seqs=4,
-                    max_model_len=8300)
-    assert engine.runner._fi_graphs and all(isinstance(x, F3.GraphDecode) for x in engine.runner._fi_graphs.values())
-    params = SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
-    outs = engine.generate([prompt, prompt[:5000]], [params, params])
-    assert engine.runner.num_graph_steps > 0
-    for p, out in zip((prompt, prompt[:5000]), outs):
-        ids = torch.tensor([p + out.token_ids], device="cuda")
-        with torch.enable_grad():
-            logits = model(ids)[0, len(p) - 1:-1].detach()
-        want = kernels.token_logprob(logits, torch.tensor(out.token_ids, device="cuda"), 1.0)
-        assert torch.equal(torch.tensor(out.logprobs, dtype=torch.float32, device="cuda"), want)
+
+    def on_fa3_graphs(engine):
+        graphs = engine.runner._fi_graphs
+        assert graphs and all(isinstance(x, F3.GraphDecode) for x in graphs.values())
+    check_engine_equals_trainer_at_8k(on_fa3_graphs)
+
+
+BACKWARD_LENS = [1500, 97, 65, 1, 300]
+
+
+def backward_case():
+    """bf16 q, k, v (8 heads, 2 KV heads, D 128) of ``BACKWARD_LENS`` packed, an output gradient, the scale, and
+    the float64 output and gradients ``[out, dq, dk, dv]`` (on the CPU) to hold the kernels' against."""
+    h, hkv, d = 8, 2, 128
+    q, k, v = make_paged_case(BACKWARD_LENS, h, hkv, d, torch.bfloat16, "cuda")
+    go = torch.randn_like(q)
+    scale = d ** -0.5
+    q64, k64, v64 = (t.detach().double().cpu().requires_grad_(True) for t in (q, k, v))
+    o64 = ref.attention_packed(q64, k64, v64, AttentionMetadata.packed(BACKWARD_LENS), scale)
+    o64.backward(go.double().cpu())
+    return q, k, v, go, scale, [o64.detach(), q64.grad, k64.grad, v64.grad]
 
 
 @pytest.mark.gpu
@@ -154,11 +157,8 @@ def test_gpu_fa3_forward_with_the_triton_backward(monkeypatch):
     from rlrepro import kernels
     _hopper_with_flashinfer(monkeypatch)
     seed = fresh_seed()
-    lens = [1500, 97, 65, 1, 300]
-    h, hkv, d = 8, 2, 128
-    q, k, v = make_paged_case(lens, h, hkv, d, torch.bfloat16, "cuda")
-    go = torch.randn_like(q)
-    scale = d ** -0.5
+    lens = BACKWARD_LENS
+    q, k, v, go, scale, want64 = backward_case()
 
     def grads(q, k, v, go, lens):
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
@@ -167,11 +167,7 @@ def test_gpu_fa3_forward_with_the_triton_backward(monkeypatch):
         return [out.detach()] + [t.grad for t in leaves]
 
     got = grads(q, k, v, go, lens)
-    q64, k64, v64 = (t.detach().double().cpu().requires_grad_(True) for t in (q, k, v))
-    o64 = ref.attention_packed(q64, k64, v64, AttentionMetadata.packed(lens), scale)
-    o64.backward(go.double().cpu())
-    for name, x, want in (("out", got[0], o64.detach()), ("dq", got[1], q64.grad), ("dk", got[2], k64.grad),
-                          ("dv", got[3], v64.grad)):
+    for name, x, want in zip(("out", "dq", "dk", "dv"), got, want64):
         assert rel_err(x, want) < 3e-2, f"{name} vs float64 (seed {seed})"
     assert all(torch.equal(a, b) for a, b in zip(got, grads(q, k, v, go, lens))), f"rerun differs (seed {seed})"
     a, b = sum(lens[:2]), sum(lens[:3])
