@@ -32,6 +32,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -40,8 +41,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _report, also 
 from _report import bench, emit, write  # noqa: E402
 
 H, HKV, D = 32, 8, 128
+DEVICE = "cuda"  # the timings' device (the CPU test of the bookkeeping sets "cpu")
 PAGE = 16
 LENS = [2048, 1531, 777, 3001, 64, 1, 95, 96, 97, 129, 130, 383]
+PREFILL_CASES = ((4, 2048), (1, 16384))  # (sequences, length) of the causal prefill timings
+CHUNK_CASE = (16, 512, 2048)  # sequences, new tokens, context
+DECODE_CASE = (64, 2048)  # requests, context
 
 
 class Case:
@@ -79,9 +84,10 @@ def i32(values, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def paged_call(fi, ws, q, cache, reqs, page: int, causal: bool, heads: tuple[int, int], scale: float):
-    """One paged FA3 prefill call. ``reqs``: (query count, KV length, pages) per request, queries packed in ``q``
-    in request order. Returns (out, lse in base 2), and the planned wrapper (for timing)."""
+def plan_paged(fi, ws, reqs, page: int, causal: bool, heads: tuple[int, int], d: int, dtype, device, scale: float,
+               w=None):
+    """A paged FA3 prefill wrapper (``w``, or a new one) planned for ``reqs``: (query count, KV length, pages) per
+    request."""
     qo, kv_indptr, indices, last = [0], [0], [], []
     for n_q, n_kv, pages in reqs:
         used = -(-n_kv // page)
@@ -89,10 +95,16 @@ def paged_call(fi, ws, q, cache, reqs, page: int, causal: bool, heads: tuple[int
         kv_indptr.append(kv_indptr[-1] + used)
         indices.extend(pages[:used])
         last.append((n_kv - 1) % page + 1)
-    dev = q.device
-    w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa3")
-    w.plan(i32(qo, dev), i32(kv_indptr, dev), i32(indices, dev), i32(last, dev), heads[0], heads[1], q.shape[-1],
-           page, causal=causal, sm_scale=scale, q_data_type=q.dtype, kv_data_type=cache[0].dtype)
+    w = w or fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa3")
+    w.plan(i32(qo, device), i32(kv_indptr, device), i32(indices, device), i32(last, device), heads[0], heads[1], d,
+           page, causal=causal, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
+    return w
+
+
+def paged_call(fi, ws, q, cache, reqs, page: int, causal: bool, heads: tuple[int, int], scale: float):
+    """One paged FA3 prefill call, queries packed in ``q`` in request order. Returns (out, lse in base 2), and the
+    planned wrapper (for timing)."""
+    w = plan_paged(fi, ws, reqs, page, causal, heads, q.shape[-1], q.dtype, q.device, scale)
     out, lse = w.run(q, cache, return_lse=True)
     return out, lse, w
 
@@ -230,16 +242,34 @@ def bits(fi, ws, c: Case) -> dict[str, bool]:
     return res
 
 
-def speed(fi, ws) -> None:
-    from rlrepro.kernels import AttentionMetadata
-    from rlrepro.kernels.triton_attention import attention_fwd
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
+
+def _free() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def speed(fi, ws) -> None:
     emit("")
     emit("| case | kernel | ms | rate |")
     emit("|---|---|---:|---:|")
-    dev = torch.device("cuda")
-    for batch, length in ((4, 2048), (1, 16384)):
-        c = Case([length] * batch, (H, HKV, D), dev, seed=length)
+    for part in (speed_prefill, speed_chunk, speed_decode):
+        try:
+            part(fi, ws)
+        except Exception as e:  # noqa: BLE001 - report and go on: the bits above are the main result
+            emit(f"| {part.__name__} | failed: {type(e).__name__}: {str(e)[:300]} | | |")
+        _free()
+
+
+def speed_prefill(fi, ws) -> None:
+    from rlrepro.kernels import AttentionMetadata
+    from rlrepro.kernels.triton_attention import attention_fwd
+    dev = torch.device(DEVICE)
+    for batch, length in PREFILL_CASES:
+        c = Case([length] * batch, (H, HKV, D), dev, seed=length, page=PAGE)
         flops = 4.0 * batch * H * D * length * length / 2
         runs = {}
         _, _, w = ragged_call(fi, ws, c.q, c.k, c.v, c.lens, (H, HKV), c.scale)
@@ -254,11 +284,16 @@ def speed(fi, ws) -> None:
         for name, fn in runs.items():
             ms = bench(fn)
             emit(f"| {batch} x {length} causal | {name} | {ms:.3f} | {flops / ms / 1e9:.0f} TFLOP/s |")
-        del c
-        torch.cuda.empty_cache()
-    ctx, seqs = 2048, 16
-    c = Case([ctx] * seqs, (H, HKV, D), dev, seed=3)
-    new = 512
+        runs.clear()
+        _free()
+
+
+def speed_chunk(fi, ws) -> None:
+    from rlrepro.kernels import AttentionMetadata
+    from rlrepro.kernels.triton_attention import attention_fwd
+    dev = torch.device(DEVICE)
+    seqs, new, ctx = CHUNK_CASE
+    c = Case([ctx] * seqs, (H, HKV, D), dev, seed=3, page=PAGE)
     q = torch.cat([c.q[c.rows(s, ctx - new, ctx)] for s in range(seqs)])
     _, _, wp = paged_call(fi, ws, q, (c.kc, c.vc), [(new, ctx, c.pages[s]) for s in range(seqs)], PAGE, True,
                           (H, HKV), c.scale)
@@ -266,27 +301,44 @@ def speed(fi, ws) -> None:
     kf, vf = c.kc.view(-1, HKV, D), c.vc.view(-1, HKV, D)
     emit(f"| chunk {seqs} x {new} on {ctx} | FA3 paged | {bench(lambda: wp.run(q, (c.kc, c.vc))):.3f} | |")
     emit(f"| chunk {seqs} x {new} on {ctx} | rlrepro | {bench(lambda: attention_fwd(q, kf, vf, meta, c.scale)):.3f} | |")
-    del c
-    c = Case([ctx] * 64, (H, HKV, D), dev, seed=4)
-    kv_bytes = 64 * ctx * HKV * D * 2 * 2
-    q = torch.stack([c.q[c.starts[s] + ctx - 1] for s in range(64)])
+
+
+def speed_decode(fi, ws) -> None:
+    from rlrepro.kernels import AttentionMetadata
+    from rlrepro.kernels.triton_attention import attention_fwd
+    dev = torch.device(DEVICE)
+    r, ctx = DECODE_CASE
+    c = Case([ctx] * r, (H, HKV, D), dev, seed=4, page=PAGE)
+    kv_bytes = r * ctx * HKV * D * 2 * 2
+    q = torch.stack([c.q[c.starts[s] + ctx - 1] for s in range(r)])
     g = H // HKV
-    reqs = [(1, ctx, c.pages[s]) for s in range(64)]
+    reqs = [(1, ctx, c.pages[s]) for s in range(r)]
     _, _, w1 = paged_call(fi, ws, q, (c.kc, c.vc), reqs, PAGE, True, (H, HKV), c.scale)
-    qf = q.view(64, HKV, g, D).transpose(1, 2).reshape(64 * g, HKV, D)
-    _, _, wf = paged_call(fi, ws, qf, (c.kc, c.vc), [(g, ctx, c.pages[s]) for s in range(64)], PAGE, False,
+    qf = q.view(r, HKV, g, D).transpose(1, 2).reshape(r * g, HKV, D)
+    _, _, wf = paged_call(fi, ws, qf, (c.kc, c.vc), [(g, ctx, c.pages[s]) for s in range(r)], PAGE, False,
                           (HKV, HKV), c.scale)
     wd = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-    wd.plan(i32([0] + [(s + 1) * (ctx // PAGE) for s in range(64)], dev), i32([p for s in range(64) for p in c.pages[s]],
-            dev), i32([PAGE] * 64, dev), H, HKV, D, PAGE, q_data_type=q.dtype, sm_scale=c.scale, disable_split_kv=True)
-    meta = AttentionMetadata.paged([1] * 64, [ctx] * 64, c.pages, PAGE, device=dev)
+    per = -(-ctx // PAGE)  # pages a request
+    wd.plan(i32([s * per for s in range(r + 1)], dev), i32([p for s in range(r) for p in c.pages[s]], dev),
+            i32([(ctx - 1) % PAGE + 1] * r, dev), H, HKV, D, PAGE, q_data_type=q.dtype, sm_scale=c.scale,
+            disable_split_kv=True)
+    meta = AttentionMetadata.paged([1] * r, [ctx] * r, c.pages, PAGE, device=dev)
     kf, vf = c.kc.view(-1, HKV, D), c.vc.view(-1, HKV, D)
+    folded_reqs = [(g, ctx, c.pages[s]) for s in range(r)]
+    times = []
+    for _ in range(20):  # the host's share of a decode step on CUDA graphs: a plan before every replay
+        t0 = time.perf_counter()
+        plan_paged(fi, ws, folded_reqs, PAGE, False, (HKV, HKV), D, q.dtype, dev, c.scale, w=wf)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    emit(f"| decode {r} x {ctx} | FA3 folded decode's plan (host, before each step) | "
+         f"{sorted(times)[len(times) // 2] * 1e3:.4f} | |")
     for name, fn in (("FA3 paged, one query a request", lambda: w1.run(q, (c.kc, c.vc))),
                      ("FA3 paged, group folded, non-causal", lambda: wf.run(qf, (c.kc, c.vc))),
                      ("flashinfer decode, tensor cores, no split KV", lambda: wd.run(q, (c.kc, c.vc))),
                      ("rlrepro decode (Triton)", lambda: attention_fwd(q, kf, vf, meta, c.scale))):
         ms = bench(fn)
-        emit(f"| decode 64 x {ctx} | {name} | {ms:.4f} | {kv_bytes / ms / 1e9:.2f} TB/s of KV |")
+        emit(f"| decode {r} x {ctx} | {name} | {ms:.4f} | {kv_bytes / ms / 1e9:.2f} TB/s of KV |")
 
 
 def main(argv=None, fi=None, device: str = "cuda", lens=None, heads=(H, HKV, D)) -> int:
@@ -311,6 +363,7 @@ def main(argv=None, fi=None, device: str = "cuda", lens=None, heads=(H, HKV, D))
     emit("")
     emit("Invariant (every check but the ragged kernel's): "
          f"{all(v for k, v in res.items() if k != 'ragged')}")
+    write(args.out)  # the bits, whatever the timings do
     if not args.no_bench:
         speed(fi, ws)
     write(args.out)

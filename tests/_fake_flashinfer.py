@@ -70,3 +70,17 @@ class Ragged(Wrapper):
 class FakeFlashinfer:
     BatchPrefillWithPagedKVCacheWrapper = Paged
     BatchPrefillWithRaggedKVCacheWrapper = Ragged
+
+
+class Decode(Paged):
+    """The decode wrapper: one query a request against all of its KV (so no causal mask is needed)."""
+
+    def __init__(self, ws, layout, use_tensor_cores=False, **buffers):
+        super().__init__(ws, layout, "fa3", **buffers)
+
+    def plan(self, indptr, indices, last, h, hkv, d, page, q_data_type=None, sm_scale=None, **split):
+        qo = torch.arange(len(indptr), dtype=torch.int32)
+        super().plan(qo, indptr, indices, last, h, hkv, d, page, causal=False, sm_scale=sm_scale)
+
+
+FakeFlashinfer.BatchDecodeWithPagedKVCacheWrapper = Decode

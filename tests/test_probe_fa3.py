@@ -49,3 +49,40 @@ def test_a_kernel_whose_rows_follow_the_call_fails_the_checks(monkeypatch):
     res = p.bits(FakeFlashinfer, None, p.Case(LENS, HEADS, "cpu", page=4))
     assert not res["alone"] and not res["decode"] and not res["folded"]
     assert res["reversed"]  # the same requests in another order: the same drift, so the same rows
+
+
+def test_the_timings_run_their_calls(monkeypatch):
+    """The speed half at toy sizes on the CPU: every call it times is made once (the stand-in computes; rlrepro's
+    kernel is the float64 reference), and no row reports a failure."""
+    from rlrepro.kernels import reference as ref
+    from rlrepro.kernels import triton_attention
+    p = _probe()
+    monkeypatch.setattr(p, "DEVICE", "cpu")
+    monkeypatch.setattr(p, "H", 4)
+    monkeypatch.setattr(p, "HKV", 2)
+    monkeypatch.setattr(p, "D", 8)
+    monkeypatch.setattr(p, "PAGE", 4)
+    monkeypatch.setattr(p, "PREFILL_CASES", ((2, 9), (1, 13)))
+    monkeypatch.setattr(p, "CHUNK_CASE", (3, 5, 12))
+    monkeypatch.setattr(p, "DECODE_CASE", (3, 10))
+    calls = []
+
+    def once(fn):
+        calls.append(fn())
+        return 1.0
+    monkeypatch.setattr(p, "bench", once)
+
+    def reference_fwd(q, k, v, meta, scale, config=None, return_lse=False):  # rlrepro's rows: only called here
+        return ref.attention_packed(q, k, v, meta, scale) if meta.block_table is None else q.clone()
+    monkeypatch.setattr(triton_attention, "attention_fwd", reference_fwd)
+    import _report  # on sys.path once the probe is loaded
+    start = len(_report.LINES)
+    p.speed(FakeFlashinfer, None)
+    rows = _report.LINES[start:]
+    assert not any("failed" in r for r in rows), rows
+    assert len(calls) == 2 * 4 + 2 + 4
+    one, folded, decode = calls[-4], calls[-3], calls[-2]  # the decode rows: the same rows three ways
+    assert torch.equal(one, decode)
+    assert torch.equal(one, folded.view(3, 2, 2, 8).transpose(1, 2).reshape(3, 4, 8))
+    assert torch.equal(calls[0], calls[1]) and torch.equal(calls[0], calls[2])  # ragged == paged 4 == paged 1
+    assert sum("TFLOP/s" in r for r in rows) == 8 and sum("TB/s" in r for r in rows) == 4
