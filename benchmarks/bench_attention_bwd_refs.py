@@ -21,6 +21,7 @@ asserts nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -35,15 +36,15 @@ from rlrepro.kernels import flash2_bwd as F2  # noqa: E402
 from rlrepro.kernels.triton_attention import attention_bwd_packed_triton  # noqa: E402
 
 
+@contextlib.contextmanager
 def deterministic(on: bool):
-    class _Ctx:
-        def __enter__(self):
-            self.was = torch.are_deterministic_algorithms_enabled()
-            torch.use_deterministic_algorithms(on)
-
-        def __exit__(self, *exc):
-            torch.use_deterministic_algorithms(self.was)
-    return _Ctx()
+    """``torch.use_deterministic_algorithms(on)`` inside, the previous setting after."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def row(name: str, fn, flops: float, t_ref: float | None, want) -> float | None:
@@ -78,14 +79,8 @@ def case(batch: int, length: int) -> None:
     def sdpa(backend, expand: bool):
         kv = [t.repeat_interleave(H // HKV, dim=1) if expand else t for t in dense[1:]]
         leaves = [t.detach().requires_grad_(True) for t in (dense[0], *kv)]
-        ctx = sdpa_kernel([backend]) if backend is not None else None
-        if ctx is not None:
-            ctx.__enter__()
-        try:
+        with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
             o = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale, enable_gqa=not expand)
-        finally:
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
 
         def run():
             g = torch.autograd.grad(o, leaves, gos, retain_graph=True)

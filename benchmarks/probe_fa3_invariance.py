@@ -344,25 +344,24 @@ def speed_decode(fi, ws) -> None:
         emit(f"| decode {r} x {ctx} | {name} | {ms:.4f} | {kv_bytes / ms / 1e9:.2f} TB/s of KV |")
 
 
-def main(argv=None, fi=None, device: str = "cuda", lens=None, heads=(H, HKV, D)) -> int:
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--no-bench", action="store_true")
-    args = ap.parse_args(argv)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("probe_fa3_invariance.py needs a CUDA GPU and flashinfer")
+        return 1
+    from rlrepro.kernels.fast import flashinfer_module
+    fi = flashinfer_module()
     if fi is None:
-        if not torch.cuda.is_available():
-            print("probe_fa3_invariance.py needs a CUDA GPU and flashinfer")
-            return 1
-        from rlrepro.kernels.fast import flashinfer_module
-        fi = flashinfer_module()
-        if fi is None:
-            print("flashinfer does not import: carry .fi (scripts/make_fi_kit.sh)")
-            return 1
-        emit(f"### FA3 invariance ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, flashinfer "
-             f"{getattr(fi, '__version__', '?')})")
-        emit("")
-    ws = torch.zeros(256 << 20 if device == "cuda" else 8, dtype=torch.uint8, device=device)
-    res = bits(fi, ws, Case(lens or LENS, heads, device))
+        print("flashinfer does not import: carry .fi (scripts/make_fi_kit.sh)")
+        return 1
+    emit(f"### FA3 invariance ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, flashinfer "
+         f"{getattr(fi, '__version__', '?')})")
+    emit("")
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    res = bits(fi, ws, Case(LENS, (H, HKV, D), "cuda"))
     emit("")
     emit("Invariant (every check but the ragged kernel's): "
          f"{all(v for k, v in res.items() if k != 'ragged')}")

@@ -75,8 +75,8 @@ class FakeFlashinfer:
 class Decode(Paged):
     """The decode wrapper: one query a request against all of its KV (so no causal mask is needed)."""
 
-    def __init__(self, ws, layout, use_tensor_cores=False, **buffers):
-        super().__init__(ws, layout, "fa3", **buffers)
+    def __init__(self, ws, layout, use_tensor_cores=False, **buffers):  # not an FA3 wrapper: no backend check
+        self.use_cuda_graph, self.buffers = False, buffers
 
     def plan(self, indptr, indices, last, h, hkv, d, page, q_data_type=None, sm_scale=None, **split):
         qo = torch.arange(len(indptr), dtype=torch.int32)
