@@ -21,6 +21,12 @@ def test_the_switch(monkeypatch):
     monkeypatch.setenv("RLREPRO_ATTENTION_BWD", "flash2")
     assert T._attention_bwd_impl(q) == "torch"  # CPU tensors: FA2 is CUDA's
     assert not F2.supported(q)
+    # on CUDA a call FA2 cannot serve is an error naming the dtype, not a silent fallback (fa3's rule)
+    from types import SimpleNamespace
+    fp32 = SimpleNamespace(is_cuda=True, dtype=torch.float32, shape=(3, 4, 128))
+    with pytest.raises(RuntimeError, match="does not serve torch.float32 with head size 128"):
+        T._attention_bwd_impl(fp32)
+    assert T._attention_bwd_impl(SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(3, 4, 128))) == "flash2"
     monkeypatch.setenv("RLREPRO_ATTENTION_BWD", "flash3")
     with pytest.raises(ValueError, match="'flash2', not 'flash3'"):
         T._attention_bwd_impl(q)

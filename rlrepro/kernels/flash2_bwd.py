@@ -12,7 +12,7 @@ no longer promised equal alone and in another batch (FA2 splits dQ's sums by the
 The forward stays rlrepro's (Triton or ``RLREPRO_ATTENTION=fa3``): FA2 recomputes the probabilities from the
 forward's output and log-sum-exp, which rlrepro keeps in base 2 of the scaled scores ([N, H]); FA2 reads the
 natural log, laid out [H, N] or [B, H, max_len] by its version, which :func:`lse_layout` learns from one small FA2
-forward on first use. Float32 inputs keep the Triton backward (FA2 serves bf16 and fp16 only).
+forward on first use. FA2 serves bf16 and fp16 only: a CUDA call of another dtype is an error (triton_ops).
 """
 from __future__ import annotations
 

@@ -203,11 +203,18 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- attention
 def _attention_bwd_impl(q: torch.Tensor) -> str:
     """"triton" (CUDA default) or "torch" (CPU default); RLREPRO_ATTENTION_BWD=torch|triton forces one, and
-    ``flash2`` (the experiment of ``kernels/flash2_bwd.py``) runs torch's FA2 backward where it serves the call
-    (CUDA, bf16/fp16), the Triton one elsewhere."""
+    ``flash2`` (the experiment of ``kernels/flash2_bwd.py``) runs torch's FA2 backward on CUDA. The rule is
+    ``RLREPRO_ATTENTION=fa3``'s: CPU calls keep the reference path, and a CUDA call the kernel cannot serve is an
+    error naming why (a silent fallback would give other bits than asked for)."""
     forced = os.environ.get("RLREPRO_ATTENTION_BWD", "").strip().lower()
     if forced == "flash2":
-        return "flash2" if _flash2.supported(q) else "triton" if q.is_cuda else "torch"
+        if not q.is_cuda:
+            return "torch"
+        if not _flash2.supported(q):
+            raise RuntimeError(f"RLREPRO_ATTENTION_BWD=flash2: torch's FA2 backward does not serve {q.dtype} with "
+                               f"head size {q.shape[-1]} (bf16/fp16, head size a multiple of 8 up to 256); unset it "
+                               "to use the Triton backward")
+        return "flash2"
     if forced in ("torch", "triton"):
         return forced
     if forced:
