@@ -1,6 +1,6 @@
 """The deterministic mode's attention on flashinfer's FA3 kernel (Hopper): an experiment of issue #27, off unless
-``RLREPRO_ATTENTION=fa3``. Not yet run on a GPU; ``benchmarks/probe_fa3_invariance.py`` holds the evidence it
-waits for.
+``RLREPRO_ATTENTION=fa3``. Measured on an H200 (docs/BENCHMARKS.md): the bits hold in every check of
+``benchmarks/probe_fa3_invariance.py``, but the engine decodes at 0.742x of the Triton attention, so it stays opt-in.
 
 Why it could keep the promises. FA3's forward walks a query row's KV in tiles aligned to position 0, from the last
 to the first, in one program (flashinfer's sm90 plan never splits the KV), so a row's reduction order is fixed by
@@ -14,8 +14,9 @@ table becomes per-token offsets), so one kernel, with one KV tile (96 positions 
 * decode steps: the GQA group's query heads folded into one request's rows, non-causal (a decode row sees every
   cached position), so each KV tile is read once per group (``paged``; :class:`GraphDecode` under CUDA graphs).
 
-If the probe shows the same bits across all of these, engine == trainer holds with FA3's speed for the forward.
-Until then nothing selects this module by default, and a run that sets the variable says so in its log.
+The probe showed the same bits across all of these on the H200, and engine == trainer held at 8k on CUDA graphs.
+Nothing selects this module by default (its decode costs more than its prefill gains), and a run that sets the
+variable says so in its log.
 """
 from __future__ import annotations
 

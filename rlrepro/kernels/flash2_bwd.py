@@ -1,5 +1,6 @@
 """The attention backward on torch's own FlashAttention-2 kernel (``aten._flash_attention_backward``, varlen) in its
-deterministic mode: an experiment of issue #27, off unless ``RLREPRO_ATTENTION_BWD=flash2``. Not yet run on a GPU.
+deterministic mode: an experiment of issue #27, off unless ``RLREPRO_ATTENTION_BWD=flash2``. Measured on an H200:
+rerun-equal, but 0.48-0.66x of the Triton backward (docs/BENCHMARKS.md), so not a default.
 
 Why it may keep the promises. The backward's promise is narrower than the forward's: the gradients of a micro-batch
 must be the same bits every time it is computed, on any rank (engine == trainer concerns the forward only, and the
