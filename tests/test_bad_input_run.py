@@ -145,6 +145,16 @@ def test_prompt_plus_max_tokens_beyond_the_context_fails_before_work(tmp_path):
     assert isinstance(err, ConfigError) and "rollout.num_kv_blocks" in str(err)
 
 
+
+def test_micro_batch_token_budget_below_the_longest_sample_fails_before_work(tmp_path):
+    # COMMON: rollout.max_tokens=4; grpo_tiny's synthetic prompts are longer than 1 token, so 5 is too small
+    err = setup_run(tmp_path / "run", "train.micro_batch_tokens=5")
+    assert isinstance(err, ConfigError)
+    assert "train.micro_batch_tokens=5" in str(err) and "Fix: set train.micro_batch_tokens>=" in str(err)
+    assert setup_run(tmp_path / "run2", "train.micro_batch_tokens=28") is None  # 24 prompt tokens at most + 4
+    with pytest.raises(ConfigError, match=r"train.micro_batch_tokens=-1 must be an integer >= 0"):
+        compose_config(["recipe=grpo_tiny", "train.micro_batch_tokens=-1"])
+
 # ------------------------------------------------------------------------------------------ model directories
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,9 @@ from _dist import gloo_process_group, spawn_ranks
 CONFIG = dict(lr=3e-3, steps=4, micro_batch_size=2, ppo_epochs=2, clip_high=0.28, entropy_coef=0.01)
 STEPS = 2
 NUM_SAMPLES = 9
+# train.micro_batch_tokens: the samples' 2, 8, 8, 5, 2, 3, 2, 8, 8 tokens in micro-batches of at most 10 tokens:
+# [0, 1], [2], [3, 4, 5], [6, 7], [8] (other micro-batches than micro_batch_size=2's, of 1 to 3 samples)
+TOKENS = dict(micro_batch_size=4, micro_batch_tokens=10)
 
 
 # ------------------------------------------------------------------------------------------- the fold on its own
@@ -222,7 +225,7 @@ def _result(trainer, metrics):
 def train(invariant: bool, data_parallel=None, steps=STEPS, resume_from=None, save_to=None, param_dtype=None,
           **extra):
     model = tiny_model(seed=1)
-    config = TrainConfig(**CONFIG, layout_invariant=invariant, **extra)
+    config = TrainConfig(**{**CONFIG, **extra}, layout_invariant=invariant)
     trainer = Trainer(model, config, data_parallel=data_parallel, param_dtype=param_dtype)
     start = 0
     if resume_from is not None:
@@ -244,7 +247,8 @@ def _dp_worker(rank: int, world: int, port: int, ckpt_root: str, out: str) -> No
         res = {"on": train(True, dp), "off": train(False, dp),
                "zero1": train(True, dp, distributed_optimizer=True, decoupled=True, is_correction="tis"),
                # bf16 compute: the bf16 leaves travel as bf16 and are widened into the float32 accumulator
-               "bf16": train(True, dp, param_dtype=torch.bfloat16)}
+               "bf16": train(True, dp, param_dtype=torch.bfloat16),
+               "tokens": train(True, dp, **TOKENS)}
         if world == 2:  # the first step at DP=2 with a sharded optimizer, checkpointed (resumed at DP=1 below)
             train(True, dp, steps=1, save_to=ckpt_root, distributed_optimizer=True)
         torch.save(res, f"{out}.rank{rank}")
@@ -270,7 +274,8 @@ def dp_runs(tmp_path_factory):
                 "zero1": _single(invariant=True, decoupled=True, is_correction="tis"),
                 "zero1_off": _single(invariant=False, decoupled=True, is_correction="tis"),
                 "bf16": _single(invariant=True, param_dtype=torch.bfloat16),
-                "bf16_off": _single(invariant=False, param_dtype=torch.bfloat16)}}
+                "bf16_off": _single(invariant=False, param_dtype=torch.bfloat16),
+                "tokens": _single(invariant=True, **TOKENS), "tokens_off": _single(invariant=False, **TOKENS)}}
     for world in (2, 3, 4):
         ranks = spawn_ranks(_dp_worker, world, str(root / "ckpt"), out=str(root / f"w{world}"))
         for r in ranks[1:]:  # every rank holds the same weights and metrics
@@ -290,13 +295,15 @@ def test_any_number_of_data_parallel_ranks_gives_the_same_bits(dp_runs):
             assert dp_runs[world][kind]["fold"]["kind"] == "ShardedGradFold", (world, kind)
     for world in (2, 4):  # ZeRO-1 sharded optimizer state, decoupled loss with its off-policy metric sums
         assert _same(dp_runs[1]["zero1"], dp_runs[world]["zero1"]), world
+        # micro-batches cut by a token budget (train.micro_batch_tokens) are a function of the batch alone
+        assert _same(dp_runs[1]["tokens"], dp_runs[world]["tokens"]), world
     for m in dp_runs[1]["on"]["metrics"]:
         assert m["train/rollout_logprob_abs_diff"] == 0.0 and m["train/grad_norm"] > 0
 
 
 def test_at_one_rank_the_option_is_the_plain_step(dp_runs):
     # the fold is what a one-rank step does anyway: the same bits with the option off, and no extra state
-    for on, off in (("on", "off"), ("zero1", "zero1_off"), ("bf16", "bf16_off")):
+    for on, off in (("on", "off"), ("zero1", "zero1_off"), ("bf16", "bf16_off"), ("tokens", "tokens_off")):
         assert _same(dp_runs[1][on], dp_runs[1][off]), on
         assert dp_runs[1][on]["fold"] is None
     assert dp_runs[1]["zero1"]["metrics"][0]["train/is_weight_mean"] > 0  # the off-policy sums are exercised
@@ -308,6 +315,15 @@ def test_sharded_accumulator_holds_a_fraction_of_the_gradient(dp_runs):
     for world in (2, 3, 4):
         peak = dp_runs[world]["on"]["fold"]["peak_partial_bytes"]
         assert 0 < peak <= -(-numel // world) * 4, (world, peak)
+
+
+def test_the_token_budget_decides_the_micro_batches(dp_runs):
+    model = tiny_model(seed=1)
+    batch = make_batch(model, 0)
+    budget = Trainer(model, TrainConfig(**{**CONFIG, **TOKENS}, layout_invariant=True)).micro_batches(batch)
+    assert [list(c) for c in budget] == [[0, 1], [2], [3, 4, 5], [6, 7], [8]]
+    assert not _same(dp_runs[1]["tokens"], dp_runs[1]["on"])  # other micro-batches than micro_batch_size=2's
+    assert all(m["train/rollout_logprob_abs_diff"] == 0.0 for m in dp_runs[1]["tokens"]["metrics"])
 
 
 def test_without_the_option_layouts_differ(dp_runs):

@@ -94,6 +94,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             raise ConfigError(f"the data set has {len(self.prompts)} prompts < rollout.prompts_per_step="
                               f"{cfg.rollout.prompts_per_step}")
         preflight.check_lengths(cfg, self.prompts, self.model_config)
+        preflight.check_micro_batch_tokens(cfg, self.prompts, self.model_config, uses_episodes(cfg))
         preflight.check_reward(cfg, self.reward_fn, self.prompts)
         if not cfg.run.resume:  # a resume writes it in run(), once the checkpoint and data order are accepted
             atomic_write_bytes(self.run_dir / CONFIG_FILE, config_yaml(cfg).encode("utf-8"))

@@ -194,6 +194,27 @@ def check_lengths(cfg: RunSchema, prompts: list, model_config: Any) -> None:
                               "rollout.max_tokens")
 
 
+def check_micro_batch_tokens(cfg: RunSchema, prompts: list, model_config: Any, episodes: bool) -> None:
+    """``train.micro_batch_tokens`` holds the longest sample the run can produce (single-turn: the longest prompt
+    plus ``rollout.max_tokens``; episodes: the engine's context), so that no micro-batch passes the budget."""
+    budget = cfg.train.micro_batch_tokens
+    if not budget:
+        return
+    max_len = cfg.rollout.max_model_len or model_config.max_position_embeddings
+    if episodes:
+        longest, what = max_len, "an episode's transcript can fill the engine's context"
+        fix = "lower rollout.max_model_len"
+    else:
+        n = max(len(p.token_ids) for p in prompts)
+        longest = min(max_len, n + cfg.rollout.max_tokens)
+        what = f"the longest prompt has {n} tokens, rollout.max_tokens={cfg.rollout.max_tokens}"
+        fix = "lower rollout.max_tokens or data.max_prompt_tokens"
+    if longest > budget:
+        raise ConfigError(f"train.micro_batch_tokens={budget} is below the longest sample this run can produce, "
+                          f"{longest} tokens ({what}); such a sample would be a micro-batch of its own, past the "
+                          f"budget. Fix: set train.micro_batch_tokens>={longest}, or {fix}")
+
+
 def check_reward(cfg: RunSchema, reward_fn: Any, prompts: list) -> None:
     """Under reward.on_error=raise, score the first prompt's gold answer once: a reward that raises or returns
     something other than a number in [0, 1] fails now rather than at the end of the first rollout."""

@@ -41,7 +41,12 @@ class TrainConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0: no clipping (the norm is still reported)
-    micro_batch_size: int = 8  # samples per forward/backward
+    micro_batch_size: int = 8  # samples per forward/backward (at most, with micro_batch_tokens)
+    # a token budget per micro-batch (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu, slime's
+    # --max-tokens-per-gpu; here per micro-batch, not per GPU): consecutive samples in batch order, prompt + completion
+    # tokens, a new micro-batch where the next sample would pass it (or micro_batch_size samples); a sample longer
+    # than the budget is a micro-batch of its own. A pure function of the batch, whatever the layout. 0: off
+    micro_batch_tokens: int = 0
     # logits rows per float32 log-softmax chunk in the loss (0 = the whole micro-batch): less memory, the same
     # logprobs and gradients (rlrepro.trainer.logprobs.logprobs_and_entropy; the entropy metric to rounding on CUDA)
     logits_chunk_size: int = 0
@@ -112,6 +117,7 @@ class TrainConfig:
                        "dual_clip", "entropy_coef", "advantage_clip")
         c.int_at_least("warmup_steps", 0)
         c.int_at_least("logits_chunk_size", 0)
+        c.int_at_least("micro_batch_tokens", 0)
         c.in_range("min_lr_ratio", 0, 1)
         c.in_range("adam_beta1", 0, 1, high_inclusive=False)
         c.in_range("adam_beta2", 0, 1, high_inclusive=False)

@@ -6,9 +6,10 @@
    ``train/rollout_logprob_abs_diff = max |trainer - rollout|`` (exactly 0.0 when trainer and engine agree bit
    for bit); with a reference model, compute its logprobs for the KL term.
 2. For each of ``ppo_epochs`` passes: for each micro-batch (consecutive chunks of ``micro_batch_size`` samples,
-   a pure function of the batch order) compute the loss share (scaled by the whole batch's token / sequence
-   counts, so micro-batching changes nothing mathematically), backward, accumulate grads in float32; then
-   (data parallel: order-fixed gradient sum) clip by global norm and take an AdamW step.
+   or of at most ``micro_batch_tokens`` tokens: a pure function of the batch order and lengths) compute the loss
+   share (scaled by the whole batch's token / sequence counts, so micro-batching changes nothing mathematically),
+   backward, accumulate grads in float32; then (data parallel: order-fixed gradient sum) clip by global norm and
+   take an AdamW step.
 3. Advance the LR schedule (once per train step; every epoch of a step uses the same rate).
 
 The "old" logprobs of the PPO ratio are the rollout's, as the engine reported them; with ``train.decoupled`` they
@@ -122,9 +123,27 @@ def _max_abs_diff(current: list[torch.Tensor], rollout: list[torch.Tensor],
     return float(diff.max()) if diff.numel() else 0.0
 
 
-def micro_batches(num_samples: int, micro_batch_size: int) -> list[range]:
-    """Consecutive chunks ``[0, m), [m, 2m), ...`` of the batch: a pure function of its size and order."""
-    return [range(a, min(a + micro_batch_size, num_samples)) for a in range(0, num_samples, micro_batch_size)]
+def micro_batches(num_samples: int, micro_batch_size: int, *, lengths: Sequence[int] | None = None,
+                  max_tokens: int = 0) -> list[range]:
+    """The step's micro-batches, consecutive runs of the batch: a pure function of its size, order and lengths.
+
+    ``max_tokens == 0``: chunks of ``micro_batch_size`` samples, ``[0, m), [m, 2m), ...``. Else (``train.
+    micro_batch_tokens``; ``lengths[i]``: sample ``i``'s prompt + completion tokens) a micro-batch also ends before
+    the sample that would take its tokens past ``max_tokens``; a sample longer than that is one of its own."""
+    if max_tokens <= 0:
+        return [range(a, min(a + micro_batch_size, num_samples)) for a in range(0, num_samples, micro_batch_size)]
+    if lengths is None or len(lengths) != num_samples:
+        raise ValueError(f"micro_batches with max_tokens={max_tokens} needs one length per sample "
+                         f"({num_samples}), got {None if lengths is None else len(lengths)}")
+    out, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start == micro_batch_size or tokens + n > max_tokens):
+            out.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if num_samples:
+        out.append(range(start, num_samples))
+    return out
 
 
 class Trainer:
@@ -238,9 +257,13 @@ class Trainer:
             return list(range(num_micro_batches))
         return dp.my_micro_batches(num_micro_batches)
 
-    def _my_chunks(self, num_samples: int) -> list[range]:
-        chunks = micro_batches(num_samples, self.config.micro_batch_size)
-        return [chunks[k] for k in self._my_leaves(len(chunks))]
+    def micro_batches(self, samples: Sequence) -> list[range]:
+        """The micro-batches :meth:`train_step` cuts ``samples`` into (all ranks'; :func:`micro_batches` under
+        ``train.micro_batch_size`` and ``train.micro_batch_tokens``), the same whatever the layout."""
+        cfg = self.config
+        batch = [s if isinstance(s, TrainSample) else _as_train_sample(s, i) for i, s in enumerate(samples)]
+        lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in batch]
+        return micro_batches(len(batch), cfg.micro_batch_size, lengths=lengths, max_tokens=cfg.micro_batch_tokens)
 
     def _snapshot(self) -> tuple[dict, dict]:
         """Exact copies of the weights and the optimizer state (to undo earlier PPO epochs of a failed step)."""
@@ -327,9 +350,10 @@ class Trainer:
             raise ValueError("train_step got an empty batch")
         dp = self.data_parallel
         device = self.model.device
-        num_chunks = len(micro_batches(len(batch), cfg.micro_batch_size))
+        every_chunk = self.micro_batches(batch)
+        num_chunks = len(every_chunk)
         leaf_ids = self._my_leaves(num_chunks)  # the global index of each of this rank's micro-batches
-        chunks = self._my_chunks(len(batch))
+        chunks = [every_chunk[k] for k in leaf_ids]
         # layout_invariant over several ranks: the micro-batch fold, sharded; at one rank the plain accumulation is it
         sharded = self.layout_invariant and dp is not None and dp.world_size > 1
         num_tokens = sum(s.num_trained for s in batch)  # the loss's tokens: masked-out ones do not count
