@@ -61,6 +61,46 @@ def test_a_resume_names_every_checkpoint_it_skips_and_why(tmp_path):
     assert [(s, p is None) for s, _, p in scan_checkpoints(root)] == [(4, False), (3, False), (2, False), (1, True)]
 
 
+def test_a_failed_resave_of_a_step_keeps_the_copy_it_replaces(tmp_path, monkeypatch):
+    # saving a step that exists sets the old copy aside first; when the new one cannot be renamed into place the
+    # old one is put back, whole and loadable (before: it stayed as step_N.old-PID and a resume started over)
+    root = tmp_path / "checkpoints"
+    old = small_checkpoint(root, 5)
+    before = files(root)
+    rename = os.rename
+
+    def failing(src, dst):
+        if ".tmp-" in str(src):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return rename(src, dst)
+
+    monkeypatch.setattr(ckpt_mod.os, "rename", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        small_checkpoint(root, 5)
+    monkeypatch.setattr(ckpt_mod.os, "rename", rename)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000005"]
+    assert files(root) == before
+    assert preflight.resume_checkpoint(root, print) == str(old)
+
+
+def test_a_save_killed_while_replacing_a_step_is_repaired_before_a_resume(tmp_path):
+    # a process killed between the two renames leaves the step only as step_N.old-PID: a resume puts it back;
+    # killed after the second rename, the stale copy beside the new step is removed
+    root = tmp_path / "checkpoints"
+    five = small_checkpoint(root, 5)
+    content = files(root)
+    os.rename(five, root / "step_000005.old-4242")
+    said = []
+    assert preflight.resume_checkpoint(root, said.append) == str(five)
+    assert files(root) == content and "put back" in said[0] and "step_000005.old-4242" in said[0]
+    stale = root / "step_000005.old-77"
+    stale.mkdir()
+    (stale / "weights.pt").write_bytes(b"older")
+    said.clear()
+    preflight.remove_partial_checkpoints(root, said.append)
+    assert not stale.exists() and files(root) == content and "removed" in said[0]
+
+
 def test_no_checkpoint_directory_at_all_starts_at_step_one_and_says_so(tmp_path):
     said = []
     (tmp_path / "checkpoints").mkdir()

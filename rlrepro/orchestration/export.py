@@ -9,8 +9,8 @@ vLLM and SGLang load it.
 
 Exports live beside ``checkpoints/``, never inside a checkpoint directory, so a checkpoint stays exactly what its
 manifest lists. An export directory is complete or absent, as a checkpoint is: it is written into
-``NAME.tmp-<pid>/``, every file fsynced, then renamed into place (an existing one is moved aside first and deleted
-after). ``checkpoint.keep_last`` applies to the exports as it does to the checkpoints.
+``NAME.tmp-<pid>/``, every file fsynced, then renamed into place (an existing one is moved aside first, put back if that
+rename fails, deleted after it). ``checkpoint.keep_last`` applies to the exports as it does to the checkpoints.
 
 Exporting reads the weights and writes files; it draws no random number and changes no state, so a run with
 ``checkpoint.export_hf=true`` has the same fingerprints as one without (``tests/test_export.py``).
@@ -55,7 +55,10 @@ def list_exports(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def new_export_tmp(final: Path) -> Path:
     """The temporary directory an export of ``final`` is written into (left-over ones of ``final`` removed)."""
+    from rlrepro.trainer.checkpoint import restore_set_aside
+
     final.parent.mkdir(parents=True, exist_ok=True)
+    restore_set_aside(final.parent)  # an export killed while it replaced another: the old one back
     for old in final.parent.glob(f"{final.name}.tmp-*"):
         shutil.rmtree(old, ignore_errors=True)
     return final.parent / f"{final.name}.tmp-{os.getpid()}"
@@ -94,14 +97,9 @@ def finish_export(tmp: Path, final: Path, tokenizer_from: str | os.PathLike | No
         if f.is_file():
             _fsync(f)
     _fsync(tmp)
-    if final.exists():
-        aside = final.parent / f"{final.name}.old-{os.getpid()}"
-        os.rename(final, aside)
-        os.rename(tmp, final)
-        shutil.rmtree(aside)
-    else:
-        os.rename(tmp, final)
-    _fsync(final.parent)
+    from rlrepro.trainer.checkpoint import commit_checkpoint_dir
+
+    commit_checkpoint_dir(tmp, final)  # an existing export is set aside, put back if the rename fails
     return final
 
 

@@ -236,8 +236,11 @@ def check_reward(cfg: RunSchema, reward_fn: Any, prompts: list) -> None:
 def remove_partial_checkpoints(root: Path, say) -> None:
     """Delete ``step_NNNNNN.tmp-<pid>`` directories that a killed run left (never loaded; they only take disk).
     A symbolic link of that name is left alone (rlrepro never made it and does not follow it), and said so."""
+    from rlrepro.trainer.checkpoint import restore_set_aside
+
     if not root.is_dir():
         return
+    restore_set_aside(root, say)
     for d in sorted(root.glob("step_*.tmp-*")):
         if d.is_symlink():
             say(f"rlrepro: leaving {d} alone: a symbolic link (to {os.readlink(d)!r}), not a partial checkpoint "
@@ -254,8 +257,9 @@ def resume_checkpoint(root: Path, say=log) -> str | None:
     directory that is not a complete checkpoint is named with the reason it is skipped. None when there is no
     checkpoint directory at all (the run starts at step 1); ConfigError when there are some but none is usable
     (starting over would silently rewrite every record)."""
-    from rlrepro.trainer.checkpoint import scan_checkpoints
+    from rlrepro.trainer.checkpoint import restore_set_aside, scan_checkpoints
 
+    restore_set_aside(root, say)  # a save killed while it replaced a step: that step's copy is put back first
     entries = scan_checkpoints(root)
     for step, path, problem in entries:
         if problem is None:

@@ -13,7 +13,10 @@ Layout of ``ckpt_root/step_NNNNNN/`` (six-digit zero-padded step)::
 Atomicity: everything is written into ``step_NNNNNN.tmp-<pid>/``, each file fsynced, the manifest written last
 and fsynced, the directory fsynced, then renamed to ``step_NNNNNN`` (``os.rename`` of a directory is atomic on
 POSIX file systems) and the parent fsynced. A crash at any point leaves either no ``step_NNNNNN`` or a complete
-one; leftover ``*.tmp-*`` directories are ignored by :func:`latest_checkpoint`.
+one; leftover ``*.tmp-*`` directories are ignored by :func:`latest_checkpoint`. Saving a step that exists sets the
+old copy aside (``step_NNNNNN.old-<pid>``) until the new one is in place, and puts it back if that fails; a copy a
+killed process left aside is put back (or, beside its replacement, deleted) by :func:`restore_set_aside`, which a
+resume runs first.
 
 File modes: every file gets the mode a plain ``open()`` would give it (0o666 masked by the umask, so 0o644
 under umask 022), whatever the writing library does (safetensors 0.8 creates its files 0o600).
@@ -43,7 +46,7 @@ from rlrepro.model import save_pretrained
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "verify_checkpoint",
            "capture_rng_state",
            "restore_rng_state", "export_hf", "LoadedCheckpoint", "checkpoint_dir_name", "load_pt", "scan_checkpoints",
-           "write_error"]
+           "write_error", "commit_checkpoint_dir", "restore_set_aside"]
 
 FORMAT = "rlrepro-checkpoint"
 VERSION = 1
@@ -191,18 +194,49 @@ def write_on_one_rank(is_writer: bool, write: Callable[[], object], barrier: Cal
     return result
 
 
+_ASIDE = ".old-"  # commit_checkpoint_dir's suffix for a directory being replaced
+
+
 def commit_checkpoint_dir(tmp: Path, final: Path) -> None:
     """Rename the complete, fsynced ``tmp`` directory to ``final`` (atomic on POSIX) and fsync the parent. An
-    existing ``final`` (the same step saved again) is moved aside first and deleted after."""
+    existing ``final`` (the same step saved again) is moved aside to ``final.old-<pid>`` first: if the rename of
+    ``tmp`` then fails it is put back (a failed save loses nothing), else deleted. One that a killed process left
+    set aside is put back, or deleted once its replacement is in place, by :func:`restore_set_aside`."""
     root = final.parent
-    if final.exists():
-        aside = root / f"{final.name}.old-{os.getpid()}"
-        os.rename(final, aside)
+    if not final.exists():
         os.rename(tmp, final)
-        shutil.rmtree(aside)
-    else:
+        _fsync_dir(root)
+        return
+    aside = root / f"{final.name}{_ASIDE}{os.getpid()}"
+    os.rename(final, aside)
+    try:
         os.rename(tmp, final)
+    except BaseException:
+        os.rename(aside, final)
+        raise
     _fsync_dir(root)
+    shutil.rmtree(aside, ignore_errors=True)  # the new one is committed; a failure here leaves a stale copy only
+
+
+def restore_set_aside(root: Path, say=None) -> None:
+    """Directories ``NAME.old-<pid>`` under ``root`` that :func:`commit_checkpoint_dir` set aside and a killed
+    process left: put back as ``NAME`` when there is none (its replacement never landed, so it is the step's only
+    copy), deleted when ``NAME`` exists (the replacement did). ``say``: a function told what was done."""
+    if not root.is_dir():
+        return
+    for aside in sorted(root.glob(f"*{_ASIDE}*")):
+        if aside.is_symlink() or not aside.is_dir():
+            continue
+        final = root / aside.name.rsplit(_ASIDE, 1)[0]
+        if final.exists() or final.is_symlink():
+            shutil.rmtree(aside, ignore_errors=True)
+            what = f"removed {aside}, a copy set aside while {final.name} was replaced"
+        else:
+            os.rename(aside, final)
+            _fsync_dir(root)
+            what = f"put back {final}: a save of it was interrupted after the old copy was set aside as {aside.name}"
+        if say is not None:
+            say(f"rlrepro: {what}")
 
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
