@@ -15,7 +15,7 @@ from rlrepro.data import make_synthetic_records, write_jsonl
 from rlrepro.data.config import EvalConfig
 from rlrepro.orchestration.config import RunSchema, validate
 from rlrepro.orchestration.evaluation import eval_metrics, eval_requests, is_eval_step, pass_at_k
-from rlrepro.orchestration.resume import reconcile_resume
+from rlrepro.orchestration.resume import config_at_step, reconcile_resume
 from rlrepro.repro.diff import _metric_diffs
 from rlrepro.rollout import request_seed
 
@@ -122,6 +122,26 @@ def test_eval_keys_are_bit_neutral_on_resume():
     assert config["eval"] == req["eval"] and {a["key"] for a in amendments} == {"eval.every", "eval.source"}
 
 
+def test_a_step_is_re_evaluated_with_the_eval_keys_it_ran_with():
+    # config.yaml holds a run's latest values; rlrepro verify / eval put back what a later resume amended
+    from rlrepro.orchestration.evaluation import Evaluator
+
+    latest = {"train": {"steps": 8, "lr": 1.0}, "eval": {"every": 2, "temperature": 0.2}, "logger": {"wandb": True}}
+    amendments = [{"key": "eval.temperature", "old": 0.9, "new": 0.5, "from_step": 3},
+                  {"key": "logger.wandb", "old": False, "new": True, "from_step": 3},
+                  {"key": "eval.temperature", "old": 0.5, "new": 0.2, "from_step": 6},
+                  {"key": "train.steps", "old": 6, "new": 8, "from_step": 6}]
+    assert [config_at_step(latest, amendments, s)["eval"]["temperature"] for s in (1, 2, 3, 5, 6, 8)] == [
+        0.9, 0.9, 0.5, 0.5, 0.2, 0.2]
+    assert [config_at_step(latest, amendments, s)["train"]["steps"] for s in (2, 5, 6)] == [6, 6, 8]
+    assert config_at_step(latest, amendments, 1)["logger"] == {"wandb": True}  # not an eval key: the latest
+    assert latest["eval"]["temperature"] == 0.2  # not changed in place
+
+    ev = object.__new__(Evaluator)  # the choice of setting alone (no prompts, no engines)
+    ev.later = [(3, lambda actors, step: {"by": 3}), (6, lambda actors, step: {"by": 6})]
+    assert [ev(None, s)["by"] for s in (3, 5, 6, 9)] == [3, 3, 6, 6]
+
+
 def test_diff_ignores_eval_metrics_one_run_lacks_but_compares_them_when_both_have_them():
     a = {"step": 2, "train/loss": 0.5}
     b = {"step": 2, "train/loss": 0.5, "eval/avg@4": 0.25}
@@ -198,6 +218,27 @@ def test_eval_during_training_and_after_it(tmp_path, capsys):
     assert got_a["matches_run_log"] is None and got_a["eval/num_prompts"] == 6 and "eval/avg@4" in got_a
     assert main(["eval", str(b), "--step", "3"]) == 2   # no checkpoint of step 3
     assert "no complete checkpoint of step 3" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_verify_and_eval_after_a_resume_amended_eval_keys(tmp_path, capsys):
+    # eval.temperature amended on resume (allowed: it changes no training bit): rlrepro verify re-evaluates each step
+    # with the value it ran with (before: steps before the amendment got the new one, and verify said DIVERGED)
+    held = tmp_path / "held.jsonl"
+    write_jsonl(make_synthetic_records("first_letter", 6, 99, alphabet="abcd"), held)
+    ev = ["eval.every=2", f"eval.source={held}", "eval.num_samples=3"]
+    run = tmp_path / "run"
+    assert main(["train", *BASE, *ev, "eval.temperature=0.9", f"run.dir={run}"]) == 0
+    before = _metrics(run)
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    assert main(["train", *BASE, *ev, "eval.temperature=0.5", f"run.dir={run}", "run.resume=true"]) == 0
+    after = _metrics(run)
+    assert _eval_of(after[2]) == _eval_of(before[2]) and _eval_of(after[4]) != _eval_of(before[4])
+    capsys.readouterr()
+    assert main(["verify", str(run)]) == 0
+    assert "verdict: IDENTICAL" in capsys.readouterr().out
+    assert main(["eval", str(run), "--step", "2", "--json"]) == 0  # step 2 with its own temperature, 0.9
+    assert json.loads(capsys.readouterr().out)["matches_run_log"] is True
 
 
 @pytest.mark.slow

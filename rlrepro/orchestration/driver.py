@@ -68,6 +68,8 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         self.actors: ActorGroup | None = None
         self.pending: dict = {}  # rollout.max_staleness: the batches generated ahead, by step
         self.log: RunLog | None = None
+        # rlrepro verify: (from_step, config) of each later eval.* setting a resume amended (Evaluator's ``later``)
+        self.eval_later: list = []
 
     # ------------------------------------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -112,10 +114,11 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self.evaluator = None
-        if cfg.eval.every:  # held-out evaluation (rlrepro.orchestration.evaluation); its prompts checked now
+        if cfg.eval.every or self.eval_later:  # held-out evaluation (orchestration.evaluation); prompts checked now
             from .evaluation import Evaluator
 
-            self.evaluator = Evaluator(cfg, self.tokenizer, self.reward_fn, self.stop_token_ids, self.model_config)
+            self.evaluator = Evaluator(cfg, self.tokenizer, self.reward_fn, self.stop_token_ids, self.model_config,
+                                       later=self.eval_later)
         self.log = RunLog(cfg, self.run_dir)
         self.actors = actor_group_class()(cfg, str(self.model_dir))
 

@@ -268,13 +268,20 @@ def run_eval_episodes(run_episodes: Callable[[list], list], cfg, step: int, prom
 class Evaluator:
     """The driver's evaluation: the held-out prompts, loaded at set-up (bad input fails before any work)."""
 
-    def __init__(self, cfg, tokenizer, reward_fn, stop_token_ids, model_config: Any = None) -> None:
+    def __init__(self, cfg, tokenizer, reward_fn, stop_token_ids, model_config: Any = None,
+                 later: list[tuple[int, Any]] = ()) -> None:
+        """``later``: ``(from_step, config)`` of each later eval setting, ascending (``rlrepro verify`` re-running
+        steps over which a resume amended ``eval.*``: each step is evaluated as it was)."""
         self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
         self.stop_token_ids = list(stop_token_ids)
-        self.prompts, self.files = load_eval_prompts(cfg, tokenizer, model_config)
+        self.prompts, self.files = load_eval_prompts(cfg, tokenizer, model_config) if cfg.eval.every else ([], [])
+        self.later = [(s, Evaluator(c, tokenizer, reward_fn, stop_token_ids, model_config)) for s, c in later]
 
     def __call__(self, actors, step: int) -> dict:
         """The ``eval/*`` metrics after ``step`` on the rollout engines, or {} when the step is not evaluated."""
+        for from_step, evaluator in reversed(self.later):
+            if step >= from_step:
+                return evaluator(actors, step)
         if not is_eval_step(self.cfg, step):
             return {}
         return run_eval(actors.generate, self.cfg, step, self.prompts, self.tokenizer, self.reward_fn,
@@ -319,16 +326,19 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
 
     from .config import ConfigError, migrate_legacy_keys, uses_episodes, validate
     from .export import checkpoint_of
+    from .resume import config_at_step, read_amendments
     from .workers import RolloutWorker
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = validate(migrate_legacy_keys(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"),
-                                                              resolve=True), warn=False))
+    ckpt = checkpoint_of(run_dir, step)
+    # eval.* as they were at that step (a resume may have amended them later: amendments.jsonl)
+    latest = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    at_step = config_at_step(latest, read_amendments(run_dir), int(ckpt.name.split("_")[1]))
+    cfg = validate(migrate_legacy_keys(at_step, warn=False))
     if source is not None:
         cfg.eval.source = source
-    ckpt = checkpoint_of(run_dir, step)
     base = checkpoint_base(ckpt, run_dir)
     tokenizer = load_tokenizer(base)
     evaluator = Evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn),

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 from rlrepro.checks import ConfigError  # the class rlrepro.orchestration.config exports
 
-__all__ = ["reconcile_resume", "BIT_NEUTRAL_KEYS", "STEPS_KEY", "LAYOUT_KEYS", "LAYOUT_INVARIANT_KEY",
+__all__ = ["reconcile_resume", "config_at_step", "read_amendments", "EVAL_KEYS", "BIT_NEUTRAL_KEYS", "STEPS_KEY", "LAYOUT_KEYS", "LAYOUT_INVARIANT_KEY",
            "steps_change_problem", "layout_change_problem", "one_rank_run", "flatten", "differences"]
 
 # fnmatch patterns of dotted keys whose value cannot change the run's numbers (rollout tokens, logprobs, rewards,
@@ -241,3 +241,29 @@ def reconcile_resume(recorded: dict, requested: dict, *, completed_step: int) ->
         amendments.append({"key": key, "old": None if old is ABSENT else copy.deepcopy(old),
                            "new": None if new is ABSENT else copy.deepcopy(new), "from_step": completed_step + 1})
     return config, amendments
+
+
+# the amendable keys that decide what a step records (the eval/* metrics: which steps evaluate, on what, how):
+# rlrepro verify and rlrepro eval re-run a step with the values it ran with, not the run's latest ones
+EVAL_KEYS: tuple[str, ...] = ("eval.*", STEPS_KEY)
+
+
+def read_amendments(run_dir) -> list[dict]:
+    """The run's ``amendments.jsonl`` (what resumes changed, each ``{"key", "old", "new", "from_step"}``), in the
+    order they were made; [] when there is none."""
+    from pathlib import Path
+
+    path = Path(run_dir) / "amendments.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def config_at_step(config: dict, amendments: list[dict], step: int, keys: tuple[str, ...] = EVAL_KEYS) -> dict:
+    """``config`` (a run's latest, as config.yaml holds it) with each key matching ``keys`` put back to the value
+    it had at ``step``: an amendment that took effect after ``step`` is undone (the earliest such one's ``old``)."""
+    out = copy.deepcopy(config)
+    later = [a for a in amendments if a["from_step"] > step and any(fnmatchcase(a["key"], k) for k in keys)]
+    for a in sorted(later, key=lambda a: a["from_step"], reverse=True):
+        _set(out, a["key"], copy.deepcopy(a["old"]))
+    return out

@@ -1,6 +1,7 @@
 """``rlrepro verify RUN [--from-step K] [--steps N]``: re-execute recorded steps and diff them against the record.
 
-The run's own resolved config.yaml is re-used. Execution starts from the newest complete checkpoint at or
+The run's own resolved config.yaml is re-used (with the ``eval.*`` keys and ``train.steps`` a resume amended put
+back, step by step, to the values each step ran with: amendments.jsonl). Execution starts from the newest complete checkpoint at or
 before step K-1 (from scratch when there is none), runs through step K+N-1 into ``RUN/verify/from_K/``, and
 the fingerprints and metrics of steps K..K+N-1 are compared with the recorded ones. Exit 0 reproduced,
 1 diverged, 2 error.
@@ -11,6 +12,7 @@ import argparse
 import os
 import shutil
 import sys
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -33,6 +35,7 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
 
     from .config import validate
     from .driver import GRPODriver
+    from .resume import EVAL_KEYS, config_at_step, read_amendments
     from .run_lock import RunLock
 
     run = Path(run_dir)
@@ -47,9 +50,20 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
         raise ReproError(f"{run}: step {last} is not recorded; the last recorded step is {max(recorded)}")
     from .config import migrate_legacy_keys
 
-    # onto the schema: a run recorded before a key existed gets its default; old spellings are read
+    # onto the schema: a run recorded before a key existed gets its default; old spellings are read. config.yaml
+    # holds the latest values: the eval keys a resume amended (amendments.jsonl) are put back to those each step
+    # ran with (from_step's for the start, and a setting of its own from each later amendment on)
     recorded = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=True)
-    cfg = validate(migrate_legacy_keys(recorded, warn=False))
+    amendments = read_amendments(run)
+
+    def at(step: int, keys=EVAL_KEYS):
+        return validate(migrate_legacy_keys(config_at_step(recorded, amendments, step, keys), warn=False))
+
+    cfg = at(from_step, ("eval.*",))  # train.steps stays the latest (an allowed change leaves every rate as it was)
+    amended = [a for a in amendments if any(fnmatchcase(a["key"], k) for k in EVAL_KEYS)]
+    changes = sorted({a["from_step"] for a in amended if from_step < a["from_step"] <= last})
+    # each step's evaluation with the eval keys (and train.steps, whose last step is evaluated) it ran with
+    eval_later = [(step, at(step)) for step in [from_step, *changes]] if amended else []
     start_step, ckpt = _checkpoint_before(run / "checkpoints", from_step - 1)
     out = run / "verify" / f"from_{from_step}"
     with RunLock(run):  # verify writes into RUN/verify/: never beside a run (or another verify) of RUN
@@ -71,6 +85,7 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
         cfg.logger.progress = progress
         cfg.checkpoint.every = 0
         driver = GRPODriver(cfg, out)
+        driver.eval_later = eval_later
         driver.run(start_checkpoint=None if ckpt is None else str(ckpt), last_step=last)
     return diff_runs(run, out, steps=range(from_step, last + 1)), start_step
 
