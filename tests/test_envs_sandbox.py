@@ -75,6 +75,13 @@ def test_programs_print_what_python_prints(code, expected):
     ("a, b = [1, 2, 3]", "Error: ValueError: too many values to unpack (expected 2) (line 1)"),
     ("return 5", "Error: SyntaxError: 'return' outside function (line 1)"),
     ("'%d' % 5", "Error: '%' formatting of strings is not supported; use an f-string (line 1)"),
+    # after a call returns, an error in the calling statement names the caller's line (it named the callee's)
+    ("def f():\n    pass\nf()()", "Error: TypeError: 'NoneType' object is not callable (line 3)"),
+    ("def f():\n    return 1 / 0\nf()", "Error: ZeroDivisionError: division by zero (line 2)"),
+    # a value not found: fixed texts (CPython's list.index shows its repr, for a function one with an address)
+    ("def f(): pass\n[1].index(f)", "Error: ValueError: list.index(x): x not in list (line 2)"),
+    ("[1].index({2})", "Error: ValueError: list.index(x): x not in list (line 1)"),
+    ("(1,).index(print)", "Error: ValueError: tuple.index(x): x not in tuple (line 1)"),
 ])
 def test_errors_come_back_as_observations(code, expected):
     assert out(code) == expected
@@ -158,6 +165,9 @@ def test_stdout_is_truncated_to_a_byte_limit_deterministically():
     # a cut inside a multi-byte character drops the partial character
     r = run_python("print('é' * 10)", SandboxLimits(max_output_bytes=5))
     assert r.stdout == "éé" and r.truncated
+    # a lone surrogate is printed as its escape (it was dropped, and the output called truncated)
+    r = run_python("print(chr(0xd800) + 'abc')")
+    assert r.stdout == "\\ud800abc\n" and not r.truncated and r.output_bytes == 10
 
 
 def test_code_length_and_literal_limits():

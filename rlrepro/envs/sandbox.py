@@ -152,7 +152,9 @@ class _Interpreter:
     # ---- services the builtins use
 
     def write(self, text: str) -> None:
-        data = text.encode("utf-8", "surrogatepass")
+        # a lone surrogate (chr(0xd800)) cannot be UTF-8: it is printed as its escape, "\\ud800" (CPython's print
+        # would raise), so the bytes counted are the bytes shown
+        data = text.encode("utf-8", "backslashreplace")
         self.meter.bulk(len(data))
         self.out_bytes += len(data)
         room = self.limits.max_output_bytes - self.kept
@@ -404,17 +406,21 @@ class _Interpreter:
             raise TypeError(f"{fn.name}() missing {len(missing)} required positional argument"
                             f"{'s' if len(missing) > 1 else ''}: {', '.join(repr(m) for m in missing)}")
         scope = _Scope("func", bound, fn.closure, fn)
+        caller_line = self.lineno
         self._enter()
         try:
             if isinstance(node, ast.Lambda):
-                return self._eval(node.body, scope)
-            try:
-                self._block(node.body, scope)
-            except _Return as r:
-                return r.value
-            return None
+                value = self._eval(node.body, scope)
+            else:
+                try:
+                    self._block(node.body, scope)
+                    value = None
+                except _Return as r:
+                    value = r.value
         finally:
             self.depth -= 1
+        self.lineno = caller_line  # an error later in the calling statement names its line, not the callee's last
+        return value
 
     def _e_Call(self, node: ast.Call, scope: _Scope) -> Any:
         fn = self._eval(node.func, scope)

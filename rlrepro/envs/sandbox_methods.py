@@ -97,12 +97,18 @@ def _list_insert(interp: Any, obj: list, args: list, kwargs: dict) -> None:
 
 
 def _scan(name: str) -> Callable:
-    """list/tuple methods that compare the argument with elements (index, count, remove)."""
+    """list/tuple methods that compare the argument with elements (index, count, remove). A value not found is
+    CPython's ValueError with a fixed text (its list.index names the value by repr, which for a sandbox object
+    without a safe one holds a memory address: the observation would differ from run to run)."""
     def fn(interp: Any, obj: Any, args: list, kwargs: dict) -> Any:
         check_args(name, args, kwargs, 1, 3)
         interp.meter.nesting(args[0])
         interp.meter.nesting(obj)
-        return getattr(obj, name)(*args)
+        try:
+            return getattr(obj, name)(*args)
+        except ValueError:
+            kind = type(obj).__name__
+            raise ValueError(f"{kind}.{name}(x): x not in {kind}") from None
     return fn
 
 
