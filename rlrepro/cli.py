@@ -12,7 +12,7 @@ rlrepro: GRPO reinforcement learning for LLMs, bitwise reproducible. Commands:
   eval      RUN [--step K] [--json]           evaluate a checkpoint on eval.source: the eval/* numbers the run logs
   recipes                                     list the shipped recipes, one line each
 
-rlrepro diff|verify|show|plot|generate|export|eval --help shows that command's options;
+rlrepro train|diff|verify|show|plot|generate|export|eval --help shows that command's options;
 rlrepro train recipe=NAME --cfg prints every config key of a recipe.
 """
 from __future__ import annotations
@@ -90,7 +90,9 @@ def compose_config(overrides: list[str]):
             cfg = compose(config_name=recipe, overrides=rest + [f"recipe={recipe}"])
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as e:
-        msg = str(e).strip()
+        # hydra's advice to add the key with "+key=value" is wrong here: the schema refuses keys it does not have
+        msg = "\n".join(line for line in str(e).strip().splitlines()
+                        if not line.startswith("To append to your config use"))
         if e.__cause__ is not None:
             msg += f" ({str(e.__cause__).splitlines()[0]})"
         hints = [_unknown_key_hint(o.split("=", 1)[0].lstrip("+~"), schema) for o in rest]
@@ -144,11 +146,30 @@ def _all_keys(cfg, prefix: str = "") -> list[str]:
     return keys
 
 
+TRAIN_HELP = """usage: rlrepro train recipe=NAME [key=value ...] [--cfg]
+
+Run a recipe (a hydra config shipped with rlrepro); key=value overrides any of its keys, e.g.
+  rlrepro train recipe=grpo_tiny run.dir=runs/b train.steps=20 rollout.num_workers=2
+  rlrepro train recipe=grpo_tiny run.dir=runs/b run.resume=true     # continue from the newest checkpoint
+--cfg prints the recipe's every key with its value (and the overrides applied) instead of running.
+Exit 0 done, 1 a step failed, 2 bad input (nothing run), 130 interrupted (a checkpoint is kept).
+
+recipes (rlrepro recipes):
+{recipes}
+Keys: README.md "Command line" and docs/ (TRAINER.md train.*, ENGINE.md rollout.*, DATA.md data.*, ENVS.md env.*)."""
+
+
 def cmd_train(args: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from rlrepro.orchestration.config import ConfigError
 
+    if "-h" in args or "--help" in args:
+        names = list_recipes()
+        width = max((len(n) for n in names), default=0)
+        print(TRAIN_HELP.format(recipes="\n".join(f"  {n:<{width}}  {recipe_description(n)}".rstrip()
+                                                   for n in names)))
+        return 0
     show = "--cfg" in args
     args = [a for a in args if a != "--cfg"]
     try:

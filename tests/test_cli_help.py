@@ -52,3 +52,20 @@ def test_recipe_description_from_header(tmp_path, monkeypatch, capsys, header, e
     assert cli.recipe_description("r") == expected
     assert cli.main(["recipes"]) == 0
     assert capsys.readouterr().out == f"r  {expected or '(no header comment)'}\n"
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["recipe=grpo_tiny", "--help"]])
+def test_train_help_is_usage_text_with_the_recipes(capsys, args):
+    # it said "name a recipe" (exit 2), or with a recipe hydra's LexerNoViableAltException
+    assert cli.main(["train", *args]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: rlrepro train recipe=NAME [key=value ...] [--cfg]\n")
+    listed = [line.split()[0] for line in out.split("recipes (rlrepro recipes):\n")[1].splitlines()[:-1]]
+    assert listed == cli.list_recipes()
+
+
+def test_an_unknown_key_gets_no_advice_to_add_it(capsys):
+    # hydra suggests "+train.stepz=3", which the schema refuses in turn; the close keys are named instead
+    assert cli.main(["train", "recipe=grpo_tiny", "train.stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert "To append" not in err and "+train.stepz" not in err and "close: train.steps" in err

@@ -75,6 +75,12 @@ def test_verify_ends_a_failed_reexecution_with_a_message(tmp_path, monkeypatch, 
     assert "rlrepro verify: step 1 failed: FloatingPointError" in err and "Traceback" not in err
 
 
+def test_verify_refuses_zero_steps_saying_so(tmp_path, capsys):
+    # it said "step 0 is not recorded" (the last step, from_step + steps - 1, of an empty range)
+    assert main(["verify", str(tmp_path), "--steps", "0"]) == 2
+    assert "--steps 0: give the number of steps to re-execute, at least 1" in capsys.readouterr().err
+
+
 def test_repro_ignore_keys_is_a_schema_key():
     cfg = compose_config(["recipe=grpo_tiny", "repro.ignore_keys=[rollout.num_workers]"])
     assert list(cfg.repro.ignore_keys) == ["rollout.num_workers"]

@@ -150,7 +150,9 @@ def test_a_warm_up_capped_at_the_old_length_changes_with_the_length():
     rec = recorded_config(steps=3, min_lr_ratio=1.0, warmup_steps=5)
     with pytest.raises(ConfigError, match="step 1 would get LR"):
         reconcile_resume(rec, changed(rec, train__steps=10), completed_step=3)
-    assert steps_change_problem(rec, 4, 3) is not None
+    # the reason and the fix are named (it said "only a schedule constant after its warm-up", which this one is)
+    assert "warm-up of 5 steps was cut short at its train.steps=3" in steps_change_problem(rec, 4, 3)
+    assert "train.steps=4 (run.resume=false)" in steps_change_problem(rec, 4, 3)
     rec = recorded_config(steps=6, min_lr_ratio=1.0, warmup_steps=5)
     assert steps_change_problem(rec, 10, 6) is None
 

@@ -109,5 +109,9 @@ def test_a_failed_or_interrupted_run_says_so(tmp_path):
         text = format_summary(s)
         assert text.splitlines()[0] == f"run summary: {run} ({status.upper()})"
         assert f"  {status:<10} step 3 failed: boom" in text and s["resume_command"] in text
+    # an error that starts with the status word is not said twice ("interrupted interrupted during step 6")
+    err = RunInterrupted("interrupted during step 6", step=6, checkpoint=None, cause=KeyboardInterrupt())
+    text = format_summary(run_summary(run, _cfg(), wall_s=1.0, steps_this_run=2, failure=err))
+    assert "  interrupted during step 6" in text and "interrupted interrupted" not in text
     done = run_summary(run, _cfg(), wall_s=1.0, steps_this_run=2)
     assert done["status"] == "complete" and done["error"] is None and "resume " not in format_summary(done)

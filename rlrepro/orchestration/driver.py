@@ -94,7 +94,8 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         self.prompts, self.data_files = self._load_prompts()
         if len(self.prompts) < cfg.rollout.prompts_per_step:
             raise ConfigError(f"the data set has {len(self.prompts)} prompts < rollout.prompts_per_step="
-                              f"{cfg.rollout.prompts_per_step}")
+                              f"{cfg.rollout.prompts_per_step}: a step draws that many distinct prompts. Fix: set "
+                              f"rollout.prompts_per_step={max(1, len(self.prompts))} or less, or give more data")
         preflight.check_lengths(cfg, self.prompts, self.model_config)
         preflight.check_micro_batch_tokens(cfg, self.prompts, self.model_config, uses_episodes(cfg))
         preflight.check_reward(cfg, self.reward_fn, self.prompts)
@@ -118,7 +119,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             from .evaluation import Evaluator
 
             self.evaluator = Evaluator(cfg, self.tokenizer, self.reward_fn, self.stop_token_ids, self.model_config,
-                                       later=self.eval_later)
+                                       later=self.eval_later, load_prompts=bool(cfg.eval.every))
         self.log = RunLog(cfg, self.run_dir)
         self.actors = actor_group_class()(cfg, str(self.model_dir))
 

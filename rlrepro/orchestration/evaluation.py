@@ -269,13 +269,15 @@ class Evaluator:
     """The driver's evaluation: the held-out prompts, loaded at set-up (bad input fails before any work)."""
 
     def __init__(self, cfg, tokenizer, reward_fn, stop_token_ids, model_config: Any = None,
-                 later: list[tuple[int, Any]] = ()) -> None:
+                 later: list[tuple[int, Any]] = (), load_prompts: bool = True) -> None:
         """``later``: ``(from_step, config)`` of each later eval setting, ascending (``rlrepro verify`` re-running
-        steps over which a resume amended ``eval.*``: each step is evaluated as it was)."""
+        steps over which a resume amended ``eval.*``: each step is evaluated as it was). ``load_prompts`` False:
+        none (a setting with ``eval.every=0``, which evaluates no step)."""
         self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
         self.stop_token_ids = list(stop_token_ids)
-        self.prompts, self.files = load_eval_prompts(cfg, tokenizer, model_config) if cfg.eval.every else ([], [])
-        self.later = [(s, Evaluator(c, tokenizer, reward_fn, stop_token_ids, model_config)) for s, c in later]
+        self.prompts, self.files = load_eval_prompts(cfg, tokenizer, model_config) if load_prompts else ([], [])
+        self.later = [(s, Evaluator(c, tokenizer, reward_fn, stop_token_ids, model_config,
+                                    load_prompts=bool(c.eval.every))) for s, c in later]
 
     def __call__(self, actors, step: int) -> dict:
         """The ``eval/*`` metrics after ``step`` on the rollout engines, or {} when the step is not evaluated."""

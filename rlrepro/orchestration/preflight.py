@@ -227,7 +227,9 @@ def check_reward(cfg: RunSchema, reward_fn: Any, prompts: list) -> None:
     try:
         compute_rewards(reward_fn, [rec.answer], [rec], policy="raise")
     except (RewardError, TypeError) as e:
-        cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ is not None else ""
+        cause = "" if e.__cause__ is None else f" ({type(e.__cause__).__name__}: {e.__cause__})"
+        if cause and cause[2:-1] in str(e):  # the message names the cause already
+            cause = ""
         raise ConfigError(f"reward.fn={cfg.reward.fn!r} fails on the gold answer of prompt {rec.uid!r}: {e}{cause}. "
                           "Fix the function (it must return a float in [0, 1] for any completion), or set "
                           "reward.on_error=zero to score such completions 0 and count them") from None

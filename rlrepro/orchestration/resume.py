@@ -149,10 +149,16 @@ def steps_change_problem(recorded: dict, new_steps: Any, completed_step: int) ->
     for step in range(new_steps):
         a, b = before(step), after(step)
         if a != b:
-            return (f"the LR schedule runs over {STEPS_KEY} (warm-up {warmup} steps, then a cosine to "
-                    f"{LR_KEY} x {MIN_LR_RATIO_KEY}={ratio}): step {step + 1} would get LR {b!r} instead of the "
-                    f"recorded schedule's {a!r}. Only a schedule that is constant after its warm-up "
-                    f"({MIN_LR_RATIO_KEY}=1) can change length mid-run")
+            why = (f"the LR schedule runs over {STEPS_KEY} (warm-up {warmup} steps, then a cosine to "
+                   f"{LR_KEY} x {MIN_LR_RATIO_KEY}={ratio}): step {step + 1} would get LR {b!r} instead of the "
+                   f"recorded schedule's {a!r}. ")
+            if isinstance(old_steps, int) and warmup > old_steps:
+                return why + (f"The recorded run's warm-up of {warmup} steps was cut short at its {STEPS_KEY}="
+                              f"{old_steps} (the LR never reached {LR_KEY}), so a longer run is another schedule: "
+                              f"start it over with {STEPS_KEY}={new_steps} (run.resume=false), or give a short "
+                              f"run a warm-up that fits it ({WARMUP_KEY} <= {STEPS_KEY})")
+            return why + (f"Only a schedule that is constant after its warm-up ({MIN_LR_RATIO_KEY}=1) can change "
+                          "length mid-run")
     return None
 
 

@@ -146,7 +146,10 @@ def format_summary(s: dict) -> str:
     if f["wandb_sync"]:
         lines.append(f"  upload     {f['wandb_sync']}")
     if status != "complete":
-        lines.append(f"  {status:<10} {s['error']}")
+        error = s["error"] or ""
+        if error.startswith(f"{status} "):  # "interrupted during step 6", not "interrupted interrupted during ..."
+            error = error[len(status) + 1:]
+        lines.append(f"  {status:<10} {error}")
         lines.append(f"  resume     {s['resume_command']}")
     return "\n".join(lines) + "\n"
 

@@ -39,6 +39,9 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
     from .run_lock import RunLock
 
     run = Path(run_dir)
+    if steps is not None and steps < 1:
+        raise ReproError(f"--steps {steps}: give the number of steps to re-execute, at least 1 (or leave it out: "
+                         "every recorded step from --from-step on)")
     if not (run / "config.yaml").is_file():
         raise ReproError(f"{run}: no config.yaml; is this a run directory?")
     recorded = read_fingerprints(run)
