@@ -43,6 +43,31 @@ def test_linear_batch_invariant(dtype, k, n):
         assert torch.equal(kernels.linear(batch, w)[pos], alone)
 
 
+# a prompt of the tiny model whose bf16 k_proj rows torch's CPU bmm rounded differently in batches of 1-2 rows
+# (offsets 7, 8, 19, 20, 41, 42) than in batches of 3 or more, so chunked prefill changed the engine's tokens
+BF16_PROMPT = [59, 53, 34, 43, 25, 53, 45, 33, 17, 33, 51, 15, 54, 13, 57, 43, 37, 52, 26, 37, 17, 28, 31, 42, 41, 44,
+               58, 50, 22, 5, 20, 39, 7, 31, 37, 40, 21, 54, 12, 15, 1, 46, 17, 7, 45]
+
+
+def test_bf16_linear_rows_do_not_depend_on_a_small_batch():
+    from rlrepro.model import tiny_model
+    from rlrepro.rollout import Engine, SamplingParams
+
+    model = tiny_model(seed=3, initializer_range=0.3, dtype=torch.bfloat16)
+    with torch.no_grad(), kernels.mode("deterministic"):
+        layer = model.model.layers[0]
+        h = layer.input_layernorm(model.model.embed_tokens(torch.tensor(BF16_PROMPT)))
+        w = layer.self_attn.k_proj.weight
+        full = kernels.linear(h, w)
+        for m in (1, 2, 3):
+            for p in range(len(BF16_PROMPT) - m + 1):
+                assert torch.equal(full[p:p + m], kernels.linear(h[p:p + m].clone(), w)), (m, p)
+    # end to end: prefill in chunks of 1 or 2 tokens gives the tokens and logprobs of one whole prefill
+    sp = SamplingParams(temperature=0.7, top_k=7, max_tokens=6, seed=898667)
+    outs = [Engine(model, block_size=8, max_num_batched_tokens=b).generate([BF16_PROMPT], sp)[0] for b in (4096, 2, 1)]
+    assert all(o.token_ids == outs[0].token_ids and o.logprobs == outs[0].logprobs for o in outs[1:])
+
+
 def test_linear_backward_matches_autograd_reference_and_repeats_exactly():
     """The CPU linear's own backward: gradients close to F.linear's, bit-identical on a second call, the input
     gradient of a row independent of its batch, and no [M, K, N] buffer (this shape would need ~20 GB)."""

@@ -3,7 +3,8 @@
 Each op computes a row the same way whatever else is in the call:
 
 * ``linear``: one ``bmm`` of ``[M, 1, K] x [K, N]`` with the weight broadcast, so every row is its own
-  ``1 x K x N`` product. Stock ``F.linear`` folds the rows into one GEMM whose blocking follows ``M``.
+  ``1 x K x N`` product (in float32: bf16 / fp16 operands are widened, and the result rounded once). Stock
+  ``F.linear`` folds the rows into one GEMM whose blocking follows ``M``.
 * ``silu_and_mul``: ``x / (1 + exp(-x))`` from separate ops. Stock ``F.silu`` rounds differently in its
   vectorised body and its scalar tail, and where the tail falls depends on the tensor's size.
 * reductions (RMSNorm, log-softmax) run over the last, contiguous dimension, which torch reduces per row.
@@ -22,7 +23,11 @@ KV_TILE = 32  # KV positions reduced per step of the online softmax; fixed, so t
 
 def _rowwise_matmul(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x2d [M, K] @ weight[N, K]^T`` one row at a time: a batched matmul of M ``[1, K] x [K, N]`` products,
-    whose per-row result does not depend on M. One operand layout for every M (bmm picks its GEMM by strides)."""
+    whose per-row result does not depend on M. One operand layout for every M (bmm picks its GEMM by strides).
+    bf16 / fp16 operands are widened to float32 (exactly), multiplied there and rounded once: torch's CPU bmm in
+    those dtypes rounds a row differently when the batch has 1-2 rows than when it has 3 or more (torch 2.13)."""
+    if x2d.dtype in (torch.bfloat16, torch.float16):
+        return _rowwise_matmul(x2d.float(), weight.float()).to(x2d.dtype)
     m, k = x2d.shape
     n = weight.shape[0]
     rows = x2d.reshape(m, 1, k).contiguous()
