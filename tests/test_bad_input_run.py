@@ -146,6 +146,20 @@ def test_prompt_plus_max_tokens_beyond_the_context_fails_before_work(tmp_path):
 
 
 
+def test_a_refused_start_leaves_nothing_behind(tmp_path, capsys):
+    # a bad data.source is found after the lock and the base model were written: both go again (they stayed)
+    missing = tmp_path / "no_such.jsonl"
+    run = tmp_path / "new_run"
+    assert main(["train", "recipe=grpo_tiny", *COMMON, f"run.dir={run}", f"data.source={missing}"]) == 2
+    assert "no_such.jsonl" in capsys.readouterr().err and not run.exists()
+    # a directory that was there keeps exactly what it held
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    assert main(["train", "recipe=grpo_tiny", *COMMON, f"run.dir={kept}", f"data.source={missing}"]) == 2
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+
+
 def test_micro_batch_token_budget_below_the_longest_sample_fails_before_work(tmp_path):
     # COMMON: rollout.max_tokens=4; grpo_tiny's synthetic prompts are longer than 1 token, so 5 is too small
     err = setup_run(tmp_path / "run", "train.micro_batch_tokens=5")

@@ -231,6 +231,9 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             for ids, answer in pairs:
                 target = answer if ws.target == "answer" else "".join(rng.choice(charset) for _ in answer)
                 examples.append((ids, self.tokenizer.encode(target) + self.stop_token_ids))
+        # said first: on a CPU the tool recipe's 500 steps take minutes, with nothing else printed meanwhile
+        self.log.line(f"warm start: {ws.steps} supervised steps of {ws.batch_size} examples before step 1 "
+                      f"(warm_start.steps; target {ws.target})...")
         losses = self.actors.warm_start(examples, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, seed=ws.seed)
         self.log.line(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
@@ -300,11 +303,33 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         from the latest complete checkpoint when run.resume is true, else from scratch. Ctrl-C or SIGTERM stops
         it with :class:`RunInterrupted` (exit 130 from the CLI), naming the checkpoint left. The run directory
         is locked for the whole run (:class:`~.run_lock.RunLock`): a second run into it is refused first."""
+        existed = self.run_dir.is_dir()
+        before = set(os.listdir(self.run_dir)) if existed else set()
         lock = RunLock(self.run_dir).acquire()  # before anything is read, written or deleted
         try:
             return self._run_locked(start_checkpoint, last_step)
+        except (ConfigError, ValueError, FileNotFoundError):
+            if getattr(self, "_start_step", None) is None:  # refused in set-up: what this start made goes again
+                lock.release()
+                self._remove_created(existed, before)
+            raise
         finally:
             lock.release()
+
+    def _remove_created(self, existed: bool, before: set[str]) -> None:
+        """A start refused before its first step writes nothing: the entries it created in the run directory (the
+        lock file, base_model/, a synthetic data set, config.yaml) are removed, and the directory if it made it."""
+        import shutil
+
+        if not existed:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return
+        for name in sorted(set(os.listdir(self.run_dir)) - before):
+            path = self.run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
     def _run_locked(self, start_checkpoint: str | None, last_step: int | None) -> list[dict]:
         resume_from, t_run = None, time.perf_counter()
