@@ -96,11 +96,14 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
 def main_verify(argv: list[str] | None = None) -> int:
     from rlrepro.repro.records import ReproError
 
-    ap = argparse.ArgumentParser(prog="rlrepro verify", description=__doc__.strip().splitlines()[0])
-    ap.add_argument("run")
-    ap.add_argument("--from-step", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--json", action="store_true")
+    ap = argparse.ArgumentParser(prog="rlrepro verify", description="re-execute a run's recorded steps and diff them "
+                                 "against the record: exit 0 reproduced, 1 diverged, 2 error")
+    ap.add_argument("run", help="the run directory")
+    ap.add_argument("--from-step", type=int, default=1, metavar="K",
+                    help="the first step to re-execute (from the newest checkpoint before it; default 1)")
+    ap.add_argument("--steps", type=int, default=None, metavar="N",
+                    help="how many steps (default: every recorded step from K on)")
+    ap.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     ns = ap.parse_args(argv)
     from .errors import RunFailed, RunInterrupted
 
