@@ -83,12 +83,19 @@ from rlrepro.trainer import TrainConfig, Trainer, enable_determinism  # noqa: E4
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import DTYPES, build_model, random_weights_, sync  # noqa: E402  (the same model builder and weights)
 
-def synthetic_samples(n: int, prompt_len: int, completion_len: int, vocab: int, seed: int) -> list[dict]:
+def synthetic_samples(n: int, prompt_len: int, completion_len: int, vocab: int, seed: int,
+                      completion_len_min: int | None = None) -> list[dict]:
+    """``n`` samples of ``prompt_len`` prompt tokens; completions of ``completion_len`` tokens, or with
+    ``completion_len_min`` of a length drawn uniformly from ``[completion_len_min, completion_len]`` (a reasoning
+    batch: short and long answers mixed), the same for a seed."""
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt_len)],
-             "completion_token_ids": [rng.randrange(vocab) for _ in range(completion_len)],
-             "rollout_logprobs": [-1.0] * completion_len,
-             "advantage": rng.gauss(0.0, 1.0)} for _ in range(n)]
+    out = []
+    for _ in range(n):
+        length = completion_len if completion_len_min is None else rng.randint(completion_len_min, completion_len)
+        out.append({"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt_len)],
+                    "completion_token_ids": [rng.randrange(vocab) for _ in range(length)],
+                    "rollout_logprobs": [-1.0] * length, "advantage": rng.gauss(0.0, 1.0)})
+    return out
 
 
 class PhaseTimer:
@@ -201,6 +208,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--completion-len", type=int, default=128)
     ap.add_argument("--micro-batch-size", type=int, default=16)
+    ap.add_argument("--micro-batch-tokens", type=int, default=0, metavar="TOKENS",
+                    help="train.micro_batch_tokens: a token budget per micro-batch (0: micro_batch_size samples)")
+    ap.add_argument("--completion-len-min", type=int, default=None, metavar="L",
+                    help="completion lengths drawn uniformly from [L, --completion-len] (default: all equal)")
     ap.add_argument("--logits-chunk-size", type=int, default=0, metavar="ROWS",
                     help="train.logits_chunk_size: logits rows per float32 log-softmax chunk (0: unchunked)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -319,7 +330,11 @@ def benchmark(args, trainer: Trainer, device: torch.device, *, rank: int = 0, wo
         dist.all_gather_object(out, value)
         return out
 
-    samples = synthetic_samples(args.num_samples, args.prompt_len, args.completion_len, cfg.vocab_size, args.seed)
+    samples = synthetic_samples(args.num_samples, args.prompt_len, args.completion_len, cfg.vocab_size, args.seed,
+                                args.completion_len_min)
+    cuts = trainer.micro_batches(samples)
+    cut_tokens = [sum(len(samples[i]["prompt_token_ids"]) + len(samples[i]["completion_token_ids"]) for i in c)
+                  for c in cuts]
     tokens = sum(len(s["prompt_token_ids"]) + len(s["completion_token_ids"]) for s in samples)
     flops = train_flops(cfg, [SimpleNamespace(**s) for s in samples], train_config)
     passes = 3 * train_config.ppo_epochs
@@ -340,8 +355,10 @@ def benchmark(args, trainer: Trainer, device: torch.device, *, rank: int = 0, wo
     say(f"# {name}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {cfg.num_hidden_layers} "
         f"layers, {params_text}, {model.dtype} (fp32 masters: "
         f"{trainer.optimizer.has_master_copies}), kernels {args.mode}{header}", flush=True)
-    say(f"# N={args.num_samples} P={args.prompt_len} O={args.completion_len} micro-batch {args.micro_batch_size} "
-        f"({-(-args.num_samples // args.micro_batch_size)} micro-batches), {tokens:,} tokens/step, "
+    budget = f", at most {train_config.micro_batch_tokens:,} tokens" if train_config.micro_batch_tokens else ""
+    spread = f"{args.completion_len_min}..{args.completion_len}" if args.completion_len_min else args.completion_len
+    say(f"# N={args.num_samples} P={args.prompt_len} O={spread} micro-batch {args.micro_batch_size}{budget} "
+        f"({len(cuts)} micro-batches of {min(cut_tokens):,}..{max(cut_tokens):,} tokens), {tokens:,} tokens/step, "
         f"model FLOPs/step {flops / 1e12:.4g} T (of which lm_head: {lm_head / flops:.1%})", flush=True)
     gpus = f" * {world} GPUs" if world > 1 else ""
     peak_all = peak * world if peak else None  # MFU: FLOPs / (seconds * N GPUs * peak)
@@ -377,7 +394,9 @@ def benchmark(args, trainer: Trainer, device: torch.device, *, rank: int = 0, wo
                         fp32_masters=trainer.optimizer.has_master_copies, kernel_mode=args.mode,
                         num_samples=args.num_samples, prompt_len=args.prompt_len, completion_len=args.completion_len,
                         micro_batch_size=args.micro_batch_size, logits_chunk_size=args.logits_chunk_size,
-                        tokens_per_step=tokens, model_flops_per_step=flops,
+                        completion_len_min=args.completion_len_min,
+                        micro_batch_tokens=train_config.micro_batch_tokens, micro_batches=len(cuts),
+                        micro_batch_tokens_max=max(cut_tokens), tokens_per_step=tokens, model_flops_per_step=flops,
                         lm_head_flops_share=lm_head / flops, peak_bf16_flops=peak,
                         step_seconds=times, peak_allocated_gib=peak_mem,
                         last_metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))})
@@ -483,7 +502,7 @@ def _rank_main(rank: int, args, model_dir: str, port: int, extra: dict) -> None:
     try:
         use_megatron = megatron_core_version() is not None
         train_config = TrainConfig(lr=1e-6, kl_coef=0.0, micro_batch_size=args.micro_batch_size,
-                               logits_chunk_size=args.logits_chunk_size)
+                               logits_chunk_size=args.logits_chunk_size, micro_batch_tokens=args.micro_batch_tokens)
         t0 = time.perf_counter()
         trainer = build_megatron_trainer(model_dir, train_config, tensor_parallel=tp, num_gpus=world,
                                          device="cuda" if cuda else "cpu", dtype=compute_dtype(args),
@@ -567,7 +586,7 @@ def run_single(args) -> None:
     model = build_model(args)
     # param_dtype = the model's dtype: no cast; a bf16 policy still gets float32 masters in MasterWeightAdamW
     train_config = TrainConfig(lr=1e-6, kl_coef=0.0, micro_batch_size=args.micro_batch_size,
-                               logits_chunk_size=args.logits_chunk_size)
+                               logits_chunk_size=args.logits_chunk_size, micro_batch_tokens=args.micro_batch_tokens)
     trainer = Trainer(model, train_config, param_dtype=model.dtype)
     benchmark(args, trainer, model.device)
 

@@ -104,6 +104,9 @@ add_step layout_invariance 400 "\$PY benchmarks/bench_layout_invariance.py --dev
 # the same at the recipe's sequence shape (1k prompt + 2k completion tokens, micro-batches of 4: 12k tokens each)
 LAYOUT_LONG_ARGS="--hidden 4096 --layers 2 --heads 32 --kv-heads 8 --head-dim 128 --intermediate 12288 --vocab 151936 --num-samples 16 --prompt-len 1024 --completion-len 2048 --micro-batch-size 4 --tp-partials 8 --warmup 1 --steps 2"
 add_step layout_invariance_long 400 "\$PY benchmarks/bench_layout_invariance.py --device cuda $LAYOUT_LONG_ARGS \${LAYOUT_BENCH_ARGS:-}"
+# train.micro_batch_tokens (the token budget, #26's composition rule) against fixed micro-batches on a reasoning-like
+# batch (64 samples, 512-token prompts, completions of 64..3072 tokens): step time and peak memory, in one call
+add_step micro_batch_tokens 400 'for v in "--micro-batch-size 4" "--micro-batch-size 64 --micro-batch-tokens 14336"; do $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --num-samples 64 --prompt-len 512 --completion-len 3072 --completion-len-min 64 --logits-chunk-size 4096 $v --warmup 1 --steps 3 --no-phases || exit 1; done'
 # the pieces' products one by one against the plain step's (Triton forward, cuBLAS backward), every tile config
 add_step pieces_products 420 '$PY benchmarks/bench_pieces_products.py ${PIECES_BENCH_ARGS:---sweep} --out "$OUT/pieces_products.md"'
 add_step layout_invariance_dp2 500 "\$PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_layout_invariance.py --device cuda $LAYOUT_ARGS"
