@@ -174,6 +174,25 @@ def test_other_inputs_are_named(env, setup):
     assert len(msgs) == 5
 
 
+def test_the_cpu_and_its_kernel_capability_are_named(env, setup):
+    # grpo_tiny on one machine under ATEN_CPU_CAPABILITY=avx2 diverges from its AVX512 run at step 1 (rollout
+    # logprobs), yet its inputs said "same": the CPU's kernel capability and the variables that pick it are inputs
+    model, data = setup
+    a = collect(model, data)
+    assert a["cpu"]["capability"] == torch.backends.cpu.get_cpu_capability() and a["cpu"]["model"]
+    b = json.loads(json.dumps(a))
+    b["cpu"]["capability"] = "AVX2" if a["cpu"]["capability"] != "AVX2" else "AVX512"
+    (d,) = input_differences(a, b)
+    assert d.bits and d.message == f"CPU kernel capability differs: {a['cpu']['capability']} vs {b['cpu']['capability']}"
+    b["gpu"] = a["gpu"] = "NVIDIA H200"  # a GPU run's numbers are the GPU's: the CPU is informational there
+    (d,) = input_differences(a, b)
+    assert not d.bits and d.message.endswith("(informational for GPU runs)")
+    env.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert collect(model, data)["env"] == {"ATEN_CPU_CAPABILITY": "avx2"}
+    del b["cpu"]  # a run recorded before the entry: nothing to say
+    assert [x.what for x in input_differences(a, b)] == []
+
+
 def test_write_and_read(env, setup, tmp_path):
     model, data = setup
     run = tmp_path / "run"

@@ -13,6 +13,10 @@ them; the driver writes the result once per run with ``write_inputs`` (atomicall
   ``BIT_ENV`` and ``BIT_ENV_PREFIXES``), and, apart, the informational ones (``CUDA_VISIBLE_DEVICES``,
   ``RLREPRO_STACK_DUMP_S``, ``RLREPRO_DEBUG``, ...), which are recorded but cannot change a bit;
 * the python, torch, triton, CUDA (torch's build) and rlrepro versions and the GPU model;
+* the CPU: its model name and the vector instructions torch's CPU kernels use (``torch.backends.cpu.
+  get_cpu_capability()``: AVX2, AVX512, ...). CPU runs give other bits under another one (the same code and seed:
+  ``grpo_tiny``'s curve differs from step 1 between AVX512 and AVX2), so for two CPU runs it counts as bit-relevant;
+  for GPU runs it is informational;
 * informational, apart: the cluster the run ran on (``"cluster"``: the number of alive Ray nodes, the placement,
   and per node of the run its address, hostname, CPU/GPU count and the actors placed there). Placement never
   changes a bit, so a difference there is reported as informational only.
@@ -56,7 +60,9 @@ CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 # environment variables that can change bits, besides every RLREPRO_* and NCCL_* one
 BIT_ENV = ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
-           "TRITON_INTERPRET", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+           "TRITON_INTERPRET", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+           # which vector instructions torch's, MKL's and oneDNN's CPU kernels use (their results differ by ISA)
+           "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 BIT_ENV_PREFIXES = ("RLREPRO_", "NCCL_")
 # recorded, but they cannot change a bit: where things run, debugging output, test-harness settings
 INFORMATIONAL_ENV = ("CUDA_VISIBLE_DEVICES",
@@ -130,6 +136,24 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+def _cpu() -> dict[str, str | None]:
+    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``) and torch's kernel capability."""
+    model = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    capability = None
+    try:
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (ImportError, AttributeError):  # pragma: no cover - torch is a dependency
+        pass
+    return {"model": model or platform.processor() or platform.machine() or None, "capability": capability}
+
+
 def _versions_and_gpu() -> tuple[dict[str, str | None], str | None]:
     from rlrepro import __version__
 
@@ -173,7 +197,7 @@ def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: s
            "weights_digest": weights_digest,
            "tokenizer": {"model_dir": str(model_dir), "files": tok_digests},
            "env": bits, "env_informational": info,
-           "versions": versions, "gpu": gpu}
+           "versions": versions, "gpu": gpu, "cpu": _cpu()}
     if eval_files is not None:
         eval_digests, eval_paths = _named_digests(eval_files)
         out["eval"] = {"files": eval_digests, "paths": eval_paths}
@@ -217,7 +241,7 @@ def read_inputs(run_dir: str | os.PathLike) -> dict | None:
 @dataclass
 class InputDiff:
     what: str        # data_file | data_records | data_revision | weights | eval_file | tokenizer_file | version | gpu
-                     # | env | cluster (informational)
+                     # | cpu | env | cluster (informational)
     key: str         # the file, variable or package name ("" where there is one of a kind)
     a: Any           # the values in run A and run B (None: absent / unset)
     b: Any
@@ -275,6 +299,15 @@ def input_differences(a: Mapping, b: Mapping) -> list[InputDiff]:
     if a.get("gpu") != b.get("gpu"):
         out.append(InputDiff("gpu", "", a.get("gpu"), b.get("gpu"), True,
                              f"GPU differs: {a.get('gpu') or 'none'} vs {b.get('gpu') or 'none'}"))
+    cpu_a, cpu_b = a.get("cpu"), b.get("cpu")
+    if cpu_a is not None and cpu_b is not None:  # older runs have none: nothing to say
+        cpu_runs = a.get("gpu") is None and b.get("gpu") is None  # a GPU run's numbers are the GPU's
+        for key, label in (("capability", "CPU kernel capability"), ("model", "CPU")):
+            if cpu_a.get(key) != cpu_b.get(key):
+                note = "" if cpu_runs else " (informational for GPU runs)"
+                out.append(InputDiff("cpu", key, cpu_a.get(key), cpu_b.get(key), cpu_runs,
+                                     f"{label} differs: {cpu_a.get(key) or 'unknown'} vs "
+                                     f"{cpu_b.get(key) or 'unknown'}{note}"))
     ca, cb = a.get("cluster"), b.get("cluster")
     if ca is not None and cb is not None and ca != cb:  # older runs have none: nothing to say
         out.append(InputDiff("cluster", "", ca, cb, False, f"cluster differs: {_cluster_words(ca)} vs "
