@@ -302,3 +302,13 @@ def test_bad_rows_property(tmp_path, rows):
         field = "prompt" if not good(p) else "answer"
         with pytest.raises(ValueError, match=f"^{f}: line {first + 1}: field '{field}': "):  # no blank lines
             load_records(str(f))
+
+
+def test_a_bad_json_line_gets_one_message_not_the_builders_as_well(tmp_path, capfd):
+    # datasets' json builder logged "Failed to load JSON from file ..." before rlrepro's message naming the line
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 2: the line is not valid JSON"):
+        load_records(str(path))
+    out, err = capfd.readouterr()
+    assert "Failed to load JSON" not in out + err

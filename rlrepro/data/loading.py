@@ -225,10 +225,28 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# datasets' json builder logs "Failed to load JSON from file ..." (its ERROR) before it raises; rlrepro turns that
+# exception into its own message naming the line and the fix, so the builder's line is noise before it
+_JSON_BUILDER_LOGGER = "datasets.packaged_modules.json.json"
+
+
 @contextmanager
 def _quiet_datasets() -> Iterator[None]:
     """``datasets`` without its progress bars ("Generating train split: ...") for one local load, then as it
-    was. Its logging (warnings and errors) is left alone; HF_DATASETS_DISABLE_PROGRESS_BARS=0 keeps the bars."""
+    was, and without its json builder's error line (rlrepro's own error follows, naming the line). Its other
+    logging is left alone; HF_DATASETS_DISABLE_PROGRESS_BARS=0 keeps the bars."""
+    builder_log = logging.getLogger(_JSON_BUILDER_LOGGER)
+    level = builder_log.level
+    builder_log.setLevel(logging.CRITICAL)
+    try:
+        with _no_progress_bars():
+            yield
+    finally:
+        builder_log.setLevel(level)
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
     import datasets
 
     if datasets.are_progress_bars_disabled():
