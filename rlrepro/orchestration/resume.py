@@ -34,7 +34,8 @@ from typing import Any, Iterator
 
 from rlrepro.checks import ConfigError  # the class rlrepro.orchestration.config exports
 
-__all__ = ["reconcile_resume", "config_at_step", "read_amendments", "EVAL_KEYS", "BIT_NEUTRAL_KEYS", "STEPS_KEY", "LAYOUT_KEYS", "LAYOUT_INVARIANT_KEY",
+__all__ = ["reconcile_resume", "config_at_step", "read_amendments", "EVAL_KEYS", "BIT_NEUTRAL_KEYS", "STEPS_KEY",
+           "LAYOUT_KEYS", "LAYOUT_INVARIANT_KEY",
            "steps_change_problem", "layout_change_problem", "one_rank_run", "flatten", "differences"]
 
 # fnmatch patterns of dotted keys whose value cannot change the run's numbers (rollout tokens, logprobs, rewards,

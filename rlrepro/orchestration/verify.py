@@ -1,10 +1,10 @@
 """``rlrepro verify RUN [--from-step K] [--steps N]``: re-execute recorded steps and diff them against the record.
 
 The run's own resolved config.yaml is re-used (with the ``eval.*`` keys and ``train.steps`` a resume amended put
-back, step by step, to the values each step ran with: amendments.jsonl). Execution starts from the newest complete checkpoint at or
-before step K-1 (from scratch when there is none), runs through step K+N-1 into ``RUN/verify/from_K/``, and
-the fingerprints and metrics of steps K..K+N-1 are compared with the recorded ones. Exit 0 reproduced,
-1 diverged, 2 error.
+back, step by step, to the values each step ran with: amendments.jsonl). Execution starts from the newest
+complete checkpoint at or before step K-1 (from scratch when there is none), runs through step K+N-1 into
+``RUN/verify/from_K/``, and the fingerprints and metrics of steps K..K+N-1 are compared with the recorded ones.
+Exit 0 reproduced, 1 diverged, 2 error.
 """
 from __future__ import annotations
 
