@@ -5,8 +5,9 @@ The step's gradient is the **fold** of its micro-batch gradients in micro-batch 
 widened to float32, every later one added to it; an absent leaf or tensor is skipped, never added as a zero, so
 ``-0.0`` stays ``-0.0``). That is a pure function of the micro-batches (their composition is fixed by sample order,
 ``train.micro_batch_size`` and ``train.micro_batch_tokens``), whoever computes them, and it is exactly what one
-rank does without the option: the optimizer's :meth:`~rlrepro.trainer.optim.MasterWeightAdamW.accumulate_grads` (or autograd's own in-place
-accumulation for float32 parameters) adds each micro-batch's gradient into one float32 accumulator in the same order.
+rank does without the option: the optimizer's
+:meth:`~rlrepro.trainer.optim.MasterWeightAdamW.accumulate_grads` (or autograd's own in-place accumulation for
+float32 parameters) adds each micro-batch's gradient into one float32 accumulator in the same order.
 So at one data-parallel rank the option changes nothing at all (no time, no memory, not a bit), and a run recorded
 at one GPU without it is the run with it.
 
