@@ -66,6 +66,26 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean_then_normalises_the_batc
     assert torch.equal(compute_advantages(rewards, "grpo", eps=0.0)[0], torch.tensor([-1.0, 1.0]))
 
 
+@pytest.mark.parametrize("value", [0.1, 0.2, 0.3, 0.7, 1 / 3, 0.45])
+def test_a_group_of_equal_rewards_gets_exactly_zero_whatever_the_value(value):
+    # the float32 mean of eight 0.1s is not 0.1: r - mean was ~7e-9, which GRPO divided by ~0 + eps into -0.0075
+    # for the whole group; other groups keep their bits
+    gen = torch.Generator().manual_seed(3)
+    rewards = torch.rand(6, 8, generator=gen)
+    rewards[1] = rewards[4] = value
+    for mode in ("grpo", "dr_grpo", "rloo"):
+        got = compute_advantages(rewards, mode)
+        assert torch.equal(got[[1, 4]], torch.zeros(2, 8)), mode
+        mean = rewards.mean(dim=1, keepdim=True)
+        plain = {"grpo": (rewards - mean) / (rewards.std(dim=1, keepdim=True, unbiased=False) + 1e-6),
+                 "dr_grpo": rewards - mean,
+                 "rloo": rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / 7}[mode]
+        keep = [0, 2, 3, 5]
+        assert torch.equal(got[keep], plain[keep]), mode
+    assert torch.equal(compute_advantages(torch.full((3, 8), value), "reinforce_pp"), torch.zeros(3, 8))
+    assert torch.equal(compute_advantages(torch.full((3, 8), value), "reinforce_pp_baseline"), torch.zeros(3, 8))
+
+
 def test_grpo_std_population_is_todays_bits_and_sample_is_trl_and_verl():
     gen = torch.Generator().manual_seed(0)
     rewards = torch.randint(0, 3, (16, 8), generator=gen).float() + torch.rand(16, 8, generator=gen)

@@ -23,9 +23,11 @@ The std (``std=``, the key ``train.advantage_std``) is the *population* std (div
 it is defined for a group of one (advantage 0) and is what the GRPO formula's "std" reads as. TRL's and verl's
 GRPO use the *sample* std (divide by the count - 1): ``std="sample"`` matches them. The key applies to every
 estimator that divides by a std (GRPO's group std, REINFORCE++'s batch std); it is refused for those that divide
-by none (Dr. GRPO, RLOO). A group whose rewards are all equal gets advantage 0 under GRPO (``0 / (0 + eps)``),
-Dr. GRPO and RLOO; under REINFORCE++-baseline it gets ``-mean_B(A') / (std_B(A') + eps)``, 0 up to the rounding
-of the batch mean (0 in exact arithmetic); a batch whose rewards are all equal gets 0 under REINFORCE++.
+by none (Dr. GRPO, RLOO). A group whose rewards are all equal gets advantage exactly 0 under GRPO, Dr. GRPO and
+RLOO (its centred rewards are set to 0: the float32 mean of rewards such as 0.1 is not exact, and ``r - mean`` of
+~7e-9 over a std of ~0 + eps gave GRPO -0.0075); under REINFORCE++-baseline it gets ``-mean_B(A') / (std_B(A') +
+eps)``, 0 up to the rounding of the batch mean (0 in exact arithmetic); a batch whose rewards are all equal gets
+exactly 0 under REINFORCE++.
 
 Differences from verl, whose REINFORCE++ modes whiten per *token* (``masked_whiten``: every sample weighted by its
 length, the sample variance, ``rsqrt(var + 1e-8)``): here the batch statistics are over *samples* (one reward per
@@ -84,6 +86,14 @@ def _check_rewards(rewards: torch.Tensor) -> None:
         raise TypeError(f"rewards must be a floating tensor, got {rewards.dtype}; use rewards.float()")
 
 
+def _zero_equal_groups(centered: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """``centered`` with the rows whose rewards are all equal set to exactly 0: in float32 the mean of rewards
+    such as 0.1 is not exactly 0.1, and ``r - mean`` (~7e-9), divided by a std of ~0 + eps, gave a whole group of
+    equal rewards an advantage of about -0.0075 (GRPO). Other rows keep their bits."""
+    equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(equal, torch.zeros((), dtype=centered.dtype, device=centered.device), centered)
+
+
 def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6,
                      unbiased: bool = False) -> torch.Tensor:
     """``(r - mean) / (std + eps)`` per row (GRPO), or ``r - mean`` with ``normalize_std=False`` (Dr. GRPO).
@@ -93,7 +103,7 @@ def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: 
     _check_rewards(rewards)
     if unbiased and rewards.shape[1] < 2:
         raise ValueError("unbiased std needs group_size >= 2; use unbiased=False or larger groups")
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    centered = _zero_equal_groups(rewards - rewards.mean(dim=1, keepdim=True), rewards)
     if not normalize_std:
         return centered
     return centered / (rewards.std(dim=1, keepdim=True, unbiased=unbiased) + eps)
@@ -119,7 +129,8 @@ def _batch_normalize(x: torch.Tensor, eps: float, std: str) -> torch.Tensor:
     """``(x - mean(x)) / (std(x) + eps)`` over every element of ``x`` (the whole batch)."""
     if std == "sample" and x.numel() < 2:
         raise ValueError("the sample std of the batch needs at least 2 samples; use std='population'")
-    return (x - x.mean()) / (x.std(unbiased=std == "sample") + eps)
+    centered = _zero_equal_groups((x - x.mean()).reshape(1, -1), x.reshape(1, -1)).reshape(x.shape)
+    return centered / (x.std(unbiased=std == "sample") + eps)
 
 
 @register_advantage("grpo", uses_std=True)
@@ -142,7 +153,7 @@ def _rloo(rewards: torch.Tensor, eps: float) -> torch.Tensor:
     if g < 2:
         raise ValueError("advantage 'rloo' needs group_size >= 2: a sample's baseline is the mean reward of the "
                          "other samples of its group")
-    return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (g - 1)
+    return _zero_equal_groups(rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (g - 1), rewards)
 
 
 @register_advantage("reinforce_pp", uses_std=True)
@@ -157,4 +168,4 @@ def _reinforce_pp_baseline(rewards: torch.Tensor, eps: float, std: str = "popula
     """REINFORCE++-baseline (Hu et al. 2025; verl's reinforce_plus_plus_baseline): ``A' = r - mean_group``, then
     ``(A' - mean_batch(A')) / (std_batch(A') + eps)``."""
     _check_rewards(rewards)
-    return _batch_normalize(rewards - rewards.mean(dim=1, keepdim=True), eps, std)
+    return _batch_normalize(_zero_equal_groups(rewards - rewards.mean(dim=1, keepdim=True), rewards), eps, std)
