@@ -25,10 +25,14 @@ def _rowwise_matmul(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x2d [M, K] @ weight[N, K]^T`` one row at a time: a batched matmul of M ``[1, K] x [K, N]`` products,
     whose per-row result does not depend on M. One operand layout for every M (bmm picks its GEMM by strides).
     bf16 / fp16 operands are widened to float32 (exactly), multiplied there and rounded once: torch's CPU bmm in
-    those dtypes rounds a row differently when the batch has 1-2 rows than when it has 3 or more (torch 2.13)."""
+    those dtypes rounds a row differently when the batch has 1-2 rows than when it has 3 or more (torch 2.13). In
+    float32 a batch of one row differs from two or more for some shapes (K=64 with N=131, K=1024 with N=60): one
+    row is computed as a batch of two copies."""
     if x2d.dtype in (torch.bfloat16, torch.float16):
         return _rowwise_matmul(x2d.float(), weight.float()).to(x2d.dtype)
     m, k = x2d.shape
+    if m == 1:  # a batch of one takes another GEMM route (float32 rows differ for some K, N): run it as two
+        return _rowwise_matmul(x2d.expand(2, k), weight)[:1]
     n = weight.shape[0]
     rows = x2d.reshape(m, 1, k).contiguous()
     return torch.bmm(rows, weight.t().unsqueeze(0).expand(m, k, n)).reshape(m, n)
