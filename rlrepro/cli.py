@@ -272,6 +272,11 @@ def cmd_generate(args: list[str]) -> int:
     return 0
 
 
+# the commands that compute rewards (a run, its re-execution, a checkpoint's evaluation): their scores must not
+# depend on the string hash seed (see _pin_hash_seed)
+HASH_SEED_COMMANDS = ("train", "verify", "eval")
+
+
 def _pin_hash_seed(argv: list[str]) -> None:
     """Re-run the command with PYTHONHASHSEED=0 unless it is pinned already: sympy (inside math-verify) iterates
     sets, whose order follows the string hash seed, and a reward must not depend on it. Only the console
@@ -291,7 +296,7 @@ def _pin_hash_seed(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] in (["train"], ["verify"]):
+    if argv is None and sys.argv[1:2] in ([c] for c in HASH_SEED_COMMANDS):
         _pin_hash_seed(sys.argv[1:])
     argv = list(sys.argv[1:] if argv is None else argv)
     if float(os.environ.get("RLREPRO_STACK_DUMP_S", "0") or 0) > 0:  # debugging a hang (actors do the same)

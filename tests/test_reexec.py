@@ -120,3 +120,16 @@ def test_planted_modules_do_not_run_in_the_ray_actors_either(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ran(markers) == {}  # before: 16 modules (statistics, difflib, gzip, ...) ran in the actors
+
+
+def test_every_command_that_computes_rewards_pins_the_hash_seed(monkeypatch):
+    # rlrepro eval scores with the run's reward.fn as the run did; it ran with whatever hash seed it was given
+    pinned = []
+    monkeypatch.setattr(cli, "_pin_hash_seed", lambda argv: pinned.append(argv[0]))
+    for cmd in ("train", "verify", "eval", "diff", "show"):
+        monkeypatch.setattr(sys, "argv", ["rlrepro", cmd, "--help"])
+        try:
+            cli.main()
+        except SystemExit:  # argparse's --help
+            pass
+    assert pinned == ["train", "verify", "eval"] and cli.HASH_SEED_COMMANDS == ("train", "verify", "eval")
