@@ -4,9 +4,9 @@
 
 A variant sets ``BLOCK_KV`` (KV positions per online-softmax step: the fixed reduction order, so variants of
 another BLOCK_KV differ in bits from the shipped kernel), the prefill tile (rows, warps, pipeline stages),
-whether packed KV tiles are read by TMA descriptors (both speed only), and (``-pf``) the experimental
-``PREFETCH_QK`` loop. Each variant is checked for the promises on its own, and a 64-position one against the
-shipped kernel's output (``torch.equal``):
+whether packed KV tiles are read by TMA descriptors (both speed only), and the experimental ``PREFETCH_QK``
+(``-pf``) or ``WIDE_QK`` (``-wq``) loop. Each variant is checked for the promises on its own, and a 64-position one
+against the shipped kernel's output (``torch.equal``):
 
 * every tile config (16, 64, 128 rows and the variant's prefill tile) gives the same bits, GQA 4 and 1
   (``torch.equal``);
@@ -51,8 +51,12 @@ VARIANTS = {
     # "-pf": the experimental PREFETCH_QK loop (tile t+1's QK^T issued before tile t's softmax)
     "kv64-pf": (64, (128, 8, 2), 128),
     "kv64-r256w16-s3-pf": (64, (256, 16, 3), 128),
+    # "-wq": the experimental WIDE_QK loop (one N=128 QK^T for two whole KV tiles, then each half's step)
+    "kv64-wq": (64, (128, 8, 2), 128),
+    "kv64-r256w16-s3-wq": (64, (256, 16, 3), 128),
+    "kv64-r256w16-s2-wq": (64, (256, 16, 2), 128),
 }
-DEFAULTS = (A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK)  # the shipped kernel's settings
+DEFAULTS = (A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK, A.WIDE_QK)  # the shipped kernel's settings
 COLS = ["4x2048", "1x16384", "chunk 16x512", "mixed 16x32 s1", "mixed 16x32 s2", "decode s1", "decode s2"]
 
 
@@ -62,7 +66,8 @@ def rnd(*shape, gen):
 
 def set_variant(name: str) -> A.AttentionConfig:
     block_kv, (rows, warps, stages), desc_rows = VARIANTS[name]
-    A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK = block_kv, desc_rows, name.endswith("-pf")
+    A.BLOCK_KV, A.DESC_MAX_ROWS = block_kv, desc_rows
+    A.PREFETCH_QK, A.WIDE_QK = name.endswith("-pf"), name.endswith("-wq")
     return A.AttentionConfig(rows=rows, num_warps=warps, num_stages=stages)
 
 
@@ -75,12 +80,12 @@ def same_as_shipped(large: A.AttentionConfig) -> str:
     q, k, v = TK.make_paged_case(lens, H, HKV, D, torch.bfloat16, "cuda")
     meta = AttentionMetadata.packed(lens, device="cuda")
     got = A.attention_fwd(q, k, v, meta, 0.09, config=large)
-    saved = A.DESC_MAX_ROWS, A.PREFETCH_QK
-    A.DESC_MAX_ROWS, A.PREFETCH_QK = DEFAULTS[1], False
+    saved = A.DESC_MAX_ROWS, A.PREFETCH_QK, A.WIDE_QK
+    A.DESC_MAX_ROWS, A.PREFETCH_QK, A.WIDE_QK = DEFAULTS[1], False, False
     try:
         shipped = A.attention_fwd(q, k, v, meta, 0.09, config=A.ATTENTION_CONFIGS["large"])
     finally:
-        A.DESC_MAX_ROWS, A.PREFETCH_QK = saved
+        A.DESC_MAX_ROWS, A.PREFETCH_QK, A.WIDE_QK = saved
     return "== shipped" if torch.equal(got, shipped) else "**differs from the shipped kernel**"
 
 
@@ -196,7 +201,7 @@ def main() -> int:
             emit(f"| {name} | failed: {type(e).__name__}: {str(e)[:300]} |")
             continue
         finally:
-            A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK = default
+            A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK, A.WIDE_QK = default
         rows[name] = row
         emit(f"| {name} | " + " | ".join(f"{row[c]:.4f}" for c in COLS)
              + f" | {causal_tflops(4, 2048, row['4x2048']):.0f} | {causal_tflops(1, 16384, row['1x16384']):.0f}"

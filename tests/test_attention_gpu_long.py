@@ -295,3 +295,33 @@ def test_gpu_attention_prefetch_qk_gives_the_shipped_bits(monkeypatch):
     monkeypatch.setattr(A, "PREFETCH_QK", True)
     for i, (a, b) in enumerate(zip(shipped, outputs())):
         assert torch.equal(a, b), f"output {i} differs with PREFETCH_QK (seed {seed})"
+
+
+def test_gpu_attention_wide_qk_gives_the_shipped_bits(monkeypatch):
+    """The experimental ``WIDE_QK`` loop (``triton_attention_fwd``; off by default: one N=128 QK^T for two whole KV
+    tiles, split into the 64-column halves) against the shipped loop on the H200: Qwen3-8B heads, bf16, the 128-
+    and 256-row tiles, TMA (its 128-row K descriptor) and pointer loads, and the paged cache in one step and in
+    random chunks: ``torch.equal`` everywhere."""
+    import random
+
+    from rlrepro.kernels import triton_attention_fwd as A
+    from rlrepro.kernels import triton_ops as T
+    from test_triton_kernels import paged_plans, run_paged
+    seed = _seed()
+    lens = [300, 129, 1, 77, 2000]  # query blocks with odd and even counts of whole KV tiles
+    q, k, v = make_paged_case(lens, 32, 8, 128, torch.bfloat16, "cuda")
+    meta = AttentionMetadata.packed(lens, device="cuda")
+    plans = paged_plans(lens, random.Random(seed))
+
+    def outputs():
+        outs = []
+        for tma in ("1", "0"):
+            monkeypatch.setenv("RLREPRO_ATTENTION_TMA", tma)
+            outs += [A.attention_fwd(q, k, v, meta, 0.09, config=A.ATTENTION_CONFIGS[c]) for c in ("large", "long")]
+        return outs + [run_paged(T.attention, q, k, v, lens, plans[p], 16, 0.09, random.Random(seed))
+                       for p in ("one_step", "chunked")]
+
+    shipped = outputs()
+    monkeypatch.setattr(A, "WIDE_QK", True)
+    for i, (a, b) in enumerate(zip(shipped, outputs())):
+        assert torch.equal(a, b), f"output {i} differs with WIDE_QK (seed {seed})"
