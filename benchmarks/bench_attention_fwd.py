@@ -55,6 +55,11 @@ VARIANTS = {
     "kv64-wq": (64, (128, 8, 2), 128),
     "kv64-r256w16-s3-wq": (64, (256, 16, 3), 128),
     "kv64-r256w16-s2-wq": (64, (256, 16, 2), 128),
+    # "-n128": the 128-row tile capped at 128 registers a thread (ptxas spills what does not fit), so that two
+    # programs share an SM as the 256-row tile's four warpgroups do, but without its block-wide barriers
+    # (the WIDE_QK loop needs 163 KB of shared memory: one program an SM whatever its registers)
+    "kv64-n128": (64, (128, 8, 2), 128),
+    "kv64-pf-n128": (64, (128, 8, 2), 128),
 }
 DEFAULTS = (A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK, A.WIDE_QK)  # the shipped kernel's settings
 COLS = ["4x2048", "1x16384", "chunk 16x512", "mixed 16x32 s1", "mixed 16x32 s2", "decode s1", "decode s2"]
@@ -67,8 +72,9 @@ def rnd(*shape, gen):
 def set_variant(name: str) -> A.AttentionConfig:
     block_kv, (rows, warps, stages), desc_rows = VARIANTS[name]
     A.BLOCK_KV, A.DESC_MAX_ROWS = block_kv, desc_rows
-    A.PREFETCH_QK, A.WIDE_QK = name.endswith("-pf"), name.endswith("-wq")
-    return A.AttentionConfig(rows=rows, num_warps=warps, num_stages=stages)
+    A.PREFETCH_QK, A.WIDE_QK = "-pf" in name, "-wq" in name
+    nreg = int(name.rsplit("-n", 1)[1]) if "-n1" in name else None
+    return A.AttentionConfig(rows=rows, num_warps=warps, num_stages=stages, maxnreg=nreg)
 
 
 def same_as_shipped(large: A.AttentionConfig) -> str:

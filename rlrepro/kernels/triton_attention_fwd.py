@@ -41,6 +41,8 @@ class AttentionConfig:
     rows: int  # query tokens x heads of a group per program (wgmma M: 64 per warpgroup)
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None  # a cap on registers per thread (ptxas), so that more programs share an SM
+
 
 
 # "decode" serves calls of a few queries per sequence (decode steps: one): 16 rows, one warp, so a decode step
@@ -497,7 +499,7 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         D_P=triton.next_power_of_2(d),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_DESC=k_desc is not None,
         WRITE_LSE=return_lse, PREFETCH_QK=PREFETCH_QK, WIDE_QK=WIDE_QK,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         # no multiply-add contraction: the whole-tile loop's ``qk * scale - m`` could otherwise become one FMA
         # where the masked loop's (a select in between) cannot, and a tile's bits would depend on which loop ran it
         enable_fp_fusion=False)
