@@ -169,6 +169,22 @@ def test_micro_batch_token_budget_below_the_longest_sample_fails_before_work(tmp
     with pytest.raises(ConfigError, match=r"train.micro_batch_tokens=-1 must be an integer >= 0"):
         compose_config(["recipe=grpo_tiny", "train.micro_batch_tokens=-1"])
 
+def test_env_problems_fail_before_work(tmp_path):
+    # an option the environment does not take: found at set-up (the environment of the first prompt is created),
+    # not at step 1 after Ray and the warm start
+    err = setup_run(tmp_path / "run", "env.name=calculator_task", "+env.kwargs={digits: 3}")
+    assert isinstance(err, ConfigError), err
+    assert "calculator_task" in str(err) and "digits" in str(err) and "env.kwargs" in str(err)
+    assert setup_run(tmp_path / "run2", "env.name=calculator_task") is None
+    # a budget the prompt alone reaches: every episode would end before its first token (a run training on nothing)
+    err = setup_run(tmp_path / "run3", "env.name=single_turn", "env.max_episode_tokens=3")
+    assert isinstance(err, ConfigError) and "env.max_episode_tokens=3" in str(err) and "Fix: raise" in str(err)
+    # rollout.max_staleness must leave a batch to train: K batches come before the first update
+    with pytest.raises(ConfigError, match=r"rollout.max_staleness=3 is not below train.steps=3"):
+        setup_run(tmp_path / "run4", "rollout.max_staleness=3", "train.steps=3")
+    assert setup_run(tmp_path / "run5", "rollout.max_staleness=2", "train.steps=3") is None
+
+
 # ------------------------------------------------------------------------------------------ model directories
 
 @pytest.fixture(scope="module")

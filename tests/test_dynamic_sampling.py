@@ -166,3 +166,38 @@ def test_dynamic_sampling_runs_are_identical_across_workers_and_resume(tmp_path)
     GRPODriver(compose_config([*E2E, f"run.dir={r}"])).run(last_step=3)
     assert main(["train", *E2E, f"run.dir={r}", "run.resume=true"]) == 0
     assert main(["diff", "--strict", str(tmp_path / "a"), str(r)]) == 0
+
+
+class FakeEpisodeActors(FakeActors):
+    """Runs "episodes" of one token (env.name=single_turn): rewards differ within a group for even-numbered
+    prompts only; each call reports one reward that reward.on_error=zero made 0.0, as a worker does."""
+    def run_episodes(self, requests, *a, **k):
+        from rlrepro.orchestration.episodes import EpisodeResult
+        from rlrepro.samples import Turn
+
+        self.asked.append([r.key for r in requests])
+        out = []
+        for r in requests:
+            informative = int(r.record.uid.rsplit(":", 1)[-1]) % 2 == 0
+            out.append(EpisodeResult(r.key, list(r.prompt_token_ids), [5], [-1.0], [1], [Turn("policy", [5], "x")],
+                                     "done", float(r.key[1] % 2) if informative else 1.0, [0.0], 1, 1, ["stop"],
+                                     [{}], 0, r.params.seed, metrics={"prompt_tokens": 4, "cached_tokens": 1}))
+        out[0].metrics["reward_errors"] = 1
+        return out
+
+
+def test_episode_metrics_and_reward_errors_add_up_over_rounds(tmp_path, monkeypatch):
+    monkeypatch.setattr(driver_mod, "actor_group_class", lambda: FakeEpisodeActors)
+    cfg = compose_config([*COMMON, f"run.dir={tmp_path / 'run'}", "env.name=single_turn",
+                          "rollout.dynamic_sampling=true", "rollout.max_generation_rounds=10"])
+    d = driver_mod.GRPODriver(cfg)
+    d.setup()
+    d.log.line = lambda *a, **k: None
+    samples, penalties, errors, metrics = _collect(d)
+    rounds = len(d.actors.asked)
+    assert rounds >= 2 and metrics["rollout/generation_rounds"] == rounds
+    assert errors == rounds  # one per call, every round's
+    # the episode figures stay with dynamic sampling (they describe every episode generated, all rounds)
+    assert metrics["episodes/turns_mean"] == 1.0 and metrics["perf/prefix_hit_rate"] == 0.25
+    assert metrics["episodes/finish_done_frac"] == 1.0 and "episodes/finish_token_budget_frac" in metrics
+    assert metrics["rollout/groups_kept"] == 3

@@ -304,11 +304,22 @@ def test_bad_inputs(model, tok):
     assert isinstance(run_episodes(engine, [], env_spec, tok), list)
     long = spec(kwargs={"turns": 3}, max_turns=3)
     reqs = requests(tok, RECORDS, max_tokens=24)
-    for kw, match in [(dict(num_kv_blocks=28), "KV blocks"), (dict(max_model_len=60), "no room left")]:
-        engine = make_engine(model, **kw)  # turn 1 fits (capped by the context), a later transcript does not
-        with pytest.raises(ValueError, match=match):
-            run_episodes(engine, reqs, long, tok, end_of_turn=EOT)
-        assert not engine.has_unfinished()
+    engine = make_engine(model, num_kv_blocks=28)  # turn 1 fits, a later transcript does not fit the KV cache
+    with pytest.raises(ValueError, match="KV blocks"):
+        run_episodes(engine, reqs, long, tok, end_of_turn=EOT)
+    assert not engine.has_unfinished()
+
+
+def test_the_engines_context_ends_an_episode_as_a_budget_does(model, tok):
+    """A transcript that fills max_model_len (no env.max_episode_tokens) ends "token_budget" instead of failing the
+    run, with exactly the results of env.max_episode_tokens=max_model_len on an engine with a longer context."""
+    reqs = requests(tok, RECORDS, max_tokens=24)
+    full = run(model, tok, spec(kwargs={"turns": 3}, max_turns=3), reqs, engine_kw=dict(max_model_len=60))
+    assert sum(r.finish_reason == "token_budget" for r in full) >= 2, [r.finish_reason for r in full]
+    check_structure(tok, full)
+    budget = run(model, tok, spec(kwargs={"turns": 3}, max_turns=3, max_episode_tokens=60), reqs)
+    assert full == budget
+    assert [r.rollout_logprobs for r in full] == [r.rollout_logprobs for r in budget]
 
 
 def test_to_sample(model, tok):

@@ -139,6 +139,26 @@ def test_a_worker_killed_mid_pipeline_is_replaced_with_the_batchs_weights(tmp_pa
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
 
 
+@pytest.mark.slow
+def test_a_generate_ahead_failure_names_why_no_checkpoint_and_the_resume_is_identical(tmp_path, monkeypatch, capsys):
+    """The generation of batch 4 fails (no restarts left) while step 3 trains: step 3's update is made, so neither
+    step 2 (gone from the trainer) nor step 3 (batch 4 missing) can be saved then; the message says so, the last
+    periodic checkpoint (step 2) stays, and the resumed run equals the uninterrupted one."""
+    args = [*E2E, "rollout.max_staleness=1", "rollout.num_workers=1", "rollout.max_restarts=0"]
+    assert main(["train", *args, f"run.dir={tmp_path / 'a'}"]) == 0
+    monkeypatch.setenv("RLREPRO_FAULTS", json.dumps([{"kind": "kill_worker", "step": 3, "at": "generate",
+                                                      "delay_s": 0}]))
+    capsys.readouterr()
+    assert main(["train", *args, f"run.dir={tmp_path / 'b'}"]) == 1
+    err = capsys.readouterr().err
+    assert "generation of batch 4 failed while step 3 trained" in err, err
+    assert "no checkpoint is written at such a failure" in err
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_000002"]
+    monkeypatch.delenv("RLREPRO_FAULTS")
+    assert main(["train", *args, f"run.dir={tmp_path / 'b'}", "run.resume=true"]) == 0
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not __import__("torch").cuda.is_available(), reason="needs a CUDA device")])])
 def test_the_trainer_keeps_the_weights_from_before_the_update(tmp_path, device):

@@ -345,11 +345,26 @@ def _reward_name(fn: Any) -> str:
 def reward_with_policy(fn: RewardFn, policy: Literal["raise", "zero"] = "raise") -> RewardFn:
     """``fn`` with :func:`compute_rewards`' checks and ``reward.on_error`` policy, one item at a time: what an
     environment (rlrepro.envs) calls to score an episode's final turn, so a multi-turn run treats a raising or
-    out-of-range reward exactly as a single-turn run does (``RewardError`` naming the record, or 0.0)."""
+    out-of-range reward exactly as a single-turn run does (``RewardError`` naming the record, or 0.0).
+    ``scored.errors()``: how many items have scored 0.0 by the ``zero`` policy so far (environments step on several
+    threads: counted under a lock)."""
+    import threading
+
+    lock, count = threading.Lock(), [0]
+
     def scored(completion: str, record: PromptRecord) -> float:
-        return compute_rewards(fn, [completion], [record], policy)[0][0]
+        rewards, errors = compute_rewards(fn, [completion], [record], policy)
+        if errors:
+            with lock:
+                count[0] += errors
+        return rewards[0]
+
+    def errors() -> int:
+        with lock:
+            return count[0]
 
     scored.__name__ = _reward_name(fn)
+    scored.errors = errors
     return scored
 
 

@@ -309,6 +309,11 @@ def validate(cfg: Any) -> RunSchema:
         raise ConfigError(f"reward.overlong_buffer={s.reward.overlong_buffer} must be below rollout.max_tokens="
                           f"{s.rollout.max_tokens} (the penalty ramps over the last overlong_buffer tokens; DAPO "
                           "uses a quarter of the length limit)")
+    k = s.rollout.max_staleness
+    if k and k >= s.train.steps:
+        raise ConfigError(f"rollout.max_staleness={k} is not below train.steps={s.train.steps}: the run would "
+                          f"generate {k} batches before its first update, more than it trains; use "
+                          f"rollout.max_staleness <= {max(s.train.steps - 1, 0)} (1 or 2 is the usual choice)")
     _validate_trainer_layout(s)
     _validate_eval(s)
     _validate_env(s)

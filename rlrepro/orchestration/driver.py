@@ -67,6 +67,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         self.run_dir = Path(run_dir or self.cfg.run.dir)
         self.actors: ActorGroup | None = None
         self.pending: dict = {}  # rollout.max_staleness: the batches generated ahead, by step
+        self._ahead_failed: int | None = None  # the batch whose generate-ahead failed (pipeline.py)
         self.log: RunLog | None = None
         # rlrepro verify: (from_step, config) of each later eval.* setting a resume amended (Evaluator's ``later``)
         self.eval_later: list = []
@@ -114,6 +115,13 @@ class GRPODriver(GenerationSteps, PipelineSteps):
                 self.env_spec = load_env(cfg.env, reward_with_policy(self.reward_fn, cfg.reward.on_error))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            first = self.prompts[0].record  # env.kwargs and the factory, tried now rather than at step 1
+            try:
+                self.env_spec.make(first, 0).reset()
+            except Exception as e:  # noqa: BLE001 - whatever the environment raises, before any work
+                raise ConfigError(f"the environment {cfg.env.env_name!r} could not be created for the first prompt "
+                                  f"({first.uid!r}): {type(e).__name__}: {e}. Fix env.* (env.kwargs, env.fn) before "
+                                  "starting the run") from None
         self.evaluator = None
         if cfg.eval.every or self.eval_later:  # held-out evaluation (orchestration.evaluation); prompts checked now
             from .evaluation import Evaluator
@@ -502,6 +510,12 @@ class GRPODriver(GenerationSteps, PipelineSteps):
                 notes.append(f"a checkpoint of the last completed step {done} could not be saved ({describe(e)})")
         if self._saving:
             notes.append(f"the checkpoint of step {step} was not written (nothing partial is ever loaded)")
+        ahead = self._ahead_failed
+        if ahead is not None and self._trainer_step == step:
+            notes.append(f"the generation of batch {ahead} failed while step {step} trained (rollout.max_staleness="
+                         f"{self.cfg.rollout.max_staleness}): the update of step {step} was made, so the trainer no "
+                         f"longer holds step {done}, and step {step} cannot be saved without batch {ahead}; no "
+                         "checkpoint is written at such a failure (checkpoint.every bounds the steps repeated)")
         if trainer_died:
             notes.append("the trainer process died (out of memory? killed?)")
         latest = latest_checkpoint(self.checkpoint_root())

@@ -164,8 +164,12 @@ def _env_turn(turns: TurnTokenizer, live: _Live, out: "RequestOutput") -> tuple[
         live.tool_seconds += time.perf_counter() - t0
 
 
-def _start(request: EpisodeRequest, env_spec: "EnvSpec") -> _Live:
+def _start(request: EpisodeRequest, env_spec: "EnvSpec", context: int) -> _Live:
     ep = env_spec.episode(request.record, request.env_seed)
+    if ep.max_episode_tokens is None or ep.max_episode_tokens > context:
+        # the engine's context bounds the transcript: filling it ends the episode "token_budget", as a budget does
+        # (without this the next turn had no room and the run failed; the limits of every earlier turn are the same)
+        ep.max_episode_tokens = context
     start = ep.reset()
     live = _Live(request, ep, start, list(request.prompt_token_ids))
     ep.add_context_tokens(len(live.ids))
@@ -208,7 +212,7 @@ def run_episodes(engine: "Engine", requests: list[EpisodeRequest], env_spec: "En
         raise RuntimeError("run_episodes needs an engine with no unfinished requests")
     ordered = _check(list(requests))
     turns = TurnTokenizer(tokenizer, end_of_turn, engine.max_model_len)
-    lives = [_start(r, env_spec) for r in ordered]
+    lives = [_start(r, env_spec, engine.max_model_len) for r in ordered]
     running: dict[int, _Live] = {}  # engine request id -> episode
     stepping: dict[Future, _Live] = {}  # environment steps on the pool
 

@@ -87,6 +87,7 @@ class GenerationSteps:
         dropped: list[list[Sample]] = []
         penalty_of: dict = {}
         num_errors = drawn = rounds = 0
+        episode_results: list = []  # every round's episodes (the metrics describe all that was generated)
         while True:
             rounds += 1
             t0 = time.perf_counter()
@@ -94,8 +95,9 @@ class GenerationSteps:
             drawn += len(batch)
             if self.env_spec is not None:  # the environment scored each episode (outcome reward - penalties)
                 samples = self.generate_episodes(step, batch, bases)
+                episode_results += self._episode_results
                 t1 = time.perf_counter()
-                penalties, errors = None, 0
+                penalties, errors = None, self._episode_reward_errors
             else:
                 samples = self.generate(step, batch, bases)
                 t1 = time.perf_counter()
@@ -122,10 +124,10 @@ class GenerationSteps:
                 break
         t.add("rollout", gen_s)
         t.add("reward", reward_s)
-        metrics = dict(self._episode_metrics) if self.env_spec is not None else {}
+        metrics = self.episode_batch_metrics(episode_results) if self.env_spec is not None else {}
         if r.dynamic_sampling:
-            metrics = {"rollout/groups_kept": len(kept), "rollout/groups_dropped": len(dropped),
-                       "rollout/generation_rounds": rounds, "rollout/prompts_drawn": drawn}
+            metrics.update({"rollout/groups_kept": len(kept), "rollout/groups_dropped": len(dropped),
+                            "rollout/generation_rounds": rounds, "rollout/prompts_drawn": drawn})
             if len(kept) < per_step:
                 metrics["rollout/round_cap_hit"] = 1.0
                 if r.on_round_cap == "error":
@@ -212,8 +214,9 @@ class GenerationSteps:
     def generate_episodes(self, step: int, batch: list, bases: list[int]) -> list[Sample]:
         """``group_size`` episodes of every prompt on the rollout workers (``ActorGroup.run_episodes``), as
         samples in key order with ``loss_mask``, ``turns`` and the episode's reward; the batch's episode metrics
-        (turns, finish reasons, prefix-cache hit rate across turns, tool seconds) into ``_episode_metrics``."""
-        from .episodes import episode_metrics, finish_fractions
+        (turns, finish reasons, prefix-cache hit rate across turns, tool seconds) from ``_episode_results``
+        (:meth:`episode_batch_metrics`), and the rewards that ``reward.on_error=zero`` made 0.0 in
+        ``_episode_reward_errors``."""
         from .import_path import module_dirs
 
         cfg = self.cfg
@@ -221,19 +224,28 @@ class GenerationSteps:
                                            use_chat_template=cfg.data.use_chat_template,
                                            tool_threads=cfg.env.tool_threads, reward_on_error=cfg.reward.on_error,
                                            import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]))
-        metrics = episode_metrics(results)
-        n = len(results)
-        metrics.update(finish_fractions(results, "episodes/"))
-        metrics["episodes/penalty_mean"] = sum(sum(r.penalties) for r in results) / n
-        metrics["episodes/outcome_reward_mean"] = sum(r.reward for r in results) / n
-        metrics["episodes/policy_tokens_mean"] = sum(sum(r.loss_mask) for r in results) / n
-        self._episode_metrics = metrics
+        self._episode_results = results
+        self._episode_reward_errors = sum(r.metrics.get("reward_errors", 0) for r in results)
         samples = [r.to_sample(self.tokenizer.decode) for r in results]
         if self.env_spec.is_single_turn:  # the single-turn path's record: the engine's stop | length, no mask
             for smp, r in zip(samples, results):  # (all ones) and no turn structure (one policy turn)
                 smp.finish_reason = r.turn_finish_reasons[0] if r.turn_finish_reasons else r.finish_reason
                 smp.loss_mask = smp.turns = None
         return samples
+
+    @staticmethod
+    def episode_batch_metrics(results: list) -> dict:
+        """The episode figures of a step's batch (every generation round's episodes): turns, finish reasons,
+        prefix-cache hit rate across turns, tool seconds, penalties, outcome rewards, policy tokens."""
+        from .episodes import episode_metrics, finish_fractions
+
+        metrics = episode_metrics(results)
+        n = max(len(results), 1)
+        metrics.update(finish_fractions(results, "episodes/"))
+        metrics["episodes/penalty_mean"] = sum(sum(r.penalties) for r in results) / n
+        metrics["episodes/outcome_reward_mean"] = sum(r.reward for r in results) / n
+        metrics["episodes/policy_tokens_mean"] = sum(sum(r.loss_mask) for r in results) / n
+        return metrics
 
     def demonstration_examples(self, records: list, prompt_ids: list[list[int]]) -> list[tuple[list[int], list[int]]]:
         """warm_start.target=demonstration: for each record, the environment's perfect episode

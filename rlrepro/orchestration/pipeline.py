@@ -105,7 +105,8 @@ class PipelineSteps:
         finally:
             thread.join()
         wall = time.perf_counter() - t0
-        if "error" in ahead:
+        if "error" in ahead:  # after step's update: no checkpoint can be written now (see _failed's note)
+            self._ahead_failed = step + k
             raise ahead["error"]
         batch, times = ahead["batch"]
         self.pending[step + k] = batch

@@ -185,6 +185,12 @@ def check_lengths(cfg: RunSchema, prompts: list, model_config: Any) -> None:
         raise ConfigError(f"prompt {longest.uid!r} has {n} tokens; with rollout.max_tokens={r.max_tokens} that is "
                           f"{n + r.max_tokens} > {max_len} ({src}). Fix: {fix}lower data.max_prompt_tokens to drop "
                           "long prompts, or raise rollout.max_model_len")
+    budget = cfg.env.max_episode_tokens
+    if budget is not None and n >= budget and (cfg.env.name is not None or cfg.env.fn is not None):
+        raise ConfigError(f"prompt {longest.uid!r} has {n} tokens, env.max_episode_tokens={budget}: its episode "
+                          "would end (token_budget) before the first generated token, and the run would train on "
+                          f"nothing. Fix: raise env.max_episode_tokens above {n} (the prompt, the turns and the "
+                          "observations all count) or lower data.max_prompt_tokens to drop long prompts")
     if r.num_kv_blocks is not None:
         need = -(-(n + r.max_tokens - 1) // r.block_size)
         if need > r.num_kv_blocks:

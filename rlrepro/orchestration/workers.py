@@ -106,8 +106,13 @@ class RolloutWorker:
             reward = reward_with_policy(load_reward_fn(reward_fn_spec), reward_on_error)
             self._env_specs[key] = load_env(env_config, reward)
         end_of_turn = self._tokenizer.eos_token if use_chat_template else None
-        return run_episodes(self.engine, requests, self._env_specs[key], self._tokenizer, max_tokens=max_tokens,
-                            end_of_turn=end_of_turn, tool_threads=tool_threads)
+        spec = self._env_specs[key]
+        before = spec.reward_fn.errors()  # reward_with_policy's count
+        results = run_episodes(self.engine, requests, spec, self._tokenizer, max_tokens=max_tokens,
+                               end_of_turn=end_of_turn, tool_threads=tool_threads)
+        # the rewards reward.on_error=zero made 0.0 in this call; the driver adds them up (rollout/reward_errors)
+        results[0].metrics["reward_errors"] = spec.reward_fn.errors() - before
+        return results
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
         self.engine.load_weights(weights.items(), version=version)
