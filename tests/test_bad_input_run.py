@@ -169,6 +169,14 @@ def test_micro_batch_token_budget_below_the_longest_sample_fails_before_work(tmp
     with pytest.raises(ConfigError, match=r"train.micro_batch_tokens=-1 must be an integer >= 0"):
         compose_config(["recipe=grpo_tiny", "train.micro_batch_tokens=-1"])
 
+def test_tp_partials_that_do_not_divide_the_model_fail_before_work(tmp_path):
+    err = setup_run(tmp_path / "run", "train.layout_invariant=true", "train.tp_partials=3")
+    assert isinstance(err, ConfigError), err
+    assert "train.tp_partials=3 does not divide the model's num_attention_heads=4" in str(err)
+    assert "choose train.tp_partials from [1, 2" in str(err)
+    assert setup_run(tmp_path / "run2", "train.layout_invariant=true", "train.tp_partials=2") is None
+
+
 def test_env_problems_fail_before_work(tmp_path):
     # an option the environment does not take: found at set-up (the environment of the first prompt is created),
     # not at step 1 after Ray and the warm start

@@ -81,13 +81,19 @@ def _run(steps=2, **config):
 
 
 def test_the_trainer_runs_the_budgets_micro_batches():
-    # a budget that every pair of samples fits and no triple: the same micro-batches as micro_batch_size=2, hence
-    # the same bits; a smaller one: other micro-batches (so the key is what decides them), exactly on-policy
+    # the samples' lengths are 2, 8, 7, 3 | 9, 8, 4, 3 tokens: a budget of 24 that binds (at micro_batch_size=8)
+    # cuts exactly micro_batch_size=4's micro-batches, hence its bits, and not the one micro-batch of 8 samples;
+    # a budget that never binds changes nothing; a smaller one: other micro-batches, exactly on-policy
     fixed = _run(micro_batch_size=2)
     assert fixed[0][0] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     same = _run(micro_batch_size=2, micro_batch_tokens=10_000)
     assert same[0] == fixed[0] and same[1] == fixed[1]
     assert all(torch.equal(w, fixed[2][n]) for n, w in same[2].items())
+    fours, eights, binding = _run(micro_batch_size=4), _run(micro_batch_size=8), _run(micro_batch_size=8,
+                                                                                      micro_batch_tokens=24)
+    assert binding[0] == fours[0] == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2
+    assert binding[1] == fours[1] and all(torch.equal(w, fours[2][n]) for n, w in binding[2].items())
+    assert not all(torch.equal(w, eights[2][n]) for n, w in binding[2].items())  # the budget is what cut them
     budget = _run(micro_batch_size=8, micro_batch_tokens=12)
     lengths = [[len(s["prompt_token_ids"]) + len(s["completion_token_ids"]) for s in _batch(tiny_model(seed=3), 0)]]
     assert budget[0][0] == _lists(micro_batches(8, 8, lengths=lengths[0], max_tokens=12))

@@ -379,6 +379,17 @@ def _validate_trainer_layout(s: RunSchema, model_config: Any = None) -> None:
         validate_megatron_config(t.backend, t.tensor_parallel, t.num_gpus, s.run.device, model_config)
     except (ValueError, ImportError) as e:
         raise ConfigError(str(e)) from None
+    p = t.tp_partials
+    if model_config is not None and t.layout_invariant and p > 1:
+        dims = {n: (model_config.get(n) if isinstance(model_config, dict) else getattr(model_config, n, None))
+                for n in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")}
+        bad = {n: v for n, v in dims.items() if v is not None and v % p}
+        if bad:
+            common = [d for d in range(1, 65) if all(v is None or v % d == 0 for v in dims.values())]
+            raise ConfigError(f"train.tp_partials={p} does not divide the model's "
+                              + ", ".join(f"{n}={v}" for n, v in bad.items())
+                              + f" (every product is cut into {p} equal pieces); choose train.tp_partials from "
+                              f"{common} (a multiple of every train.tensor_parallel the run may use)")
     if s.checkpoint.format == "dist" and t.backend != "megatron":
         raise ConfigError("checkpoint.format=dist writes tensor-parallel shards: it needs train.backend=megatron; "
                           "use checkpoint.format=full")
