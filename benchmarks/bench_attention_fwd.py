@@ -4,9 +4,9 @@
 
 A variant sets ``BLOCK_KV`` (KV positions per online-softmax step: the fixed reduction order, so variants of
 another BLOCK_KV differ in bits from the shipped kernel), the prefill tile (rows, warps, pipeline stages),
-whether packed KV tiles are read by TMA descriptors (both speed only), and the experimental ``PREFETCH_QK``
-(``-pf``) or ``WIDE_QK`` (``-wq``) loop. Each variant is checked for the promises on its own, and a 64-position one
-against the shipped kernel's output (``torch.equal``):
+whether packed KV tiles are read by TMA descriptors, and (``-nR``) a cap of R registers a thread (all speed
+only). Each variant is checked for the promises on its own, and a 64-position one against the shipped kernel's
+output (``torch.equal``). (The PREFETCH_QK and WIDE_QK loops were measured here and removed: docs/BENCHMARKS.md.)
 
 * every tile config (16, 64, 128 rows and the variant's prefill tile) gives the same bits, GQA 4 and 1
   (``torch.equal``);
@@ -48,20 +48,11 @@ VARIANTS = {
     "kv64-r256w16-s3-tma": (64, (256, 16, 3), 256),
     "kv64-r256w16-s4": (64, (256, 16, 4), 128),
     "kv64-r256w8": (64, (256, 8, 2), 128),
-    # "-pf": the experimental PREFETCH_QK loop (tile t+1's QK^T issued before tile t's softmax)
-    "kv64-pf": (64, (128, 8, 2), 128),
-    "kv64-r256w16-s3-pf": (64, (256, 16, 3), 128),
-    # "-wq": the experimental WIDE_QK loop (one N=128 QK^T for two whole KV tiles, then each half's step)
-    "kv64-wq": (64, (128, 8, 2), 128),
-    "kv64-r256w16-s3-wq": (64, (256, 16, 3), 128),
-    "kv64-r256w16-s2-wq": (64, (256, 16, 2), 128),
     # "-n128": the 128-row tile capped at 128 registers a thread (ptxas spills what does not fit), so that two
     # programs share an SM as the 256-row tile's four warpgroups do, but without its block-wide barriers
-    # (the WIDE_QK loop needs 163 KB of shared memory: one program an SM whatever its registers)
     "kv64-n128": (64, (128, 8, 2), 128),
-    "kv64-pf-n128": (64, (128, 8, 2), 128),
 }
-DEFAULTS = (A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK, A.WIDE_QK)  # the shipped kernel's settings
+DEFAULTS = (A.BLOCK_KV, A.DESC_MAX_ROWS)  # the shipped kernel's settings
 COLS = ["4x2048", "1x16384", "chunk 16x512", "mixed 16x32 s1", "mixed 16x32 s2", "decode s1", "decode s2"]
 
 
@@ -72,7 +63,6 @@ def rnd(*shape, gen):
 def set_variant(name: str) -> A.AttentionConfig:
     block_kv, (rows, warps, stages), desc_rows = VARIANTS[name]
     A.BLOCK_KV, A.DESC_MAX_ROWS = block_kv, desc_rows
-    A.PREFETCH_QK, A.WIDE_QK = "-pf" in name, "-wq" in name
     nreg = int(name.rsplit("-n", 1)[1]) if "-n1" in name else None
     return A.AttentionConfig(rows=rows, num_warps=warps, num_stages=stages, maxnreg=nreg)
 
@@ -86,12 +76,12 @@ def same_as_shipped(large: A.AttentionConfig) -> str:
     q, k, v = TK.make_paged_case(lens, H, HKV, D, torch.bfloat16, "cuda")
     meta = AttentionMetadata.packed(lens, device="cuda")
     got = A.attention_fwd(q, k, v, meta, 0.09, config=large)
-    saved = A.DESC_MAX_ROWS, A.PREFETCH_QK, A.WIDE_QK
-    A.DESC_MAX_ROWS, A.PREFETCH_QK, A.WIDE_QK = DEFAULTS[1], False, False
+    saved = A.DESC_MAX_ROWS
+    A.DESC_MAX_ROWS = DEFAULTS[1]
     try:
         shipped = A.attention_fwd(q, k, v, meta, 0.09, config=A.ATTENTION_CONFIGS["large"])
     finally:
-        A.DESC_MAX_ROWS, A.PREFETCH_QK, A.WIDE_QK = saved
+        A.DESC_MAX_ROWS = saved
     return "== shipped" if torch.equal(got, shipped) else "**differs from the shipped kernel**"
 
 
@@ -207,7 +197,7 @@ def main() -> int:
             emit(f"| {name} | failed: {type(e).__name__}: {str(e)[:300]} |")
             continue
         finally:
-            A.BLOCK_KV, A.DESC_MAX_ROWS, A.PREFETCH_QK, A.WIDE_QK = default
+            A.BLOCK_KV, A.DESC_MAX_ROWS = default
         rows[name] = row
         emit(f"| {name} | " + " | ".join(f"{row[c]:.4f}" for c in COLS)
              + f" | {causal_tflops(4, 2048, row['4x2048']):.0f} | {causal_tflops(1, 16384, row['1x16384']):.0f}"

@@ -58,9 +58,8 @@ add_step gpu_tests_par 560 'kit && fi_kit && budget=$(( STEP_DEADLINE - $(date +
 add_step fast_tests 420 'kit && fi_kit && $PY -m pytest -m gpu -q -p no:cacheprovider ${FAST_TEST_PATHS:-tests/test_attention_gpu_long.py}'
 # the attention backward's tile configs against SDPA's flash backward (issue #27)
 add_step attention_bwd 300 '$PY benchmarks/bench_attention_bwd.py --out "$OUT/attention_bwd.md" ${ATTN_BWD_ARGS:-}'
-# the forward's tile variants (rows, warps, stages, TMA or pointer loads; -pf / -wq: the experimental PREFETCH_QK /
-# WIDE_QK loop): speed and each one's bit promises (ATTN_FWD_ARGS="--variants kv64,kv64-pf,kv64-wq,kv64-r256w16-s3,
-# kv64-r256w16-s3-pf,kv64-r256w16-s3-wq", without the line break)
+# the forward's tile variants (rows, warps, stages, TMA or pointer loads, -nR: a register cap): speed and each one's
+# bit promises (ATTN_FWD_ARGS="--variants kv64,kv64-r256w16-s3,kv64-n128")
 add_step attention_fwd 540 'fi_kit && $PY benchmarks/bench_attention_fwd.py --out "$OUT/attention_fwd.md" ${ATTN_FWD_ARGS:-}'
 # the engine with and without the 256-row attention tile: prefill time, and the outputs' bits equal (8 layers)
 add_step engine_tiles 300 '$PY benchmarks/bench_engine_tiles.py --json "$OUT/engine_tiles.json" ${ENGINE_TILES_ARGS:-}'

@@ -312,65 +312,6 @@ def check_attention_invariance_long_tile_fp32():
 
 
 @interp_check
-def check_attention_prefetch_qk_fp32():
-    """The experimental ``PREFETCH_QK`` loop (tile t+1's product before tile t's softmax) gives the shipped loop's
-    bits: packed with the 64- and 128-row tiles, and paged in one step and in random chunks, for sequences shorter
-    than, at and past whole 64-position KV tiles."""
-    from rlrepro.kernels import triton_attention_fwd as A
-    from rlrepro.kernels import triton_ops as T
-    lens = [1, 63, 64, 65, 200]
-    q, k, v = make_paged_case(lens, 4, 2, 16, torch.float32, "cpu")
-    meta = AttentionMetadata.packed(lens)
-    plans = paged_plans(lens, random.Random(0))
-    outs = {}
-    for flag in (False, True):
-        A.PREFETCH_QK = flag
-        try:
-            outs[flag] = [A.attention_fwd(q, k, v, meta, 0.3, config=A.ATTENTION_CONFIGS[c]) for c in ("small", "large")]
-            outs[flag] += [run_paged(T.attention, q, k, v, lens, plans[p], 16, 0.3, random.Random(1))
-                           for p in ("one_step", "chunked")]
-        finally:
-            A.PREFETCH_QK = False
-    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
-    assert rel_err(outs[True][0], ref.attention_packed(q, k, v, meta, 0.3)) < 1e-5
-
-
-@interp_check
-def check_attention_wide_qk_fp32():
-    """The experimental ``WIDE_QK`` loop (one QK^T for two whole 64-position KV tiles, split into its halves, each
-    through the shipped tile step) gives the shipped loop's bits: packed with the 64- and 128-row tiles, and paged
-    (pointer loads of 128 K rows across cache blocks) in one step and in random chunks, for sequences shorter than,
-    at and past whole tiles, with odd and even counts of whole tiles; and it refuses to combine with PREFETCH_QK."""
-    from rlrepro.kernels import triton_attention_fwd as A
-    from rlrepro.kernels import triton_ops as T
-    lens = [1, 63, 64, 65, 128, 129, 200, 300]
-    q, k, v = make_paged_case(lens, 4, 2, 16, torch.float32, "cpu")
-    meta = AttentionMetadata.packed(lens)
-    plans = paged_plans(lens, random.Random(0))
-    outs = {}
-    for flag in (False, True):
-        A.WIDE_QK = flag
-        try:
-            outs[flag] = [A.attention_fwd(q, k, v, meta, 0.3, config=A.ATTENTION_CONFIGS[c])
-                          for c in ("small", "large")]
-            outs[flag] += [run_paged(T.attention, q, k, v, lens, plans[p], 16, 0.3, random.Random(1))
-                           for p in ("one_step", "chunked")]
-        finally:
-            A.WIDE_QK = False
-    for i, (a, b) in enumerate(zip(outs[False], outs[True])):
-        assert torch.equal(a, b), f"output {i} differs with WIDE_QK"
-    assert rel_err(outs[True][0], ref.attention_packed(q, k, v, meta, 0.3)) < 1e-5
-    A.WIDE_QK = A.PREFETCH_QK = True
-    try:
-        A.attention_fwd(q, k, v, meta, 0.3)
-        raise AssertionError("WIDE_QK with PREFETCH_QK was accepted")
-    except ValueError as e:
-        assert "do not combine" in str(e)
-    finally:
-        A.WIDE_QK = A.PREFETCH_QK = False
-
-
-@interp_check
 def check_attention_mha_fp32():
     from rlrepro.kernels import triton_attention as A
     from rlrepro.kernels import triton_ops as T

@@ -44,7 +44,6 @@ class AttentionConfig:
     maxnreg: int | None = None  # a cap on registers per thread (ptxas), so that more programs share an SM
 
 
-
 # "decode" serves calls of a few queries per sequence (decode steps: one): 16 rows, one warp, so a decode step
 # wastes 12 of 16 rows instead of 60 of 64 (H200, 64 x 2048 context: 0.160 vs 0.235 ms a layer). "small" serves
 # mixed steps and short prefills; "large" long calls of short query runs (a mixed step: decodes and a chunk);
@@ -68,18 +67,6 @@ LONG_MAX_HEAD_DIM = 128  # "long" holds 256 x D of Q and 3 stages of 64 x D of K
 # Packed calls read whole KV tiles by tensor descriptors (TMA) in tiles of at most this many rows; the 256-row tile
 # reads them with pointer loads (H200, "long": 1.08x at 4 x 2048, 1.05x at 2 x 16384). The same bits either way.
 DESC_MAX_ROWS = 128
-# Experimental, off: the unmasked KV loop issues tile t+1's QK^T before tile t's softmax (FlashAttention-3's
-# overlap of the softmax with the next product, written into the loop). The same products and the same softmax
-# steps in the same order, so it should give the same bits; benchmarks/bench_attention_fwd.py's "-pf" variants
-# time it and check it against the shipped kernel (``torch.equal``). Not yet run on a GPU.
-PREFETCH_QK = False
-# Experimental, off: the unmasked KV loop takes whole tiles two at a time, with one QK^T of 2 x BLOCK_KV columns
-# (one wgmma of N=128 instead of two of N=64; K read as one 128-row tile, under TMA by a second descriptor), then
-# each 64-column half through the shipped tile's softmax step and PV product, tile t before tile t+1 (an odd last
-# whole tile goes through the shipped loop). Each score is the same dot product over D, so it should give the same
-# bits; benchmarks/bench_attention_fwd.py's "-wq" variants time it and check it against the shipped kernel
-# (``torch.equal``). Not yet run on a GPU. It does not combine with PREFETCH_QK: ``attention_fwd`` refuses both.
-WIDE_QK = False
 
 
 def pick_attention_config(num_tokens: int, num_seqs: int = 0, group: int = 1,
@@ -142,43 +129,14 @@ def _schedule_kernel(cu_ptr, S, G, prog_seq_ptr, prog_q0_ptr, BLOCK_Q: tl.conste
         tl.store(prog_q0_ptr + slot, q0, mask=b < G)
 
 
-@triton.jit
-def _kv_tile(desc, ptr, stride_n, stride_h, t, j, seq, cu0, hk, kv_head, d, d_ok, bt_ptr, stride_bt, block_size,
-             paged, BLOCK_KV: tl.constexpr, D_P: tl.constexpr, USE_DESC: tl.constexpr):
-    """Whole KV tile ``t`` of a sequence (K or V), as the unmasked loop reads it: by descriptor or pointers."""
-    if USE_DESC:
-        x = desc.load([(cu0 + t * BLOCK_KV).to(tl.int32), hk * D_P])
-    else:
-        kv_pos = t * BLOCK_KV + j
-        kv_row = (cu0 + kv_pos).to(tl.int64)
-        if paged != 0:
-            blk = tl.load(bt_ptr + seq * stride_bt + kv_pos // block_size)
-            kv_row = (blk * block_size + kv_pos % block_size).to(tl.int64)
-        x = tl.load(ptr + kv_row[:, None] * stride_n + kv_head * stride_h + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
-    return x
-
-
-@triton.jit
-def _softmax_pv_step(qk, m_i, l_i, acc, v, qk_scale, PRECISION: tl.constexpr):
-    """The unmasked loop's step for one whole tile (``WIDE_QK``'s halves): its scores' online softmax, then P V."""
-    s = qk * qk_scale
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return m_new, l_i, acc
-
-
 @triton.jit(do_not_specialize=["stride_bt", "block_size", "paged"])
 def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
                      bt_ptr, stride_bt, block_size, paged,
                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-                     qk_scale, D, k_desc, v_desc, kw_desc, lse_ptr, stride_ln,
+                     qk_scale, D, k_desc, v_desc, lse_ptr, stride_ln,
                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr, USE_DESC: tl.constexpr,
-                     WRITE_LSE: tl.constexpr, PREFETCH_QK: tl.constexpr = False, WIDE_QK: tl.constexpr = False):
+                     WRITE_LSE: tl.constexpr):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     seq = tl.load(prog_seq_ptr + pid)
@@ -213,47 +171,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
         j = tl.arange(0, BLOCK_KV)
         kv_head = hk.to(tl.int64)
         is_paged = (j * 0 + paged) != 0  # the run-time flag as a vector (one compiled kernel for both layouts)
-        n_done = 0
-        if PREFETCH_QK:  # experimental, off (see PREFETCH_QK above): the same tiles, the same operations
-            n_done = n_full * 0
-            if n_full > 0:
-                qk = tl.dot(q, tl.trans(_kv_tile(k_desc, k_ptr, stride_kn, stride_kh, 0, j, seq, cu0, hk, kv_head, d,
-                                                 d_ok, bt_ptr, stride_bt, block_size, paged, BLOCK_KV, D_P,
-                                                 USE_DESC)), input_precision=PRECISION)
-                for t in range(0, n_full):
-                    # tile t+1's product is issued before tile t's softmax, so that the tensor cores run it
-                    # meanwhile (the last tile's "next" is itself again: computed and dropped)
-                    k_next = _kv_tile(k_desc, k_ptr, stride_kn, stride_kh, tl.minimum(t + 1, n_full - 1), j, seq,
-                                      cu0, hk, kv_head, d, d_ok, bt_ptr, stride_bt, block_size, paged, BLOCK_KV,
-                                      D_P, USE_DESC)
-                    qk_next = tl.dot(q, tl.trans(k_next), input_precision=PRECISION)
-                    s = qk * qk_scale
-                    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                    p = tl.exp2(s - m_new[:, None])
-                    alpha = tl.exp2(m_i - m_new)
-                    l_i = l_i * alpha + tl.sum(p, axis=1)
-                    v = _kv_tile(v_desc, v_ptr, stride_vn, stride_vh, t, j, seq, cu0, hk, kv_head, d, d_ok, bt_ptr,
-                                 stride_bt, block_size, paged, BLOCK_KV, D_P, USE_DESC)
-                    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-                    m_i = m_new
-                    qk = qk_next
-                n_done = n_full
-        if WIDE_QK:  # experimental, off (see WIDE_QK above): one product for tiles t and t+1, then tile by tile
-            j2 = tl.arange(0, 2 * BLOCK_KV)
-            for t in range(n_done, n_full - 1, 2):  # n_done: 0 (or n_full after PREFETCH_QK, refused on the host)
-                k2 = _kv_tile(kw_desc, k_ptr, stride_kn, stride_kh, t, j2, seq, cu0, hk, kv_head, d, d_ok, bt_ptr,
-                              stride_bt, block_size, paged, BLOCK_KV, D_P, USE_DESC)  # 2 x BLOCK_KV rows
-                qk2 = tl.dot(q, tl.trans(k2), input_precision=PRECISION)
-                # [BLOCK_M, 2, BLOCK_KV] (columns h * BLOCK_KV + c) -> [BLOCK_M, BLOCK_KV, 2] -> h = 0: tile t, 1: t+1
-                qk_a, qk_b = tl.split(tl.permute(tl.reshape(qk2, (BLOCK_M, 2, BLOCK_KV)), (0, 2, 1)))
-                v = _kv_tile(v_desc, v_ptr, stride_vn, stride_vh, t, j, seq, cu0, hk, kv_head, d, d_ok, bt_ptr,
-                             stride_bt, block_size, paged, BLOCK_KV, D_P, USE_DESC)
-                m_i, l_i, acc = _softmax_pv_step(qk_a, m_i, l_i, acc, v, qk_scale, PRECISION)
-                v = _kv_tile(v_desc, v_ptr, stride_vn, stride_vh, t + 1, j, seq, cu0, hk, kv_head, d, d_ok, bt_ptr,
-                             stride_bt, block_size, paged, BLOCK_KV, D_P, USE_DESC)
-                m_i, l_i, acc = _softmax_pv_step(qk_b, m_i, l_i, acc, v, qk_scale, PRECISION)
-            n_done = n_full - (n_full - n_done) % 2  # an odd last whole tile: the loop below
-        for t in range(n_done, n_full):
+        for t in range(0, n_full):
             kv_pos = t * BLOCK_KV + j
             if USE_DESC:  # packed, D a power of two: one bulk tensor copy (TMA) per tile instead of pointer loads
                 k = k_desc.load([(cu0 + t * BLOCK_KV).to(tl.int32), hk * D_P])
@@ -483,22 +401,19 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
     g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q, meta)
     paged = meta.block_table is not None
     bt = meta.block_table if paged else cu
-    if WIDE_QK and PREFETCH_QK:
-        raise ValueError("attention: WIDE_QK and PREFETCH_QK (both experimental) do not combine: set one of them")
-    k_desc = v_desc = kw_desc = None
+    k_desc = v_desc = None
     if not paged and cfg.rows <= DESC_MAX_ROWS and _use_descriptors(k_flat, v_flat):
         k_desc, v_desc = (_kv_descriptor(t, BLOCK_KV) for t in (k_flat, v_flat))
-        kw_desc = _kv_descriptor(k_flat, 2 * BLOCK_KV) if WIDE_QK else None  # WIDE_QK's 128-row K tiles
     _attn_fwd_kernel[(g_slots, hkv)](
         q, k_flat, v_flat, out, prog_seq, prog_q0, cu, meta.seq_lens,
         bt, bt.stride(0) if paged else 0, meta.block_size if paged else 1, int(paged),
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
-        out.stride(0), out.stride(1), float(scale) * LOG2E, d, k_desc, v_desc, kw_desc,
+        out.stride(0), out.stride(1), float(scale) * LOG2E, d, k_desc, v_desc,
         lse if return_lse else out, h if return_lse else 0,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV,
         D_P=triton.next_power_of_2(d),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_DESC=k_desc is not None,
-        WRITE_LSE=return_lse, PREFETCH_QK=PREFETCH_QK, WIDE_QK=WIDE_QK,
+        WRITE_LSE=return_lse,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         # no multiply-add contraction: the whole-tile loop's ``qk * scale - m`` could otherwise become one FMA
         # where the masked loop's (a select in between) cannot, and a tile's bits would depend on which loop ran it
