@@ -78,6 +78,21 @@ def test_export_command_from_a_full_checkpoint(tmp_path):
         verify_checkpoint(path)
 
 
+def test_export_command_leaves_the_destinations_neighbours_alone(tmp_path):
+    """OUT's parent is the user's: folders there named like rlrepro's set-aside or temporary copies of other
+    names (or not ending in a pid) stay as they are; only OUT's own leftovers are cleaned up."""
+    run = _fake_run(tmp_path, steps=(2,))
+    models = tmp_path / "models"
+    mine = ["photos", "photos.old-2019", "thesis.old-draft", "notes.old-12", "policy.old-draft", "policy.tmp-x"]
+    for name in mine:
+        (models / name).mkdir(parents=True)
+        (models / name / "f.txt").write_text(name)
+    (models / "policy.tmp-999999").mkdir()  # a killed export of OUT itself: removed
+    assert main(["export", str(run), str(models / "policy")]) == 0
+    assert sorted(p.name for p in models.iterdir()) == sorted([*mine, "policy"])
+    assert all((models / name / "f.txt").read_text() == name for name in mine)
+
+
 def test_export_keeps_a_bf16_checkpoint_bitwise(tmp_path):
     run = _fake_run(tmp_path, steps=(1,), dtype=torch.bfloat16)
     out = export_checkpoint(run, tmp_path / "bf16")

@@ -17,6 +17,7 @@ Exporting reads the weights and writes files; it draws no random number and chan
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -53,14 +54,19 @@ def list_exports(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def new_export_tmp(final: Path) -> Path:
-    """The temporary directory an export of ``final`` is written into (left-over ones of ``final`` removed)."""
+def new_export_tmp(final: Path, run_owned: bool = False) -> Path:
+    """The temporary directory an export of ``final`` is written into. What an earlier export of ``final`` left
+    (``final.tmp-<pid>``, or ``final.old-<pid>`` set aside while it replaced ``final``) is cleaned up; nothing else
+    in ``final``'s parent is touched (``rlrepro export``'s destination may sit among the user's own folders), unless
+    ``run_owned`` (``RUN/export/``, where every step's set-aside copy is the run's)."""
     from rlrepro.trainer.checkpoint import restore_set_aside
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    restore_set_aside(final.parent)  # an export killed while it replaced another: the old one back
-    for old in final.parent.glob(f"{final.name}.tmp-*"):
-        shutil.rmtree(old, ignore_errors=True)
+    # an export killed while it replaced another: the old one back
+    restore_set_aside(final.parent, name=None if run_owned else final.name)
+    for old in final.parent.glob(f"{glob.escape(final.name)}.tmp-*"):
+        if old.name.rsplit(".tmp-", 1)[1].isdigit() and old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
     return final.parent / f"{final.name}.tmp-{os.getpid()}"
 
 
@@ -120,7 +126,7 @@ def prune_exports(run_dir: str | os.PathLike, keep_last: int, current: int | Non
 def export_run_step(actors, run_dir: str | os.PathLike, step: int, keep_last: int, tokenizer_from) -> Path:
     """During a run: the trainer writes its current weights (those of ``step``) to ``RUN/export/step_NNNNNN``."""
     final = export_path(run_dir, step)
-    tmp = new_export_tmp(final)
+    tmp = new_export_tmp(final, run_owned=True)
     try:
         actors.export_hf(str(tmp))
         finish_export(tmp, final, tokenizer_from)

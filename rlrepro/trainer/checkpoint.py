@@ -26,6 +26,7 @@ under umask 022), whatever the writing library does (safetensors 0.8 creates its
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -218,14 +219,16 @@ def commit_checkpoint_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)  # the new one is committed; a failure here leaves a stale copy only
 
 
-def restore_set_aside(root: Path, say=None) -> None:
+def restore_set_aside(root: Path, say=None, name: str | None = None) -> None:
     """Directories ``NAME.old-<pid>`` under ``root`` that :func:`commit_checkpoint_dir` set aside and a killed
     process left: put back as ``NAME`` when there is none (its replacement never landed, so it is the step's only
-    copy), deleted when ``NAME`` exists (the replacement did). ``say``: a function told what was done."""
+    copy), deleted when ``NAME`` exists (the replacement did). ``say``: a function told what was done. ``name``:
+    only that ``NAME``'s (a folder of the user's, such as an export's destination's parent, holds other things).
+    Only names ending in ``.old-`` and digits are touched."""
     if not root.is_dir():
         return
-    for aside in sorted(root.glob(f"*{_ASIDE}*")):
-        if aside.is_symlink() or not aside.is_dir():
+    for aside in sorted(root.glob(f"{glob.escape(name) if name else '*'}{_ASIDE}*")):
+        if aside.is_symlink() or not aside.is_dir() or not aside.name.rsplit(_ASIDE, 1)[1].isdigit():
             continue
         final = root / aside.name.rsplit(_ASIDE, 1)[0]
         if final.exists() or final.is_symlink():
