@@ -302,3 +302,6 @@ def test_the_held_out_set_is_recorded_and_a_changed_byte_is_named(env, setup, tm
     b = collect(model, data, eval_files=[held_out])
     ha, hb = a["eval"]["files"]["held_out.jsonl"], b["eval"]["files"]["held_out.jsonl"]
     assert compare_inputs(a, b) == [f"eval file held_out.jsonl changed (sha256 {ha[:12]}... vs {hb[:12]}...)"]
+    # the held-out set changes eval/* metrics, never a training bit: not an input that can change bits
+    assert [d.bits for d in input_differences(a, b)] == [False]
+    assert [(d.what, d.bits) for d in input_differences(a, collect(model, data))] == [("eval_file", False)]

@@ -121,6 +121,9 @@ def test_main_plot_single_run_default_out_and_errors(tmp_path, capsys):
     assert str(a / "plots" / "loss.png") in capsys.readouterr().out
     assert main_plot([str(tmp_path / "missing")]) == 2
     assert "run directory not found" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")  # --out naming a file: a message and exit 2, not a traceback
+    assert main_plot([str(a), "--out", str(tmp_path / "afile")]) == 2
+    assert f"rlrepro plot: error: --out {tmp_path / 'afile'}: " in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     with pytest.raises(ReproError, match="no metrics.jsonl"):
         plot_runs([tmp_path / "empty"], tmp_path / "o")

@@ -84,6 +84,7 @@ def test_show_turns_and_control_characters(tmp_path):
     (["norollouts"], "{tmp}/norollouts has no rollout files (rollouts/step_NNNNNN.jsonl.gz): it was run with "
                      "run.save_rollouts=false"),
     (["plain"], "{tmp}/plain is not a run directory"),
+    (["a", "--n", "-1"], "--n -1: give a number of samples >= 1, or 0 for all of them"),
 ])
 def test_show_errors_name_what_exists(tmp_path, capsys, args, message):
     make_run(tmp_path / "a", steps=(1, 2, 3, 5), n=2)

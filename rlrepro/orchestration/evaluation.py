@@ -411,6 +411,10 @@ def main_eval(argv: list[str]) -> int:
                     "length, finish reason, text; with env.*: turns and tool calls) to FILE")
     ns = ap.parse_args(argv)
     records: list | None = [] if ns.records is not None else None
+    if ns.records is not None and not Path(ns.records).resolve().parent.is_dir():
+        print(f"rlrepro eval: --records {ns.records}: its folder {Path(ns.records).resolve().parent} does not exist; "
+              "create it or name a file in an existing folder", file=sys.stderr)
+        return 2
     try:
         step, metrics = evaluate_checkpoint(ns.run, ns.step, ns.source, records)
         if records is not None:
@@ -429,5 +433,7 @@ def main_eval(argv: list[str]) -> int:
             print(f"  {key:<28} {value}")
         note = {None: "the run logged no eval at this step", True: "equal to what the run logged at this step",
                 False: f"DIFFERENT from what the run logged at this step: {logged}"}[same]
+        if ns.source is not None:
+            note = "not compared with the run's log: --source is another held-out set"
         print(f"  ({note})")
     return 1 if same is False else 0

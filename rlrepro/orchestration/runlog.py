@@ -123,7 +123,7 @@ class RunLog:
 
         self.wandb_run = wandb.init(project=lc.project, dir=str(self.run_dir), mode=lc.mode,
                                     name=self.run_dir.name, group=self.cfg.recipe, config=_plain(self.cfg))
-        for group in ("rollout", "train", "repro", "perf", "eval"):
+        for group in ("rollout", "train", "repro", "perf", "eval", "episodes"):
             wandb.define_metric(f"{group}/*", step_metric="step")
 
     def log_wandb(self, step: int, metrics: dict) -> None:
@@ -143,7 +143,8 @@ class RunLog:
     def close(self) -> None:
         if self.wandb_run is not None:
             files = getattr(self.wandb_run, "dir", None)  # RUN/wandb/<run>/files
-            self.wandb_dir = str(Path(files).parent) if files else None
+            # logger.mode=disabled writes nothing: its run names a directory that is never made
+            self.wandb_dir = str(Path(files).parent) if files and Path(files).parent.is_dir() else None
             self.wandb_run.finish()
             self.wandb_run = None
 

@@ -253,7 +253,7 @@ def _short(d: Any) -> str:
     return "none" if d is None else str(d)[:_HEX] + ("..." if len(str(d)) > _HEX else "")
 
 
-def _file_diffs(what: str, label: str, fa: Mapping, fb: Mapping) -> list[InputDiff]:
+def _file_diffs(what: str, label: str, fa: Mapping, fb: Mapping, bits: bool = True) -> list[InputDiff]:
     out = []
     for name in sorted(set(fa) | set(fb)):
         a, b = fa.get(name), fb.get(name)
@@ -263,7 +263,7 @@ def _file_diffs(what: str, label: str, fa: Mapping, fb: Mapping) -> list[InputDi
             msg = f"{label} {name} is in {'B' if a is None else 'A'} only"
         else:
             msg = f"{label} {name} changed (sha256 {_short(a)} vs {_short(b)})"
-        out.append(InputDiff(what, name, a, b, True, msg))
+        out.append(InputDiff(what, name, a, b, bits, msg))
     return out
 
 
@@ -288,7 +288,7 @@ def input_differences(a: Mapping, b: Mapping) -> list[InputDiff]:
                              f"starting weights differ (weights digest {_short(a.get('weights_digest'))} vs "
                              f"{_short(b.get('weights_digest'))})"))
     ea_, eb_ = a.get("eval") or {}, b.get("eval") or {}  # the held-out set changes eval/* metrics, not training
-    out += _file_diffs("eval_file", "eval file", ea_.get("files") or {}, eb_.get("files") or {})
+    out += _file_diffs("eval_file", "eval file", ea_.get("files") or {}, eb_.get("files") or {}, bits=False)
     ta, tb = a.get("tokenizer") or {}, b.get("tokenizer") or {}
     out += _file_diffs("tokenizer_file", "tokenizer file", ta.get("files") or {}, tb.get("files") or {})
     va, vb = a.get("versions") or {}, b.get("versions") or {}

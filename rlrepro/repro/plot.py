@@ -297,6 +297,10 @@ def main_plot(argv: Sequence[str] | None = None) -> int:
     except ReproError as e:
         print(f"rlrepro plot: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. --out names a file, or a folder that cannot be written
+        print(f"rlrepro plot: error: --out {out}: {e.strerror or e}; give a directory to write the plots into",
+              file=sys.stderr)
+        return 2
     return 0
 
 

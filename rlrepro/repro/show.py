@@ -243,6 +243,10 @@ def main_show(argv: Sequence[str] | None = None) -> int:
         args = ap.parse_args(argv)
     except SystemExit as e:
         return 0 if e.code in (0, None) else 2
+    if args.n < 0:
+        print(f"rlrepro show: error: --n {args.n}: give a number of samples >= 1, or 0 for all of them",
+              file=sys.stderr)
+        return 2
     try:
         text = show_step(args.run, args.step, args.n)
     except ReproError as e:
