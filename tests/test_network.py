@@ -111,3 +111,19 @@ def test_process_groups_listen_on_loopback_where_the_hostname_resolves_outward(t
         child.stdin.write("\n")
         child.stdin.flush()
         child.wait(timeout=60)
+
+
+def test_actor_environment_pins_the_hash_seed_on_a_cluster(monkeypatch):
+    """A cluster's workers start from `ray start`'s environment: the driver's pinned PYTHONHASHSEED travels in the
+    actors' runtime_env (an episode's reward runs there), with ray.network_interface; a local run's actors inherit
+    the driver's environment and get none."""
+    from rlrepro.cli import compose_config
+    from rlrepro.orchestration.actors import actor_env_vars
+    from rlrepro.orchestration.config import to_schema
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    local = to_schema(compose_config(["recipe=grpo_tiny"]))
+    assert actor_env_vars(local) == {}
+    cluster = to_schema(compose_config(["recipe=grpo_tiny", "ray.address=10.0.0.5:6379",
+                                        "ray.network_interface=eth1"]))
+    assert actor_env_vars(cluster) == {"PYTHONHASHSEED": "0", network.NETWORK_INTERFACE_ENV: "eth1"}

@@ -21,6 +21,23 @@ from .workers import Request, RolloutWorker, TrainerWorker
 NODE_CHECK_S = 2.0  # while waiting on rollout workers: how often the nodes of the run are looked at
 
 
+def actor_env_vars(cfg) -> dict[str, str]:
+    """Environment variables the actors get through Ray's ``runtime_env``: on a cluster (``ray.address`` set) the
+    driver's ``PYTHONHASHSEED`` (pinned to 0 by the CLI), since a node's workers start from ``ray start``'s
+    environment and an episode's reward (``reward.fn``, scored on the rollout workers) may iterate a set; and the
+    network interface of ``ray.network_interface``. A local run's actors inherit the driver's environment."""
+    import os
+
+    env = {}
+    if not is_local(cfg.ray.address):
+        env["PYTHONHASHSEED"] = os.environ.get("PYTHONHASHSEED", "0")
+    if cfg.ray.network_interface:  # the interface the actors' gloo / NCCL groups use on a cluster (.network)
+        from .network import NETWORK_INTERFACE_ENV
+
+        env[NETWORK_INTERFACE_ENV] = cfg.ray.network_interface
+    return env
+
+
 class ActorGroup:
     """The rollout workers and the trainer ranks of one run.
 
@@ -66,10 +83,9 @@ class ActorGroup:
             self._worker_options = [dict(num_gpus=0)] * nw
             trainer_options = [dict(num_gpus=0)] * nt
         self._held_nodes = self.actors_by_node()  # fixed at start: a node lost later is named with its actors
-        if cfg.ray.network_interface:  # the interface the actors' gloo / NCCL groups use on a cluster (.network)
-            from .network import NETWORK_INTERFACE_ENV
-
-            env = {"env_vars": {NETWORK_INTERFACE_ENV: cfg.ray.network_interface}}
+        env_vars = actor_env_vars(cfg)
+        if env_vars:
+            env = {"env_vars": env_vars}
             self._worker_options = [dict(o, runtime_env=env) for o in self._worker_options]
             trainer_options = [dict(o, runtime_env=env) for o in trainer_options]
         self._worker_cls = ray.remote(num_cpus=0, max_restarts=0)(RolloutWorker)
