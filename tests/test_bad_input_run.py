@@ -180,13 +180,26 @@ def test_tp_partials_that_do_not_divide_the_model_fail_before_work(tmp_path):
 def test_env_problems_fail_before_work(tmp_path):
     # an option the environment does not take: found at set-up (the environment of the first prompt is created),
     # not at step 1 after Ray and the warm start
-    err = setup_run(tmp_path / "run", "env.name=calculator_task", "+env.kwargs={digits: 3}")
+    tool = ["env.name=calculator_task", "data.use_chat_template=true", "data.max_prompt_tokens=64"]
+    err = setup_run(tmp_path / "run", *tool, "+env.kwargs={digits: 3}")
     assert isinstance(err, ConfigError), err
     assert "calculator_task" in str(err) and "digits" in str(err) and "env.kwargs" in str(err)
-    assert setup_run(tmp_path / "run2", "env.name=calculator_task") is None
+    assert setup_run(tmp_path / "run2", *tool) is None
+    # tools without the chat template (which renders their schemas): at set-up too, not at step 1
+    err = setup_run(tmp_path / "run2b", "env.name=calculator_task", "data.max_prompt_tokens=64",
+                    "data.use_chat_template=false")
+    assert isinstance(err, ConfigError) and "data.use_chat_template=true" in str(err), err
     # a budget the prompt alone reaches: every episode would end before its first token (a run training on nothing)
     err = setup_run(tmp_path / "run3", "env.name=single_turn", "env.max_episode_tokens=3")
     assert isinstance(err, ConfigError) and "env.max_episode_tokens=3" in str(err) and "Fix: raise" in str(err)
+    # an episode prompt (tools' schemas included) that fills the engine's context: every episode would be empty
+    from types import SimpleNamespace
+
+    from rlrepro.orchestration.config import to_schema
+    cfg = to_schema(compose_config(["recipe=grpo_tiny", "env.name=calculator_task", "rollout.max_model_len=30"]))
+    driver_mod.preflight.check_episode_prompt(cfg, "u", 29, SimpleNamespace(max_position_embeddings=1024))
+    with pytest.raises(ConfigError, match=r"prompt 'u' starts its episode with 30 tokens, the engine's context \(30\)"):
+        driver_mod.preflight.check_episode_prompt(cfg, "u", 30, SimpleNamespace(max_position_embeddings=1024))
     # rollout.max_staleness must leave a batch to train: K batches come before the first update
     with pytest.raises(ConfigError, match=r"rollout.max_staleness=3 is not below train.steps=3"):
         setup_run(tmp_path / "run4", "rollout.max_staleness=3", "train.steps=3")

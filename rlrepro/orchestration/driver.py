@@ -115,13 +115,20 @@ class GRPODriver(GenerationSteps, PipelineSteps):
                 self.env_spec = load_env(cfg.env, reward_with_policy(self.reward_fn, cfg.reward.on_error))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-            first = self.prompts[0].record  # env.kwargs and the factory, tried now rather than at step 1
+            # env.kwargs and the factory, tried now rather than at step 1, on the longest prompt: its episode prompt
+            # (with the tools' schemas the chat template renders) must leave room for a generated token
+            longest = max(self.prompts, key=lambda p: len(p.token_ids))
             try:
-                self.env_spec.make(first, 0).reset()
+                start = self.env_spec.make(longest.record, 0).reset()
             except Exception as e:  # noqa: BLE001 - whatever the environment raises, before any work
-                raise ConfigError(f"the environment {cfg.env.env_name!r} could not be created for the first prompt "
-                                  f"({first.uid!r}): {type(e).__name__}: {e}. Fix env.* (env.kwargs, env.fn) before "
+                raise ConfigError(f"the environment {cfg.env.env_name!r} could not be created for prompt "
+                                  f"{longest.uid!r}: {type(e).__name__}: {e}. Fix env.* (env.kwargs, env.fn) before "
                                   "starting the run") from None
+            try:
+                ids = self.episode_prompt(longest, start)
+            except ValueError as e:  # e.g. tools without the chat template
+                raise ConfigError(f"env {cfg.env.env_name!r}: {e}") from None
+            preflight.check_episode_prompt(cfg, longest.uid, len(ids), self.model_config)
         self.evaluator = None
         if cfg.eval.every or self.eval_later:  # held-out evaluation (orchestration.evaluation); prompts checked now
             from .evaluation import Evaluator

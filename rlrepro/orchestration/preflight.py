@@ -185,12 +185,8 @@ def check_lengths(cfg: RunSchema, prompts: list, model_config: Any) -> None:
         raise ConfigError(f"prompt {longest.uid!r} has {n} tokens; with rollout.max_tokens={r.max_tokens} that is "
                           f"{n + r.max_tokens} > {max_len} ({src}). Fix: {fix}lower data.max_prompt_tokens to drop "
                           "long prompts, or raise rollout.max_model_len")
-    budget = cfg.env.max_episode_tokens
-    if budget is not None and n >= budget and (cfg.env.name is not None or cfg.env.fn is not None):
-        raise ConfigError(f"prompt {longest.uid!r} has {n} tokens, env.max_episode_tokens={budget}: its episode "
-                          "would end (token_budget) before the first generated token, and the run would train on "
-                          f"nothing. Fix: raise env.max_episode_tokens above {n} (the prompt, the turns and the "
-                          "observations all count) or lower data.max_prompt_tokens to drop long prompts")
+    if cfg.env.name is not None or cfg.env.fn is not None:
+        check_episode_prompt(cfg, longest.uid, n, model_config)
     if r.num_kv_blocks is not None:
         need = -(-(n + r.max_tokens - 1) // r.block_size)
         if need > r.num_kv_blocks:
@@ -198,6 +194,21 @@ def check_lengths(cfg: RunSchema, prompts: list, model_config: Any) -> None:
                               f"{need} KV blocks of {r.block_size} tokens > rollout.num_kv_blocks="
                               f"{r.num_kv_blocks}. Fix: raise rollout.num_kv_blocks to at least {need} or lower "
                               "rollout.max_tokens")
+
+
+def check_episode_prompt(cfg: RunSchema, uid: str, n: int, model_config: Any) -> None:
+    """An episode's prompt of ``n`` tokens (the environment's start, tools' schemas included) leaves room for a
+    generated token under ``env.max_episode_tokens`` and the engine's context, else every such episode would end
+    (token_budget) before its first turn and the run would train on nothing."""
+    max_len = cfg.rollout.max_model_len or model_config.max_position_embeddings
+    budget = cfg.env.max_episode_tokens
+    for limit, key in ((budget, f"env.max_episode_tokens={budget}"), (max_len, f"the engine's context ({max_len})")):
+        if limit is not None and n >= limit:
+            raise ConfigError(f"prompt {uid!r} starts its episode with {n} tokens, {key}: the episode would end "
+                              "(token_budget) before the first generated token, and the run would train on nothing. "
+                              f"Fix: raise env.max_episode_tokens / rollout.max_model_len above {n} (the prompt, the "
+                              "turns and the observations all count) or lower data.max_prompt_tokens to drop long "
+                              "prompts")
 
 
 def check_micro_batch_tokens(cfg: RunSchema, prompts: list, model_config: Any, episodes: bool) -> None:
