@@ -84,6 +84,7 @@ def compose_config(overrides: list[str]):
         raise ConfigError(f"unknown recipe {recipe!r}{hint}; available: {', '.join(available)}")
     schema = OmegaConf.structured(RunSchema)
     _refuse_added_keys(rest, schema, recipe)
+    rest = [_into_mapping(item, schema) for item in rest]
     ConfigStore.instance().store(name="rlrepro_schema", node=RunSchema)
     try:
         with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
@@ -118,6 +119,27 @@ def _unknown_key_hint(key: str, schema) -> str | None:
         return None
     close = difflib.get_close_matches(key, known, n=3)
     return f"{key!r} is not a config key" + (f" (close: {', '.join(close)})" if close else "")
+
+
+def _into_mapping(item: str, schema) -> str:
+    """``env.kwargs.digits=3`` or ``env.kwargs={digits: 3}``: a key inside (or the whole of) a mapping-valued key
+    (``env.kwargs``, ``data.synthetic.kwargs``, ``model.tiny_overrides``) as hydra's ``++`` override, which may add
+    keys that the recipe's mapping does not have yet (a plain override may not: "Key 'digits' is not in struct")."""
+    from omegaconf import OmegaConf
+
+    if item.startswith(("+", "~")) or "=" not in item:
+        return item
+    key = item.split("=", 1)[0]
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        try:
+            node = OmegaConf.select(schema, prefix)
+        except Exception:  # noqa: BLE001 - not a schema path
+            node = None
+        if node is not None and OmegaConf.get_type(node) is dict:
+            return "++" + item
+    return item
 
 
 def _refuse_added_keys(overrides: list[str], schema, recipe: str) -> None:

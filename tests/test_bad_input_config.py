@@ -2,6 +2,7 @@
 ConfigError that names the key, or accepted, and then nothing that only runs after work has started (the trainer
 actor, the engine, the sampler, the warm start) rejects it. No Ray, no model: fast."""
 import math
+import re
 import string
 
 import pytest
@@ -109,3 +110,28 @@ def test_examples_name_the_value_and_the_fix(override, needle):
     with pytest.raises(ConfigError, match=None) as ei:
         compose_config(["recipe=grpo_tiny", override])
     assert needle in str(ei.value)
+
+
+def test_keys_inside_mapping_valued_keys_need_no_plus():
+    """env.kwargs (the environment's own options), data.synthetic.kwargs: a key inside the mapping, or the whole
+    mapping, set as any other key (hydra alone wants +env.kwargs.digits=3, since the recipe's mapping lacks it)."""
+    from rlrepro.cli import compose_config
+
+    for override in ("env.kwargs.digits=3", "env.kwargs={digits: 3}", "+env.kwargs.digits=3"):
+        cfg = compose_config(["recipe=grpo_tiny", "env.name=calculator_task", override])
+        assert dict(cfg.env.kwargs) == {"digits": 3}, override
+    assert dict(compose_config(["recipe=grpo_tiny_tool", "data.synthetic.kwargs={digits: 3}"]).data.synthetic.kwargs) \
+        == {"digits": 3}
+
+
+def test_env_keys_without_an_environment_are_refused():
+    """env.* configures episodes; with env.name and env.fn null the run is single-turn and they would change
+    nothing, so they are refused naming the fix (a verl user writes env.max_turns=3 and expects multi-turn)."""
+    from rlrepro.cli import compose_config
+
+    for override, key in (("env.max_turns=3", "env.max_turns=3"), ("env.tools=[python]", "env.tools=['python']"),
+                          ("env.calculator.max_chars=9", "env.calculator.max_chars=9")):
+        with pytest.raises(ConfigError, match=rf"{re.escape(key)} is set but changes nothing: env.name and env.fn "
+                                              r"are null.*Set env.name=tool"):
+            compose_config(["recipe=grpo_tiny", override])
+    compose_config(["recipe=grpo_tiny", "env.name=tool", "env.max_turns=3", "env.tools=[python]"])

@@ -22,7 +22,7 @@ from rlrepro.repro.records import ReproError
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def make_run(path, steps=12, diverge_at=None, kl=0.001, kl_coef=None, lp_diff=0.0):
+def make_run(path, steps=12, diverge_at=None, kl=0.001, kl_coef=None, lp_diff=0.0, overlap=False):
     path.mkdir(parents=True)
     cfg = {"run": {"dir": str(path), "seed": 0}}
     if kl_coef is not None:
@@ -38,7 +38,7 @@ def make_run(path, steps=12, diverge_at=None, kl=0.001, kl_coef=None, lp_diff=0.
         mw.write({"step": s, "rollout/reward_mean": 0.1 * s + off, "rollout/response_length_mean": 100.0 + s,
                   "train/loss": 1.0 / s + off, "train/grad_norm": 2.0 - 0.1 * s, "train/kl": kl * s,
                   "train/entropy": 2.0 - 0.05 * s - off, "train/rollout_logprob_abs_diff": lp_diff * (s % 2),
-                  "perf/step_time_s": 0.5})
+                  "perf/step_time_s": 0.5, **({"perf/overlap_s": 0.1} if overlap else {})})
     return path
 
 

@@ -25,7 +25,7 @@ Whether ``env.name`` / ``env.fn`` resolve is checked when the run starts (:func:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import ClassVar, Optional
 
 from rlrepro.checks import Checker
@@ -86,8 +86,38 @@ class EnvConfig:
             self.tools = list(tools)
         c.require(isinstance(self.calculator, CalculatorLimits), "calculator", "must be a CalculatorLimits")
         c.require(isinstance(self.python, SandboxLimits), "python", "must be a SandboxLimits")
+        if self.name is None and self.fn is None:  # the single-turn path of rollout.*: env.* would change nothing
+            changed = _changed_keys(self, _DEFAULTS)
+            if changed:
+                from rlrepro.checks import ConfigError
+
+                raise ConfigError(
+                    ", ".join(f"env.{k}={v!r}" for k, v in changed) + " is set but changes nothing: env.name and "
+                    "env.fn are null, so the run is single-turn (rollout.*). Set env.name=tool (or calculator_task, "
+                    "single_turn) or env.fn=pkg.module:factory for episodes, or drop "
+                    + ", ".join(f"env.{k}" for k, _ in changed))
 
     @property
     def env_name(self) -> str:
         """What names the environment in records: env.fn, env.name, or single_turn."""
         return self.fn or self.name or "single_turn"
+
+
+def _changed_keys(cfg: EnvConfig, defaults: dict) -> list[tuple[str, object]]:
+    """(dotted key, value) of every episode key that differs from its default (limits key by key)."""
+    out = []
+    for f in fields(cfg):
+        if f.name in ("name", "fn", "tool_threads"):
+            continue
+        value, default = getattr(cfg, f.name), defaults[f.name]
+        if value == default:
+            continue
+        if is_dataclass(default) and type(value) is type(default):
+            out += [(f"{f.name}.{g.name}", getattr(value, g.name)) for g in fields(default)
+                    if getattr(value, g.name) != getattr(default, g.name)]
+        else:
+            out.append((f.name, value))
+    return out
+
+
+_DEFAULTS = {f.name: (f.default_factory() if f.default is MISSING else f.default) for f in fields(EnvConfig)}

@@ -129,7 +129,11 @@ def _logprob_diff_note(labels: list[str], metrics: list[dict | None]) -> str | N
         return None
     if best[0] == 0.0 and not nan_runs:
         return "max = 0.0 (exactly on-policy)"
-    note = f"max = {best[0]:.3g}" + (f" ({best[1]})" if len(labels) > 1 else "") + ": not exactly on-policy"
+    stale = [lab for lab, m in zip(labels, metrics) if _series(m, "perf/overlap_s")[1]]  # rollout.max_staleness > 0
+    why = ": not exactly on-policy"
+    if stale and best[1] in stale:  # max |proximal - behaviour|: how stale the pipelined batches are, by design
+        why = ": stale by design (rollout.max_staleness > 0: trainer vs the older policy that sampled)"
+    note = f"max = {best[0]:.3g}" + (f" ({best[1]})" if len(labels) > 1 else "") + why
     return note + (f"; NaN in {', '.join(nan_runs)}" if nan_runs else "")
 
 
