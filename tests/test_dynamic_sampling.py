@@ -201,3 +201,16 @@ def test_episode_metrics_and_reward_errors_add_up_over_rounds(tmp_path, monkeypa
     assert metrics["episodes/turns_mean"] == 1.0 and metrics["perf/prefix_hit_rate"] == 0.25
     assert metrics["episodes/finish_done_frac"] == 1.0 and "episodes/finish_token_budget_frac" in metrics
     assert metrics["rollout/groups_kept"] == 3
+
+
+def test_a_failure_in_the_users_environment_or_reward_says_to_fix_the_code(tmp_path, monkeypatch):
+    from rlrepro.data.rewards import RewardError
+    from rlrepro.envs import EnvError
+
+    d = _driver(tmp_path, monkeypatch)
+    d._done_step, d._done_order, d._trainer_step, d._saving = 0, None, 0, False
+    for error, code in ((EnvError("environment X raised in step()"), "environment (env.name / env.fn)"),
+                        (RewardError("reward.fn raised"), "reward function (reward.fn)")):
+        message = str(d._failed(1, error))
+        assert f"The {code} raised: fix its code first" in message, message
+    assert "fix its code first" not in str(d._failed(1, RuntimeError("worker lost")))

@@ -334,3 +334,14 @@ def test_the_layer_imports_no_engine_trainer_ray_or_torch():
             "'rlrepro.kernels', 'rlrepro.repro')))\nprint(bad)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+def test_a_file_path_given_as_a_module_is_answered_with_the_module_spelling():
+    from rlrepro.data import load_reward_fn
+    from rlrepro.envs.registry import load_env_factory
+
+    with pytest.raises(ValueError, match=r"reward.fn='my_reward.py:reward' names a file; give the module's name "
+                                         r"instead \(reward.fn=my_reward:reward\)"):
+        load_reward_fn("my_reward.py:reward")
+    with pytest.raises(ValueError, match=r"env.fn='mods/myenv.py:factory' names a file.*\(env.fn=myenv:factory\)"):
+        load_env_factory("mods/myenv.py:factory")

@@ -115,3 +115,13 @@ def test_a_failed_or_interrupted_run_says_so(tmp_path):
     assert "  interrupted during step 6" in text and "interrupted interrupted" not in text
     done = run_summary(run, _cfg(), wall_s=1.0, steps_this_run=2)
     assert done["status"] == "complete" and done["error"] is None and "resume " not in format_summary(done)
+
+
+def test_a_run_with_no_step_lists_no_records_it_did_not_write(tmp_path):
+    s = run_summary(tmp_path, _cfg(), wall_s=1.0, steps_this_run=0)
+    assert s["files"]["metrics"] is None and s["files"]["fingerprints"] is None and s["files"]["plot_command"] is None
+    text = format_summary(s)
+    assert "records    none (no step was recorded)" in text and "plots      none" in text
+    assert "metrics.jsonl" not in text and "rlrepro plot" not in text
+    _write_metrics(tmp_path, [0.5])
+    assert "rlrepro plot" in format_summary(run_summary(tmp_path, _cfg(), wall_s=1.0, steps_this_run=1))

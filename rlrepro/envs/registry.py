@@ -87,6 +87,11 @@ def _spec_problem(spec: str, e: SpecError) -> str:
                 f"those, or env.fn=pkg.module:factory")
     if e.problem == "malformed":
         return f"env.fn={spec!r} must look like env.fn=pkg.module:factory"
+    if e.problem == "import" and (".py" in (e.module_name or "") or "/" in (e.module_name or "")):
+        stem = (e.module_name or "").replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py")
+        attr = spec.rsplit(":", 1)[1] if ":" in spec else "factory"
+        return (f"env.fn={spec!r} names a file; give the module's name instead (env.fn={stem}:{attr}), with its "
+                "folder on PYTHONPATH (or the folder you run from)")
     if e.problem == "import":
         cause = e.__cause__
         return (f"env.fn={spec!r}: cannot import module {e.module_name!r} ({type(cause).__name__}: {cause}). Fix: "

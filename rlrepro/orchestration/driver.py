@@ -525,6 +525,10 @@ class GRPODriver(GenerationSteps, PipelineSteps):
                          "checkpoint is written at such a failure (checkpoint.every bounds the steps repeated)")
         if trainer_died:
             notes.append("the trainer process died (out of memory? killed?)")
+        kind_of = type(cause).__name__ if cause is not None else ""
+        if kind_of in ("EnvError", "RewardError"):  # the same inputs fail the same way: a resume alone repeats it
+            code = "environment (env.name / env.fn)" if kind_of == "EnvError" else "reward function (reward.fn)"
+            notes.append(f"the {code} raised: fix its code first (a resume runs the same episode again, bit for bit)")
         latest = latest_checkpoint(self.checkpoint_root())
         where = f"{latest}" if latest is not None else "none (a resumed run starts from step 1)"
         what = (f"interrupted during step {step}" if interrupted else f"step {step} failed: {describe(error)}")

@@ -101,10 +101,12 @@ def run_summary(run_dir: str | Path, cfg, *, wall_s: float, steps_this_run: int,
                        "train_tokens_per_s": train_tokens / step_time if step_time > 0 else None,
                        "generated_tokens_per_s": generated / step_time if step_time > 0 else None},
         "files": {
-            "metrics": str(run_dir / METRICS_FILE), "fingerprints": str(run_dir / "fingerprints.jsonl"),
+            # None when not written (a run that failed before its first step)
+            "metrics": str(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).is_file() else None,
+            "fingerprints": str(run_dir / "fingerprints.jsonl") if (run_dir / "fingerprints.jsonl").is_file() else None,
             "rollouts": str(run_dir / "rollouts") if (run_dir / "rollouts").is_dir() else None,
             "plots": str(plots) if plots.is_dir() else None,
-            "plot_command": f"rlrepro plot {run_dir}",
+            "plot_command": f"rlrepro plot {run_dir}" if (run_dir / METRICS_FILE).is_file() else None,
             "checkpoints": [str(p) for _, p in ckpts],
             "latest_checkpoint": str(ckpts[-1][1]) if ckpts else None,
             "exports": [str(p) for _, p in exports],
@@ -133,8 +135,9 @@ def format_summary(s: dict) -> str:
     lines += [f"  wall time  {t['wall_s']:.1f} s this invocation; {t['step_time_s_total']:.1f} s of step time in all",
               f"  throughput {_num(tp['train_tokens_per_s'], '.1f')} train tokens/s, "
               f"{_num(tp['generated_tokens_per_s'], '.1f')} generated tokens/s (per second of step time)",
-              f"  records    {f['metrics']}, {f['fingerprints']}" + (f", {f['rollouts']}/" if f["rollouts"] else ""),
-              f"  plots      {f['plots'] or 'none yet: ' + f['plot_command']}",
+              "  records    " + (", ".join(x for x in (f["metrics"], f["fingerprints"]) if x) or "none (no step "
+                                   "was recorded)") + (f", {f['rollouts']}/" if f["rollouts"] else ""),
+              f"  plots      {f['plots'] or ('none yet: ' + f['plot_command'] if f['plot_command'] else 'none')}",
               f"  checkpoint {f['latest_checkpoint'] or 'none'}" + (f" ({len(f['checkpoints'])} kept)"
                                                                     if f["checkpoints"] else "")]
     if f["exported_model"]:
