@@ -305,3 +305,26 @@ def test_the_held_out_set_is_recorded_and_a_changed_byte_is_named(env, setup, tm
     # the held-out set changes eval/* metrics, never a training bit: not an input that can change bits
     assert [d.bits for d in input_differences(a, b)] == [False]
     assert [(d.what, d.bits) for d in input_differences(a, collect(model, data))] == [("eval_file", False)]
+
+
+def test_the_users_reward_and_environment_code_is_recorded_and_a_change_named(env, setup, tmp_path, monkeypatch):
+    """reward.fn / env.fn outside rlrepro: the file each was defined in and its sha256 (a one-character change in
+    the user's module changes bits, so diff names it); rlrepro's built-ins are left out."""
+    import importlib
+    import sys as _sys
+
+    from rlrepro.data import load_reward_fn
+
+    model, data = setup
+    mod = tmp_path / "my_reward_h.py"
+    mod.write_text("def reward(completion, record):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = importlib.import_module("my_reward_h").reward
+    a = collect(model, data, code={"reward.fn": fn, "env.fn": load_reward_fn("exact_match")})
+    assert a["code"] == {"reward.fn": {"file": str(mod.resolve()), "sha256": sha(mod)}}  # the built-in left out
+    mod.write_text("def reward(completion, record):\n    return 0.0\n")
+    b = collect(model, data, code={"reward.fn": fn})
+    diffs = [d for d in input_differences(a, b) if d.what == "code"]
+    assert [(d.key, d.bits) for d in diffs] == [("reward.fn", True)]
+    assert compare_inputs(a, b)[0].startswith("the code of reward.fn changed (sha256 ")
+    _sys.modules.pop("my_reward_h", None)

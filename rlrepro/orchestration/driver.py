@@ -451,7 +451,9 @@ class GRPODriver(GenerationSteps, PipelineSteps):
                                 data_revision=self.cfg.data.revision, model_dir=self.model_dir,
                                 weights_digest=weights_digest,
                                 eval_files=self.evaluator.files if self.evaluator is not None else None,
-                                cluster=_cluster_info(self.actors))
+                                cluster=_cluster_info(self.actors),
+                                code={"reward.fn": self.reward_fn,
+                                      **({"env.fn": self.env_spec.factory} if self.env_spec is not None else {})})
         if recorded is not None:
             for line in compare_inputs(recorded, inputs):
                 self.log.line(f"rlrepro: warning: resuming with other inputs than the run recorded: {line}")

@@ -176,7 +176,7 @@ def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: s
                    tokenizer_files: Iterable[str | os.PathLike] | None = None, weights_digest: str | None,
                    environ: Mapping[str, str] | None = None,
                    eval_files: Iterable[str | os.PathLike] | None = None,
-                   cluster: Mapping | None = None) -> dict:
+                   cluster: Mapping | None = None, code: Mapping[str, Any] | None = None) -> dict:
     """The inputs of a run, as ``inputs.json`` holds them.
 
     ``data_files``: the data set's local files (or directories) as loaded; ``records_digest``: the digest of the
@@ -184,7 +184,9 @@ def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: s
     starting model's directory, whose tokenizer files are hashed (``tokenizer_files`` lists them instead);
     ``weights_digest``: the starting weights' digest (the trainer's); ``environ``: default ``os.environ``;
     ``eval_files``: the held-out set's files (eval.source) when the run evaluates (the ``"eval"`` entry, absent
-    otherwise); ``cluster``: where the actors ran (informational, the ``"cluster"`` entry, absent when None).
+    otherwise); ``cluster``: where the actors ran (informational, the ``"cluster"`` entry, absent when None);
+    ``code``: the user's functions by key (``{"reward.fn": fn, "env.fn": factory}``): the file each was defined in,
+    with its sha256, under ``"code"`` (rlrepro's own built-ins are left out: the ``rlrepro`` version covers them).
     Raises FileNotFoundError for a data or tokenizer file that is missing."""
     model_dir = Path(model_dir)
     files, paths = _named_digests(data_files)
@@ -203,6 +205,28 @@ def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: s
         out["eval"] = {"files": eval_digests, "paths": eval_paths}
     if cluster is not None:
         out["cluster"] = dict(cluster)
+    user_code = _user_code(code or {})
+    if user_code:
+        out["code"] = user_code
+    return out
+
+
+def _user_code(code: Mapping[str, Any]) -> dict:
+    """``{key: {"file": path, "sha256": digest}}`` for each object defined in a file outside the rlrepro package."""
+    import inspect
+
+    own = Path(__file__).resolve().parents[1]  # the rlrepro package
+    out = {}
+    for key, obj in sorted(code.items()):
+        obj = inspect.unwrap(obj)
+        if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.ismethod(obj)):
+            obj = type(obj)  # a callable object: its class's file
+        try:
+            path = Path(inspect.getsourcefile(obj) or "").resolve()
+        except (TypeError, OSError):
+            continue
+        if path.is_file() and own not in path.parents:
+            out[key] = {"file": str(path), "sha256": file_sha256(path)}
     return out
 
 
@@ -240,8 +264,9 @@ def read_inputs(run_dir: str | os.PathLike) -> dict | None:
 
 @dataclass
 class InputDiff:
-    what: str        # data_file | data_records | data_revision | weights | eval_file | tokenizer_file | version | gpu
-                     # | cpu | env | cluster (informational)
+    # data_file | data_records | data_revision | weights | eval_file | code | tokenizer_file | version | gpu | cpu
+    # | env | cluster (informational)
+    what: str
     key: str         # the file, variable or package name ("" where there is one of a kind)
     a: Any           # the values in run A and run B (None: absent / unset)
     b: Any
@@ -289,6 +314,9 @@ def input_differences(a: Mapping, b: Mapping) -> list[InputDiff]:
                              f"{_short(b.get('weights_digest'))})"))
     ea_, eb_ = a.get("eval") or {}, b.get("eval") or {}  # the held-out set changes eval/* metrics, not training
     out += _file_diffs("eval_file", "eval file", ea_.get("files") or {}, eb_.get("files") or {}, bits=False)
+    ca, cb = a.get("code") or {}, b.get("code") or {}  # the user's reward.fn / env.fn: its code changes bits
+    out += _file_diffs("code", "the code of", {k: v.get("sha256") for k, v in ca.items()},
+                       {k: v.get("sha256") for k, v in cb.items()})
     ta, tb = a.get("tokenizer") or {}, b.get("tokenizer") or {}
     out += _file_diffs("tokenizer_file", "tokenizer file", ta.get("files") or {}, tb.get("files") or {})
     va, vb = a.get("versions") or {}, b.get("versions") or {}
