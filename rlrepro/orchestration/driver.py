@@ -68,6 +68,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         self.actors: ActorGroup | None = None
         self.pending: dict = {}  # rollout.max_staleness: the batches generated ahead, by step
         self._ahead_failed: int | None = None  # the batch whose generate-ahead failed (pipeline.py)
+        self._in_warm_start = False  # the supervised warm start (before step 1) is running
         self.log: RunLog | None = None
         # rlrepro verify: (from_step, config) of each later eval.* setting a resume amended (Evaluator's ``later``)
         self.eval_later: list = []
@@ -107,28 +108,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         self.stop_token_ids = [eos] if eos is not None else []
         self.env_spec = None
         if uses_episodes(cfg):  # multi-turn episodes (rlrepro.envs, orchestration.episodes); checked now
-            from rlrepro.envs import load_env
-
-            try:
-                from rlrepro.data import reward_with_policy
-
-                self.env_spec = load_env(cfg.env, reward_with_policy(self.reward_fn, cfg.reward.on_error))
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            # env.kwargs and the factory, tried now rather than at step 1, on the longest prompt: its episode prompt
-            # (with the tools' schemas the chat template renders) must leave room for a generated token
-            longest = max(self.prompts, key=lambda p: len(p.token_ids))
-            try:
-                start = self.env_spec.make(longest.record, 0).reset()
-            except Exception as e:  # noqa: BLE001 - whatever the environment raises, before any work
-                raise ConfigError(f"the environment {cfg.env.env_name!r} could not be created for prompt "
-                                  f"{longest.uid!r}: {type(e).__name__}: {e}. Fix env.* (env.kwargs, env.fn) before "
-                                  "starting the run") from None
-            try:
-                ids = self.episode_prompt(longest, start)
-            except ValueError as e:  # e.g. tools without the chat template
-                raise ConfigError(f"env {cfg.env.env_name!r}: {e}") from None
-            preflight.check_episode_prompt(cfg, longest.uid, len(ids), self.model_config)
+            self.env_spec = self.load_environment()
         self.evaluator = None
         if cfg.eval.every or self.eval_later:  # held-out evaluation (orchestration.evaluation); prompts checked now
             from .evaluation import Evaluator
@@ -356,6 +336,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         preflight.check_run_dir(cfg, self.run_dir, fresh=start_checkpoint is None and not cfg.run.resume)
         self._done_step, self._done_order, self._trainer_step, self._saving = 0, None, 0, False
         self._start_step = None
+        self._in_warm_start = False  # the supervised warm start (before step 1) is running
         previous_sigterm = None
         try:
             self.setup()
@@ -373,7 +354,9 @@ class GRPODriver(GenerationSteps, PipelineSteps):
                 self._record_inputs(None)
             else:
                 done = 0
+                self._in_warm_start = True
                 self.warm_start()
+                self._in_warm_start = False
                 self._record_inputs(self.actors.sync_weights(version=0))
             if cfg.run.resume:  # written once nothing can refuse the resume any more (setup writes a fresh run's)
                 self._write_amendments()
@@ -533,7 +516,8 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             notes.append(f"the {code} raised: fix its code first (a resume runs the same episode again, bit for bit)")
         latest = latest_checkpoint(self.checkpoint_root())
         where = f"{latest}" if latest is not None else "none (a resumed run starts from step 1)"
-        what = (f"interrupted during step {step}" if interrupted else f"step {step} failed: {describe(error)}")
+        where = "the warm start (warm_start.steps, before step 1)" if self._in_warm_start else f"step {step}"
+        what = (f"interrupted during {where}" if interrupted else f"{where} failed: {describe(error)}")
         message = (what + ". " + "".join(n[0].upper() + n[1:] + ". " for n in notes)
                    + f"The last complete checkpoint is {where}; rerun with run.resume=true to continue from it "
                    "(the steps after it are repeated bit for bit).")

@@ -179,6 +179,35 @@ class GenerationSteps:
             s.reward = r
         return penalties, num_errors
 
+    def load_environment(self):
+        """The run's :class:`~rlrepro.envs.EnvSpec` (env.*, with reward.fn and reward.on_error), checked at set-up:
+        env.kwargs and the factory are tried on the longest prompt, whose episode prompt (with the tools' schemas
+        the chat template renders) must leave room for a generated token. Raises ConfigError."""
+        from rlrepro.checks import ConfigError
+        from rlrepro.data import reward_with_policy
+        from rlrepro.envs import load_env
+
+        from . import preflight
+
+        cfg = self.cfg
+        try:
+            spec = load_env(cfg.env, reward_with_policy(self.reward_fn, cfg.reward.on_error))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        longest = max(self.prompts, key=lambda p: len(p.token_ids))
+        try:
+            start = spec.make(longest.record, 0).reset()
+        except Exception as e:  # noqa: BLE001 - whatever the environment raises, before any work
+            raise ConfigError(f"the environment {cfg.env.env_name!r} could not be created for prompt "
+                              f"{longest.uid!r}: {type(e).__name__}: {e}. Fix env.* (env.kwargs, env.fn) before "
+                              "starting the run") from None
+        try:
+            ids = self.episode_prompt(longest, start)
+        except ValueError as e:  # e.g. tools without the chat template
+            raise ConfigError(f"env {cfg.env.env_name!r}: {e}") from None
+        preflight.check_episode_prompt(cfg, longest.uid, len(ids), self.model_config)
+        return spec
+
     def episode_prompt(self, prompt, start) -> list[int]:
         """The token ids an episode starts from: the prompt's own when the environment's start is the record
         itself without tools (single_turn: the same bits as the single-turn path), else ``start`` rendered
