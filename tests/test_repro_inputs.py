@@ -328,3 +328,23 @@ def test_the_users_reward_and_environment_code_is_recorded_and_a_change_named(en
     assert [(d.key, d.bits) for d in diffs] == [("reward.fn", True)]
     assert compare_inputs(a, b)[0].startswith("the code of reward.fn changed (sha256 ")
     _sys.modules.pop("my_reward_h", None)
+
+
+def test_verify_and_eval_work_in_the_runs_launch_directory(env, setup, tmp_path, monkeypatch, capsys):
+    """inputs.json records where the run was started; rlrepro verify / eval started elsewhere move there, so that
+    config.yaml's relative data.source and a reward.fn module next to it resolve as in the run."""
+    from rlrepro.orchestration.verify import enter_launch_dir
+
+    model, data = setup
+    launch, elsewhere, run = tmp_path / "project", tmp_path / "elsewhere", tmp_path / "project" / "runs" / "r"
+    for d in (launch, elsewhere, run):
+        d.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(launch)
+    write_inputs(run, collect(model, data))
+    assert read_inputs(run)["launch_dir"] == str(launch)
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert enter_launch_dir("../project/runs/r") == str(run.resolve())  # the run's path, resolved first
+    assert os.getcwd() == str(launch) and sys.path[-1] == str(launch)
+    assert "launch directory" in capsys.readouterr().err
+    assert enter_launch_dir(str(run)) == str(run.resolve()) and capsys.readouterr().err == ""  # already there

@@ -93,6 +93,27 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
     return diff_runs(run, out, steps=range(from_step, last + 1)), start_step
 
 
+def enter_launch_dir(run: str) -> str:
+    """``run`` as an absolute path; and when the run recorded another launch directory (``inputs.json``'s
+    ``launch_dir``, where ``rlrepro train`` was started), the process moves there (said on stderr), so that
+    config.yaml's relative paths (``data.source``, ``eval.source``) and ``reward.fn`` / ``env.fn`` modules next to
+    them resolve as they did in the run."""
+    from rlrepro.repro.inputs import read_inputs
+
+    path = Path(run).resolve()
+    try:
+        launch = (read_inputs(path) or {}).get("launch_dir")
+    except (OSError, ValueError):
+        launch = None
+    if launch and Path(launch).is_dir() and Path(launch).resolve() != Path.cwd().resolve():
+        print(f"rlrepro: working in the run's launch directory {launch} (its relative paths and modules resolve "
+              "from there)", file=sys.stderr)
+        os.chdir(launch)
+        if launch not in sys.path:
+            sys.path.append(launch)  # searched last, as the CLI does with the working directory
+    return str(path)
+
+
 def main_verify(argv: list[str] | None = None) -> int:
     from rlrepro.repro.records import ReproError
 
@@ -107,6 +128,7 @@ def main_verify(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     from .errors import RunFailed, RunInterrupted
 
+    ns.run = enter_launch_dir(ns.run)
     try:
         report, start = verify_run(ns.run, ns.from_step, ns.steps)
     except RunInterrupted as e:

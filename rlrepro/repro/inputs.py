@@ -199,7 +199,8 @@ def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: s
            "weights_digest": weights_digest,
            "tokenizer": {"model_dir": str(model_dir), "files": tok_digests},
            "env": bits, "env_informational": info,
-           "versions": versions, "gpu": gpu, "cpu": _cpu()}
+           "versions": versions, "gpu": gpu, "cpu": _cpu(),
+           "launch_dir": os.getcwd()}  # informational: where relative paths (data.source, modules) were resolved
     if eval_files is not None:
         eval_digests, eval_paths = _named_digests(eval_files)
         out["eval"] = {"files": eval_digests, "paths": eval_paths}
