@@ -180,11 +180,15 @@ def test_tp_partials_that_do_not_divide_the_model_fail_before_work(tmp_path):
 def test_env_problems_fail_before_work(tmp_path):
     # an option the environment does not take: found at set-up (the environment of the first prompt is created),
     # not at step 1 after Ray and the warm start
-    tool = ["env.name=calculator_task", "data.use_chat_template=true", "data.max_prompt_tokens=64"]
+    tool = ["env.name=calculator_task", "data.use_chat_template=true", "data.max_prompt_tokens=64",
+            "env.tool_format=compact"]
     err = setup_run(tmp_path / "run", *tool, "+env.kwargs={digits: 3}")
     assert isinstance(err, ConfigError), err
     assert "calculator_task" in str(err) and "digits" in str(err) and "env.kwargs" in str(err)
     assert setup_run(tmp_path / "run2", *tool) is None
+    # the tiny model's chat template ignores tools=: with tool_format=qwen3 the model would never see its tools
+    err = setup_run(tmp_path / "run2d", *tool[:3], "env.tool_format=qwen3")
+    assert isinstance(err, ConfigError) and "chat template ignores tools=" in str(err), err
     # tools without the chat template (which renders their schemas): at set-up too, not at step 1
     err = setup_run(tmp_path / "run2b", "env.name=calculator_task", "data.max_prompt_tokens=64",
                     "data.use_chat_template=false")

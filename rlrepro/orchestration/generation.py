@@ -14,6 +14,8 @@ episodes of a step are pure functions of the data order, the seeds and the weigh
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 from rlrepro.samples import Sample
@@ -205,6 +207,12 @@ class GenerationSteps:
             ids = self.episode_prompt(longest, start)
         except ValueError as e:  # e.g. tools without the chat template
             raise ConfigError(f"env {cfg.env.env_name!r}: {e}") from None
+        if start.tools and cfg.env.tool_format == "qwen3" and ids == self.episode_prompt(
+                longest, dataclasses.replace(start, tools=[])):
+            raise ConfigError(f"env {cfg.env.env_name!r}: the model's chat template ignores tools= (it renders the "
+                              f"same prompt with and without the {len(start.tools)} tool schema(s)), so with "
+                              "env.tool_format=qwen3 the model would never be told its tools. Fix: use a model whose "
+                              "chat template renders tools (Qwen3's does), or env.tool_format=compact")
         preflight.check_episode_prompt(cfg, longest.uid, len(ids), self.model_config)
         return spec
 
