@@ -117,8 +117,24 @@ def _unknown_key_hint(key: str, schema) -> str | None:
     if key in known or any(key.startswith(k + ".") and OmegaConf.get_type(OmegaConf.select(schema, k)) is dict
                            for k in known):
         return None
+    alias = _FOREIGN_KEYS.get(key) or _FOREIGN_KEYS.get(key.rsplit(".", 1)[-1])
+    if alias in known:
+        return f"{key!r} is not a config key; rlrepro's name for it is {alias}"
     close = difflib.get_close_matches(key, known, n=3)
     return f"{key!r} is not a config key" + (f" (close: {', '.join(close)})" if close else "")
+
+
+# verl / OpenRLHF spellings a user brings along (the full key, or its last part) -> rlrepro's key
+_FOREIGN_KEYS = {
+    "rollout.n": "rollout.group_size", "n_samples_per_prompt": "rollout.group_size",
+    "train_batch_size": "rollout.prompts_per_step", "rollout_batch_size": "rollout.prompts_per_step",
+    "max_prompt_length": "data.max_prompt_tokens", "max_response_length": "rollout.max_tokens",
+    "total_training_steps": "train.steps", "n_gpus_per_node": "train.num_gpus",
+    "adv_estimator": "train.advantage", "kl_coef": "train.kl_coef", "init_kl_coef": "train.kl_coef",
+    "ppo_micro_batch_size_per_gpu": "train.micro_batch_size", "ppo_max_token_len_per_gpu": "train.micro_batch_tokens",
+    "tensor_model_parallel_size": "train.tensor_parallel", "actor_learning_rate": "train.lr",
+    "max_turns": "env.max_turns", "multi_turn.max_assistant_turns": "env.max_turns",
+}
 
 
 def _into_mapping(item: str, schema) -> str:

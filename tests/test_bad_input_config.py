@@ -135,3 +135,13 @@ def test_env_keys_without_an_environment_are_refused():
                                               r"are null.*Set env.name=tool"):
             compose_config(["recipe=grpo_tiny", override])
     compose_config(["recipe=grpo_tiny", "env.name=tool", "env.max_turns=3", "env.tools=[python]"])
+
+
+@pytest.mark.parametrize("override,name", [("rollout.n=8", "rollout.group_size"),
+                                           ("data.train_batch_size=64", "rollout.prompts_per_step"),
+                                           ("algorithm.adv_estimator=grpo", "train.advantage"),
+                                           ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                            "train.micro_batch_size")])
+def test_verl_spellings_are_answered_with_rlrepros_key(override, name):
+    with pytest.raises(ConfigError, match=rf"is not a config key; rlrepro's name for it is {re.escape(name)}"):
+        compose_config(["recipe=grpo_tiny", override])
