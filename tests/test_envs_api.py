@@ -345,3 +345,5 @@ def test_a_file_path_given_as_a_module_is_answered_with_the_module_spelling():
         load_reward_fn("my_reward.py:reward")
     with pytest.raises(ValueError, match=r"env.fn='mods/myenv.py:factory' names a file.*\(env.fn=myenv:factory\)"):
         load_env_factory("mods/myenv.py:factory")
+    with pytest.raises(ValueError, match=r"env.fn='myenv factory' must look like env.fn=pkg.module:factory"):
+        load_env_factory("myenv factory")

@@ -116,6 +116,7 @@ def test_export_command_refusals(tmp_path, capsys):
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
     assert not (tmp_path / "x").exists()
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "y")]) == 2
+    assert f"run directory {tmp_path / 'nothing'} not found" in capsys.readouterr().err
 
 
 def test_export_command_from_a_dist_checkpoint(tmp_path):

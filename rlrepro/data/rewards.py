@@ -247,6 +247,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 def _spec_problem(spec: str, e: SpecError) -> str:
     """The message of a ``reward.fn`` that does not resolve (``e``: what :func:`import_spec` found)."""
+    if e.problem == "no_path" and " " in spec.strip():
+        return f"reward.fn={spec!r} must look like reward.fn=pkg.module:function (a ':' between the module and the function)"
     if e.problem == "no_path":
         return (f"unknown reward {spec!r} (reward.fn={spec}). Fix: set reward.fn to one of the built-ins "
                 f"{sorted(BUILTIN_REWARDS)} (e.g. reward.fn=exact_match), or to the dotted path of your "

@@ -82,6 +82,8 @@ def _check_factory(spec: str, obj: Any) -> None:
 
 def _spec_problem(spec: str, e: SpecError) -> str:
     """The message of an ``env.name`` / ``env.fn`` that does not resolve (``e``: what :func:`import_spec` found)."""
+    if e.problem == "no_path" and " " in spec.strip():
+        return f"env.fn={spec!r} must look like env.fn=pkg.module:factory (a ':' between the module and the factory)"
     if e.problem == "no_path":
         return (f"unknown environment {spec!r}; built-in: {sorted(BUILTIN_ENVS)}. Fix: set env.name to one of "
                 f"those, or env.fn=pkg.module:factory")

@@ -145,6 +145,8 @@ def checkpoint_of(run_dir: Path, step: int | None) -> Path:
     from rlrepro.trainer import list_checkpoints
     from rlrepro.trainer.checkpoint import checkpoint_dir_name, scan_checkpoints
 
+    if not Path(run_dir).is_dir():
+        raise ValueError(f"run directory {run_dir} not found (give the run directory a training wrote, e.g. runs/NAME)")
     root = run_dir / "checkpoints"
     complete = list_checkpoints(root)
     if step is None:
