@@ -15,7 +15,6 @@ episodes of a step are pure functions of the data order, the seeds and the weigh
 from __future__ import annotations
 
 import dataclasses
-
 import time
 
 from rlrepro.samples import Sample
