@@ -348,3 +348,8 @@ def test_verify_and_eval_work_in_the_runs_launch_directory(env, setup, tmp_path,
     assert os.getcwd() == str(launch) and sys.path[-1] == str(launch)
     assert "launch directory" in capsys.readouterr().err
     assert enter_launch_dir(str(run)) == str(run.resolve()) and capsys.readouterr().err == ""  # already there
+    from rlrepro.orchestration.verify import in_launch_dir
+    monkeypatch.chdir(elsewhere)
+    with in_launch_dir(str(run)) as path:  # what verify and eval use: the directory is put back after
+        assert path == str(run.resolve()) and os.getcwd() == str(launch)
+    assert os.getcwd() == str(elsewhere)

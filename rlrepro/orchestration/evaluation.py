@@ -415,15 +415,15 @@ def main_eval(argv: list[str]) -> int:
         print(f"rlrepro eval: --records {ns.records}: its folder {Path(ns.records).resolve().parent} does not exist; "
               "create it or name a file in an existing folder", file=sys.stderr)
         return 2
-    from .verify import enter_launch_dir
+    from .verify import in_launch_dir
 
     # the user's paths are resolved where the user is, before moving to the run's launch directory
     ns.records = None if ns.records is None else str(Path(ns.records).resolve())
     if ns.source is not None and Path(ns.source).exists():  # a local file (not a data set's name)
         ns.source = str(Path(ns.source).resolve())
-    ns.run = enter_launch_dir(ns.run)
     try:
-        step, metrics = evaluate_checkpoint(ns.run, ns.step, ns.source, records)
+        with in_launch_dir(ns.run) as ns.run:
+            step, metrics = evaluate_checkpoint(ns.run, ns.step, ns.source, records)
         if records is not None:
             Path(ns.records).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records),
                                         encoding="utf-8")

@@ -9,6 +9,7 @@ Exit 0 reproduced, 1 diverged, 2 error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -114,6 +115,18 @@ def enter_launch_dir(run: str) -> str:
     return str(path)
 
 
+@contextlib.contextmanager
+def in_launch_dir(run: str):
+    """:func:`enter_launch_dir` for the body of the ``with``; the working directory and ``sys.path`` are put back
+    after it (a caller in the same process, such as a test, keeps its own)."""
+    cwd, path = os.getcwd(), list(sys.path)
+    try:
+        yield enter_launch_dir(run)
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+
+
 def main_verify(argv: list[str] | None = None) -> int:
     from rlrepro.repro.records import ReproError
 
@@ -128,9 +141,9 @@ def main_verify(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     from .errors import RunFailed, RunInterrupted
 
-    ns.run = enter_launch_dir(ns.run)
     try:
-        report, start = verify_run(ns.run, ns.from_step, ns.steps)
+        with in_launch_dir(ns.run) as run:
+            report, start = verify_run(run, ns.from_step, ns.steps)
     except RunInterrupted as e:
         print(f"rlrepro verify: {e}", file=sys.stderr)
         return 130
