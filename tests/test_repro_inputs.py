@@ -333,7 +333,7 @@ def test_the_users_reward_and_environment_code_is_recorded_and_a_change_named(en
 def test_verify_and_eval_work_in_the_runs_launch_directory(env, setup, tmp_path, monkeypatch, capsys):
     """inputs.json records where the run was started; rlrepro verify / eval started elsewhere move there, so that
     config.yaml's relative data.source and a reward.fn module next to it resolve as in the run."""
-    from rlrepro.orchestration.verify import enter_launch_dir
+    from rlrepro.repro.inputs import enter_launch_dir
 
     model, data = setup
     launch, elsewhere, run = tmp_path / "project", tmp_path / "elsewhere", tmp_path / "project" / "runs" / "r"
@@ -348,7 +348,7 @@ def test_verify_and_eval_work_in_the_runs_launch_directory(env, setup, tmp_path,
     assert os.getcwd() == str(launch) and sys.path[-1] == str(launch)
     assert "launch directory" in capsys.readouterr().err
     assert enter_launch_dir(str(run)) == str(run.resolve()) and capsys.readouterr().err == ""  # already there
-    from rlrepro.orchestration.verify import in_launch_dir
+    from rlrepro.repro.inputs import in_launch_dir
     monkeypatch.chdir(elsewhere)
     with in_launch_dir(str(run)) as path:  # what verify and eval use: the directory is put back after
         assert path == str(run.resolve()) and os.getcwd() == str(launch)

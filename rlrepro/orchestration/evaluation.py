@@ -415,7 +415,7 @@ def main_eval(argv: list[str]) -> int:
         print(f"rlrepro eval: --records {ns.records}: its folder {Path(ns.records).resolve().parent} does not exist; "
               "create it or name a file in an existing folder", file=sys.stderr)
         return 2
-    from .verify import in_launch_dir
+    from rlrepro.repro.inputs import in_launch_dir
 
     # the user's paths are resolved where the user is, before moving to the run's launch directory
     ns.records = None if ns.records is None else str(Path(ns.records).resolve())

@@ -9,7 +9,6 @@ Exit 0 reproduced, 1 diverged, 2 error.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import sys
@@ -94,39 +93,6 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
     return diff_runs(run, out, steps=range(from_step, last + 1)), start_step
 
 
-def enter_launch_dir(run: str) -> str:
-    """``run`` as an absolute path; and when the run recorded another launch directory (``inputs.json``'s
-    ``launch_dir``, where ``rlrepro train`` was started), the process moves there (said on stderr), so that
-    config.yaml's relative paths (``data.source``, ``eval.source``) and ``reward.fn`` / ``env.fn`` modules next to
-    them resolve as they did in the run."""
-    from rlrepro.repro.inputs import read_inputs
-
-    path = Path(run).resolve()
-    try:
-        launch = (read_inputs(path) or {}).get("launch_dir")
-    except (OSError, ValueError):
-        launch = None
-    if launch and Path(launch).is_dir() and Path(launch).resolve() != Path.cwd().resolve():
-        print(f"rlrepro: working in the run's launch directory {launch} (its relative paths and modules resolve "
-              "from there)", file=sys.stderr)
-        os.chdir(launch)
-        if launch not in sys.path:
-            sys.path.append(launch)  # searched last, as the CLI does with the working directory
-    return str(path)
-
-
-@contextlib.contextmanager
-def in_launch_dir(run: str):
-    """:func:`enter_launch_dir` for the body of the ``with``; the working directory and ``sys.path`` are put back
-    after it (a caller in the same process, such as a test, keeps its own)."""
-    cwd, path = os.getcwd(), list(sys.path)
-    try:
-        yield enter_launch_dir(run)
-    finally:
-        os.chdir(cwd)
-        sys.path[:] = path
-
-
 def main_verify(argv: list[str] | None = None) -> int:
     from rlrepro.repro.records import ReproError
 
@@ -139,6 +105,8 @@ def main_verify(argv: list[str] | None = None) -> int:
                     help="how many steps (default: every recorded step from K on)")
     ap.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     ns = ap.parse_args(argv)
+    from rlrepro.repro.inputs import in_launch_dir
+
     from .errors import RunFailed, RunInterrupted
 
     try:

@@ -34,10 +34,12 @@ Nothing here imports torch at module level (``rlrepro diff`` reads inputs.json w
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +49,7 @@ from .records import ReproError, atomic_write_bytes
 
 __all__ = ["INPUTS_FILE", "INPUTS_FORMAT", "TOKENIZER_FILE_NAMES", "BIT_ENV", "BIT_ENV_PREFIXES", "INFORMATIONAL_ENV",
            "InputDiff", "collect_inputs", "write_inputs", "read_inputs", "compare_inputs", "input_differences",
-           "file_sha256", "find_tokenizer_files"]
+           "file_sha256", "find_tokenizer_files", "enter_launch_dir", "in_launch_dir"]
 
 INPUTS_FILE = "inputs.json"
 INPUTS_FORMAT = "rlrepro.inputs.v1"
@@ -362,3 +364,34 @@ def compare_inputs(a: Mapping, b: Mapping) -> list[str]:
     ab12... vs cd34...)"``, ``"RLREPRO_ATTENTION_BWD differs: 'torch' vs unset"``, ``"torch version differs:
     2.13.0 vs 2.11.0"``; empty when they are the same."""
     return [d.message for d in input_differences(a, b)]
+
+
+def enter_launch_dir(run: str) -> str:
+    """``run`` as an absolute path; and when the run recorded another launch directory (``inputs.json``'s
+    ``launch_dir``, where ``rlrepro train`` was started), the process moves there (said on stderr), so that
+    config.yaml's relative paths (``data.source``, ``eval.source``) and ``reward.fn`` / ``env.fn`` modules next to
+    them resolve as they did in the run."""
+    path = Path(run).resolve()
+    try:
+        launch = (read_inputs(path) or {}).get("launch_dir")
+    except (OSError, ValueError):
+        launch = None
+    if launch and Path(launch).is_dir() and Path(launch).resolve() != Path.cwd().resolve():
+        print(f"rlrepro: working in the run's launch directory {launch} (its relative paths and modules resolve "
+              "from there)", file=sys.stderr)
+        os.chdir(launch)
+        if launch not in sys.path:
+            sys.path.append(launch)  # searched last, as the CLI does with the working directory
+    return str(path)
+
+
+@contextlib.contextmanager
+def in_launch_dir(run: str):
+    """:func:`enter_launch_dir` for the body of the ``with``; the working directory and ``sys.path`` are put back
+    after it (a caller in the same process, such as a test, keeps its own)."""
+    cwd, path = os.getcwd(), list(sys.path)
+    try:
+        yield enter_launch_dir(run)
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
