@@ -213,6 +213,7 @@ def test_a_failure_in_the_users_environment_or_reward_says_to_fix_the_code(tmp_p
                         (RewardError("reward.fn raised"), "reward function (reward.fn)")):
         message = str(d._failed(1, error))
         assert f"The {code} raised: fix its code first" in message, message
+        assert message.startswith("step 1 failed: ") and "The last complete checkpoint is none (a resumed run" in message
     assert "fix its code first" not in str(d._failed(1, RuntimeError("worker lost")))
     d._in_warm_start = True  # Ctrl-C or a failure in the supervised warm start says so, not "step 1"
     assert str(d._failed(1, KeyboardInterrupt())).startswith("interrupted during the warm start (warm_start.steps")

@@ -516,8 +516,8 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             notes.append(f"the {code} raised: fix its code first (a resume runs the same episode again, bit for bit)")
         latest = latest_checkpoint(self.checkpoint_root())
         where = f"{latest}" if latest is not None else "none (a resumed run starts from step 1)"
-        where = "the warm start (warm_start.steps, before step 1)" if self._in_warm_start else f"step {step}"
-        what = (f"interrupted during {where}" if interrupted else f"{where} failed: {describe(error)}")
+        during = "the warm start (warm_start.steps, before step 1)" if self._in_warm_start else f"step {step}"
+        what = (f"interrupted during {during}" if interrupted else f"{during} failed: {describe(error)}")
         message = (what + ". " + "".join(n[0].upper() + n[1:] + ". " for n in notes)
                    + f"The last complete checkpoint is {where}; rerun with run.resume=true to continue from it "
                    "(the steps after it are repeated bit for bit).")
