@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
 from .records import PromptRecord
-from .specs import SpecError, import_spec
+from .specs import SpecError, import_spec, spec_shape_problem
 
 __all__ = [
     "RewardFn", "RewardError", "exact_match_reward", "prefix_match_reward", "math_reward", "MathReward",
@@ -247,19 +247,15 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 def _spec_problem(spec: str, e: SpecError) -> str:
     """The message of a ``reward.fn`` that does not resolve (``e``: what :func:`import_spec` found)."""
-    if e.problem == "no_path" and " " in spec.strip():
-        return f"reward.fn={spec!r} must look like reward.fn=pkg.module:function (a ':' between the module and the function)"
+    shape = spec_shape_problem("reward.fn", spec, e, "function")
+    if shape is not None:
+        return shape
     if e.problem == "no_path":
         return (f"unknown reward {spec!r} (reward.fn={spec}). Fix: set reward.fn to one of the built-ins "
                 f"{sorted(BUILTIN_REWARDS)} (e.g. reward.fn=exact_match), or to the dotted path of your "
                 f"function, reward.fn=pkg.module:function.")
     if e.problem == "malformed":
         return f"reward.fn={spec!r} must look like reward.fn=pkg.module:function or reward.fn=pkg.module.function"
-    if e.problem == "import" and (".py" in (e.module_name or "") or "/" in (e.module_name or "")):
-        stem = (e.module_name or "").replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py")
-        attr = spec.rsplit(":", 1)[1] if ":" in spec else "function"
-        return (f"reward.fn={spec!r} names a file; give the module's name instead (reward.fn={stem}:{attr}), with its "
-                "folder on PYTHONPATH (or the folder you run from)")
     if e.problem == "import":
         cause = e.__cause__
         return (f"reward.fn={spec!r}: cannot import module {e.module_name!r} ({type(cause).__name__}: {cause}). "

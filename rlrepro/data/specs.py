@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Literal
 
-__all__ = ["SpecError", "SpecProblem", "split_spec", "import_spec"]
+__all__ = ["SpecError", "SpecProblem", "split_spec", "import_spec", "spec_shape_problem"]
 
 SpecProblem = Literal["no_path", "malformed", "import", "attribute"]
 
@@ -69,3 +69,18 @@ def import_spec(spec: str) -> Any:
             raise SpecError("attribute", spec, module_name=module_name, attr=part, owner=obj)
         obj = getattr(obj, part)
     return obj
+
+
+def spec_shape_problem(key: str, spec: str, e: SpecError, what: str) -> str | None:
+    """The message for a ``key=spec`` (``reward.fn``, ``env.fn``) whose shape is the mistake, or None: a space where
+    the ':' goes (``my_reward reward``), or a file path for the module (``my_reward.py:reward``, ``mods/x.py:f``).
+    ``what``: what follows the ':' (function, factory)."""
+    if e.problem == "no_path" and " " in spec.strip():
+        return f"{key}={spec!r} must look like {key}=pkg.module:{what} (a ':' between the module and the {what})"
+    module = e.module_name or ""
+    if e.problem == "import" and (".py" in module or "/" in module):
+        stem = module.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py")
+        attr = spec.rsplit(":", 1)[1] if ":" in spec else what
+        return (f"{key}={spec!r} names a file; give the module's name instead ({key}={stem}:{attr}), with its "
+                "folder on PYTHONPATH (or the folder you run from)")
+    return None

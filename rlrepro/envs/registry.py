@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlrepro.data import PromptRecord, RewardFn
-from rlrepro.data.specs import SpecError, import_spec
+from rlrepro.data.specs import SpecError, import_spec, spec_shape_problem
 
 from .api import EnvError, Environment
 from .calculator_task import make_calculator_task_env
@@ -82,18 +82,14 @@ def _check_factory(spec: str, obj: Any) -> None:
 
 def _spec_problem(spec: str, e: SpecError) -> str:
     """The message of an ``env.name`` / ``env.fn`` that does not resolve (``e``: what :func:`import_spec` found)."""
-    if e.problem == "no_path" and " " in spec.strip():
-        return f"env.fn={spec!r} must look like env.fn=pkg.module:factory (a ':' between the module and the factory)"
+    shape = spec_shape_problem("env.fn", spec, e, "factory")
+    if shape is not None:
+        return shape
     if e.problem == "no_path":
         return (f"unknown environment {spec!r}; built-in: {sorted(BUILTIN_ENVS)}. Fix: set env.name to one of "
                 f"those, or env.fn=pkg.module:factory")
     if e.problem == "malformed":
         return f"env.fn={spec!r} must look like env.fn=pkg.module:factory"
-    if e.problem == "import" and (".py" in (e.module_name or "") or "/" in (e.module_name or "")):
-        stem = (e.module_name or "").replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py")
-        attr = spec.rsplit(":", 1)[1] if ":" in spec else "factory"
-        return (f"env.fn={spec!r} names a file; give the module's name instead (env.fn={stem}:{attr}), with its "
-                "folder on PYTHONPATH (or the folder you run from)")
     if e.problem == "import":
         cause = e.__cause__
         return (f"env.fn={spec!r}: cannot import module {e.module_name!r} ({type(cause).__name__}: {cause}). Fix: "

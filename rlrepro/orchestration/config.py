@@ -373,23 +373,19 @@ def _validate_eval(s: RunSchema) -> None:
 def _validate_trainer_layout(s: RunSchema, model_config: Any = None) -> None:
     """train.backend / train.tensor_parallel against train.num_gpus (and the model's shape when given)."""
     from rlrepro.trainer.megatron import validate_megatron_config
+    from rlrepro.trainer.megatron.config import check_divides_model
 
     t = s.train
     try:
         validate_megatron_config(t.backend, t.tensor_parallel, t.num_gpus, s.run.device, model_config)
     except (ValueError, ImportError) as e:
         raise ConfigError(str(e)) from None
-    p = t.tp_partials
-    if model_config is not None and t.layout_invariant and p > 1:
-        dims = {n: (model_config.get(n) if isinstance(model_config, dict) else getattr(model_config, n, None))
-                for n in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")}
-        bad = {n: v for n, v in dims.items() if v is not None and v % p}
-        if bad:
-            common = [d for d in range(1, 65) if all(v is None or v % d == 0 for v in dims.values())]
-            raise ConfigError(f"train.tp_partials={p} does not divide the model's "
-                              + ", ".join(f"{n}={v}" for n, v in bad.items())
-                              + f" (every product is cut into {p} equal pieces); choose train.tp_partials from "
-                              f"{common} (a multiple of every train.tensor_parallel the run may use)")
+    if t.layout_invariant:
+        try:
+            check_divides_model("train.tp_partials", t.tp_partials, model_config, "every product is cut into equal "
+                                "pieces")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if s.checkpoint.format == "dist" and t.backend != "megatron":
         raise ConfigError("checkpoint.format=dist writes tensor-parallel shards: it needs train.backend=megatron; "
                           "use checkpoint.format=full")

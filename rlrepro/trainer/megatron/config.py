@@ -60,6 +60,24 @@ def _get(model_config, name: str):
     return getattr(model_config, name, None)
 
 
+SHARDED_DIMS = (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
+                ("intermediate_size", "MLP columns"), ("vocab_size", "vocabulary rows"))
+
+
+def check_divides_model(key: str, parts: int, model_config, why: str) -> None:
+    """``parts`` (``key``'s value: the TP size, or ``train.tp_partials``) must divide the model's heads, KV heads,
+    MLP width and vocabulary; raises ValueError naming the first that it does not divide and the divisors to choose
+    from. Nothing to check without ``model_config`` or for ``parts <= 1``."""
+    if parts <= 1:
+        return
+    for name, what in SHARDED_DIMS:
+        value = _get(model_config, name)
+        if value is not None and value % parts:
+            divisors = [d for d in range(1, min(value, 64) + 1) if value % d == 0]
+            raise ValueError(f"{key}={parts} does not divide the model's {name}={value} ({why} of the {what}); "
+                             f"choose {key} from {divisors}")
+
+
 def validate_megatron_config(backend: str, tensor_parallel: int, num_gpus: int, device: str,
                              model_config=None, *, check_installed: bool = True) -> MegatronLayout:
     """Check the trainer layout and return it; raise ``ValueError`` naming the key, the value and the fix.
@@ -91,15 +109,7 @@ def validate_megatron_config(backend: str, tensor_parallel: int, num_gpus: int, 
                          f"every data-parallel replica needs {tensor_parallel} {unit}; use train.num_gpus="
                          f"{(num_gpus // tensor_parallel) * tensor_parallel or tensor_parallel} or "
                          f"{(num_gpus // tensor_parallel + 1) * tensor_parallel}")
-    if tensor_parallel > 1:
-        for name, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
-                           ("intermediate_size", "MLP columns"), ("vocab_size", "vocabulary rows")):
-            value = _get(model_config, name)
-            if value is not None and value % tensor_parallel:
-                divisors = [d for d in range(1, min(value, 64) + 1) if value % d == 0]
-                raise ValueError(f"train.tensor_parallel={tensor_parallel} does not divide the model's {name}="
-                                 f"{value} (each TP rank holds an equal share of the {what}); choose "
-                                 f"train.tensor_parallel from {divisors}")
+    check_divides_model("train.tensor_parallel", tensor_parallel, model_config, "each TP rank holds an equal share")
     if backend == "megatron" and check_installed:
         require_megatron_core()
     return MegatronLayout(backend=backend, tensor_parallel=tensor_parallel, data_parallel=num_gpus // tensor_parallel,
