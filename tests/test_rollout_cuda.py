@@ -58,6 +58,23 @@ def test_graph_decode_equals_eager_decode(model):
     assert graphed.stats["num_graph_steps"] > 0
 
 
+def test_graphs_keep_their_rope_table_when_the_model_grows_another(model):
+    """The captured graphs gather cos/sin from the model's rope table as it was at capture. A longer forward
+    elsewhere (another engine, the trainer) replaces the model's table; the old one must stay alive for the graphs,
+    not go back to the allocator to be overwritten."""
+    prompts, params = workload(5, seed=3)
+    graphed = Engine(model, device="cuda", max_num_seqs=8, num_kv_blocks=64, max_model_len=128)
+    ref = key(graphed.generate(prompts, params))
+    old_cos = model._rope[0]
+    shape, dtype = old_cos.shape, old_cos.dtype
+    del old_cos
+    model.rope(torch.zeros(1, dtype=torch.int64, device="cuda"), max_len=shape[0] * 4)  # a new, longer table
+    junk = [torch.full(shape, 1e3, dtype=dtype, device="cuda") for _ in range(8)]  # reuse any freed block
+    assert key(graphed.generate(prompts, params)) == ref
+    assert graphed.stats["num_graph_steps"] > 0
+    del junk
+
+
 def test_logprobs_equal_the_full_forward_on_cuda(model):
     prompts, params = workload(12, seed=1)
     engine = Engine(model, device="cuda", max_num_batched_tokens=29, num_kv_blocks=512, max_num_seqs=16)

@@ -202,6 +202,8 @@ def test_bad_inputs_raise_before_any_work_and_leave_the_engine_usable(model):
         (([[1] * 30], SamplingParams(max_tokens=20)), r"request 0: prompt \(30 tokens\) \+ max_tokens \(20\).*at most 10"),
         (([[1] * 30], SamplingParams(max_tokens=10)), r"request 0: .*needs 10 KV blocks .* cache has 8"),
         (([1, 2, 3], p), r"flat list of ints: wrap it as \[prompt\]"),
+        ((torch.tensor([1, 2, 3]), p), r"one 1-D Tensor: wrap it as \[prompt\]"),
+        (([torch.tensor(1), torch.tensor(2)], p), r"flat list of ints: wrap it as \[prompt\]"),
         (("hello", p), r"list of prompts"),
         (([[1, 2], [3]], [p]), r"got 1 SamplingParams for 2 prompts"),
         (([[1, 2]], [dict(max_tokens=3)]), r"request 0: sampling params must be a SamplingParams"),

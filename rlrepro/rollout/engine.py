@@ -38,6 +38,17 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
+def _is_index(token: object) -> bool:
+    """An integer token id (ints, numpy integers, 0-d integer tensors), not a bool."""
+    if isinstance(token, bool):
+        return False
+    try:
+        operator.index(token)
+    except TypeError:
+        return False
+    return True
+
+
 def _token_id(request: int, token: object, vocab: int) -> int:
     try:
         if isinstance(token, bool):
@@ -278,8 +289,11 @@ class Engine:
         if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Iterable):
             raise ValueError("generate() takes a list of prompts, each a list of token ids; got "
                              f"{type(prompt_token_ids).__name__}")
+        if getattr(prompt_token_ids, "ndim", None) == 1:  # a 1-D tensor or array is one prompt, not many
+            raise ValueError("generate() takes a list of prompts, each a list of token ids; got one 1-D "
+                             f"{type(prompt_token_ids).__name__}: wrap it as [prompt]")
         prompts = [p for p in prompt_token_ids]
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if prompts and all(_is_index(t) for t in prompts):
             raise ValueError("generate() takes a list of prompts, each a list of token ids; got one flat list of "
                              "ints: wrap it as [prompt]")
         if sampling_params is None:

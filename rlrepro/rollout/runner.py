@@ -193,6 +193,9 @@ class ModelRunner:
                 pool = graph.pool() if pool is None else pool
                 self.graphs[b] = (graph, out)
             torch.cuda.synchronize(dev)
+        # the graphs gather cos/sin from this table: keep it alive should the model grow a longer one for another
+        # caller (another engine, a longer forward), which would free it while the graphs still read it
+        self._graph_rope = self.model._rope
         self._reset_graph_inputs()
 
     def _replay_decode_graph(self, scheduled: list[ScheduledSeq], ids: list[int], b: int, patch_rows: list[int],
