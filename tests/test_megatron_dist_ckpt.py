@@ -463,3 +463,56 @@ def test_zero1_dist_checkpoint_each_owner_writes_its_share_and_resumes_bitwise(t
     converted = dist_to_full(ranks[0]["dist"], tmp_path / "converted")
     assert_optim_equal(torch.load(converted / "optimizer.pt", weights_only=True),
                        load_checkpoint_state(ranks[0]["full"]))
+
+
+# ------------------------------------------------------------------------- hf_to_dist (in this process, 1 rank)
+
+def test_hf_to_dist_takes_a_megatron_core_run_config_and_writes_the_same_checkpoint(tmp_path):
+    """``hf_to_dist`` with the config of a ``train.grad_sync=megatron`` run (whose optimizer needs megatron-core's
+    parallel_state, which hf_to_dist does not set up) writes what it writes for an ``ordered`` run: the layout does
+    not depend on grad_sync (the same files, the same tensors)."""
+    from rlrepro.trainer.megatron import hf_to_dist
+    from rlrepro.trainer.megatron.dist_checkpoint import _read_full_tensors
+
+    model_dir = write_tiny_checkpoint(tmp_path / "m", seed=3)
+    common = dict(lr=1e-3, steps=4, backend="megatron")
+    paths = {}
+    for tag, cfg in (("ordered", TrainConfig(**common)),
+                     ("megatron", TrainConfig(**common, grad_sync="megatron", num_gpus=2, distributed_optimizer=True))):
+        paths[tag] = hf_to_dist(model_dir, tmp_path / tag, cfg, param_dtype=torch.bfloat16, extra_state={"c": 0})
+    files = {tag: verify_checkpoint(p)["files"] for tag, p in paths.items()}
+    assert set(files["megatron"]) == set(files["ordered"])
+    for name in ("dist_meta.json", "optimizer.pt", "scheduler.pt", "extra_state.pt"):
+        assert files["megatron"][name]["sha256"] == files["ordered"][name]["sha256"], name
+    meta = json.loads((paths["ordered"] / "dist_meta.json").read_text())
+    a, b = (_read_full_tensors(paths[tag], meta, ("model", "master", "state")) for tag in ("ordered", "megatron"))
+    assert a.keys() == b.keys() and {i["kind"] for i in meta["tensors"].values()} == {"model", "master"}
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_every_file_of_megatron_cores_folder_is_fsynced_before_the_manifest(tmp_path, monkeypatch):
+    """megatron-core writes ``common.pt`` and ``metadata.json`` without an fsync: the writing rank syncs every file it
+    wrote under ``dist/`` before the manifest is written and the directory renamed into place."""
+    import os
+
+    from rlrepro.trainer.megatron import hf_to_dist
+
+    synced = []  # paths relative to the checkpoint's temporary directory, in order (this process only)
+    real = os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if ".tmp-" in path:
+            synced.append(path.split(".tmp-", 1)[1].partition("/")[2])
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    model_dir = write_tiny_checkpoint(tmp_path / "m", seed=3)
+    path = hf_to_dist(model_dir, tmp_path / "c", TrainConfig(lr=1e-3, steps=4), param_dtype=torch.bfloat16)
+    monkeypatch.undo()
+    dist_files = sorted(str(f.relative_to(path)) for f in (path / "dist").rglob("*") if f.is_file())
+    assert {"dist/common.pt", "dist/metadata.json", "dist/.metadata"} <= set(dist_files)
+    manifest_at = synced.index("manifest.json")
+    for f in dist_files:
+        assert f in synced[:manifest_at], f

@@ -49,7 +49,7 @@ def _run(model_dir, tp, world, grad_sync, *, steps=3, dopt=False, dtype=None, ck
             out["dist_ckpt"] = str(t.save_checkpoint(f"{ckpt}_dist", 1, extra_state={"cursor": 3},
                                                      checkpoint_format="dist"))
     out["weights"] = {n: w.clone() for n, w in t.named_weights()}
-    out["optim"] = copy.deepcopy(t._full_optimizer_state())
+    out["optim"] = copy.deepcopy(t._full_optimizer_state(keep=True))
     out["trainer"] = t
     if ckpt is None:
         destroy_parallel(t.groups)
@@ -85,10 +85,10 @@ def _worker(rank, world, port, model_dir, out):
         run = _run(model_dir, 1, world, "megatron", dopt=True, dtype=bf16, ckpt=f"{out}_ck")
         t = run.pop("trainer")
         snap = t._snapshot()
-        before = copy.deepcopy(t._full_optimizer_state())
+        before = copy.deepcopy(t._full_optimizer_state(keep=True))
         t.train_step(batch(7, t.model.config.vocab_size))
         t._restore(snap)
-        after = t._full_optimizer_state()
+        after = t._full_optimizer_state(keep=True)
         # (the distributed optimizer's state is gathered onto DP rank 0 only; the other ranks get None)
         res["snapshot_restores"] = (before is None and after is None and rank == 1) or (
             len(_flat(before)) == len(_flat(after)) > 0 and all(
@@ -106,7 +106,7 @@ def _worker(rank, world, port, model_dir, out):
                                        use_megatron_parallel_state=True, grad_sync=kind, distributed_optimizer=dopt,
                                        param_dtype=bf16)
             extra = r.load_checkpoint(run[fmt])
-            loaded = copy.deepcopy(r._full_optimizer_state())  # (the order-fixed path's holds live tensors)
+            loaded = copy.deepcopy(r._full_optimizer_state(keep=True))  # (the order-fixed path's holds live tensors)
             metrics = [r.train_step(batch(s, r.model.config.vocab_size)) for s in (1, 2)]
             res[f"resumed_{tag}"] = {"extra": extra, "loaded": loaded, "metrics": metrics,
                                      "weights": {n: w.clone() for n, w in r.named_weights()}}
@@ -127,7 +127,7 @@ def _nonfinite_check(model_dir, world) -> dict:
                                param_dtype=torch.bfloat16)
     t.train_step(batch(0, t.model.config.vocab_size))  # optimizer state to protect
     weights = {n: w.clone() for n, w in t.named_weights()}
-    optim = copy.deepcopy(t._full_optimizer_state())
+    optim = copy.deepcopy(t._full_optimizer_state(keep=True))
     calls = [0]
     param = next(p for _, p in sorted(t.model.named_parameters()))
 
@@ -142,7 +142,7 @@ def _nonfinite_check(model_dir, world) -> dict:
     except FloatingPointError as e:
         raised = str(e)
     handle.remove()
-    after = copy.deepcopy(t._full_optimizer_state())
+    after = copy.deepcopy(t._full_optimizer_state(keep=True))
     out = {"raised": raised, "calls": calls[0],
            "weights_kept": all(torch.equal(w, weights[n]) for n, w in t.named_weights()),
            "optim_kept": optim is None and after is None or (
@@ -309,3 +309,63 @@ def test_checkpoints_refuse_an_adam_other_than_torchs():
     _require_torch_adam(SimpleNamespace(optimizer=torch.optim.AdamW([w], lr=1.0)))
     with pytest.raises(NotImplementedError, match="train.grad_sync=ordered"):
         _require_torch_adam(SimpleNamespace(optimizer=torch.optim.SGD([w], lr=1.0)))
+
+
+def test_the_cpu_stand_in_follows_the_models_device_not_the_machine(monkeypatch):
+    """A model on the CPU on a machine with CUDA (``run.device=cpu``) still needs megatron-core's CUDA calls on the
+    CPU; a model on CUDA needs none of it, whatever ``torch.cuda.is_available()`` says."""
+    from rlrepro.trainer.megatron.mcore import cpu_stand_in, cuda_calls_on_cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with CUDA
+    current = torch.cuda.current_device
+    for device in ("cpu", torch.device("cpu")):
+        with cpu_stand_in(device):
+            assert torch.zeros(2, device="cuda").device == torch.device("cpu")
+            assert torch.cuda.current_device() == "cpu"
+            assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+        with cuda_calls_on_cpu(device):
+            torch.cuda.synchronize()
+            assert torch.cuda.current_device() == "cpu"
+    assert torch.cuda.current_device is current
+    for device in ("cuda", torch.device("cuda", 0)):  # the real path: nothing redirected
+        with cpu_stand_in(device), cuda_calls_on_cpu(device):
+            assert torch.cuda.current_device is current and torch.zeros(1).type() == "torch.FloatTensor"
+
+
+def _cuda_host_worker(rank, world, port, model_dir, out):
+    """grad_sync=megatron with the model on the CPU, on a machine without and (faked) with CUDA: train, save a dist
+    checkpoint, load it into a fresh trainer, train on."""
+    from rlrepro.trainer.megatron import build_megatron_trainer, destroy_parallel
+
+    real = torch.cuda.is_available
+    res = {}
+    with gloo_process_group(rank, world, port):
+        for fake in (False, True):
+            torch.cuda.is_available = (lambda: True) if fake else real
+            try:
+                def build():
+                    return build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE,
+                                                  tensor_parallel=1, num_gpus=world, device="cpu",
+                                                  use_megatron_parallel_state=True, grad_sync="megatron",
+                                                  param_dtype=torch.bfloat16, checkpoint_format="dist")
+
+                t = build()
+                metrics = [t.train_step(batch(0, t.model.config.vocab_size))]
+                path = t.save_checkpoint(f"{out}_{fake}", 1)
+                destroy_parallel(t.groups)
+                t = build()
+                t.load_checkpoint(path)
+                metrics.append(t.train_step(batch(1, t.model.config.vocab_size)))
+                res[fake] = {"metrics": metrics, "weights": {n: w.clone() for n, w in t.named_weights()}}
+                destroy_parallel(t.groups)
+            finally:
+                torch.cuda.is_available = real
+    torch.save(res, f"{out}.rank{rank}")
+
+
+def test_megatron_core_on_a_cpu_model_runs_on_a_machine_with_cuda(tmp_path):
+    pytest.importorskip("psutil")  # megatron-core's checkpoint writer imports it
+    write_tiny_checkpoint(tmp_path / "m", seed=3)
+    res = spawn_ranks(_cuda_host_worker, 1, str(tmp_path / "m"), out=str(tmp_path / "out"))[0]
+    assert res[True]["metrics"] == res[False]["metrics"]  # the same bits as on a machine without CUDA
+    _same_weights(res[False]["weights"], res[True]["weights"])

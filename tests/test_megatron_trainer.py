@@ -208,3 +208,144 @@ def test_from_pretrained_reads_each_ranks_shards_and_equals_sharding_the_full_mo
         for (name, a), (_, b) in zip(direct.named_parameters(), via_full.named_parameters()):
             assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
         assert direct.model.layers[0].mlp.down_proj.weight.shape == (64, 64)
+
+
+# ---------------------------------------------------------------------------------- checks and full-format saving
+
+def test_layout_invariance_at_tp2_refuses_tp_partials_that_tp_does_not_divide():
+    """``train.layout_invariant`` at TP=2 with ``train.tp_partials=1`` (valid for the config's own TP=1): no pieces
+    would sum the q_norm/k_norm grads over TP, so the replicated weights would drift apart. Refused by the trainer,
+    whatever TP the caller (``build_megatron_trainer(tensor_parallel=2)``) put the model at."""
+    from rlrepro.trainer.megatron import ParallelGroups
+
+    model = TPQwen3ForCausalLM.from_full(tiny_model(seed=1), ParallelGroups(None, None, 0, 2, 0, 1))
+    with pytest.raises(ValueError, match=r"train.tp_partials=1 is not a multiple of train.tensor_parallel=2.*"
+                                         r"set train.tp_partials to a multiple"):
+        MegatronTrainer(model, TrainConfig(layout_invariant=True, tp_partials=1))
+
+
+def test_build_megatron_trainer_refuses_num_gpus_other_than_the_world_size(tmp_path):
+    from rlrepro.trainer.megatron import build_megatron_trainer
+
+    model_dir = write_tiny_checkpoint(tmp_path / "m", seed=1)
+    with pytest.raises(ValueError, match=r"train.num_gpus=2 but torch.distributed is not initialised.*"
+                                         r"world_size=2.*or pass num_gpus=1"):
+        build_megatron_trainer(model_dir, TrainConfig(), tensor_parallel=1, num_gpus=2,
+                               use_megatron_parallel_state=False)
+
+
+def _tracking_gathers(monkeypatch_targets):
+    """Wrap ``gather_param`` where the trainer and the model call it: every result is remembered by weak reference,
+    so a test can tell which full tensors a rank still holds."""
+    import weakref
+
+    refs, originals = [], []
+    for module in monkeypatch_targets:
+        real = module.gather_param
+        originals.append((module, real))
+
+        def tracked(name, local, groups, _real=real):
+            out = _real(name, local, groups)
+            refs.append(weakref.ref(out))
+            return out
+
+        module.gather_param = tracked
+    return refs, originals
+
+
+def _full_save_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    import rlrepro.trainer.megatron.model as model_mod
+    import rlrepro.trainer.megatron.trainer as trainer_mod
+    from rlrepro.trainer.checkpoint import load_pt
+    from rlrepro.trainer.megatron import build_megatron_trainer, gather_param
+    from safetensors.torch import load_file
+
+    with gloo_process_group(rank, world, port):
+        res = {}
+        try:  # train.num_gpus must be the process group's size
+            build_megatron_trainer(model_dir, TrainConfig(**CONFIG), tensor_parallel=1, num_gpus=1,
+                                   use_megatron_parallel_state=False)
+            res["num_gpus_error"] = ""
+        except ValueError as e:
+            res["num_gpus_error"] = str(e)
+        # a layout_invariant trainer without the pieces that sum the q_norm/k_norm grads over TP (the state the
+        # constructor's check now refuses): the trainer must still sum them itself
+        t = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=2,
+                                   num_gpus=world, use_megatron_parallel_state=False)
+        t.layout_invariant = True
+        t.train_step(random_batch(t.model, 0))
+        res["q_norm"] = dict(t.model.named_parameters())["model.layers.0.self_attn.q_norm.weight"].detach().clone()
+        # full-format saves: the writer (rank 0) keeps the gathered tensors in CPU memory, the other ranks none
+        for tag, tp, kwargs in (("tp2", 2, {}), ("dp2", 1, {}), ("dp2_zero", 1, {"distributed_optimizer": True})):
+            t = build_megatron_trainer(model_dir, TrainConfig(**CONFIG), temperature=TEMPERATURE, tensor_parallel=tp,
+                                       num_gpus=world, use_megatron_parallel_state=False,
+                                       param_dtype=torch.bfloat16, **kwargs)
+            t.train_step(random_batch(t.model, 0))
+            # what the checkpoint must hold: the full weights and the unsharded optimizer's state_dict()
+            weights = {n: w.clone() for n, w in t.named_weights()}
+            if kwargs:
+                expected = t.optimizer.gather_state_dict(dst=0)
+            else:
+                local = t.optimizer.state_dict()
+                expected = {"names": local["names"], "param_groups": local["adamw"]["param_groups"],
+                            "state": {i: {k: gather_param(local["names"][i], v, t.groups) if v.dim() else v
+                                          for k, v in per.items()} for i, per in local["adamw"]["state"].items()},
+                            "master_weights": {n: gather_param(n, m, t.groups)
+                                               for n, m in local["master_weights"].items()}}
+            refs, originals = _tracking_gathers([trainer_mod, model_mod])
+            real_write = trainer_mod.write_on_one_rank
+            held = {}
+
+            def write(is_writer, fn, barrier, _held=held, _refs=refs):
+                alive = [r() for r in _refs if r() is not None]
+                _held.update(gathers=len(_refs), alive=len(alive), devices={str(a.device) for a in alive})
+                return real_write(is_writer, fn, barrier)
+
+            trainer_mod.write_on_one_rank = write
+            try:
+                path = t.save_checkpoint(f"{out}_{tag}", 1)
+            finally:
+                trainer_mod.write_on_one_rank = real_write
+                for module, real in originals:
+                    module.gather_param = real
+            res[tag] = {"held": held, "weights": weights, "expected": expected,
+                        "model": load_file(str(path / "model.safetensors")), "optim": load_pt(path / "optimizer.pt")}
+        torch.save(res, f"{out}.rank{rank}")
+
+
+def test_full_save_gathers_onto_the_writer_only_and_tp_sums_norm_grads_without_pieces(tmp_path):
+    """2 gloo processes. ``build_megatron_trainer`` refuses a ``num_gpus`` other than the process group's size. A
+    trainer at TP=2 with ``layout_invariant`` set but no pieces installed still sums the q_norm/k_norm grads over TP
+    (the replicated weights stay equal on both ranks). A full-format save holds the gathered full tensors on the
+    writer only (CPU memory): the other TP rank drops each as it arrives, the other DP replica gathers nothing; and
+    the files hold exactly the full weights and the unsharded optimizer state (``torch.equal``)."""
+    model_dir = str(write_tiny_checkpoint(tmp_path / "m", seed=2))
+    ranks = spawn_ranks(_full_save_worker, 2, model_dir, out=str(tmp_path / "o"))
+    for res in ranks:
+        assert "train.num_gpus=1 but the torch.distributed process group has 2 ranks" in res["num_gpus_error"]
+        assert "or pass num_gpus=2" in res["num_gpus_error"]
+    assert torch.equal(ranks[0]["q_norm"], ranks[1]["q_norm"])
+    writer, other = ranks
+    for tag in ("tp2", "dp2", "dp2_zero"):
+        assert writer[tag]["held"]["alive"] > 0 and writer[tag]["held"]["devices"] == {"cpu"}, tag
+        assert other[tag]["held"]["alive"] == 0, tag  # nothing full kept off the writer
+    assert other["tp2"]["held"]["gathers"] > 0  # the other TP rank takes part in the gathers ...
+    assert other["dp2"]["held"]["gathers"] == 0 and other["dp2_zero"]["held"]["gathers"] == 0  # ... replica 1 not
+    for tag in ("tp2", "dp2", "dp2_zero"):
+        res = writer[tag]
+        assert list(res["model"]) == sorted(res["weights"])
+        for name, w in res["weights"].items():
+            assert torch.equal(res["model"][name], w), (tag, name)
+        saved, exp = res["optim"], res["expected"]
+        assert saved["names"] == exp["names"]
+        assert saved["adamw"]["param_groups"] == (exp["param_groups"] if "param_groups" in exp
+                                                  else exp["adamw"]["param_groups"])
+        exp_state = exp["state"] if "state" in exp else exp["adamw"]["state"]
+        assert sorted(saved["adamw"]["state"]) == sorted(exp_state) and exp_state
+        for i, per in exp_state.items():
+            assert sorted(saved["adamw"]["state"][i]) == sorted(per)
+            for k, v in per.items():
+                assert torch.equal(saved["adamw"]["state"][i][k], v), (tag, i, k)
+        assert sorted(saved["master_weights"]) == sorted(exp["master_weights"]) and exp["master_weights"]
+        for n, m in exp["master_weights"].items():
+            assert saved["master_weights"][n].dtype == torch.float32 and torch.equal(saved["master_weights"][n], m)

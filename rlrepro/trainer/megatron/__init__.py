@@ -14,7 +14,8 @@ from .mcore import GRAD_SYNCS, MegatronCoreOptimizer
 __all__ = ["BACKENDS", "MegatronLayout", "validate_megatron_config", "megatron_core_version", "require_megatron_core",
            "TPQwen3ForCausalLM", "shard_spec", "shard_tensor", "gather_param", "ParallelGroups", "init_parallel",
            "destroy_parallel", "single_process_groups", "MegatronTrainer", "build_megatron_trainer",
-           "CHECKPOINT_FORMATS", "GRAD_SYNCS", "MegatronCoreOptimizer", "dist_to_full", "dist_to_hf", "hf_to_dist", "is_dist_checkpoint"]
+           "CHECKPOINT_FORMATS", "GRAD_SYNCS", "MegatronCoreOptimizer", "dist_to_full", "dist_to_hf", "hf_to_dist",
+           "is_dist_checkpoint"]
 
 
 def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int | None = None,
@@ -30,6 +31,8 @@ def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int | No
     :class:`MegatronTrainer`; ``distributed_optimizer``: shard the optimizer state over the DP replicas;
     ``grad_sync``: ``"ordered"`` (rlrepro's rank-order gradient sum and AdamW) or ``"megatron"`` (megatron-core's
     DistributedDataParallel and optimizer, :mod:`.mcore`)."""
+    import torch.distributed as dist
+
     from rlrepro.model import Qwen3Config
 
     # None: the config's (train.tensor_parallel, train.num_gpus, train.distributed_optimizer, train.grad_sync)
@@ -39,6 +42,14 @@ def build_megatron_trainer(model_dir, train_config, *, tensor_parallel: int | No
     config = Qwen3Config.from_file(model_dir)
     validate_megatron_config("megatron", tensor_parallel, num_gpus, device, config,
                              check_installed=bool(use_megatron_parallel_state) or grad_sync == "megatron")
+    initialised = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialised else 1
+    if world != num_gpus:  # the layout comes from the process group (DP = world / TP), not from num_gpus
+        where = (f"the torch.distributed process group has {world} ranks" if initialised
+                 else "torch.distributed is not initialised (one process)")
+        raise ValueError(f"train.num_gpus={num_gpus} but {where}: call build_megatron_trainer on every rank of a "
+                         f"process group of train.num_gpus ranks (init_process_group(..., world_size={num_gpus})), "
+                         f"or pass num_gpus={world}")
     if use_megatron_parallel_state is None:
         use_megatron_parallel_state = megatron_core_version() is not None
     groups = init_parallel(tensor_parallel, use_megatron=use_megatron_parallel_state)

@@ -26,8 +26,9 @@ collective), the temporary directory is removed and every rank raises; the previ
 directories unchanged.
 
 CPU: megatron-core's ``torch_dist`` save calls ``torch.cuda.synchronize()`` and ``torch.cuda.current_device()``
-(0.16.1) although nothing else in it needs CUDA; on a machine without CUDA those two calls are redirected to the
-CPU for the duration of the save/load (:func:`.mcore.cuda_calls_on_cpu`). Its writer also needs ``psutil``.
+(0.16.1) although nothing else in it needs CUDA; for a model on the CPU (with or without CUDA on the machine) those
+two calls are redirected to the CPU for the duration of the save/load (:func:`.mcore.cuda_calls_on_cpu`). Its writer
+also needs ``psutil``.
 """
 from __future__ import annotations
 
@@ -145,7 +146,11 @@ def hf_to_dist(hf_dir, ckpt_root, train_config, *, step: int = 0, dtype=None, pa
                            "(call it before init_process_group, or from a 1-rank group)")
     try:
         model = TPQwen3ForCausalLM.from_pretrained(hf_dir, single_process_groups(), dtype=dtype)
-        trainer = MegatronTrainer(model, dataclasses.replace(train_config, kl_coef=0.0), param_dtype=param_dtype)
+        # the file layout does not depend on train.grad_sync (both optimizers write rlrepro's layout: whole float32
+        # masters, no moments at step 0), and megatron-core's optimizer needs its parallel_state, which this
+        # one-process writer does not set up: the order-fixed path writes it
+        config = dataclasses.replace(train_config, kl_coef=0.0, grad_sync="ordered")
+        trainer = MegatronTrainer(model, config, param_dtype=param_dtype)
         return save_dist_checkpoint(trainer, ckpt_root, step, extra_state=extra_state)
     finally:
         if own_group:

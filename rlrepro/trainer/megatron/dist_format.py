@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from rlrepro._files import fsync_path
 
 from .. import checkpoint as ckpt
 from ..checkpoint import capture_rng_state, checkpoint_dir_name, load_pt, restore_rng_state
@@ -137,6 +140,22 @@ def _sharded_tensor(key: str, info: dict, data: torch.Tensor, groups):
     return ShardedTensor.from_rank_offsets(key, data, replica_id=(groups.tp_rank, dp_replica))
 
 
+def _dist_file_writer(name: str) -> int:
+    """The global rank that wrote ``name`` in megatron-core's checkpoint folder: torch_dist names each rank's data
+    files ``__<rank>_<n>.distcp``; everything else (``.metadata``, ``metadata.json``, ``common.pt``) rank 0 writes."""
+    m = re.match(r"__(\d+)_", name)
+    return int(m.group(1)) if m else 0
+
+
+def _fsync_own_dist_files(folder: Path, rank: int) -> None:
+    """fsync every file this rank wrote under megatron-core's checkpoint folder, before the hashes, the manifest and
+    the rename: megatron-core writes ``common.pt`` and ``metadata.json`` without an fsync (0.16.1), and its data
+    files are synced in its writer processes, not by the rank that answers for them."""
+    for f in sorted(folder.rglob("*")):
+        if f.is_file() and _dist_file_writer(f.name) == rank:
+            fsync_path(f)
+
+
 def _write_torch(path: Path, obj) -> dict:
     return ckpt._write_file(path, lambda p: torch.save(obj, p))
 
@@ -175,9 +194,10 @@ def save_dist_checkpoint(trainer, ckpt_root, step: int, *, extra_state: Mapping 
             infos = _all_infos(trainer, entries)
             scalars = _all_scalars(trainer)
             sharded = {key: _sharded_tensor(key, info, t, trainer.groups) for key, info, t in entries}
-            with cuda_calls_on_cpu():
+            with cuda_calls_on_cpu(trainer.model.device):
                 dc.save(sharded, str(tmp / DIST_DIR), sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
                         validate_access_integrity=True)
+            _fsync_own_dist_files(tmp / DIST_DIR, rank)
             _write_torch(tmp / "rng" / f"rank_{rank:05d}.pt", capture_rng_state(generators))
             if rank == 0:
                 _write_rank0_files(trainer, tmp, infos, scalars, step, extra_state, world)
@@ -353,7 +373,7 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
             info["dp_replica"] = 0 if first_reader[info["name"]] == g.dp_rank else g.dp_rank
         targets[key] = (info, t)
     sharded = {key: _sharded_tensor(key, info, t, g) for key, (info, t) in targets.items()}
-    with cuda_calls_on_cpu():
+    with cuda_calls_on_cpu(trainer.model.device):
         loaded = dc.load(sharded, str(path / DIST_DIR))
 
     common = load_pt(path / "optimizer.pt")

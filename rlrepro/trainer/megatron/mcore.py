@@ -27,9 +27,9 @@ layout (``"full"``: gathered onto DP rank 0; ``"dist"``: each parameter's tensor
 plain ``Trainer``. They carry ``torch.optim.AdamW``'s state: with Transformer Engine's or Apex's fused Adam they
 refuse.
 
-megatron-core allocates and checks CUDA tensors by name in these classes. On a machine without CUDA (the CPU
-tests) every call into it runs under :func:`cpu_stand_in`, which redirects those allocations to the CPU; nothing
-else in megatron-core's code is changed.
+megatron-core allocates and checks CUDA tensors by name in these classes. For a model on the CPU (the CPU tests, or
+``run.device=cpu`` on a machine with CUDA) every call into it runs under :func:`cpu_stand_in`, which redirects those
+allocations to the CPU; nothing else in megatron-core's code is changed.
 """
 from __future__ import annotations
 
@@ -65,12 +65,18 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _on_cpu(device) -> bool:
+    """Whether megatron-core's tensors must stay on the CPU: ``device`` (where the model lives) is not a CUDA
+    device. Keyed on the model, not on ``torch.cuda.is_available()``: a CPU run on a machine with CUDA is a CPU run."""
+    return torch.device(device).type != "cuda"
+
+
 @contextlib.contextmanager
-def cuda_calls_on_cpu():
-    """Without CUDA: ``torch.cuda.current_device()`` is ``'cpu'`` and ``torch.cuda.synchronize()`` does nothing
-    while the body runs (megatron-core calls both where every tensor is on the CPU, e.g. its torch_dist checkpoint
-    save after copying to the CPU). A no-op when CUDA is available."""
-    if torch.cuda.is_available():
+def cuda_calls_on_cpu(device):
+    """For a model on the CPU (``device``: where its tensors live): ``torch.cuda.current_device()`` is ``'cpu'`` and
+    ``torch.cuda.synchronize()`` does nothing while the body runs (megatron-core calls both where every tensor is on
+    the CPU, e.g. its torch_dist checkpoint save after copying to the CPU). A no-op for a model on CUDA."""
+    if not _on_cpu(device):
         yield
         return
     sync, current = torch.cuda.synchronize, torch.cuda.current_device
@@ -83,14 +89,14 @@ def cuda_calls_on_cpu():
 
 
 @contextlib.contextmanager
-def cpu_stand_in():
-    """Run megatron-core's DDP / optimizer code on a machine without CUDA: :func:`cuda_calls_on_cpu`, and tensors
-    it creates on ``'cuda'`` are created on the CPU and ``Tensor.type()`` answers with the CUDA type name. A no-op
-    when CUDA is available (the real path)."""
-    if torch.cuda.is_available():
+def cpu_stand_in(device):
+    """Run megatron-core's DDP / optimizer code on a model on the CPU (``device``: where its tensors live), with or
+    without CUDA on the machine: :func:`cuda_calls_on_cpu`, and tensors it creates on ``'cuda'`` are created on the
+    CPU and ``Tensor.type()`` answers with the CUDA type name. A no-op for a model on CUDA (the real path)."""
+    if not _on_cpu(device):
         yield
         return
-    with cuda_calls_on_cpu(), _CudaToCpu(), warnings.catch_warnings():
+    with cuda_calls_on_cpu(device), _CudaToCpu(), warnings.catch_warnings():
         # the mode sees megatron-core read .grad of its flat shard views (None there, as on CUDA)
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
         yield
@@ -159,7 +165,8 @@ class MegatronCoreOptimizer:
             p.partition_stride = 1
         self.distributed = bool(distributed_optimizer)
         self.dp_group, self.dp_size = g.dp_group, g.dp_size
-        with cpu_stand_in():
+        self.device = model.device  # cpu_stand_in's key: a model on the CPU runs megatron-core on the CPU
+        with cpu_stand_in(self.device):
             tconfig = TransformerConfig(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
                                         num_attention_heads=cfg.num_attention_heads,
                                         tensor_model_parallel_size=g.tp_size, params_dtype=dtype,
@@ -221,7 +228,7 @@ class MegatronCoreOptimizer:
         return self.mopt.param_groups
 
     def zero_grad(self) -> None:
-        with cpu_stand_in():
+        with cpu_stand_in(self.device):
             self.ddp.zero_grad_buffer()
             self.mopt.zero_grad()
 
@@ -236,7 +243,7 @@ class MegatronCoreOptimizer:
         """Sum the grad buffers over the DP group (megatron-core), hand them to the main parameters, and return
         the float32 grads the optimizer steps with: one per main parameter (with the distributed optimizer, this
         rank's ranges only). Scaling them in place is clipping."""
-        with cpu_stand_in():
+        with cpu_stand_in(self.device):
             self.ddp.finish_grad_sync()
             for sub in _sub_optimizers(self.mopt):
                 if sub.prepare_grads():
@@ -250,14 +257,14 @@ class MegatronCoreOptimizer:
 
     def grad_norm(self) -> torch.Tensor:
         """megatron-core's global grad norm over every TP and DP rank (float64 0-d tensor)."""
-        with cpu_stand_in():
+        with cpu_stand_in(self.device):
             norm = self.mopt.get_grad_norm()
         return torch.tensor(float(norm), dtype=torch.float64)
 
     def step(self) -> None:
         """Adam on the main parameters, cast back into the model's; with the distributed optimizer the updated
         ranges are all-gathered into every DP rank's parameters."""
-        with cpu_stand_in():
+        with cpu_stand_in(self.device):
             for sub in _sub_optimizers(self.mopt):
                 sub.step_with_ready_grads()
 

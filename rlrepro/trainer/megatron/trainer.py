@@ -123,6 +123,13 @@ class MegatronTrainer(Trainer):
         if grad_sync == "megatron" and config.layout_invariant:
             raise ValueError("train.layout_invariant=true needs train.grad_sync=ordered: megatron-core's gradient "
                              "sum runs in NCCL's order, which depends on the layout")
+        tp = model.groups.tp_size
+        if config.layout_invariant and config.tp_partials % tp:
+            # (the pieces that sum the q_norm/k_norm grads over TP would not be installed: replicas would drift)
+            raise ValueError(f"train.tp_partials={config.tp_partials} is not a multiple of train.tensor_parallel={tp}"
+                             ": with train.layout_invariant=true every TP rank computes tp_partials / TP of the fixed "
+                             f"pieces; set train.tp_partials to a multiple of every TP size the run uses (e.g. "
+                             f"{max(8, tp)}), or train.layout_invariant=false")
         self.grad_sync = grad_sync
         self.groups = model.groups
         self.checkpoint_format = _check_format(checkpoint_format)
@@ -149,7 +156,7 @@ class MegatronTrainer(Trainer):
         over the DP replicas: ``Trainer``'s order-fixed one, or (``grad_sync='megatron'``) megatron-core's DDP,
         after which the grads to clip are the optimizer's float32 main grads."""
         g = self.groups
-        if g.tp_size > 1 and not self.layout_invariant:  # layout_invariant: summed in the norms' backward
+        if g.tp_size > 1 and not self.model.layout_pieces:  # train.tp_partials' pieces: summed in the norms' backward
             for grad, (_, partial) in zip(grads, self._specs):
                 if partial:
                     grad.copy_(ordered_sum(grad, g.tp_group))
@@ -172,27 +179,61 @@ class MegatronTrainer(Trainer):
         yield from self.model.named_full_parameters()
 
     # --- checkpoints ----------------------------------------------------------------------------------------
-    def _full_optimizer_state(self) -> dict | None:
-        """The optimizer state a single-process Trainer of the full model would hold; a collective. With the
-        optimizer sharded over the DP replicas, replica 0 first gathers its TP shard's full state from the DP owners,
-        then its TP group gathers the shards; the other replicas return None (only replica 0 holds the writer)."""
-        if self.distributed_optimizer:  # both gather onto DP rank 0 (CPU tensors)
+    def _full_optimizer_state(self, keep: bool | None = None) -> dict | None:
+        """The optimizer state a single-process Trainer of the full model would hold, in CPU memory; a collective.
+        With the optimizer sharded over the DP replicas, replica 0 first gathers its TP shard's full state from the DP
+        owners, then its TP group gathers the shards; the other replicas return None. Each full tensor is gathered
+        in turn and moved to the CPU on a rank that ``keep``s it, dropped on the others: ``keep=None`` (a checkpoint
+        save) keeps it on the writer only (TP rank 0 of replica 0; the other replicas, whose TP groups hold the same
+        state, return None without gathering), ``keep=True`` on every TP rank (of replica 0 with the distributed
+        optimizer, else of every replica)."""
+        g = self.groups
+        writer_only = keep is None
+        keep = g.is_writer if writer_only else bool(keep)
+        if self.distributed_optimizer:  # both gather onto DP rank 0 (CPU tensors); a collective over DP
             local = (self.optimizer.gather_state_dict(dst=0) if self.grad_sync == "ordered"
                      else self.optimizer.state_dict())
             if local is None:
                 return None
+        elif writer_only and g.dp_rank != 0:
+            return None
+        elif self.grad_sync == "ordered":  # MasterWeightAdamW.state_dict() without its device copies of the masters
+            opt = self.optimizer
+            local = {"names": opt.names, "adamw": opt.inner.state_dict(),
+                     "master_weights": {n: m.detach() for n, m, p in zip(opt.names, opt.masters, opt.params)
+                                        if m is not p}}
         else:
-            local = self.optimizer.state_dict()
+            local = self.optimizer.state_dict()  # live tensors
+
+        def full(name: str, t: torch.Tensor, copy: bool = False) -> torch.Tensor | None:
+            whole = gather_param(name, t, g)  # a collective over TP: every TP rank calls it, in the same order
+            return whole.to("cpu", copy=copy) if keep else None
+
         names = local["names"]
         adamw = local["adamw"]
         state = {}
         for i, per_param in sorted(adamw["state"].items()):
             name = names[i]
-            state[i] = {k: (gather_param(name, v, self.groups) if torch.is_tensor(v) and v.dim() > 0 else v)
+            state[i] = {k: (full(name, v) if torch.is_tensor(v) and v.dim() > 0 else v)
                         for k, v in sorted(per_param.items())}
-        masters = {n: gather_param(n, t, self.groups) for n, t in sorted(local["master_weights"].items())}
+        # masters: copies, never the optimizer's live tensors (as MasterWeightAdamW.state_dict() gives them)
+        masters = {n: full(n, t, copy=True) for n, t in sorted(local["master_weights"].items())}
+        if not keep:
+            return None
         return {"names": list(names), "adamw": {"state": state, "param_groups": adamw["param_groups"]},
                 "master_weights": masters}
+
+    def _full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """The full weights (name order) in CPU memory on the writer, None on the other ranks; each gathered in turn
+        (a collective over the TP group of replica 0; the other replicas hold the same weights and skip it)."""
+        if self.groups.dp_rank != 0:
+            return None
+        keep = self.groups.is_writer
+        out = {}
+        for name, t in self.model.named_full_parameters():
+            if keep:
+                out[name] = t.to("cpu")
+        return out if keep else None
 
     def _load_full_optimizer_state(self, full: Mapping) -> None:
         g = self.groups
@@ -222,7 +263,8 @@ class MegatronTrainer(Trainer):
         if fmt == "dist":
             return save_dist_checkpoint(self, ckpt_root, step, extra_state=extra_state, keep_last=keep_last,
                                         generators=generators)
-        model_state = self.model.full_state_dict()
+        # gathered one tensor at a time; the writer keeps each in CPU memory, every other rank drops it
+        model_state = self._full_model_state()
         optim_state = self._full_optimizer_state()
         write_on_one_rank(self.groups.is_writer, lambda: save_checkpoint(
             ckpt_root, step, model=_FullModelView(self.model, model_state),
