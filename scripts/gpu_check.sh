@@ -66,6 +66,10 @@ add_step engine_tiles 300 '$PY benchmarks/bench_engine_tiles.py --json "$OUT/eng
 # is flashinfer's FA3 forward batch-, chunk- and decode-invariant (the bits), and how fast are its paged forms?
 # (issue #27: one kernel for the trainer, prefill and decode at FA3 speed, if the bits hold; JIT-compiles ~4 kernels)
 add_step fa3_invariance 540 'fi_kit && $PY benchmarks/probe_fa3_invariance.py --out "$OUT/fa3_invariance.md" ${FA3_PROBE_ARGS:-}'
+# other tiles of the FA3 kernel (rlrepro/kernels/fa3_variants.py): the paged kernel's bits from the TMA kernel with
+# 96-position KV tiles and from a 64-row decode kernel? and their speed (issue #27; .fa3pre/ may carry variants
+# compiled elsewhere, else each JIT-compiles here)
+add_step fa3_tiles 560 'fi_kit && RLREPRO_FA3_PREBUILT=$ROOT/.fa3pre $PY benchmarks/probe_fa3_tiles.py --out "$OUT/fa3_tiles.md" ${FA3_TILES_ARGS:-}'
 # the FA3 experiment through rlrepro (RLREPRO_ATTENTION=fa3): its GPU tests (invariance battery, engine ==
 # trainer at 8k on CUDA graphs, the Triton backward from FA3's lse) and the FA2 backward's (RLREPRO_ATTENTION_BWD=
 # flash2), then the engine with the Triton attention (triton) and with FA3, in one call

@@ -48,6 +48,7 @@ def fake_fa3(monkeypatch):
     monkeypatch.setattr(FI, "_MODULE", [FakeFlashinfer])
     monkeypatch.setattr(FI, "_WRAPPERS", {})
     monkeypatch.setattr(FI, "WORKSPACE_BYTES", 8)
+    monkeypatch.setattr(F3, "_use_variant", lambda w, *args: w)  # fa3_variants compiles flashinfer's sources
 
 
 def _fa3_attention(q, k, v, meta, scale, kv_cache=None):
@@ -84,6 +85,30 @@ def test_the_packed_lse_is_base_2_and_the_plans_are_kept_per_forward(fake_fa3):
     assert w.t is planned
     F3.packed(q, k, v, AttentionMetadata.packed(lens), 0.25)  # another forward plans again
     assert w.t is not planned
+
+
+def test_the_packed_forward_at_head_size_128_runs_the_ragged_kernel_with_96_position_tiles(fake_fa3, monkeypatch):
+    """At head size 128 the trainer's forward is the ragged (TMA) wrapper, planned once a forward and switched to
+    the ``ragged96`` variant after every plan (flashinfer's plan puts its stock module back); the rows and the
+    base-2 lse are those of the float64 stand-in, through the whole invariance battery."""
+    used = []
+    monkeypatch.setattr(F3, "_use_variant", lambda w, name, dtype, d: used.append((name, dtype, d)) or w)
+    check_attention_invariance(_fa3_attention, [9, 1, 17, 4], h=4, hkv=2, d=128, dtype=torch.float32,
+                               device="cpu", block_sizes=(4,), tol=1e-6)
+    assert used and set(used) == {("ragged96", torch.float32, 128)}
+    assert ("cpu", None, F3._KEY, "ragged") in FI._WRAPPERS
+    assert ("cpu", None, F3._KEY, "packed") not in FI._WRAPPERS  # no 1-token pages at this head size
+    used.clear()
+    lens = [7, 1, 12]
+    q, k, v = make_paged_case(lens, 4, 2, 128, torch.float32, "cpu")
+    meta = AttentionMetadata.packed(lens)
+    out, lse = F3.packed(q, k, v, meta, 0.25, return_lse=True)
+    assert rel_err(out, ref.attention_packed(q, k, v, meta, 0.25)) < 1e-6
+    F3.packed(q, k, v, meta, 0.25)  # a second layer of the same forward: no new plan, no new switch
+    assert len(used) == 1
+    want = torch.logsumexp((torch.einsum("qhd,khd->hqk", q[:7].double(), k[:7].double().repeat_interleave(2, 1))
+                            * 0.25).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf")), -1).T
+    assert float((lse[:7].double() - want / torch.log(torch.tensor(2.0, dtype=torch.float64))).abs().max()) < 1e-5
 
 
 def test_the_graph_decode_plans_a_fixed_fold(fake_fa3):

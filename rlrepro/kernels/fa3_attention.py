@@ -8,8 +8,10 @@ its own position. A tile past a row's diagonal (inside its query tile's reach) i
 undone exactly by the next tile's rescale. And flashinfer's paged FA3 kernel gathers K/V token by token (its page
 table becomes per-token offsets), so one kernel, with one KV tile (96 positions at D = 128), serves:
 
-* the trainer's packed forward: the packed K/V as a cache of 1-token pages, causal (``packed``), with the
-  log-sum-exp in base 2 of the scaled scores, which is what rlrepro's Triton backward reads (no other change);
+* the trainer's packed forward (``packed``), with the log-sum-exp in base 2 of the scaled scores, which is what
+  rlrepro's Triton backward reads: at head size 128 on the ragged (TMA) kernel rebuilt with the paged kernel's
+  96-position KV tile (:mod:`.fa3_variants`, the same bits: ``benchmarks/probe_fa3_tiles.py``), else on the
+  paged kernel with the packed K/V as a cache of 1-token pages;
 * the engine's prefill, chunked prefill and mixed steps: the paged cache, causal, a request per sequence;
 * decode steps: the GQA group's query heads folded into one request's rows, non-causal (a decode row sees every
   cached position), so each KV tile is read once per group (``paged``; :class:`GraphDecode` under CUDA graphs).
@@ -25,6 +27,7 @@ import os
 
 import torch
 
+from . import fa3_variants as _variants
 from . import flashinfer_attention as _fi
 
 __all__ = ["requested", "serves", "usable", "packed", "paged", "GraphDecode"]
@@ -32,6 +35,7 @@ __all__ = ["requested", "serves", "usable", "packed", "paged", "GraphDecode"]
 _log = logging.getLogger("rlrepro.kernels")
 _SAID: list[bool] = []
 _KEY = "fa3det"
+RAGGED_HEAD_DIM = 128  # the head size whose ragged kernel fa3_variants rebuilds with the paged kernel's KV tile
 
 
 def requested() -> bool:
@@ -66,9 +70,15 @@ def usable(q: torch.Tensor) -> bool:
 def _wrapper(kind: str, device: torch.device):
     key = (device.type, device.index, _KEY, kind)
     if key not in _fi._WRAPPERS:
-        _fi._WRAPPERS[key] = _fi.flashinfer_module().BatchPrefillWithPagedKVCacheWrapper(
-            _fi._workspace(device), "NHD", backend="fa3")
+        fi = _fi.flashinfer_module()
+        cls = fi.BatchPrefillWithRaggedKVCacheWrapper if kind == "ragged" else fi.BatchPrefillWithPagedKVCacheWrapper
+        _fi._WRAPPERS[key] = cls(_fi._workspace(device), "NHD", backend="fa3")
     return _fi._WRAPPERS[key]
+
+
+def _use_variant(w, name: str, dtype: torch.dtype, head_dim: int):
+    """Make the planned wrapper ``w`` run FA3 variant ``name`` (:mod:`.fa3_variants`)."""
+    return _variants.use(w, name, dtype, head_dim)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -89,10 +99,27 @@ def _unfold(out: torch.Tensor, h: int) -> torch.Tensor:
 
 def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float,
            return_lse: bool = False):
-    """Causal attention over packed sequences (the trainer's forward), the packed K/V read as 1-token pages.
-    Returns out [N, H, D] and, with ``return_lse``, the rows' log-sum-exp [N, H] (float32, base 2 of the scaled
-    scores, the Triton backward's convention)."""
+    """Causal attention over packed sequences (the trainer's forward). Returns out [N, H, D] and, with
+    ``return_lse``, the rows' log-sum-exp [N, H] (float32, base 2 of the scaled scores, the Triton backward's
+    convention).
+
+    At head size 128: FA3's ragged kernel (K/V by TMA) built with the paged kernel's 96-position KV tiles
+    (``ragged96`` of :mod:`.fa3_variants`; its own 128-position tiles give other bits), which gives the paged
+    kernel's bits at 0.94-0.98x of the stock ragged kernel's speed (an H100, docs/BENCHMARKS.md). Other head
+    sizes: the paged kernel itself, the packed K/V read as 1-token pages."""
     q, k, v = _dense(q.detach()), _dense(k.detach()), _dense(v.detach())
+    cu = None
+    if q.shape[-1] == RAGGED_HEAD_DIM:
+        w = _wrapper("ragged", q.device)
+        key = (_KEY, "ragged96", float(scale))
+        if not _fi._is_planned(w, meta, key):
+            cu = meta.cu_seqlens_q.to(torch.int32)
+            w.plan(cu, cu, q.shape[1], k.shape[1], q.shape[2], causal=True, sm_scale=float(scale),
+                   q_data_type=q.dtype, kv_data_type=k.dtype)
+            _use_variant(w, "ragged96", q.dtype, q.shape[2])
+            _fi._mark_planned(w, meta, key)
+        out, lse = w.run(q, k, v, return_lse=True)
+        return (out, lse) if return_lse else out
     w = _wrapper("packed", q.device)
     key = (_KEY, "packed", float(scale))
     if not _fi._is_planned(w, meta, key):
