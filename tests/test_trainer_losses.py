@@ -142,6 +142,33 @@ def test_dual_clip_by_hand():
                        policy_loss(logp_b, old_b, adv_b, mask_b, **CLIP).loss)
 
 
+@pytest.mark.parametrize("mode", ["ppo_clip", "gspo", "cispo"])
+def test_a_huge_log_ratio_gives_a_finite_loss_and_no_nan_gradient(mode):
+    """A token ~94 nats likelier now than under the behaviour policy: exp would overflow float32 (inf, and NaN
+    gradients through 0 * inf even where a clip bound is active). The log ratio is bounded at +-20 as verl's is,
+    so the loss is finite, a PPO token gets no gradient, and everything inside the bound keeps its bits."""
+    from rlrepro.trainer.losses import LOG_RATIO_BOUND, behaviour_weights
+    agg = dict(loss_agg="seq-mean-token-mean") if mode == "gspo" else {}
+    clip = dict(clip_low=3e-4, clip_high=4e-4) if mode == "gspo" else {}
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for adv in (1.0, -1.0):
+        for dual in ((0.0, 3.0) if mode == "ppo_clip" else (0.0,)):
+            logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+            out = policy_loss(logp, torch.tensor([[-1.0, -95.0]]), torch.tensor([adv]), mask, mode=mode,
+                              dual_clip=dual, **agg, **clip)
+            out.loss.backward()
+            assert torch.isfinite(out.loss) and torch.isfinite(logp.grad).all(), (adv, dual, logp.grad)
+            if mode == "ppo_clip":  # (CISPO keeps every token's gradient: its weight is clipped, not the term)
+                assert logp.grad[0, 1].item() == 0.0
+    w = behaviour_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, -95.0]]), mask)
+    assert torch.isfinite(w.weight).all() and w.weight[0, 1] == torch.exp(torch.tensor(LOG_RATIO_BOUND))
+    logp, old, adv, mask = _batch()  # every log ratio within the bound: the same bits as exp of the raw difference
+    ratio = torch.exp(logp - old)
+    pg, _ = clipped_surrogate(logp, old, adv.unsqueeze(-1), **CLIP)
+    assert torch.equal(pg, torch.maximum(-adv.unsqueeze(-1) * ratio,
+                                         -adv.unsqueeze(-1) * torch.clamp(ratio, 0.75, 1.25)))
+
+
 def test_entropy_bonus_by_hand():
     logp, mask = pad_sequences([torch.tensor([-1.0, -2.0]), torch.tensor([-1.5])])
     ent = torch.tensor([[2.0, 4.0], [3.0, 0.0]], requires_grad=True)

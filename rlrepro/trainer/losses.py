@@ -262,7 +262,7 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
     if dual_clip and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be 0 (off) or > 1 (the bound -A * dual_clip for A < 0), got {dual_clip}")
     adv = advantages.unsqueeze(-1) if advantages.dim() == logp.dim() - 1 else advantages
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(_bounded(logp - old_logp))
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     pg, no_grad = torch.maximum(unclipped, clipped), clipped > unclipped
@@ -271,6 +271,16 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
         dual = (adv < 0) & (bound < pg)
         pg, no_grad = torch.where(dual, bound.expand_as(pg), pg), no_grad | dual
     return pg, no_grad
+
+
+LOG_RATIO_BOUND = 20.0  # as verl: exp(88.7) overflows float32, and 0 * inf in the backward is NaN
+
+
+def _bounded(log_ratio: torch.Tensor) -> torch.Tensor:
+    """The log importance ratio clamped to +-``LOG_RATIO_BOUND`` before ``exp``: a token whose behaviour logprob
+    lies ~89 nats below the current one would make the ratio inf and its gradient NaN even where a clip bound is
+    the active term; clamped, such a token gets no gradient. Inside the bound nothing changes, not a bit."""
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 @register_policy_loss("ppo_clip")
@@ -296,7 +306,7 @@ def _gspo(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip):
     1 + clip_high))`` on every token of sequence ``i``; ``clipped`` marks every token of a clipped sequence."""
     adv = _per_sequence(advantages, "gspo")
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
-    s = torch.exp(log_ratio.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1).to(logp.dtype))
+    s = torch.exp(_bounded(log_ratio.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1).to(logp.dtype)))
     unclipped = -adv * s
     clipped = -adv * torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high)
     pg, no_grad = torch.maximum(unclipped, clipped), clipped > unclipped
@@ -310,7 +320,7 @@ def _cispo(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip):
     """CISPO: ``pg = -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * logp``; ``clipped`` marks the tokens whose
     weight was clipped (``ratio`` outside the bounds); they keep their gradient."""
     adv = advantages.unsqueeze(-1) if advantages.dim() == logp.dim() - 1 else advantages
-    ratio = torch.exp(logp - old_logp).detach()
+    ratio = torch.exp(_bounded(logp - old_logp)).detach()
     low, high = 1.0 - clip_low, 1.0 + clip_high
     weight = torch.clamp(ratio, low, high)
     return -weight * adv * logp, (ratio < low) | (ratio > high)
@@ -412,7 +422,7 @@ def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
     """
     if correction not in IS_CORRECTIONS:
         raise ValueError(f"unknown is_correction {correction!r}; choose one of {list(IS_CORRECTIONS)}")
-    log_rho = torch.where(mask, proximal_logp - behaviour_logp, torch.zeros_like(proximal_logp))
+    log_rho = _bounded(torch.where(mask, proximal_logp - behaviour_logp, torch.zeros_like(proximal_logp)))
     rho = torch.exp(log_rho)
     none = torch.zeros_like(mask)
     truncated, masked = none, none
