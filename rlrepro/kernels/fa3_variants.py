@@ -107,7 +107,8 @@ def patched_include() -> Path:
         text = texts.get(name) or (tmp / hopper / name).read_text()
         if text.count(old) != count:
             raise RuntimeError(f"fa3_variants: {name} of this flashinfer has {text.count(old)} places for a patch "
-                               f"(expected {count}); it was written for flashinfer 0.5.3")
+                               f"(expected {count}); it was written for flashinfer 0.5.3: pip install flashinfer-python==0.5.3, "
+                               "or unset RLREPRO_ATTENTION")
         texts[name] = text.replace(old, new)
     texts["prefill_sm90.cuh"] = _DEFAULTS + texts["prefill_sm90.cuh"]
     for name, text in texts.items():
