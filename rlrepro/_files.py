@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
+from pathlib import Path
 
-__all__ = ["current_umask", "default_file_mode", "apply_default_mode", "sha256_file", "fsync_path"]
+__all__ = ["current_umask", "default_file_mode", "apply_default_mode", "sha256_file", "fsync_path",
+           "atomic_write_bytes"]
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -59,3 +62,40 @@ def apply_default_mode(target: int | str | os.PathLike) -> None:
         os.fchmod(target, mode)
     else:
         os.chmod(target, mode)
+
+
+def _fsync_dir(path: Path) -> None:
+    """``fsync`` a directory after a rename into it, where the OS allows it (not every file system does)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the complete new one, never a part: into a
+    temporary ``.NAME.<random>.tmp`` beside it, fsynced, given the mode a plain ``open()`` would (0o666 masked by
+    the umask, not mkstemp's 0o600), renamed, the directory fsynced."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            apply_default_mode(f.fileno())
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)

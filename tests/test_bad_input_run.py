@@ -147,17 +147,19 @@ def test_prompt_plus_max_tokens_beyond_the_context_fails_before_work(tmp_path):
 
 
 def test_a_refused_start_leaves_nothing_behind(tmp_path, capsys):
-    # a bad data.source is found after the lock and the base model were written: both go again (they stayed)
+    # a bad data.source is found after the lock and the base model were written: the base model goes again (it
+    # stayed); the lock file stays, empty (run_lock.py: it is never removed, so two processes never hold two of them)
     missing = tmp_path / "no_such.jsonl"
     run = tmp_path / "new_run"
     assert main(["train", "recipe=grpo_tiny", *COMMON, f"run.dir={run}", f"data.source={missing}"]) == 2
-    assert "no_such.jsonl" in capsys.readouterr().err and not run.exists()
+    assert "no_such.jsonl" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == [".lock"] and (run / ".lock").read_bytes() == b""
     # a directory that was there keeps exactly what it held
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
     assert main(["train", "recipe=grpo_tiny", *COMMON, f"run.dir={kept}", f"data.source={missing}"]) == 2
-    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in kept.iterdir()) == [".lock", "notes.txt"]
 
 
 def test_micro_batch_token_budget_below_the_longest_sample_fails_before_work(tmp_path):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rlrepro.repro.diff import diff_runs, main_diff
-from rlrepro.repro.inputs import (INPUTS_FILE, INPUTS_FORMAT, collect_inputs, compare_inputs, input_differences,
-                                  read_inputs, write_inputs)
+from rlrepro.repro.inputs import (CODE_KEY, INPUTS_FILE, INPUTS_FORMAT, code_digest, collect_inputs, compare_inputs,
+                                  input_differences, read_inputs, rlrepro_code, write_inputs)
 from rlrepro.repro.records import ReproError
 from test_repro_diff import make_run
 
@@ -276,14 +276,24 @@ def test_informational_differences_do_not_fail_strict_inputs(tmp_path, env, setu
 def test_runs_without_inputs_diff_as_before(tmp_path, env, setup, capsys):
     model, data = setup
     a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
-    assert main_diff([str(a), str(b), "--strict-inputs"]) == 0
+    assert main_diff([str(a), str(b)]) == 0
     before = capsys.readouterr().out
     rep = diff_runs(a, b)
     assert not rep.inputs_compared and rep.input_diffs == [] and "inputs:" not in before and INPUTS_FILE not in before
+    # --strict-inputs asks for the inputs to be shown equal: records without them cannot pass it
+    assert main_diff([str(a), str(b), "--strict-inputs"]) == 1
+    assert "--strict-inputs: inputs not compared: no inputs.json in either run" in capsys.readouterr().out
     write_inputs(a, collect(model, data))
     assert main_diff([str(a), str(b)]) == 0
     out = capsys.readouterr().out
     assert "note: inputs not compared: no inputs.json in run B" in out
+    assert main_diff([str(a), str(b), "--strict-inputs"]) == 1
+    out = capsys.readouterr().out
+    assert "--strict-inputs: inputs not compared: no inputs.json in run B" in out
+    assert "verdict: IDENTICAL; exit 1: --strict-inputs failed" in out
+    assert main_diff([str(b), str(a), "--strict-inputs", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["strict_failures"] == [
+        "--strict-inputs: inputs not compared: no inputs.json in run A"]
     write_inputs(b, collect(model, data))
     assert main_diff([str(a), str(b)]) == 0
     assert "inputs: same (inputs.json" in capsys.readouterr().out
@@ -353,3 +363,73 @@ def test_verify_and_eval_work_in_the_runs_launch_directory(env, setup, tmp_path,
     with in_launch_dir(str(run)) as path:  # what verify and eval use: the directory is put back after
         assert path == str(run.resolve()) and os.getcwd() == str(launch)
     assert os.getcwd() == str(elsewhere)
+
+
+# ------------------------------------------------------------------------------------- rlrepro's own code
+
+
+def test_code_digest_is_the_documented_hash_of_the_package_sources(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub" / "__pycache__").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("x = 1\n")
+    (pkg / "sub" / "mod.py").write_bytes(b"def f():\n    return 2\n")
+    (pkg / "sub" / "__pycache__" / "mod.cpython-311.py").write_text("ignored")
+    (pkg / "notes.txt").write_text("not source")
+    h = hashlib.sha256(b"rlrepro.code_sha256.v1\0")
+    for rel in ("__init__.py", "sub/mod.py"):
+        data = (pkg / rel).read_bytes()
+        h.update(rel.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+    assert code_digest(pkg) == (h.hexdigest(), 2)
+    (pkg / "sub" / "__pycache__" / "mod.cpython-311.py").write_text("changed")
+    (pkg / "notes.txt").write_text("changed")
+    assert code_digest(pkg) == (h.hexdigest(), 2)
+    (pkg / "sub" / "mod.py").write_bytes(b"def f():\n    return 3\n")  # one byte of source
+    assert code_digest(pkg)[0] != h.hexdigest()
+    assert rlrepro_code(pkg)["git_commit"] is None  # not a git checkout
+
+
+def test_inputs_record_rlrepro_code_and_diff_names_a_change(tmp_path, env, setup, capsys):
+    model, data = setup
+    rec = collect(model, data)
+    assert rec[CODE_KEY]["sha256"] == code_digest()[0] and rec[CODE_KEY]["files"] == code_digest()[1]
+    assert rec["versions"]["rlrepro"] == __import__("rlrepro").__version__
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
+    write_inputs(a, rec)
+    changed = json.loads(json.dumps(rec))
+    changed[CODE_KEY]["sha256"] = "0" * 64   # another rlrepro source, same version string
+    write_inputs(b, changed)
+    rep = diff_runs(a, b)
+    assert [(d.what, d.key, d.bits) for d in rep.input_diffs] == [(CODE_KEY, "sha256", True)]
+    assert rep.input_diffs[0].message.startswith(f"rlrepro code differs (sha256 of its source "
+                                                 f"{rec[CODE_KEY]['sha256'][:12]}... vs 000000000000...")
+    assert main_diff([str(a), str(b)]) == 0
+    assert "rlrepro code differs" in capsys.readouterr().out
+    assert main_diff([str(a), str(b), "--strict-inputs"]) == 1
+    # the same source under another commit: informational
+    other = json.loads(json.dumps(rec))
+    other[CODE_KEY]["git_commit"] = "f" * 40
+    write_inputs(b, other)
+    rep = diff_runs(a, b)
+    if rec[CODE_KEY]["git_commit"] != "f" * 40:
+        assert [(d.what, d.key, d.bits) for d in rep.input_diffs] == [(CODE_KEY, "git_commit", False)]
+    assert main_diff([str(a), str(b), "--strict-inputs"]) == 0
+
+
+def test_a_run_recorded_before_the_code_digest_still_diffs(tmp_path, env, setup, capsys):
+    model, data = setup
+    rec = collect(model, data)
+    old = {k: v for k, v in rec.items() if k != CODE_KEY}
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
+    write_inputs(a, old)
+    write_inputs(b, rec)
+    rep = diff_runs(a, b)
+    assert rep.inputs_compared and rep.input_diffs == [] and rep.verdict == "identical"
+    assert len(rep.inputs_not_compared) == 1 and rep.inputs_not_compared[0].startswith(
+        "code digest not recorded in run A")
+    assert main_diff([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "  not compared: code digest not recorded in run A" in out
+    assert main_diff([str(a), str(b), "--strict-inputs"]) == 1
+    assert "--strict-inputs: inputs not compared: code digest not recorded in run A" in capsys.readouterr().out
+    write_inputs(b, old)
+    assert diff_runs(a, b).inputs_not_compared[0].startswith("code digest not recorded in either run")

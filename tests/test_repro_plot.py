@@ -164,3 +164,25 @@ def test_eval_and_dynamic_sampling_curves_get_panels_when_recorded(tmp_path):
     assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [0.2, 0.4]
     titles = [a.get_title() for a in _visible_axes(figs["overview"])]
     assert "eval pass@4 (held out)" in titles
+
+
+def test_plot_skips_a_run_it_cannot_read_and_draws_the_others(tmp_path, capsys):
+    a = make_run(tmp_path / "a", steps=4)
+    torn = make_run(tmp_path / "torn", steps=4)
+    with open(torn / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "train/lo')               # a run that crashed (or is still writing)
+    bad = make_run(tmp_path / "bad", steps=4)
+    lines = (bad / "metrics.jsonl").read_text().splitlines()
+    lines[1] = lines[1][:20]                            # malformed in the middle: cannot be read
+    (bad / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    figs = build_figures([a, bad, tmp_path / "missing", torn])
+    err = capsys.readouterr().err
+    assert f"rlrepro plot: skipping a run that cannot be read: {bad / 'metrics.jsonl'}:2: invalid JSON" in err
+    assert f"rlrepro plot: skipping a run that cannot be read: {tmp_path / 'missing'}: run directory not found" in err
+    assert f"rlrepro plot: note: {torn / 'metrics.jsonl'}:5: torn last line dropped" in err
+    (line_a, line_torn) = [ln for ln in figs["loss"].axes[0].get_lines() if ln.get_label() in ("a", "torn")]
+    assert list(line_torn.get_xdata()) == [1, 2, 3, 4] == list(line_a.get_xdata())
+    assert main_plot([str(a), str(bad), "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "overview.png").exists()
+    assert main_plot([str(bad)]) == 2                   # nothing left to draw
+    assert f"rlrepro plot: error: {bad / 'metrics.jsonl'}:2: invalid JSON" in capsys.readouterr().err

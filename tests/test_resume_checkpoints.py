@@ -25,6 +25,7 @@ from rlrepro.orchestration import preflight
 from rlrepro.orchestration.config import ConfigError
 from rlrepro.trainer import checkpoint as ckpt_mod
 from rlrepro.trainer.checkpoint import load_checkpoint, save_checkpoint, scan_checkpoints
+from _stub_actors import StubActors
 
 COMMON = ["recipe=grpo_tiny", "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.max_tokens=4",
           "train.steps=3", "train.warmup_steps=0", "logger.progress=false", "data.max_prompt_tokens=24"]
@@ -118,25 +119,6 @@ def test_checkpoint_directories_none_usable_is_refused_naming_them(tmp_path):
     msg = str(ei.value)
     assert "step_000001" in msg and "step_000002" in msg and "none of the 2 checkpoint directories" in msg
     assert "nothing was changed" in msg and "run.overwrite=true" in msg
-
-
-class StubActors:
-    """Ray-free actors: loading a checkpoint returns its extra state; everything else is a no-op."""
-
-    def __init__(self, cfg, model_dir):
-        self.restarts = 0
-
-    def load_checkpoint(self, path):
-        return load_checkpoint(path, restore_rng=False).extra_state
-
-    def sync_weights(self, version):
-        return "00" * 32
-
-    def warm_start(self, *a, **k):
-        return [0.0]
-
-    def shutdown(self):
-        pass
 
 
 def recorded_run(tmp_path: Path, *extra) -> tuple[Path, list[str]]:

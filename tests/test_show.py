@@ -94,3 +94,17 @@ def test_show_errors_name_what_exists(tmp_path, capsys, args, message):
     assert main(["show"] + argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlrepro show: error: ") and message.format(tmp=tmp_path) in err
+
+
+def test_show_given_a_file_of_the_run_names_the_run_directory(tmp_path, capsys):
+    run = make_run(tmp_path / "a", steps=(1,), n=2, config={"model": {"path": None}})
+    assert main(["show", str(run / "config.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"rlrepro show: error: {run / 'config.yaml'} is a file, not a run directory; its run directory "
+                   f"is {run}: rlrepro show {run}\n")
+    assert "not found" not in err
+    assert main(["show", str(run / "rollouts" / "step_000001.jsonl.gz")]) == 2
+    assert f"its run directory is {run}" in capsys.readouterr().err
+    (tmp_path / "loose.txt").write_text("x")
+    assert main(["show", str(tmp_path / "loose.txt")]) == 2
+    assert capsys.readouterr().err == f"rlrepro show: error: {tmp_path / 'loose.txt'} is a file, not a run directory\n"

@@ -125,3 +125,17 @@ def test_a_run_with_no_step_lists_no_records_it_did_not_write(tmp_path):
     assert "metrics.jsonl" not in text and "rlrepro plot" not in text
     _write_metrics(tmp_path, [0.5])
     assert "rlrepro plot" in format_summary(run_summary(tmp_path, _cfg(), wall_s=1.0, steps_this_run=1))
+
+
+def test_a_run_that_failed_before_its_first_step_says_0_recorded(tmp_path):
+    from rlrepro.orchestration.errors import RunFailed
+
+    err = RunFailed("step 1 failed: boom. The last complete checkpoint is none", step=1, checkpoint=None,
+                    cause=ValueError("boom"))
+    s = run_summary(tmp_path, _cfg(), wall_s=1.0, steps_this_run=0, failure=err)
+    text = format_summary(s)
+    assert "  steps      0 recorded, 0 run now\n" in text
+    assert "None" not in text
+    _write_metrics(tmp_path, [0.5, 0.25])
+    assert "  steps      2 recorded (1-2), 2 run now\n" in format_summary(
+        run_summary(tmp_path, _cfg(), wall_s=1.0, steps_this_run=2))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["PromptRecord", "records_digest", "write_jsonl", "RESERVED_COLUMNS"]
+__all__ = ["PromptRecord", "records_digest", "write_jsonl", "jsonl_bytes", "RESERVED_COLUMNS"]
 
 # Column names write_jsonl uses for the record's own fields; meta keys may not take them.
 RESERVED_COLUMNS = ("id", "prompt", "messages", "answer")
@@ -92,17 +92,22 @@ def records_digest(records: Iterable[PromptRecord]) -> str:
     return h.hexdigest()
 
 
+def jsonl_bytes(records: Iterable[PromptRecord]) -> bytes:
+    """The bytes :func:`write_jsonl` writes: one JSON line per record (UTF-8, ``\\n`` line ends)."""
+    return "".join(json.dumps(r.to_json_dict(), ensure_ascii=False, allow_nan=False) + "\n"
+                   for r in records).encode("utf-8")
+
+
 def write_jsonl(records: Iterable[PromptRecord], path: str | os.PathLike) -> Path:
     """Write records as JSON lines (``id``, ``prompt`` or ``messages``, ``answer``, then the meta keys).
 
     ``load_records(path, id_field="id")`` (or ``messages_field="messages"`` for chat records) reads them back
-    equal. The file is written to a temporary name and renamed, so a reader never sees half of it.
+    equal. Written by ``rlrepro._files.atomic_write_bytes``: into a temporary ``.NAME.<random>.tmp`` beside it
+    (the name ``run.overwrite`` cleans up), fsynced, renamed, the directory fsynced; a reader sees the old file or
+    the complete new one.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        for r in records:
-            f.write(json.dumps(r.to_json_dict(), ensure_ascii=False, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    from rlrepro._files import atomic_write_bytes
+
+    data = jsonl_bytes(records)  # a record that cannot be written fails before any file is made
+    atomic_write_bytes(path, data)
+    return Path(path)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlrepro.repro.records import CHECKPOINTS_DIR, CONFIG_FILE, atomic_write_bytes
+from rlrepro.repro.records import CHECKPOINTS_DIR, CONFIG_FILE, ReproError, atomic_write_bytes
 from rlrepro.samples import Sample
 
 from . import preflight
@@ -28,7 +28,7 @@ from .config import ConfigError, RunSchema, to_schema, uses_episodes, validate_m
 from .generation import GenerationSteps, PhaseTimer, shaped_penalties
 from .pipeline import PipelineSteps, pending_from_state, pending_to_state, test_delay
 from .errors import RunFailed, RunInterrupted, dead_actor_class, describe, is_actor_death, unwrap
-from .run_lock import RunLock
+from .run_lock import LOCK_FILE, RunLock
 from .runlog import RunLog, perf_memory_metrics, step_metrics
 
 __all__ = ["GRPODriver", "run_training", "shaped_penalties", "config_yaml"]
@@ -115,23 +115,25 @@ class GRPODriver(GenerationSteps, PipelineSteps):
 
             self.evaluator = Evaluator(cfg, self.tokenizer, self.reward_fn, self.stop_token_ids, self.model_config,
                                        later=self.eval_later, load_prompts=bool(cfg.eval.every))
+        self._check_resume()  # a resume's checkpoint and data, against this run's (before Ray starts)
         self.log = RunLog(cfg, self.run_dir)
         self.actors = actor_group_class()(cfg, str(self.model_dir))
 
     def _load_prompts(self) -> tuple[list, list[Path]]:
         """The run's prompts (rlrepro.data.build_prompts) and the data files they came from."""
-        from rlrepro.data import build_prompts, load_records, make_synthetic_records, write_jsonl
+        from rlrepro.data import build_prompts, load_records
+
+        from .synthetic_file import prepare_synthetic_data
 
         d = self.cfg.data
         source = d.source
         fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, id_field=d.id_field,
                       messages_field=d.messages_field)
-        if source is None:  # the synthetic task, written as jsonl and read back through the same loader
-            source = self.run_dir / "data" / f"synthetic_{d.synthetic.task}.jsonl"
+        if source is None:  # the synthetic task, written as jsonl (with a manifest of its settings), read back
+            run = self.cfg.run  # through the same loader
+            source = prepare_synthetic_data(self.run_dir, d.synthetic, overwrite=run.overwrite and not run.resume,
+                                            resume=run.resume)
             fields = dict(prompt_field="prompt", answer_field="answer", id_field="id", messages_field=None)
-            if not source.is_file():
-                write_jsonl(make_synthetic_records(d.synthetic.task, d.synthetic.num, d.synthetic.seed,
-                                                   **d.synthetic.kwargs), source)
         records, self.data_stats = load_records(str(source), split=d.split, on_bad_row=d.on_bad_row,
                                                 allow_hub=d.allow_hub, limit=d.limit, revision=d.revision, **fields)
         try:
@@ -298,28 +300,28 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         from the latest complete checkpoint when run.resume is true, else from scratch. Ctrl-C or SIGTERM stops
         it with :class:`RunInterrupted` (exit 130 from the CLI), naming the checkpoint left. The run directory
         is locked for the whole run (:class:`~.run_lock.RunLock`): a second run into it is refused first."""
-        existed = self.run_dir.is_dir()
-        before = set(os.listdir(self.run_dir)) if existed else set()
         lock = RunLock(self.run_dir).acquire()  # before anything is read, written or deleted
+        before = None
         try:
+            before = set(os.listdir(self.run_dir))  # under the lock: nothing another run made is taken as ours
             return self._run_locked(start_checkpoint, last_step)
-        except (ConfigError, ValueError, FileNotFoundError):
-            if getattr(self, "_start_step", None) is None:  # refused in set-up: what this start made goes again
-                lock.release()
-                self._remove_created(existed, before)
+        except (ConfigError, ValueError, FileNotFoundError, ReproError) as e:
+            # refused in set-up: what this start made goes again, while the lock is still held (released last)
+            if before is not None and getattr(self, "_start_step", None) is None:
+                self._remove_created(before)
+                if isinstance(e, ReproError):  # a damaged record (a step log, inputs.json): bad input, exit 2
+                    raise ConfigError(str(e)) from None
             raise
         finally:
             lock.release()
 
-    def _remove_created(self, existed: bool, before: set[str]) -> None:
-        """A start refused before its first step writes nothing: the entries it created in the run directory (the
-        lock file, base_model/, a synthetic data set, config.yaml) are removed, and the directory if it made it."""
+    def _remove_created(self, before: set[str]) -> None:
+        """A start refused before its first step writes nothing: the entries it created in the run directory
+        (base_model/, a synthetic data set, config.yaml) are removed. The lock file stays (run_lock.py: it is never
+        removed, so that two processes can never hold two lock files of one directory)."""
         import shutil
 
-        if not existed:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-            return
-        for name in sorted(set(os.listdir(self.run_dir)) - before):
+        for name in sorted(set(os.listdir(self.run_dir)) - before - {LOCK_FILE}):
             path = self.run_dir / name
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
@@ -338,11 +340,13 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         self._start_step = None
         self._in_warm_start = False  # the supervised warm start (before step 1) is running
         previous_sigterm = None
+        # the checkpoint a resume continues from: setup checks its data order against the data before Ray starts
+        self._resume_ckpt = start_checkpoint if start_checkpoint is not None else resume_from
         try:
             self.setup()
             previous_sigterm = _sigterm_as_interrupt()  # after Ray started: it installs a SIGTERM handler of its own
             preflight.remove_partial_checkpoints(self.checkpoint_root(), self.log.line)
-            ckpt = start_checkpoint if start_checkpoint is not None else resume_from
+            ckpt = self._resume_ckpt
             if cfg.train.warmup_steps > cfg.train.steps:
                 self.log.line(f"rlrepro: train.warmup_steps={cfg.train.warmup_steps} > train.steps="
                               f"{cfg.train.steps}: the LR warm-up is capped at {cfg.train.steps} steps")
@@ -351,7 +355,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
                     self.warm_start()  # rebuilds the KL reference (the warm-started policy) deterministically
                 done = self.restore(ckpt)
                 self.log.line(f"resumed from {ckpt} (step {done})")
-                self._record_inputs(None)
+                self._record_inputs(None, from_step=done + 1)
             else:
                 done = 0
                 self._in_warm_start = True
@@ -387,7 +391,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         from rlrepro.trainer import latest_checkpoint
 
         from .config import migrate_legacy_keys, validate
-        from .resume import reconcile_resume
+        from .resume import reconcile_resume, with_keys
 
         path = self.run_dir / CONFIG_FILE
         if not path.is_file():
@@ -397,17 +401,14 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         if self.override_keys is None:
             requested = composed
         else:
-            requested = _with_keys(recorded, composed, self.override_keys)
+            requested = with_keys(recorded, composed, self.override_keys)
         found = latest_checkpoint(self.checkpoint_root())
         done = int(found.name.split("_")[1]) if found is not None else 0
         config, amendments = reconcile_resume(recorded, requested, completed_step=done)
         self.cfg = validate(config)
         # how this command started the run is not an amendment of the run
         amendments = [a for a in amendments if a["key"] not in ("run.resume", "run.dir", "run.overwrite")]
-        self._amendments = amendments  # written with config.yaml once the resume is accepted (_write_amendments)
-        for a in amendments:
-            print(f"rlrepro: resume amends {a['key']}: {a['old']!r} -> {a['new']!r} from step {a['from_step']} "
-                  "(recorded in amendments.jsonl)", file=sys.stderr)
+        self._amendments = amendments  # written and said once the resume is accepted (_write_amendments)
 
     def _write_amendments(self) -> None:
         import json
@@ -415,33 +416,56 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         amendments = getattr(self, "_amendments", None)
         if not amendments:
             return
+        for a in amendments:
+            print(f"rlrepro: resume amends {a['key']}: {a['old']!r} -> {a['new']!r} from step {a['from_step']} "
+                  "(recorded in amendments.jsonl)", file=sys.stderr)
         log_path = self.run_dir / "amendments.jsonl"
         old = log_path.read_bytes() if log_path.is_file() else b""
         new = "".join(json.dumps(a, sort_keys=True) + "\n" for a in amendments).encode()
         atomic_write_bytes(log_path, old + new)
         self._amendments = None
 
-    def _record_inputs(self, weights_digest: str | None) -> None:
+    def _check_resume(self) -> None:
+        """Before Ray starts: the checkpoint a resume continues from, its data order and batches generated ahead
+        against this run's prompts and config; a resume's data set against inputs.json (rlrepro.orchestration.
+        resume_checks). Raises ConfigError naming what differs and the fix."""
+        from . import resume_checks
+
+        if getattr(self, "_resume_ckpt", None) is not None:
+            resume_checks.check_checkpoint_state(self._resume_ckpt, self.order, self.cfg)
+        if self.cfg.run.resume:
+            self._inputs_now = self._collect_inputs(None)
+            resume_checks.check_inputs(self.run_dir, self._inputs_now)
+
+    def _collect_inputs(self, weights_digest: str | None) -> dict:
+        from rlrepro.repro.inputs import collect_inputs
+
+        return collect_inputs(data_files=self.data_files, records_digest=self.data_stats.records_digest,
+                              data_revision=self.cfg.data.revision, model_dir=self.model_dir,
+                              weights_digest=weights_digest,
+                              eval_files=self.evaluator.files if self.evaluator is not None else None,
+                              cluster=_cluster_info(self.actors),
+                              code={"reward.fn": self.reward_fn,
+                                    **({"env.fn": self.env_spec.factory} if self.env_spec is not None else {})})
+
+    def _record_inputs(self, weights_digest: str | None, from_step: int = 1) -> None:
         """``inputs.json``: digests of the data files, records, tokenizer and starting weights, and every
-        environment knob that can change bits (rlrepro.repro.inputs). A resumed run compares what it has now
-        with the record and says what differs (the resumed steps may then not repeat the recorded ones)."""
-        from rlrepro.repro.inputs import collect_inputs, compare_inputs, read_inputs, write_inputs
+        environment knob that can change bits (rlrepro.repro.inputs). A resumed run keeps the record of the first
+        start; what differs now is said on stderr and appended to the record's ``resumes`` (resume_checks)."""
+        from rlrepro.repro.inputs import read_inputs, write_inputs
+
+        from .resume_checks import record_resumed_inputs
 
         recorded = read_inputs(self.run_dir) if weights_digest is None else None
-        if recorded is not None:
-            weights_digest = recorded.get("weights_digest")
-        inputs = collect_inputs(data_files=self.data_files, records_digest=self.data_stats.records_digest,
-                                data_revision=self.cfg.data.revision, model_dir=self.model_dir,
-                                weights_digest=weights_digest,
-                                eval_files=self.evaluator.files if self.evaluator is not None else None,
-                                cluster=_cluster_info(self.actors),
-                                code={"reward.fn": self.reward_fn,
-                                      **({"env.fn": self.env_spec.factory} if self.env_spec is not None else {})})
-        if recorded is not None:
-            for line in compare_inputs(recorded, inputs):
-                self.log.line(f"rlrepro: warning: resuming with other inputs than the run recorded: {line}")
-            return  # the record stays the run's
-        write_inputs(self.run_dir, inputs)
+        if recorded is None:
+            write_inputs(self.run_dir, self._collect_inputs(weights_digest))
+            return
+        now = getattr(self, "_inputs_now", None) or self._collect_inputs(None)  # pre-flight's: hashed once
+        cluster = _cluster_info(self.actors)
+        if cluster is not None:
+            now["cluster"] = cluster
+        record_resumed_inputs(self.run_dir, recorded, dict(now, weights_digest=recorded.get("weights_digest")),
+                              from_step)
 
     def _loop(self, done: int, last_step: int) -> list[dict]:
         cfg = self.cfg
@@ -550,33 +574,6 @@ def _restore_sigterm(handler) -> None:
         signal.signal(signal.SIGTERM, handler)
     except (ValueError, TypeError):  # not the main thread, or no handler to put back
         pass
-
-
-def _with_keys(recorded: dict, composed: dict, keys: list[str]) -> dict:
-    """``recorded`` with the value ``composed`` holds at each of ``keys`` (dotted; a key inside a mapping-valued
-    field sets that entry; a key ``composed`` lacks is dropped)."""
-    import copy
-
-    out = copy.deepcopy(recorded)
-    for key in keys:
-        parts = key.split(".")
-        src: Any = composed
-        for part in parts:
-            src = src.get(part, _MISSING) if isinstance(src, dict) else _MISSING
-        dst = out
-        for part in parts[:-1]:
-            dst = dst.setdefault(part, {}) if isinstance(dst, dict) else None
-            if dst is None:
-                break
-        if isinstance(dst, dict):
-            if src is _MISSING:
-                dst.pop(parts[-1], None)
-            else:
-                dst[parts[-1]] = copy.deepcopy(src)
-    return out
-
-
-_MISSING = object()
 
 
 def run_training(cfg: Any, *, override_keys: list[str] | None = None) -> list[dict]:

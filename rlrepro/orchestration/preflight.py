@@ -41,7 +41,8 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE, FINGERPRINTS_FILE, "inputs.json", "amend
              "summary.txt")
 # directories only rlrepro writes into, with the names of the entries it makes there
 RUN_DIRS = {ROLLOUTS_DIR: ("step_*.jsonl.gz", ".step_*.tmp"), CHECKPOINTS_DIR: ("step_*",), "verify": ("from_*",),
-            "data": ("synthetic_*.jsonl", ".synthetic_*.tmp"), "export": ("step_*", "step_*.tmp-*", "step_*.old-*")}
+            "data": ("synthetic_*.jsonl", "synthetic_*.manifest.json", ".synthetic_*.tmp"),
+            "export": ("step_*", "step_*.tmp-*", "step_*.old-*")}
 RUN_GLOBS = ("base_model", "base_model.tmp*")  # rlrepro's own model directory (model.init=tiny|random)
 
 
@@ -275,14 +276,21 @@ def resume_checkpoint(root: Path, say=log) -> str | None:
     """The checkpoint ``run.resume=true`` continues from: the newest complete one under ``root``. Each newer
     directory that is not a complete checkpoint is named with the reason it is skipped. None when there is no
     checkpoint directory at all (the run starts at step 1); ConfigError when there are some but none is usable
-    (starting over would silently rewrite every record)."""
-    from rlrepro.trainer.checkpoint import restore_set_aside, scan_checkpoints
+    (starting over would silently rewrite every record). A newer checkpoint of another format version (another
+    rlrepro wrote it) is not skipped: the resume is refused, since the steps after the older one would replace it."""
+    from rlrepro.trainer.checkpoint import VERSION, other_version, restore_set_aside, scan_checkpoints
 
     restore_set_aside(root, say)  # a save killed while it replaced a step: that step's copy is put back first
     entries = scan_checkpoints(root)
     for step, path, problem in entries:
         if problem is None:
             return str(path)
+        version = other_version(path) if path.is_dir() else None
+        if version is not None:
+            raise ConfigError(f"run.resume=true: {path} is a checkpoint of format version {version!r}, and this "
+                              f"rlrepro writes and reads version {VERSION}: another rlrepro wrote it. Resuming from "
+                              "an older checkpoint would re-execute its step and replace it, so nothing was changed. "
+                              "Fix: resume with the rlrepro that wrote it, or start a new run in another run.dir")
         say(f"run.resume=true: skipping {path}, not a complete checkpoint: {problem}")
     if not entries:
         say("run.resume=true but no checkpoint exists yet: starting at step 1")

@@ -36,7 +36,7 @@ from rlrepro.checks import ConfigError  # the class rlrepro.orchestration.config
 
 __all__ = ["reconcile_resume", "config_at_step", "read_amendments", "EVAL_KEYS", "BIT_NEUTRAL_KEYS", "STEPS_KEY",
            "LAYOUT_KEYS", "LAYOUT_INVARIANT_KEY",
-           "steps_change_problem", "layout_change_problem", "one_rank_run", "flatten", "differences"]
+           "steps_change_problem", "layout_change_problem", "one_rank_run", "flatten", "differences", "with_keys"]
 
 # fnmatch patterns of dotted keys whose value cannot change the run's numbers (rollout tokens, logprobs, rewards,
 # advantages, loss, grad norm, weights): where and how often things are logged or saved, how the run is started,
@@ -45,6 +45,10 @@ __all__ = ["reconcile_resume", "config_at_step", "read_amendments", "EVAL_KEYS",
 BIT_NEUTRAL_KEYS: tuple[str, ...] = (
     "logger.*",
     "checkpoint.every", "checkpoint.keep_last", "checkpoint.save_last",
+    # an HF copy of the weights beside the checkpoints: it reads the weights only, under forked RNG states
+    # (orchestration.workers.TrainerWorker.export_hf; tests/test_export.py: same fingerprints with and without)
+    "checkpoint.export_hf",
+    "repro.*",  # what `rlrepro diff` lists (repro.ignore_keys): read by diff only, never by the run
     "run.resume", "run.overwrite", "run.save_rollouts",
     "run.dir",  # the record's location: the directory the resumed run was found in
     "ray.address", "ray.num_cpus", "ray.network_interface",
@@ -274,3 +278,28 @@ def config_at_step(config: dict, amendments: list[dict], step: int, keys: tuple[
     for a in sorted(later, key=lambda a: a["from_step"], reverse=True):
         _set(out, a["key"], copy.deepcopy(a["old"]))
     return out
+
+
+def with_keys(recorded: dict, composed: dict, keys: list[str]) -> dict:
+    """``recorded`` with the value ``composed`` holds at each of ``keys`` (dotted; a key inside a mapping-valued
+    field sets that entry; a key ``composed`` lacks is dropped)."""
+    out = copy.deepcopy(recorded)
+    for key in keys:
+        parts = key.split(".")
+        src: Any = composed
+        for part in parts:
+            src = src.get(part, _MISSING) if isinstance(src, dict) else _MISSING
+        dst = out
+        for part in parts[:-1]:
+            dst = dst.setdefault(part, {}) if isinstance(dst, dict) else None
+            if dst is None:
+                break
+        if isinstance(dst, dict):
+            if src is _MISSING:
+                dst.pop(parts[-1], None)
+            else:
+                dst[parts[-1]] = copy.deepcopy(src)
+    return out
+
+
+_MISSING = object()

@@ -121,13 +121,20 @@ def _num(x, fmt: str = ".4f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def _steps(st: dict) -> str:
+    """"12 recorded (1-12)", or "0 recorded" for a run that failed before its first step."""
+    if not st["recorded"] or st["first"] is None:
+        return f"{st['recorded']} recorded"
+    return f"{st['recorded']} recorded ({st['first']}-{st['last']})"
+
+
 def format_summary(s: dict) -> str:
     """The summary as a few readable lines (what is printed and written to summary.txt)."""
     st, rw, t, tp, f = s["steps"], s["reward"], s["time"], s["throughput"], s["files"]
     window = f"mean of the first / last {rw['window']} step(s)"
     status = s.get("status", "complete")
     lines = [f"run summary: {s['run_dir']}" + ("" if status == "complete" else f" ({status.upper()})"),
-             f"  steps      {st['recorded']} recorded ({st['first']}-{st['last']}), {st['this_invocation']} run now",
+             f"  steps      {_steps(st)}, {st['this_invocation']} run now",
              f"  reward     {_num(rw['first'])} -> {_num(rw['last'])}  ({window})"]
     for key, e in s["eval"].items():
         lines.append(f"  {key:<10} {_num(e['first'])} (step {e['first_step']}) -> {_num(e['last'])} "

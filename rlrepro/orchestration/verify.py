@@ -28,6 +28,20 @@ def _checkpoint_before(ckpt_root: Path, step: int) -> tuple[int, Path | None]:
     return best
 
 
+def _load_recorded_config(path: Path) -> dict:
+    """The run's resolved config.yaml as a dict; ReproError naming the file when it cannot be read or parsed."""
+    from rlrepro.repro.records import ReproError
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as e:  # noqa: BLE001 - yaml and omegaconf errors come in many classes
+        raise ReproError(f"{path}: cannot parse the run's config ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())})") from None
+    if not isinstance(data, dict):
+        raise ReproError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
 def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None = None, *,
                progress: bool = True):
     from rlrepro.repro.diff import diff_runs, read_fingerprints
@@ -56,7 +70,7 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
     # onto the schema: a run recorded before a key existed gets its default; old spellings are read. config.yaml
     # holds the latest values: the eval keys a resume amended (amendments.jsonl) are put back to those each step
     # ran with (from_step's for the start, and a setting of its own from each later amendment on)
-    recorded = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=True)
+    recorded = _load_recorded_config(run / "config.yaml")
     amendments = read_amendments(run)
 
     def at(step: int, keys=EVAL_KEYS):

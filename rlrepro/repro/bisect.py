@@ -1,36 +1,76 @@
 """``rlrepro diff --bisect``: find the first layer and op whose activations differ at the first divergent step.
 
-Both runs' policies are restored from their newest common checkpoint before the divergent step (or from their
-starting weights when the divergence is at step 1). If the weights already differ, the first differing tensor
-is the answer. Otherwise the first divergent sample's tokens (from run A's rollout file) are replayed through
-both policies, each in its own run's kernel mode and tensor-parallel reduction order (``trainer.backend=megatron``
-runs replay with ``set_tensor_parallel_emulation(trainer.tensor_parallel)``, as their engines sampled; their
-``checkpoint.format=dist`` checkpoints are read into full tensors), with a forward hook on every module; the first
-module in execution order whose output differs is reported. Identical activations mean the forward pass is not the
-cause (look at sampling or scheduling settings, which the config diff lists).
+First what the records already say: when the runs' ``inputs.json`` differ in something that can change bits
+(the same comparison ``rlrepro diff`` prints), that is the answer and nothing is replayed. A run that ran where
+bisect cannot replay it (``run.device`` other than the CPU: bisect replays on this machine's CPU, whose kernels give
+other bits than a GPU's) is refused, with no conclusion drawn. Then both runs' policies are restored from their
+newest common checkpoint before the divergent step (or from their starting weights when the divergence is at step
+1), each in its run's dtype (``model.dtype``). Models whose parameter names, shapes or dtypes differ are reported
+as such. If the weights already differ, the first differing tensor is the answer. Otherwise the first divergent
+sample's tokens (from run A's rollout file) are replayed through both policies, each in its own run's kernel mode
+and tensor-parallel reduction order (``trainer.backend=megatron`` runs replay with
+``set_tensor_parallel_emulation(trainer.tensor_parallel)``, as their engines sampled; their ``checkpoint.format=dist``
+checkpoints are read into full tensors), with a forward hook on every module; the first module in execution order
+whose output differs (bit for bit) is reported. Identical activations mean the forward pass is not the cause; the
+diverging field says where to look: sampling or scheduling for the rollout's tokens and logprobs, the reward or
+advantage computation for those, the environment for loss masks and turns, and the trainer side
+(backward/optimizer) for the loss, gradient norm, weights and the train step's metrics.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .records import CHECKPOINTS_DIR, ReproError, read_rollouts, step_dirname
+
+#: fingerprint fields the trainer produces after the rollout (a metric key ``train/*`` counts too)
+TRAINER_FIELDS = ("loss", "grad_norm", "weights")
+_CONCLUSIONS = {
+    None: "the divergence comes from sampling or scheduling; compare the differing config keys",
+    "rollout_token_ids": "the divergence comes from sampling or scheduling; compare the differing config keys",
+    "rollout_logprobs": "the divergence comes from sampling or scheduling; compare the differing config keys",
+    "prompt_ids": "the prompts differ: data order, templates or the data set (see the config diff)",
+    "loss_masks": "the episodes' structure differs: the environment (env.*) or its tools, not the forward pass",
+    "turns": "the episodes' structure differs: the environment (env.*) or its tools, not the forward pass",
+    "rewards": "the rewards differ: the reward function (reward.*) or the answers it checks, not the forward pass",
+    "advantages": "the advantages differ: their computation from the rewards (train.advantage*), not the forward "
+                  "pass",
+}
+_TRAINER = ("trainer side (backward/optimizer): the policy and its forward pass at this step are identical, so the "
+            "loss, backward or optimizer differ (see the train.* keys in the config diff)")
+
+
+def conclusion(field: str | None) -> str:
+    """What identical weights and activations leave as the cause of a divergence in ``field`` (a fingerprint
+    field, or a metrics.jsonl key where the metrics diverge first)."""
+    if field in TRAINER_FIELDS or (field or "").startswith("train/"):
+        return _TRAINER
+    if field in _CONCLUSIONS:
+        return _CONCLUSIONS[field]
+    return (f"metric {field} differs while the step's fingerprinted records agree: how it is computed from them, or "
+            "an input that is not fingerprinted (see the config diff)")
 
 
 @dataclass
 class BisectResult:
     step: int
-    replayed_from: str  # "checkpoint step N" or "starting weights"
-    kind: str  # "weights" | "activation" | "none" | "inputs"
+    replayed_from: str  # "checkpoint step N", "starting weights" or "not replayed"
+    kind: str  # "weights" | "activation" | "none" | "inputs" | "recorded_inputs" | "model"
     where: str | None = None  # tensor or module name
     op: str | None = None  # module class (Linear, RMSNorm, Qwen3Attention, ...)
     max_abs_diff: float | None = None
     note: str | None = None
+    field: str | None = None  # the diverging field (fingerprint field or metric key) bisect was given
 
     def format(self) -> str:
         head = f"bisect at step {self.step} (replayed from {self.replayed_from}): "
+        if self.kind == "recorded_inputs":
+            return (f"bisect at step {self.step}: not replayed: inputs that can change bits differ ({self.note}); "
+                    "they explain a divergence before any replay could")
+        if self.kind == "model":
+            return head + f"the two models differ in structure: {self.note} (see the model.* keys in the config diff)"
         if self.kind == "weights":
             return head + f"weights already differ; first tensor {self.where} (max |diff| {self.max_abs_diff:.3e})"
         if self.kind == "activation":
@@ -53,13 +93,31 @@ def _policy_dir(run: Path, cfg: dict) -> Path:
     return Path(path)
 
 
-def _load_policy(run: Path, cfg: dict, ckpt_step: int):
+_DTYPES = {None: None, "float32": "float32", "bfloat16": "bfloat16"}
+
+
+def _replay_setting(label: str, run: Path, cfg: dict) -> str | None:
+    """The dtype name the run computed in (None: its checkpoint's own); ReproError when bisect cannot replay the run
+    here (another device, an unknown dtype): a CPU replay of a GPU run would compare other bits than the run's."""
+    device = str(((cfg or {}).get("run") or {}).get("device") or "cpu")
+    if device != "cpu":
+        raise ReproError(f"run {label} ({run}) ran on {device}; bisect replays on this machine's CPU, whose kernels "
+                         "give other bits than the run's device, so it cannot name the op that diverged (no "
+                         "conclusion drawn)")
+    dtype = ((cfg or {}).get("model") or {}).get("dtype")
+    if dtype not in _DTYPES:
+        raise ReproError(f"run {label} ({run}) computed in model.dtype={dtype!r}, which bisect cannot replay "
+                         f"(it replays {', '.join(str(d) for d in _DTYPES if d)} or the checkpoint's own dtype)")
+    return dtype
+
+
+def _load_policy(run: Path, cfg: dict, ckpt_step: int, dtype: str | None = "float32"):
     import torch
     from safetensors.torch import load_file
 
     from rlrepro.model import load_pretrained
 
-    model = load_pretrained(_policy_dir(run, cfg), device="cpu", dtype=torch.float32)
+    model = load_pretrained(_policy_dir(run, cfg), device="cpu", dtype=None if dtype is None else getattr(torch, dtype))
     if ckpt_step > 0:
         ckpt_dir = run / CHECKPOINTS_DIR / step_dirname(ckpt_step)
         if (ckpt_dir / "model.safetensors").is_file():
@@ -68,9 +126,36 @@ def _load_policy(run: Path, cfg: dict, ckpt_step: int):
             from rlrepro.trainer.megatron.dist_checkpoint import read_dist_model_state
 
             state = read_dist_model_state(ckpt_dir)
-        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        params = dict(model.state_dict())
+        model.load_state_dict({k: v.to(params[k].dtype) if k in params else v for k, v in state.items()},
+                              strict=False)
     # a run whose trainer was tensor parallel sampled with the engine emulating its reduction order: replay it so
     return model.set_tensor_parallel_emulation(_tensor_parallel(cfg)).eval()
+
+
+def _same_bits(x, y) -> bool:
+    """Bit-for-bit equality (NaN == NaN, 0.0 != -0.0), dtype and shape included."""
+    import torch
+
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    return torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _structure_difference(params_a: dict, params_b: dict) -> tuple[str, str] | None:
+    """(first tensor, sentence) where the two models' parameter names, shapes or dtypes differ; None if they agree."""
+    only_a, only_b = sorted(set(params_a) - set(params_b)), sorted(set(params_b) - set(params_a))
+    if only_a or only_b:
+        parts = [f"only in {r}: {len(x)} ({', '.join(x[:3])}{', ...' if len(x) > 3 else ''})"
+                 for r, x in (("A", only_a), ("B", only_b)) if x]
+        return (only_a or only_b)[0], "parameter names differ: " + "; ".join(parts)
+    for name in sorted(params_a):
+        a, b = params_a[name], params_b[name]
+        if tuple(a.shape) != tuple(b.shape):
+            return name, f"{name} has shape {list(a.shape)} in A, {list(b.shape)} in B"
+        if a.dtype != b.dtype:
+            return name, f"{name} is {a.dtype} in A, {b.dtype} in B"
+    return None
 
 
 def _tensor_parallel(cfg: dict) -> int:
@@ -126,15 +211,21 @@ def _trace(model, tokens: list[int], mode: str) -> list[tuple[str, str, Any]]:
 
 
 def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, step: int, sample_index: int | None = None,
-                config_a: dict | None = None, config_b: dict | None = None) -> BisectResult:
+                config_a: dict | None = None, config_b: dict | None = None, field: str | None = None,
+                input_diffs: Sequence[str] = (), inputs_not_compared: Sequence[str] = ()) -> BisectResult:
     """Replay the first divergent ``step`` of two runs (its first differing sample ``sample_index``, as
     ``diff_runs`` named them) and name the first differing tensor or op. ``config_a`` / ``config_b``: the runs'
-    resolved configs (``diff.load_config``). The caller runs the diff: this module imports nothing of it, so
-    ``diff`` -> ``bisect`` is one-way."""
-    import torch
-
+    resolved configs (``diff.load_config``); ``field``: the diverging fingerprint field (or metrics key), which
+    decides the conclusion when the forward passes agree; ``input_diffs``: the bit-relevant differences of the runs'
+    inputs.json (sentences), which are the answer when there are any (nothing is replayed); ``inputs_not_compared``:
+    what of the inputs could not be compared (said with a conclusion drawn). ReproError when the runs
+    cannot be replayed here. The caller runs the diff: this module imports nothing of it, so ``diff`` -> ``bisect``
+    is one-way (:func:`bisect_report` takes its report)."""
+    if input_diffs:
+        return BisectResult(step, "not replayed", "recorded_inputs", note="; ".join(input_diffs), field=field)
     a, b = Path(run_a), Path(run_b)
     cfg_a, cfg_b = config_a or {}, config_b or {}
+    dtype_a, dtype_b = _replay_setting("A", a, cfg_a), _replay_setting("B", b, cfg_b)
     common = sorted(s for s in _ckpt_steps(a) & _ckpt_steps(b) if s < step)
     if common:
         start = common[-1]
@@ -144,12 +235,15 @@ def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, step: int
         raise ReproError(f"no checkpoint common to both runs before step {step}; rerun them with "
                          f"checkpoint.every=1 (or every that lands before the divergence) to bisect")
     origin = f"checkpoint step {start}" if start else "starting weights"
-    model_a, model_b = _load_policy(a, cfg_a, start), _load_policy(b, cfg_b, start)
-    state_b = dict(model_b.named_parameters())
-    for name, p in sorted(model_a.named_parameters()):
-        if not torch.equal(p, state_b[name]):
+    model_a, model_b = _load_policy(a, cfg_a, start, dtype_a), _load_policy(b, cfg_b, start, dtype_b)
+    params_a, params_b = dict(model_a.named_parameters()), dict(model_b.named_parameters())
+    structure = _structure_difference(params_a, params_b)
+    if structure is not None:
+        return BisectResult(step, origin, "model", structure[0], "parameter", note=structure[1], field=field)
+    for name, p in sorted(params_a.items()):
+        if not _same_bits(p, params_b[name]):
             return BisectResult(step, origin, "weights", name, "parameter",
-                                float((p - state_b[name]).abs().max()))
+                                float((p.float() - params_b[name].float()).abs().max()), field=field)
     samples = read_rollouts(a, step)
     if not samples:
         raise ReproError(f"{a}: no rollouts for step {step}; bisect needs run.save_rollouts=true")
@@ -158,11 +252,29 @@ def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, step: int
     sample = samples[min(i, len(samples) - 1)]
     if samples_b and i < len(samples_b) and samples_b[i]["prompt_token_ids"] != sample["prompt_token_ids"]:
         return BisectResult(step, origin, "inputs", note=f"sample {i} has different prompts (data order or "
-                            "templates differ: see the config diff)")
+                            "templates differ: see the config diff)", field=field)
     tokens = list(sample["prompt_token_ids"]) + list(sample["token_ids"])
     trace_a, trace_b = _trace(model_a, tokens, _kernel_mode(cfg_a)), _trace(model_b, tokens, _kernel_mode(cfg_b))
     for (name, op, ta), (_, _, tb) in zip(trace_a, trace_b):
-        if not torch.equal(ta, tb):
-            return BisectResult(step, origin, "activation", name, op, float((ta.float() - tb.float()).abs().max()))
-    return BisectResult(step, origin, "none", note="the divergence comes from sampling or scheduling; "
-                        "compare the differing config keys")
+        if not _same_bits(ta, tb):
+            return BisectResult(step, origin, "activation", name, op,
+                                float((ta.float() - tb.float()).abs().max()), field=field)
+    note = conclusion(field)
+    if inputs_not_compared:
+        note += "; but inputs not compared: " + "; ".join(inputs_not_compared)
+    return BisectResult(step, origin, "none", note=note, field=field)
+
+
+def bisect_report(report: Any, config_a: dict | None, config_b: dict | None) -> BisectResult:
+    """:func:`bisect_runs` at ``report``'s first divergent step (a ``diff.DiffReport``): the fingerprint field and
+    sample when the fingerprints diverge first, else the first differing metrics key; and its bit-relevant input
+    differences."""
+    step = report.first_divergent_step
+    dv = report.divergence
+    if dv is not None and dv.step == step:
+        field, sample_index = dv.field, dv.sample_index
+    else:
+        field, sample_index = report.metric_diffs[0].key, None
+    return bisect_runs(report.run_a, report.run_b, step=step, sample_index=sample_index, config_a=config_a,
+                       config_b=config_b, field=field, input_diffs=[d.message for d in report.input_diffs if d.bits],
+                       inputs_not_compared=report.inputs_not_compared)

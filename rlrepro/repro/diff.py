@@ -3,8 +3,12 @@
 Exit codes: 0 identical, 1 diverged, 2 error (missing directory, missing or corrupt fingerprints.jsonl, ...).
 When both runs have ``inputs.json`` (:mod:`.inputs`) it is compared first and its differences are printed before
 the records', as the likely cause of a divergence; they do not change the verdict, which is the records' alone.
-``--strict`` also exits 1 when the runs recorded different sets of steps; ``--strict-inputs`` also exits 1 when an
-input that can change bits differs (data, tokenizer, starting weights, versions, GPU, bit-relevant environment).
+``--strict`` also exits 1 when the runs recorded different sets of steps (in fingerprints.jsonl or metrics.jsonl, or
+one run has no metrics.jsonl); ``--strict-inputs`` also exits 1 when an input that can change bits differs (data,
+tokenizer, starting weights, versions, rlrepro's code, GPU, bit-relevant environment) or cannot be compared (a run
+without inputs.json, or recorded before it held the code digest). A torn last line of a step log (a crashed run,
+or one still writing) is dropped with a note. ``--bisect`` failures are printed after the report, exit 2.
+The report itself (``DiffReport``) lives in :mod:`.report`; ``--json`` writes non-finite floats as strings.
 Imports neither torch nor anything of rlrepro outside this package.
 """
 from __future__ import annotations
@@ -14,10 +18,10 @@ import fnmatch
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from .inputs import INPUTS_FILE, input_differences, read_inputs, uncompared_inputs
 from .records import (
     CONFIG_FILE,
     FINGERPRINTS_FILE,
@@ -27,8 +31,18 @@ from .records import (
     read_rollouts,
     read_step_records,
 )
-from .inputs import INPUTS_FILE, InputDiff, input_differences, read_inputs
-from .turns import TurnPosition, kind_text, num_turns_text, record_value, structure_text, turn_position, where_text
+from .report import (
+    _ABSENT,
+    ConfigDiff,
+    DiffReport,
+    Divergence,
+    MetricDiff,
+    TokenDiff,
+    TurnPosition,
+    _ranges,
+    json_safe,
+)
+from .turns import record_value, turn_position
 
 __all__ = ["ReproError", "DiffReport", "ConfigDiff", "Divergence", "TokenDiff", "TurnPosition", "MetricDiff",
            "diff_runs", "main_diff", "FIELDS", "DEFAULT_IGNORED_CONFIG_KEYS"]
@@ -48,215 +62,6 @@ IGNORED_METRIC_PREFIXES = ("perf/",)
 # evaluate (a run with eval on trains the same bits as one without)
 OPTIONAL_METRIC_PREFIXES = ("eval/",)
 _FINISH_SHARE = "*/finish_*_frac"  # absent from records before 2026-12-04 where no episode ended so: 0.0
-
-_ABSENT = "<absent>"
-
-
-@dataclass
-class ConfigDiff:
-    key: str
-    a: Any
-    b: Any
-
-
-@dataclass
-class TokenDiff:
-    """Where two samples first differ, read from the runs' rollout files."""
-    what: str                      # "token_ids" | "logprobs" | "prompt_token_ids" | "reward" | "advantage" | "length"
-    #                                | "loss_mask" | "turns"
-    position: int | None           # token position (None for reward / advantage; the turn index for "turns")
-    a: Any                         # the values at that position (token id, logprob, reward, ...)
-    b: Any
-    token_a: int | None = None     # for logprob differences: the token ids at that position
-    token_b: int | None = None
-    logprob_a: float | None = None  # for token differences: the logprobs at that position
-    logprob_b: float | None = None
-    length_a: int | None = None
-    length_b: int | None = None
-    turn_a: TurnPosition | None = None   # multi-turn samples: the turn of ``position`` in each run
-    turn_b: TurnPosition | None = None
-
-
-@dataclass
-class Divergence:
-    step: int
-    field: str                     # first differing field in FIELDS order
-    fields: list[str]              # every differing field at that step
-    sample_index: int | None = None   # position in the step's sample list (= line in the rollout file)
-    prompt_uid: Any = None
-    sample_index_in_prompt: int | None = None
-    num_samples_a: int | None = None
-    num_samples_b: int | None = None
-    token: TokenDiff | None = None
-    detail_note: str | None = None
-    num_turns_a: int | None = None    # the sample is a multi-turn episode (in either run)
-    num_turns_b: int | None = None
-
-
-@dataclass
-class MetricDiff:
-    step: int
-    key: str
-    a: Any
-    b: Any
-
-
-@dataclass
-class DiffReport:
-    run_a: str
-    run_b: str
-    verdict: str = "identical"                     # "identical" | "diverged"
-    steps_compared: list[int] = field(default_factory=list)
-    steps_only_a: list[int] = field(default_factory=list)
-    steps_only_b: list[int] = field(default_factory=list)
-    config_diffs: list[ConfigDiff] = field(default_factory=list)
-    inputs_compared: bool = False                  # both runs have inputs.json
-    input_diffs: list[InputDiff] = field(default_factory=list)
-    divergence: Divergence | None = None           # first fingerprint divergence
-    diverged_steps: list[int] = field(default_factory=list)
-    metric_diffs: list[MetricDiff] = field(default_factory=list)   # every differing key at the first metric step
-    metrics_diverged_steps: list[int] = field(default_factory=list)
-    metrics_compared: int = 0
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def identical(self) -> bool:
-        return self.verdict == "identical"
-
-    @property
-    def complete(self) -> bool:
-        """Both runs recorded the same steps."""
-        return not self.steps_only_a and not self.steps_only_b
-
-    @property
-    def first_divergent_step(self) -> int | None:
-        steps = [s for s in (self.divergence.step if self.divergence else None,
-                             self.metric_diffs[0].step if self.metric_diffs else None) if s is not None]
-        return min(steps) if steps else None
-
-    @property
-    def inputs_differ_in_bits(self) -> bool:
-        """An input that can change bits differs (inputs.json)."""
-        return any(d.bits for d in self.input_diffs)
-
-    def exit_code(self, strict: bool = False, strict_inputs: bool = False) -> int:
-        if not self.identical:
-            return 1
-        if strict_inputs and self.inputs_differ_in_bits:
-            return 1
-        return 1 if strict and not self.complete else 0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["first_divergent_step"] = self.first_divergent_step
-        d["complete"] = self.complete
-        d["inputs_differ_in_bits"] = self.inputs_differ_in_bits
-        return d
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, allow_nan=True, default=str)
-
-    def format(self, max_config_diffs: int = 50) -> str:
-        L = [f"rlrepro diff: A = {self.run_a}", f"              B = {self.run_b}"]
-        if self.inputs_compared:
-            if self.input_diffs:
-                L.append(f"inputs: {len(self.input_diffs)} difference(s) in {INPUTS_FILE} "
-                         "(the likely cause of a divergence):")
-                L.extend(f"  {d.message}" for d in self.input_diffs)
-            else:
-                L.append(f"inputs: same ({INPUTS_FILE}: data, tokenizer, starting weights, environment, versions)")
-        if self.config_diffs:
-            L.append(f"config: {len(self.config_diffs)} key(s) differ (ignored: run.dir, run.resume, logger.*, "
-                     "keys in repro.ignore_keys)")
-            for c in self.config_diffs[:max_config_diffs]:
-                L.append(f"  {c.key}: A={_short(c.a)}  B={_short(c.b)}")
-            if len(self.config_diffs) > max_config_diffs:
-                L.append(f"  ... {len(self.config_diffs) - max_config_diffs} more")
-        else:
-            L.append("config: same (after ignored keys)")
-        sc = self.steps_compared
-        L.append(f"fingerprints: {len(sc)} common step(s)" + (f" ({_ranges(sc)})" if sc else ""))
-        if self.steps_only_a:
-            L.append(f"  only in A: {len(self.steps_only_a)} step(s) ({_ranges(self.steps_only_a)})")
-        if self.steps_only_b:
-            L.append(f"  only in B: {len(self.steps_only_b)} step(s) ({_ranges(self.steps_only_b)})")
-        dv = self.divergence
-        if dv is not None:
-            others = [f for f in dv.fields if f != dv.field]
-            L.append(f"FIRST DIVERGENCE: step {dv.step}, field {dv.field}"
-                     + (f" (also differ: {', '.join(others)})" if others else ""))
-            if dv.num_samples_a != dv.num_samples_b:
-                L.append(f"  number of samples: A={dv.num_samples_a} B={dv.num_samples_b}")
-            if dv.sample_index is not None:
-                who = f"  sample {dv.sample_index}"
-                if dv.prompt_uid is not None:
-                    who += f" (prompt_uid {dv.prompt_uid!r}, sample_index {dv.sample_index_in_prompt})"
-                if dv.num_turns_a is not None or dv.num_turns_b is not None:
-                    who += ", a multi-turn episode: " + num_turns_text(dv.num_turns_a, dv.num_turns_b)
-                L.append(who)
-            t = dv.token
-            if t is not None:
-                where = where_text(t.turn_a, t.turn_b)
-                if t.what == "length":
-                    L.append(f"    same prefix, lengths differ: A={t.length_a} B={t.length_b} tokens")
-                elif t.what == "token_ids":
-                    L.append(f"    first differing token at position {t.position}{where}: A={t.a} B={t.b}"
-                             + (f"  (logprobs A={t.logprob_a!r} B={t.logprob_b!r})"
-                                if t.logprob_a is not None or t.logprob_b is not None else ""))
-                elif t.what == "logprobs":
-                    L.append(f"    first differing logprob at position {t.position} (token {t.token_a}"
-                             f"{where.replace(' (', '; ', 1) or ')'}: A={t.a!r} B={t.b!r}")
-                elif t.what in ("loss_mask", "turns"):
-                    L.append(f"    {structure_text(t.what, t.position, t.a, t.b, where)}")
-                elif t.what == "prompt_token_ids":
-                    L.append(f"    first differing prompt token at position {t.position}: A={t.a} B={t.b}")
-                else:
-                    L.append(f"    {t.what}: A={t.a!r} B={t.b!r}")
-                kind = kind_text(t.what, t.turn_a, t.turn_b)
-                if kind:
-                    L.append(f"    {kind}")
-            if dv.detail_note:
-                L.append(f"    ({dv.detail_note})")
-            L.append(f"  diverged steps: {len(self.diverged_steps)} of {len(sc)} ({_ranges(self.diverged_steps)})")
-        if self.metrics_compared:
-            if self.metric_diffs:
-                s = self.metric_diffs[0].step
-                L.append(f"metrics: first difference at step {s} "
-                         f"({len(self.metrics_diverged_steps)} step(s) differ of {self.metrics_compared}):")
-                for m in self.metric_diffs[:20]:
-                    L.append(f"  {m.key}: A={m.a!r} B={m.b!r}")
-            else:
-                L.append(f"metrics: same on {self.metrics_compared} common step(s) (perf/* ignored)")
-        for n in self.notes:
-            L.append(f"note: {n}")
-        verdict = self.verdict.upper()
-        if self.identical and not self.complete:
-            verdict += " on the common steps (step counts differ)"
-        if self.identical and self.inputs_differ_in_bits:
-            verdict += " (although inputs that can change bits differ)"
-        L.append(f"verdict: {verdict}")
-        return "\n".join(L)
-
-
-def _short(v: Any, n: int = 80) -> str:
-    s = v if v == _ABSENT else repr(v)
-    return s if len(s) <= n else s[:n - 3] + "..."
-
-
-def _ranges(steps: Sequence[int]) -> str:
-    steps = sorted(steps)
-    out = []
-    i = 0
-    while i < len(steps):
-        j = i
-        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
-            j += 1
-        out.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
-        i = j + 1
-    if len(out) > 12:
-        out = out[:6] + ["..."] + out[-5:]
-    return ", ".join(out)
-
 
 # ------------------------------------------------------------------------------------------------- config
 
@@ -328,11 +133,13 @@ def diff_configs(cfg_a: dict, cfg_b: dict) -> list[ConfigDiff]:
 # ------------------------------------------------------------------------------------------- fingerprints
 
 
-def read_fingerprints(run_dir: str | os.PathLike) -> dict[int, dict]:
+def read_fingerprints(run_dir: str | os.PathLike, notes: list[str] | None = None) -> dict[int, dict]:
+    """``{step: fingerprint record}``; a torn last line (a crash, or a run still writing) is dropped, said in
+    ``notes`` when given. ReproError for a missing or malformed file."""
     path = Path(run_dir) / FINGERPRINTS_FILE
     if not path.exists():
         raise ReproError(f"{path}: file not found")
-    recs = read_step_records(path, required=FIELDS)
+    recs = read_step_records(path, required=FIELDS, notes=notes)
     for step, rec in recs.items():
         fmt = rec.get("format", KNOWN_FORMATS[0])
         if fmt not in KNOWN_FORMATS:
@@ -449,11 +256,12 @@ def _compare_step(step: int, fa: dict, fb: dict) -> Divergence | None:
 # ------------------------------------------------------------------------------------------------ metrics
 
 
-def read_metrics(run_dir: str | os.PathLike) -> dict[int, dict] | None:
+def read_metrics(run_dir: str | os.PathLike, notes: list[str] | None = None) -> dict[int, dict] | None:
+    """``{step: metrics record}``, None without metrics.jsonl; a torn last line is dropped (``notes``)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return None
-    return read_step_records(path)
+    return read_step_records(path, notes=notes)
 
 
 def _metric_diffs(step: int, ma: dict, mb: dict) -> list[MetricDiff]:
@@ -491,8 +299,12 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
     if inp_a is not None and inp_b is not None:
         rep.inputs_compared = True
         rep.input_diffs = input_differences(inp_a, inp_b)
+        rep.inputs_not_compared = uncompared_inputs(inp_a, inp_b)
     elif inp_a is not None or inp_b is not None:
         rep.notes.append(f"inputs not compared: no {INPUTS_FILE} in run {'A' if inp_a is None else 'B'}")
+        rep.inputs_not_compared = [f"no {INPUTS_FILE} in run {'A' if inp_a is None else 'B'}"]
+    else:  # older runs diff as before; --strict-inputs cannot pass them
+        rep.inputs_not_compared = [f"no {INPUTS_FILE} in either run"]
 
     cfg_a, cfg_b = load_config(a), load_config(b)
     if cfg_a is None or cfg_b is None:
@@ -501,8 +313,8 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
     else:
         rep.config_diffs = diff_configs(cfg_a, cfg_b)
 
-    fps_a, fps_b = read_fingerprints(a), read_fingerprints(b)
-    met_a, met_b = read_metrics(a), read_metrics(b)
+    fps_a, fps_b = read_fingerprints(a, rep.notes), read_fingerprints(b, rep.notes)
+    met_a, met_b = read_metrics(a, rep.notes), read_metrics(b, rep.notes)
     want = set(steps) if steps is not None else None
     if want is not None:
         fps_a = {s: r for s, r in fps_a.items() if s in want}
@@ -533,6 +345,7 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
     if met_a is None or met_b is None:
         missing = [str(p / METRICS_FILE) for p, m in ((a, met_a), (b, met_b)) if m is None]
         rep.notes.append(f"metrics not compared: missing {', '.join(missing)}")
+        rep.metrics_missing = [r for r, m in (("A", met_a), ("B", met_b)) if m is None]
     else:
         mcommon = sorted(set(met_a) & set(met_b) & (want if want is not None else set(met_a)))
         rep.metrics_compared = len(mcommon)
@@ -542,7 +355,10 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
                 rep.metrics_diverged_steps.append(s)
                 if not rep.metric_diffs:
                     rep.metric_diffs = md
-        only = sorted((set(met_a) ^ set(met_b)) & (want if want is not None else set(met_a) | set(met_b)))
+        window = want if want is not None else set(met_a) | set(met_b)
+        rep.metrics_only_a = sorted((set(met_a) - set(met_b)) & window)
+        rep.metrics_only_b = sorted((set(met_b) - set(met_a)) & window)
+        only = sorted(rep.metrics_only_a + rep.metrics_only_b)
         if only:
             rep.notes.append(f"metrics.jsonl steps in one run only: {_ranges(only)}")
 
@@ -559,12 +375,15 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_b")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--strict", action="store_true",
-                        help="also exit 1 when the runs recorded different sets of steps")
+                        help="also exit 1 when the runs recorded different sets of steps (fingerprints.jsonl or "
+                        "metrics.jsonl, or one run has no metrics.jsonl)")
     parser.add_argument("--strict-inputs", action="store_true",
-                        help=f"also exit 1 when an input that can change bits differs ({INPUTS_FILE})")
+                        help=f"also exit 1 when an input that can change bits differs ({INPUTS_FILE}) or cannot "
+                        "be compared (a run without it, or without the rlrepro code digest)")
     parser.add_argument("--no-detail", action="store_true", help="do not read rollout files for token detail")
     parser.add_argument("--bisect", action="store_true",
-                        help="on divergence, replay the first divergent step and name the first differing op")
+                        help="on divergence, replay the first divergent step and name the first differing op "
+                        "(exit 2 when the replay fails)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
@@ -574,27 +393,30 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
     except ReproError as e:
         print(f"rlrepro diff: error: {e}", file=sys.stderr)
         return 2
-    bisect = None
-    if args.bisect and rep.divergence is not None:
-        from .bisect import bisect_runs
+    bisect, bisect_error = None, None
+    if args.bisect and rep.first_divergent_step is not None:
+        from .bisect import bisect_report
 
         try:
-            bisect = bisect_runs(args.run_a, args.run_b, step=rep.divergence.step,
-                                 sample_index=rep.divergence.sample_index, config_a=load_config(Path(args.run_a)),
-                                 config_b=load_config(Path(args.run_b)))
-        except ReproError as e:
-            print(f"rlrepro diff: bisect: {e}", file=sys.stderr)
+            bisect = bisect_report(rep, load_config(Path(args.run_a)), load_config(Path(args.run_b)))
+        except Exception as e:  # noqa: BLE001 - whatever the replay hits is a bisect error (exit 2), not a crash
+            bisect_error = str(e) if isinstance(e, ReproError) else f"{type(e).__name__}: {e}"
     if args.json:
         out = json.loads(rep.to_json())
+        out["strict_failures"] = rep.strict_failures(args.strict, args.strict_inputs)
         if bisect is not None:
-            out["bisect"] = bisect.to_dict()
-        print(json.dumps(out, indent=2))
+            out["bisect"] = json_safe(bisect.to_dict())
+        if bisect_error is not None:
+            out["bisect_error"] = bisect_error
+        print(json.dumps(out, indent=2, allow_nan=False))
     else:
-        print(rep.format())
+        print(rep.format(strict=args.strict, strict_inputs=args.strict_inputs))
         if bisect is not None:
             print(bisect.format())
+    if bisect_error is not None:
+        print(f"rlrepro diff: bisect error: {bisect_error}", file=sys.stderr)
+        return 2
     return rep.exit_code(strict=args.strict, strict_inputs=args.strict_inputs)
-
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main_diff())

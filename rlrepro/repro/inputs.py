@@ -13,6 +13,8 @@ them; the driver writes the result once per run with ``write_inputs`` (atomicall
   ``BIT_ENV`` and ``BIT_ENV_PREFIXES``), and, apart, the informational ones (``CUDA_VISIBLE_DEVICES``,
   ``RLREPRO_STACK_DUMP_S``, ``RLREPRO_DEBUG``, ...), which are recorded but cannot change a bit;
 * the python, torch, triton, CUDA (torch's build) and rlrepro versions and the GPU model;
+* rlrepro's own code: a sha256 over the package's ``.py`` files (``code_digest``; the version string alone does not
+  change with the source), with the git commit and dirty flag where the package is a git checkout (informational);
 * the CPU: its model name and the vector instructions torch's CPU kernels use (``torch.backends.cpu.
   get_cpu_capability()``: AVX2, AVX512, ...). CPU runs give other bits under another one (the same code and seed:
   ``grpo_tiny``'s curve differs from step 1 between AVX512 and AVX2), so for two CPU runs it counts as bit-relevant;
@@ -49,10 +51,12 @@ from .records import ReproError, atomic_write_bytes
 
 __all__ = ["INPUTS_FILE", "INPUTS_FORMAT", "TOKENIZER_FILE_NAMES", "BIT_ENV", "BIT_ENV_PREFIXES", "INFORMATIONAL_ENV",
            "InputDiff", "collect_inputs", "write_inputs", "read_inputs", "compare_inputs", "input_differences",
-           "file_sha256", "find_tokenizer_files", "enter_launch_dir", "in_launch_dir"]
+           "file_sha256", "find_tokenizer_files", "enter_launch_dir", "in_launch_dir", "code_digest",
+           "rlrepro_code", "uncompared_inputs", "CODE_KEY"]
 
 INPUTS_FILE = "inputs.json"
 INPUTS_FORMAT = "rlrepro.inputs.v1"
+CODE_KEY = "rlrepro_code"  # inputs.json: the digest of rlrepro's own source (runs recorded before it have none)
 
 # what a model directory's tokenizer may be made of (HF names); the chat template may live in its own file
 TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -173,6 +177,60 @@ def _versions_and_gpu() -> tuple[dict[str, str | None], str | None]:
     return versions, gpu
 
 
+def code_digest(package_dir: str | os.PathLike | None = None) -> tuple[str, int]:
+    """(sha256, number of files) over the ``.py`` files under ``package_dir`` (default: the rlrepro package), sorted
+    by their relative path: ``sha256("rlrepro.code_sha256.v1\\0" || for each file: relative path (posix, utf-8) ||
+    "\\0" || u64le(size) || bytes)``. Any change to rlrepro's source changes it; ``__pycache__`` is not read."""
+    root = Path(package_dir) if package_dir is not None else Path(__file__).resolve().parents[1]
+    files = sorted((p.relative_to(root).as_posix(), p) for p in root.rglob("*.py")
+                   if p.is_file() and "__pycache__" not in p.relative_to(root).parts)
+    h = hashlib.sha256(b"rlrepro.code_sha256.v1\0")
+    for rel, p in files:
+        data = p.read_bytes()
+        h.update(rel.encode("utf-8") + b"\0" + len(data).to_bytes(8, "little") + data)
+    return h.hexdigest(), len(files)
+
+
+def _git_commit(root: Path) -> str | None:
+    """The commit HEAD names in ``root/.git`` (read from the files: no subprocess), or None."""
+    git = root / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head or None
+        ref = head[5:].strip()
+        if (git / ref).is_file():
+            return (git / ref).read_text().strip() or None
+        for line in (git / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split(" ", 1)[0]
+    except OSError:
+        pass
+    return None
+
+
+def _git_dirty(root: Path) -> bool | None:
+    """Whether tracked files under the package differ from the commit (``git status``), None where unknown."""
+    import subprocess
+
+    try:
+        proc = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                               "rlrepro"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(proc.stdout.strip()) if proc.returncode == 0 else None
+
+
+def rlrepro_code(package_dir: str | os.PathLike | None = None) -> dict:
+    """inputs.json's ``rlrepro_code``: ``{"sha256", "files", "git_commit", "git_dirty"}`` (the git entries None
+    where the package is not in a git checkout)."""
+    pkg = Path(package_dir) if package_dir is not None else Path(__file__).resolve().parents[1]
+    sha, n = code_digest(pkg)
+    root = pkg.parent
+    commit = _git_commit(root) if (root / ".git").exists() else None
+    return {"sha256": sha, "files": n, "git_commit": commit, "git_dirty": _git_dirty(root) if commit else None}
+
+
 def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: str | None,
                    data_revision: str | None, model_dir: str | os.PathLike,
                    tokenizer_files: Iterable[str | os.PathLike] | None = None, weights_digest: str | None,
@@ -188,7 +246,8 @@ def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: s
     ``eval_files``: the held-out set's files (eval.source) when the run evaluates (the ``"eval"`` entry, absent
     otherwise); ``cluster``: where the actors ran (informational, the ``"cluster"`` entry, absent when None);
     ``code``: the user's functions by key (``{"reward.fn": fn, "env.fn": factory}``): the file each was defined in,
-    with its sha256, under ``"code"`` (rlrepro's own built-ins are left out: the ``rlrepro`` version covers them).
+    with its sha256, under ``"code"`` (rlrepro's own built-ins are left out: ``rlrepro_code``, the digest of the
+    package's source, covers them).
     Raises FileNotFoundError for a data or tokenizer file that is missing."""
     model_dir = Path(model_dir)
     files, paths = _named_digests(data_files)
@@ -201,7 +260,7 @@ def collect_inputs(*, data_files: Iterable[str | os.PathLike], records_digest: s
            "weights_digest": weights_digest,
            "tokenizer": {"model_dir": str(model_dir), "files": tok_digests},
            "env": bits, "env_informational": info,
-           "versions": versions, "gpu": gpu, "cpu": _cpu(),
+           "versions": versions, CODE_KEY: rlrepro_code(), "gpu": gpu, "cpu": _cpu(),
            "launch_dir": os.getcwd()}  # informational: where relative paths (data.source, modules) were resolved
     if eval_files is not None:
         eval_digests, eval_paths = _named_digests(eval_files)
@@ -267,8 +326,8 @@ def read_inputs(run_dir: str | os.PathLike) -> dict | None:
 
 @dataclass
 class InputDiff:
-    # data_file | data_records | data_revision | weights | eval_file | code | tokenizer_file | version | gpu | cpu
-    # | env | cluster (informational)
+    # data_file | data_records | data_revision | weights | eval_file | code | tokenizer_file | version |
+    # rlrepro_code | gpu | cpu | env | cluster (informational)
     what: str
     key: str         # the file, variable or package name ("" where there is one of a kind)
     a: Any           # the values in run A and run B (None: absent / unset)
@@ -327,6 +386,7 @@ def input_differences(a: Mapping, b: Mapping) -> list[InputDiff]:
         if va.get(name) != vb.get(name):
             out.append(InputDiff("version", name, va.get(name), vb.get(name), True,
                                  f"{name} version differs: {va.get(name) or 'none'} vs {vb.get(name) or 'none'}"))
+    out += _code_diffs(a.get(CODE_KEY), b.get(CODE_KEY))
     if a.get("gpu") != b.get("gpu"):
         out.append(InputDiff("gpu", "", a.get("gpu"), b.get("gpu"), True,
                              f"GPU differs: {a.get('gpu') or 'none'} vs {b.get('gpu') or 'none'}"))
@@ -351,6 +411,37 @@ def input_differences(a: Mapping, b: Mapping) -> list[InputDiff]:
                 out.append(InputDiff("env", name, ea.get(name), eb.get(name), bits,
                                      f"{name} differs: {_value(ea.get(name))} vs {_value(eb.get(name))}{note}"))
     return out
+
+
+def _commit_words(c: Mapping) -> str:
+    commit = c.get("git_commit")
+    return "no git commit" if not commit else f"git {str(commit)[:_HEX]}" + (" dirty" if c.get("git_dirty") else "")
+
+
+def _code_diffs(ka: Any, kb: Any) -> list[InputDiff]:
+    """rlrepro's own source (``rlrepro_code``): its sha256 can change bits; the git commit alone cannot."""
+    if not isinstance(ka, Mapping) or not isinstance(kb, Mapping):
+        return []  # a run recorded before the entry: uncompared_inputs says so
+    if ka.get("sha256") != kb.get("sha256"):
+        return [InputDiff(CODE_KEY, "sha256", ka.get("sha256"), kb.get("sha256"), True,
+                          f"rlrepro code differs (sha256 of its source {_short(ka.get('sha256'))} vs "
+                          f"{_short(kb.get('sha256'))}; {_commit_words(ka)} vs {_commit_words(kb)})")]
+    if (ka.get("git_commit"), ka.get("git_dirty")) != (kb.get("git_commit"), kb.get("git_dirty")):
+        return [InputDiff(CODE_KEY, "git_commit", ka.get("git_commit"), kb.get("git_commit"), False,
+                          f"rlrepro git commit differs: {_commit_words(ka)} vs {_commit_words(kb)} "
+                          "(informational: the source is the same)")]
+    return []
+
+
+def uncompared_inputs(a: Mapping, b: Mapping) -> list[str]:
+    """What of two runs' inputs could not be compared because a run did not record it (an older rlrepro): today
+    rlrepro's code digest. ``rlrepro diff`` notes each; ``--strict-inputs`` fails on them."""
+    missing = [r for r, x in (("A", a), ("B", b)) if not isinstance(x.get(CODE_KEY), Mapping)]
+    if not missing:
+        return []
+    who = "either run" if len(missing) == 2 else f"run {missing[0]}"
+    return [f"code digest not recorded in {who} ({INPUTS_FILE} {CODE_KEY}, written since rlrepro hashes its own "
+            "source): a change to rlrepro's code cannot be ruled out"]
 
 
 def _cluster_words(c: Mapping) -> str:

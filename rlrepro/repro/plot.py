@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from .diff import ReproError, diff_runs, load_config, read_metrics
 
 __all__ = ["PLOT_METRICS", "plot_runs", "build_figures", "plot_panels", "kl_is_off", "main_plot",
-           "log_comparison_to_wandb", "first_divergences"]
+           "log_comparison_to_wandb", "first_divergences", "readable_runs"]
 
 KL_KEY = "train/kl"
 LOGPROB_DIFF_KEY = "train/rollout_logprob_abs_diff"
@@ -171,21 +171,46 @@ def _draw(ax, key: str, title: str, labels: list[str], metrics: list[dict | None
         ax.legend(fontsize="small")
 
 
+def readable_runs(run_dirs: Sequence[str | os.PathLike]) -> tuple[list[Path], list[dict | None]]:
+    """The runs that can be read, with their metrics (None: no metrics.jsonl). A run that cannot be read (missing,
+    or a corrupt metrics.jsonl) is skipped with a message on stderr; a torn last line is dropped with a note.
+    ReproError when none is left (naming why each was skipped)."""
+    dirs = [Path(p) for p in run_dirs]
+    if not dirs:
+        raise ReproError("no run directories given")
+    keep: list[Path] = []
+    metrics: list[dict | None] = []
+    skipped: list[str] = []
+    for p in dirs:
+        notes: list[str] = []
+        try:
+            if not p.is_dir():
+                raise ReproError(f"{p}: run directory not found")
+            m = read_metrics(p, notes)
+        except ReproError as e:
+            skipped.append(str(e))
+            if len(dirs) > 1:
+                print(f"rlrepro plot: skipping a run that cannot be read: {e}", file=sys.stderr)
+            continue
+        for n in notes:
+            print(f"rlrepro plot: note: {n}", file=sys.stderr)
+        keep.append(p)
+        metrics.append(m)
+    if not keep:
+        raise ReproError("; ".join(skipped) if len(skipped) == 1 else "no run can be read: " + "; ".join(skipped))
+    return keep, metrics
+
+
 def build_figures(run_dirs: Sequence[str | os.PathLike], *, mark_divergence: bool = True) -> dict[str, object]:
     """The figures ``plot_runs`` writes, as ``{file stem: matplotlib Figure}`` (one per panel of
-    :func:`plot_panels`, then ``"overview"``). ReproError when no run has a readable metrics.jsonl."""
+    :func:`plot_panels`, then ``"overview"``). A run that cannot be read is skipped (:func:`readable_runs`).
+    ReproError when no run has a readable metrics.jsonl."""
     # Figure + the Agg canvas directly: no pyplot, no global backend switch, no display needed
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    dirs = [Path(p) for p in run_dirs]
-    if not dirs:
-        raise ReproError("no run directories given")
-    for p in dirs:
-        if not p.is_dir():
-            raise ReproError(f"{p}: run directory not found")
-    metrics = [read_metrics(p) for p in dirs]
+    dirs, metrics = readable_runs(run_dirs)
     if all(m is None for m in metrics):
         raise ReproError("no metrics.jsonl in " + ", ".join(str(p) for p in dirs))
     labels = _labels(dirs)
@@ -246,10 +271,7 @@ def log_comparison_to_wandb(run_dirs: Sequence[str | os.PathLike], project: str 
         raise ValueError(f"mode must be 'offline' or 'disabled', not {mode!r} (rlrepro never logs online here)")
     import wandb
 
-    dirs = [Path(p) for p in run_dirs]
-    for p in dirs:
-        if not p.is_dir():
-            raise ReproError(f"{p}: run directory not found")
+    dirs, all_metrics = readable_runs(run_dirs)
     labels = _labels(dirs)
     if group is None:
         group = "compare-" + hashlib.sha256("\0".join(str(p.resolve()) for p in dirs).encode()).hexdigest()[:8]
@@ -259,8 +281,8 @@ def log_comparison_to_wandb(run_dirs: Sequence[str | os.PathLike], project: str 
     settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
                               disable_git=True, disable_code=True)
     out: list[str] = []
-    for i, (p, lab) in enumerate(zip(dirs, labels)):
-        metrics = read_metrics(p) or {}
+    for i, (p, lab, metrics) in enumerate(zip(dirs, labels, all_metrics)):
+        metrics = metrics or {}
         run = wandb.init(project=project or "rlrepro-compare", group=group, name=lab, job_type="compare",
                          mode=mode, dir=str(base), config={"run_dir": str(p.resolve())}, settings=settings)
         try:

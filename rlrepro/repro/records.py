@@ -17,11 +17,10 @@ import io
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Union
 
-from rlrepro._files import apply_default_mode
+from rlrepro._files import atomic_write_bytes
 from rlrepro.samples import Sample
 
 CONFIG_FILE = "config.yaml"
@@ -79,42 +78,6 @@ def dumps_line(record: dict) -> str:
     return json.dumps(record, separators=(",", ":"), allow_nan=True, default=_json_default)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the complete new one, never a part.
-
-    The file gets the mode a plain ``open()`` would give it (0o666 masked by the umask), not mkstemp's 0o600."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            apply_default_mode(f.fileno())
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
 # ------------------------------------------------------------------------------------------- JSONL step logs
 
 
@@ -145,14 +108,58 @@ def _json_objects(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, dict]
         yield lineno, obj
 
 
-def read_step_records(path: str | os.PathLike, required: Iterable[str] = ()) -> dict[int, dict]:
+TORN_LINE_NOTE = "the run crashed or is still writing; a resume repairs it"
+
+
+def _step_log_lines(path: Path) -> Iterator[tuple[int, str | None, bool]]:
+    """(line number, text or None when it is not UTF-8, is the last line) for each line of a step log."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ReproError(f"{path}: file not found") from None
+    except OSError as e:
+        raise ReproError(f"{path}: cannot read: {e}") from None
+    raw = data.split(b"\n")
+    if raw and raw[-1] == b"":
+        raw.pop()
+    while raw and not raw[-1].strip():  # blank lines after the last record: the last record is the last line
+        raw.pop()
+    for i, line in enumerate(raw):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        yield i + 1, text, i == len(raw) - 1
+
+
+def read_step_records(path: str | os.PathLike, required: Iterable[str] = (),
+                      notes: list[str] | None = None) -> dict[int, dict]:
     """Read a step log into ``{step: record}``. Each record needs an integer ``step`` and the ``required`` keys;
-    a step may appear once. Errors name the file and the line."""
+    a step may appear once. Errors name the file and the line.
+
+    A last line that is not a whole JSON object is torn (a crash while appending, or a run that is still writing:
+    ``JsonlStepWriter.truncate_from`` drops it on resume): it is dropped, and a sentence saying so is appended to
+    ``notes`` when given. A malformed line before the last one is an error."""
     path = Path(path)
     required = tuple(required)
     out: dict[int, dict] = {}
     lines: dict[int, int] = {}
-    for lineno, obj in iter_jsonl(path):
+    for lineno, text, last in _step_log_lines(path):
+        if text is not None and not text.strip():
+            continue
+        try:
+            if text is None:
+                raise ValueError("not UTF-8 text")
+            obj = json.loads(text)
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            if last:
+                if notes is not None:
+                    notes.append(f"{path}:{lineno}: torn last line dropped ({TORN_LINE_NOTE})")
+                break
+            what = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+            raise ReproError(f"{path}:{lineno}: invalid JSON ({what})") from None
+        if not isinstance(obj, dict):
+            raise ReproError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         step = obj.get("step")
         if isinstance(step, bool) or not isinstance(step, int):
             raise ReproError(f"{path}:{lineno}: missing or non-integer 'step' field")
@@ -211,7 +218,10 @@ class JsonlStepWriter:
                 if is_last:
                     torn = True
                     continue
-                raise ReproError(f"{self.path}:{i + 1}: malformed line in the middle of the file") from None
+                raise ReproError(f"{self.path}:{i + 1}: malformed line in the middle of the file ({line[:60]!r}): "
+                                 "the record is damaged (only a torn last line, left by a crash, is repaired). Fix: "
+                                 f"restore {self.path.name} from a copy, or start the run over (run.resume=false "
+                                 "run.overwrite=true) or in another run.dir") from None
             if is_last and not ends_with_newline:
                 torn = True  # parsed, but its newline never made it to disk: rewrite it cleanly
             kept.append((step, line))

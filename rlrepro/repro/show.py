@@ -201,6 +201,10 @@ def format_step(run_dir: str | Path, step: int, samples: Sequence[Sample], n: in
 def show_step(run_dir: str | Path, step: Optional[int] = None, n: int = 8) -> str:
     """Load the step (default: the last with a rollout file) and return its text; ReproError naming what exists."""
     run = Path(run_dir)
+    if run.exists() and not run.is_dir():
+        owner = next((p for p in run.parents if _is_run_dir(p)), None)
+        raise ReproError(f"{run} is a file, not a run directory" + (f"; its run directory is {owner}: rlrepro show "
+                                                                    f"{owner}" if owner is not None else ""))
     if not run.is_dir():
         raise ReproError(_missing_run_message(run))
     steps = rollout_steps(run)

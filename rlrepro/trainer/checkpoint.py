@@ -47,7 +47,8 @@ from rlrepro.model import save_pretrained
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "verify_checkpoint",
            "capture_rng_state",
            "restore_rng_state", "export_hf", "LoadedCheckpoint", "checkpoint_dir_name", "load_pt", "scan_checkpoints",
-           "write_error", "commit_checkpoint_dir", "restore_set_aside"]
+           "write_error", "commit_checkpoint_dir", "restore_set_aside", "CheckpointVersionError",
+           "other_version", "load_extra_state"]
 
 FORMAT = "rlrepro-checkpoint"
 VERSION = 1
@@ -57,6 +58,27 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 def checkpoint_dir_name(step: int) -> str:
     return f"step_{step:06d}"
+
+
+class CheckpointVersionError(ValueError):
+    """A checkpoint whose manifest names another format version than this rlrepro writes and reads (``VERSION``):
+    not damaged, written by another rlrepro; never loaded, replaced or pruned."""
+
+    def __init__(self, message: str, version) -> None:
+        super().__init__(message)
+        self.version = version
+
+
+def other_version(path: str | os.PathLike):
+    """The format version of the checkpoint directory ``path`` when its manifest is an rlrepro checkpoint manifest
+    of another version than ``VERSION`` (a checkpoint another rlrepro wrote), else None."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if isinstance(manifest, dict) and manifest.get("format") == FORMAT and manifest.get("version") != VERSION:
+        return manifest.get("version")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- RNG state
@@ -204,6 +226,11 @@ def commit_checkpoint_dir(tmp: Path, final: Path) -> None:
     ``tmp`` then fails it is put back (a failed save loses nothing), else deleted. One that a killed process left
     set aside is put back, or deleted once its replacement is in place, by :func:`restore_set_aside`."""
     root = final.parent
+    version = other_version(final) if final.is_dir() and not final.is_symlink() else None
+    if version is not None:  # another rlrepro's checkpoint: not this one's to replace
+        raise CheckpointVersionError(f"{final} is a checkpoint of format version {version!r}, written by another "
+                                     f"rlrepro (this one writes version {VERSION}); it is not replaced. Move it away "
+                                     "or write this run into another run.dir", version)
     if not final.exists():
         os.rename(tmp, final)
         _fsync_dir(root)
@@ -363,7 +390,8 @@ def _read_manifest(path: Path) -> dict:
     if bad:
         raise ValueError(f"{mpath} lists {bad[0]!r} without an integer size and a sha256; the manifest is damaged")
     if manifest.get("version") != VERSION:
-        raise ValueError(f"{mpath} has format version {manifest.get('version')}; this rlrepro reads version {VERSION}")
+        raise CheckpointVersionError(f"{mpath} has format version {manifest.get('version')!r}; this rlrepro writes "
+                                     f"and reads version {VERSION}", manifest.get("version"))
     return manifest
 
 
@@ -434,6 +462,25 @@ def latest_checkpoint(ckpt_root: str | os.PathLike) -> Path | None:
     """
     steps = _complete_steps(Path(ckpt_root))
     return Path(ckpt_root) / checkpoint_dir_name(steps[0]) if steps else None
+
+
+def load_extra_state(path: str | os.PathLike) -> tuple[int, dict]:
+    """A checkpoint's step and ``extra_state.pt`` (the data cursor, the batches generated ahead), without loading
+    anything else: the manifest is read and ``extra_state.pt`` checked against it (size and sha256) first. What a
+    resume checks before it starts anything. ValueError naming the file when it is missing or damaged."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    entry = manifest["files"].get("extra_state.pt")
+    f = path / "extra_state.pt"
+    if entry is None or not f.is_file():
+        raise ValueError(f"checkpoint {path} has no extra_state.pt (the data cursor); the checkpoint is damaged: "
+                         "delete it and resume from an earlier one")
+    have = _file_digest(f)
+    if have["size"] != entry["size"] or have["sha256"] != entry["sha256"]:
+        raise ValueError(f"checkpoint file {f} has {have['size']} bytes and sha256 {have['sha256']}, the manifest "
+                         f"says {entry['size']} bytes and {entry['sha256']} (truncated or corrupted); the checkpoint "
+                         "is damaged: delete it and resume from an earlier one")
+    return int(manifest["step"]), load_pt(f)
 
 
 @dataclass
