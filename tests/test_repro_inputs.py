@@ -252,6 +252,28 @@ def test_diff_names_the_input_differences_first(tmp_path, env, setup, capsys):
                                         "bits": True, "message": "RLREPRO_ATTENTION_BWD differs: unset vs 'torch'"}
 
 
+def test_diff_names_what_a_resume_recorded_of_its_inputs(tmp_path, env, setup, capsys):
+    """A resume (or ``verify --from-step``) with other inputs than the first start keeps the first start's record
+    and appends the differences to its ``resumes``: diff names them, and --strict-inputs fails on bit-relevant
+    ones, although the top-level records are equal."""
+    from rlrepro.orchestration.resume_checks import record_resumed_inputs
+    model, data = setup
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
+    first = collect(model, data)
+    write_inputs(a, first)
+    write_inputs(b, first)
+    assert diff_runs(a, b).input_diffs == []
+    env.setenv("RLREPRO_ATTENTION_BWD", "torch")
+    said = []
+    record_resumed_inputs(b, first, collect(model, data), 3, say=said.append)
+    assert said and "RLREPRO_ATTENTION_BWD" in said[0]
+    rep = diff_runs(a, b)
+    assert [(d.what, d.key, d.bits) for d in rep.input_diffs] == [("env", "RLREPRO_ATTENTION_BWD", True)]
+    assert rep.input_diffs[0].message.startswith("run B resumed at step 3 with other inputs")
+    assert main_diff([str(a), str(b), "--strict-inputs"]) == 1
+    assert "run B resumed at step 3" in capsys.readouterr().out
+
+
 def test_diff_of_diverged_runs_prints_the_inputs_before_the_divergence(tmp_path, env, setup, capsys):
     def mutate(step, samples, weights):
         if step >= 3:

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .inputs import INPUTS_FILE, input_differences, read_inputs, uncompared_inputs
+from .inputs import INPUTS_FILE, input_differences, read_inputs, resumed_differences, uncompared_inputs
 from .records import (
     CONFIG_FILE,
     FINGERPRINTS_FILE,
@@ -298,7 +298,9 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
     inp_a, inp_b = read_inputs(a), read_inputs(b)  # first: when the records diverge, this is the likely cause
     if inp_a is not None and inp_b is not None:
         rep.inputs_compared = True
-        rep.input_diffs = input_differences(inp_a, inp_b)
+        # and what a resume of either run (or verify --from-step) recorded of its own inputs
+        rep.input_diffs = (input_differences(inp_a, inp_b) + resumed_differences(inp_a, "A")
+                           + resumed_differences(inp_b, "B"))
         rep.inputs_not_compared = uncompared_inputs(inp_a, inp_b)
     elif inp_a is not None or inp_b is not None:
         rep.notes.append(f"inputs not compared: no {INPUTS_FILE} in run {'A' if inp_a is None else 'B'}")

@@ -52,7 +52,7 @@ from .records import ReproError, atomic_write_bytes
 __all__ = ["INPUTS_FILE", "INPUTS_FORMAT", "TOKENIZER_FILE_NAMES", "BIT_ENV", "BIT_ENV_PREFIXES", "INFORMATIONAL_ENV",
            "InputDiff", "collect_inputs", "write_inputs", "read_inputs", "compare_inputs", "input_differences",
            "file_sha256", "find_tokenizer_files", "enter_launch_dir", "in_launch_dir", "code_digest",
-           "rlrepro_code", "uncompared_inputs", "CODE_KEY"]
+           "rlrepro_code", "uncompared_inputs", "CODE_KEY", "resumed_differences"]
 
 INPUTS_FILE = "inputs.json"
 INPUTS_FORMAT = "rlrepro.inputs.v1"
@@ -356,6 +356,20 @@ def _file_diffs(what: str, label: str, fa: Mapping, fb: Mapping, bits: bool = Tr
 
 def _value(v: Any) -> str:
     return "unset" if v is None else repr(v)
+
+
+def resumed_differences(record: Mapping, label: str) -> list[InputDiff]:
+    """The input differences a run's resumes recorded (``inputs.json``'s ``resumes``: a resume, or ``rlrepro verify
+    --from-step``, with other inputs than the run's first start), as :class:`InputDiff` entries whose message says
+    which run resumed where: "run B resumed at step 3 with ...". Older records have none."""
+    out = []
+    for entry in record.get("resumes") or []:
+        step = entry.get("from_step")
+        for d in entry.get("differences") or []:
+            out.append(InputDiff(d.get("what", "env"), d.get("key", ""), d.get("a"), d.get("b"), bool(d.get("bits")),
+                                 f"run {label} resumed at step {step} with other inputs than its first start "
+                                 f"(first start vs resume): {d.get('message', '')}"))
+    return out
 
 
 def input_differences(a: Mapping, b: Mapping) -> list[InputDiff]:
