@@ -1,7 +1,7 @@
 """What a start finds in its run directory, checked before work (no Ray: the actor group is a stub).
 
-* the synthetic data set ``RUN/data/synthetic_<task>.jsonl`` is checked against its manifest and the run's
-  ``data.synthetic.*``: a file left by a failed start with other settings is refused, not trained on;
+* the synthetic data set ``RUN/data/synthetic_<task>.jsonl`` is compared with what the run's ``data.synthetic.*``
+  make: a file left by a failed start with other settings is refused, not trained on;
 * it is written durably (fsynced, under a temporary name ``run.overwrite`` cleans up), as ``write_jsonl`` is;
 * a refused start cleans up while it still holds the run's lock, never removes ``.lock``, and never takes what
   another run wrote before it got the lock for its own;
@@ -20,7 +20,7 @@ from rlrepro.orchestration import driver as driver_mod
 from rlrepro.orchestration import preflight
 from rlrepro.orchestration.config import ConfigError
 from rlrepro.orchestration.run_lock import LOCK_FILE, RunDirLocked, RunLock
-from rlrepro.orchestration.synthetic_file import prepare_synthetic_data, synthetic_paths
+from rlrepro.orchestration.synthetic_file import prepare_synthetic_data, synthetic_path
 
 COMMON = ["recipe=grpo_tiny", "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.max_tokens=4",
           "train.steps=2", "train.warmup_steps=0", "logger.progress=false", "data.max_prompt_tokens=24"]
@@ -41,51 +41,39 @@ def syn(num=8, seed=0, task="first_letter", **kwargs):
 
 # ------------------------------------------------------------------------------------- the synthetic data set
 def test_a_synthetic_file_made_with_other_settings_is_refused_not_reused(tmp_path):
-    data, manifest = synthetic_paths(tmp_path, "first_letter")
+    data = synthetic_path(tmp_path, "first_letter")
     said = []
     assert prepare_synthetic_data(tmp_path, syn(num=6), say=said.append) == data  # a failed start's file
-    assert len(data.read_text().splitlines()) == 6 and manifest.is_file()
+    assert len(data.read_text().splitlines()) == 6
     left = data.read_bytes()
     with pytest.raises(ConfigError) as e:
         prepare_synthetic_data(tmp_path, syn(num=8), say=said.append)
     msg = str(e.value)
-    assert "data.synthetic.num: the file was made with 6, this run asks for 8" in msg
-    assert str(data) in msg and "run.overwrite=true" in msg and "another run.dir" in msg
+    assert "num=8" in msg and str(data) in msg and "run.overwrite=true" in msg and "another run.dir" in msg
     assert data.read_bytes() == left
-    # the same settings: used as it is; other kwargs or seed: refused, naming the key
+    # the same settings: used as it is; other kwargs or seed: refused
     assert prepare_synthetic_data(tmp_path, syn(num=6)) == data and data.read_bytes() == left
-    with pytest.raises(ConfigError, match="data.synthetic.kwargs"):
+    with pytest.raises(ConfigError, match="'xyz'"):
         prepare_synthetic_data(tmp_path, syn(num=6, alphabet="xyz"))
-    with pytest.raises(ConfigError, match="data.synthetic.seed"):
+    with pytest.raises(ConfigError, match="seed=1"):
         prepare_synthetic_data(tmp_path, syn(num=6, seed=1))
-    # a fresh run's run.overwrite=true makes it again, manifest included
+    # a fresh run's run.overwrite=true makes it again
     prepare_synthetic_data(tmp_path, syn(num=8), overwrite=True, say=said.append)
     assert data.read_bytes() == write_jsonl(make_synthetic_records("first_letter", 8, 0, alphabet="abcd"),
                                             tmp_path / "ref.jsonl").read_bytes()
-    assert json.loads(manifest.read_text())["settings"]["num"] == 8
     assert any("making" in s and "again" in s for s in said)
 
 
-def test_a_changed_synthetic_file_or_one_without_a_manifest(tmp_path):
-    data, manifest = synthetic_paths(tmp_path, "first_letter")
+def test_an_edited_synthetic_file_is_refused_and_a_resume_reads_it_as_it_is(tmp_path):
+    data = synthetic_path(tmp_path, "first_letter")
     prepare_synthetic_data(tmp_path, syn())
-    data.write_bytes(data.read_bytes().replace(b'"answer": "a"', b'"answer": "b"', 1))  # same settings, edited
-    with pytest.raises(ConfigError, match="changed after it was written"):
+    edited = data.read_bytes().replace(b'"answer": "a"', b'"answer": "b"', 1)
+    assert edited != data.read_bytes()
+    data.write_bytes(edited)  # the same settings, the file edited
+    with pytest.raises(ConfigError, match="edited since"):
         prepare_synthetic_data(tmp_path, syn())
-    with pytest.raises(ConfigError, match="put the file back"):  # a resume's fix: its steps used the file as it was
-        prepare_synthetic_data(tmp_path, syn(), resume=True)
-    # no manifest (an older rlrepro): adopted only when bit-identical to what the settings make
-    manifest.unlink()
-    with pytest.raises(ConfigError, match="no manifest"):
-        prepare_synthetic_data(tmp_path, syn())
-    assert not manifest.exists()
-    said = []  # a resume reads an older rlrepro's file as it is: inputs.json's record of it decides
-    assert prepare_synthetic_data(tmp_path, syn(), resume=True, say=said.append) == data and not manifest.exists()
-    assert "reads it as it is" in said[0]
-    write_jsonl(make_synthetic_records("first_letter", 8, 0, alphabet="abcd"), data)
-    said = []
-    prepare_synthetic_data(tmp_path, syn(), say=said.append)
-    assert manifest.is_file() and "manifest is added" in said[0]
+    # a resume reads it as it is (inputs.json's sha256 of it decides whether it is the run's data)
+    assert prepare_synthetic_data(tmp_path, syn(), resume=True) == data and data.read_bytes() == edited
 
 
 def test_a_fresh_run_does_not_train_on_a_failed_starts_synthetic_file(tmp_path, monkeypatch):
@@ -95,9 +83,9 @@ def test_a_fresh_run_does_not_train_on_a_failed_starts_synthetic_file(tmp_path, 
     run = tmp_path / "run"
     with pytest.raises(Reached):
         driver_mod.GRPODriver(compose_config([*COMMON, f"run.dir={run}", "data.synthetic.num=6"])).setup()
-    data, _ = synthetic_paths(run, "first_letter")
+    data = synthetic_path(run, "first_letter")
     assert len(data.read_text().splitlines()) == 6
-    with pytest.raises(ConfigError, match="data.synthetic.num: the file was made with 6, this run asks for 512"):
+    with pytest.raises(ConfigError, match="num=512.*left in run.dir by an earlier start"):
         driver_mod.GRPODriver(compose_config([*COMMON, f"run.dir={run}"])).setup()
     d = driver_mod.GRPODriver(compose_config([*COMMON, f"run.dir={run}", "run.overwrite=true"]))
     with pytest.raises(Reached):

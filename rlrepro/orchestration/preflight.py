@@ -41,7 +41,7 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE, FINGERPRINTS_FILE, "inputs.json", "amend
              "summary.txt")
 # directories only rlrepro writes into, with the names of the entries it makes there
 RUN_DIRS = {ROLLOUTS_DIR: ("step_*.jsonl.gz", ".step_*.tmp"), CHECKPOINTS_DIR: ("step_*",), "verify": ("from_*",),
-            "data": ("synthetic_*.jsonl", "synthetic_*.manifest.json", ".synthetic_*.tmp"),
+            "data": ("synthetic_*.jsonl", ".synthetic_*.tmp"),
             "export": ("step_*", "step_*.tmp-*", "step_*.old-*")}
 RUN_GLOBS = ("base_model", "base_model.tmp*")  # rlrepro's own model directory (model.init=tiny|random)
 
