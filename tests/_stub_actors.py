@@ -2,6 +2,17 @@
 from rlrepro.trainer.checkpoint import load_checkpoint
 
 
+class Reached(Exception):
+    """The driver's set-up passed every check and got as far as starting Ray."""
+
+
+class NoRay:
+    """An actor group whose construction raises :class:`Reached`: set-up stops where Ray would start."""
+
+    def __init__(self, *a, **k):
+        raise Reached
+
+
 class StubActors:
     """Ray-free actors: loading a checkpoint returns its extra state; everything else is a no-op."""
 

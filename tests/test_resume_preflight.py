@@ -21,19 +21,10 @@ from rlrepro.orchestration.config import ConfigError
 from rlrepro.orchestration.resume import reconcile_resume
 from rlrepro.trainer import checkpoint as ckpt_mod
 from rlrepro.trainer.checkpoint import save_checkpoint, scan_checkpoints
-from _stub_actors import StubActors
+from _stub_actors import NoRay, StubActors
 
 COMMON = ["recipe=grpo_tiny", "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.max_tokens=4",
           "train.steps=3", "train.warmup_steps=0", "logger.progress=false", "data.max_prompt_tokens=24"]
-
-
-class Reached(Exception):
-    """The driver got as far as starting Ray."""
-
-
-class NoRay:
-    def __init__(self, *a, **k):
-        raise Reached
 
 
 def small_checkpoint(root: Path, step: int, data_order: dict, **extra) -> Path:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from _stub_actors import NoRay, Reached
 from rlrepro.cli import compose_config, main
 from rlrepro.data import make_synthetic_records, write_jsonl
 from rlrepro.orchestration import driver as driver_mod
@@ -24,15 +25,6 @@ from rlrepro.orchestration.synthetic_file import prepare_synthetic_data, synthet
 
 COMMON = ["recipe=grpo_tiny", "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.max_tokens=4",
           "train.steps=2", "train.warmup_steps=0", "logger.progress=false", "data.max_prompt_tokens=24"]
-
-
-class Reached(Exception):
-    """Set-up passed every check and would now start Ray."""
-
-
-class NoRay:
-    def __init__(self, *a, **k):
-        raise Reached
 
 
 def syn(num=8, seed=0, task="first_letter", **kwargs):

@@ -129,7 +129,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         source = d.source
         fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, id_field=d.id_field,
                       messages_field=d.messages_field)
-        if source is None:  # the synthetic task, written as jsonl (with a manifest of its settings), read back
+        if source is None:  # the synthetic task, written as jsonl (checked against its settings), read back
             run = self.cfg.run  # through the same loader
             source = prepare_synthetic_data(self.run_dir, d.synthetic, overwrite=run.overwrite and not run.resume,
                                             resume=run.resume)
