@@ -286,12 +286,9 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         self.order.load_state_dict(extra["data_order"])
         step = int(extra["step"])
         self.pending = pending_from_state(extra.get("pending"))
-        if self.cfg.rollout.max_staleness and step > 0 and sorted(self.pending) != list(
-                range(step + 1, step + 1 + self.cfg.rollout.max_staleness)):
-            raise ConfigError(f"the checkpoint {ckpt_path} holds the batches generated ahead for steps "
-                              f"{sorted(self.pending)}, not the rollout.max_staleness="
-                              f"{self.cfg.rollout.max_staleness} batches after step {step}; resume with the "
-                              "recorded rollout.max_staleness")
+        from .resume_checks import check_pending
+
+        check_pending(ckpt_path, step, self.pending, self.cfg.rollout.max_staleness)
         self.actors.sync_weights(version=step)
         return step
 

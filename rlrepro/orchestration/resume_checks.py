@@ -21,7 +21,7 @@ from typing import Any, Callable
 from .config import ConfigError
 from .errors import log
 
-__all__ = ["check_checkpoint_state", "check_inputs", "record_resumed_inputs", "DATA_DIFFERENCES"]
+__all__ = ["check_checkpoint_state", "check_pending", "check_inputs", "record_resumed_inputs", "DATA_DIFFERENCES"]
 
 # the InputDiff kinds (rlrepro.repro.inputs) that mean another data set
 DATA_DIFFERENCES = ("data_file", "data_records", "data_revision")
@@ -48,15 +48,21 @@ def check_checkpoint_state(ckpt: str | Path, order: Any, cfg: Any) -> int:
         raise ConfigError(f"the checkpoint {ckpt} (step {step}) cannot continue on this run's data: {e} This run "
                           f"loaded {order.num_items} prompts (after data.limit and any rows left out). Nothing was "
                           "started; start a new run in another run.dir to train on other data") from None
-    staleness = cfg.rollout.max_staleness
-    if staleness and step > 0:
-        pending = sorted(int(k) for k in (extra.get("pending") or {}))
-        want = list(range(step + 1, step + 1 + staleness))
-        if pending != want:
-            raise ConfigError(f"the checkpoint {ckpt} holds the batches generated ahead for steps {pending}, not the "
-                              f"rollout.max_staleness={staleness} batches after step {step} ({want}); resume with the "
-                              "recorded rollout.max_staleness")
+    check_pending(ckpt, step, extra.get("pending") or {}, cfg.rollout.max_staleness)
     return step
+
+
+def check_pending(ckpt: str | Path, step: int, pending: Any, staleness: int) -> None:
+    """The checkpoint of ``step`` holds the ``rollout.max_staleness`` batches generated ahead after it (keys of
+    ``pending``); ConfigError naming them and the fix otherwise."""
+    if not staleness or step <= 0:
+        return
+    have = sorted(int(k) for k in pending)
+    want = list(range(step + 1, step + 1 + staleness))
+    if have != want:
+        raise ConfigError(f"the checkpoint {ckpt} holds the batches generated ahead for steps {have}, not the "
+                          f"rollout.max_staleness={staleness} batches after step {step} ({want}); resume with the "
+                          "recorded rollout.max_staleness")
 
 
 def check_inputs(run_dir: str | Path, now: dict) -> None:
