@@ -70,10 +70,13 @@ add_step fa3_invariance 540 'fi_kit && $PY benchmarks/probe_fa3_invariance.py --
 # 96-position KV tiles and from a 64-row decode kernel? and their speed (issue #27; .fa3pre/ may carry variants
 # compiled elsewhere, else each JIT-compiles here)
 add_step fa3_tiles 560 'fi_kit && RLREPRO_FA3_PREBUILT=$ROOT/.fa3pre $PY benchmarks/probe_fa3_tiles.py --out "$OUT/fa3_tiles.md" ${FA3_TILES_ARGS:-}'
+# a Triton decode in FA3's order (rlrepro/kernels/triton_fa3_decode.py): FA3's bits for every decode row of the
+# battery (each arithmetic switch, each launch shape), then its speed beside FA3's folded decode and rlrepro's own
+add_step fa3_decode 420 'fi_kit && $PY benchmarks/probe_fa3_decode.py --out "$OUT/fa3_decode.md" ${FA3_DECODE_ARGS:-}'
 # the FA3 experiment through rlrepro (RLREPRO_ATTENTION=fa3): its GPU tests (invariance battery, engine ==
 # trainer at 8k on CUDA graphs, the Triton backward from FA3's lse) and the FA2 backward's (RLREPRO_ATTENTION_BWD=
 # flash2), then the engine with the Triton attention (triton) and with FA3, in one call
-add_step fa3_tests 420 'kit && fi_kit && $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_fa3_attention.py tests/test_flash2_bwd.py'
+add_step fa3_tests 420 'kit && fi_kit && $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_fa3_attention.py tests/test_fa3_decode.py tests/test_flash2_bwd.py'
 add_step engine_fa3 500 'fi_kit && for a in ${FA3_ORDER:-triton fa3}; do RLREPRO_ATTENTION=$a $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests ${FA3_REQUESTS:-64} --modes deterministic --no-hf --json "$OUT/engine_fa3_$a.json" || exit 1; done'
 # the 16k train step with each forward:backward pair of ATTN_COMBOS (RLREPRO_ATTENTION : RLREPRO_ATTENTION_BWD)
 add_step train_long_attn 590 'kit && fi_kit && for c in ${ATTN_COMBOS:-triton:triton fa3:triton fa3:flash2}; do RLREPRO_ATTENTION=${c%%:*} RLREPRO_ATTENTION_BWD=${c##*:} $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode deterministic --num-samples 16 --prompt-len 1024 --completion-len 15360 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 2 --no-phases --json "$OUT/train_long_${c%%:*}_${c##*:}.json" || exit 1; done'

@@ -1,6 +1,7 @@
-"""The deterministic mode's attention on flashinfer's FA3 kernel (Hopper): an experiment of issue #27, off unless
-``RLREPRO_ATTENTION=fa3``. Measured on an H200 (docs/BENCHMARKS.md): the bits hold in every check of
-``benchmarks/probe_fa3_invariance.py``, but the engine decodes at 0.742x of the Triton attention, so it stays opt-in.
+"""The deterministic mode's attention with flashinfer's FA3 bits (Hopper, issue #27), off unless
+``RLREPRO_ATTENTION=fa3``. The bits hold in every check of ``benchmarks/probe_fa3_invariance.py`` and
+``probe_fa3_decode.py``; end to end it runs at par with the Triton attention (docs/BENCHMARKS.md: the engine at 0.99x
+on an H100, the 16k train step at 0.995x), so it stays an opt-in that needs flashinfer.
 
 Why it could keep the promises. FA3's forward walks a query row's KV in tiles aligned to position 0, from the last
 to the first, in one program (flashinfer's sm90 plan never splits the KV), so a row's reduction order is fixed by
@@ -13,11 +14,14 @@ table becomes per-token offsets), so one kernel, with one KV tile (96 positions 
   96-position KV tile (:mod:`.fa3_variants`, the same bits: ``benchmarks/probe_fa3_tiles.py``), else on the
   paged kernel with the packed K/V as a cache of 1-token pages;
 * the engine's prefill, chunked prefill and mixed steps: the paged cache, causal, a request per sequence;
-* decode steps: the GQA group's query heads folded into one request's rows, non-causal (a decode row sees every
-  cached position), so each KV tile is read once per group (``paged``; :class:`GraphDecode` under CUDA graphs).
+* decode steps: at head size 128, :mod:`.triton_fa3_decode`, FA3's arithmetic rewritten in Triton (the same bits
+  on every row of ``benchmarks/probe_fa3_decode.py``, 1.3x the speed of FA3's own decode, no host work under CUDA
+  graphs); at other head sizes FA3 itself with the GQA group's query heads folded into one request's rows,
+  non-causal (a decode row sees every cached position), so each KV tile is read once per group (:class:`GraphDecode`
+  under CUDA graphs).
 
 The probe showed the same bits across all of these on the H200, and engine == trainer held at 8k on CUDA graphs.
-Nothing selects this module by default (its decode costs more than its prefill gains), and a run that sets the
+Nothing selects this module by default (it gains nothing end to end and needs flashinfer), and a run that sets the
 variable says so in its log.
 """
 from __future__ import annotations
@@ -29,8 +33,9 @@ import torch
 
 from . import fa3_variants as _variants
 from . import flashinfer_attention as _fi
+from . import triton_fa3_decode as _tdec
 
-__all__ = ["requested", "serves", "usable", "packed", "paged", "GraphDecode"]
+__all__ = ["requested", "serves", "usable", "packed", "paged", "GraphDecode", "triton_decode"]
 
 _log = logging.getLogger("rlrepro.kernels")
 _SAID: list[bool] = []
@@ -57,9 +62,16 @@ def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         raise RuntimeError(f"RLREPRO_ATTENTION=fa3: flashinfer does not serve {dtype} with head size {head_dim} here"
                            " (pip install 'rlrepro[flashinfer]'; bf16/fp16, head size 64/128/256), or unset it")
     if not _SAID:
-        _log.warning("deterministic attention on flashinfer's FA3 kernel (RLREPRO_ATTENTION=fa3, experimental)")
+        _log.warning("deterministic attention with flashinfer's FA3 bits (RLREPRO_ATTENTION=fa3)")
         _SAID.append(True)
     return True
+
+
+def triton_decode(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether decode steps run :mod:`.triton_fa3_decode` (FA3's bits in Triton, no host work, as fast as
+    rlrepro's own decode) rather than FA3's folded decode: at the head size whose KV tile it reproduces (96
+    positions at 128) and at most 16 query heads per KV head. The runner then needs no :class:`GraphDecode`."""
+    return head_dim == RAGGED_HEAD_DIM and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16
 
 
 def usable(q: torch.Tensor) -> bool:
@@ -139,9 +151,11 @@ def paged(q: torch.Tensor, meta, scale: float, kv_cache: tuple[torch.Tensor, tor
     graph = meta.cache.get(GraphDecode.CACHE_KEY)
     k_cache = kv_cache[0]
     h, hkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+    decode = q.shape[0] == meta.num_seqs
+    if decode and q.is_cuda and triton_decode(d, h, hkv):
+        return _tdec.decode(_dense(q), kv_cache, meta.seq_lens, meta.block_table, scale)
     if graph is not None:
         return _unfold(graph.wrapper.run(_fold(_dense(q), hkv), kv_cache), h)
-    decode = q.shape[0] == meta.num_seqs
     kind = "decode" if decode else "prefill"
     w = _wrapper(kind, q.device)
     key = (_KEY, kind, float(scale))

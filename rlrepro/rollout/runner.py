@@ -173,8 +173,9 @@ class ModelRunner:
         graph_decode = None  # attention on flashinfer: the fast mode's decode, or the FA3 experiment's (#27)
         if kernels.current_mode() == "fast" and flashinfer_attention.serves(dev, self.model.dtype, cfg.head_dim):
             graph_decode = flashinfer_attention.GraphDecode
-        elif kernels.current_mode() == "deterministic" and fa3_attention.serves(dev, self.model.dtype, cfg.head_dim):
-            graph_decode = fa3_attention.GraphDecode
+        elif (kernels.current_mode() == "deterministic" and fa3_attention.serves(dev, self.model.dtype, cfg.head_dim)
+              and not fa3_attention.triton_decode(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)):
+            graph_decode = fa3_attention.GraphDecode  # FA3's own folded decode (its Triton rewrite needs no plan)
         if graph_decode is not None:
             for b in sizes:
                 fg = graph_decode(
