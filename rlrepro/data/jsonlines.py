@@ -66,6 +66,18 @@ def scan_lines(file: Path, max_line_bytes: int | None = None, numbers: bool = Fa
     return out
 
 
+def empty_array(file: Path) -> bool:
+    """Whether ``file`` is a JSON array without rows: ``[]``, whitespace and a byte-order mark allowed (``datasets``
+    cannot load one: it has no columns)."""
+    with open(file, "rb") as f:
+        data = f.read(CHUNK + 1)
+    if len(data) > CHUNK:
+        return False
+    data = data[len(_BOM):] if data.startswith(_BOM) else data
+    body = data.strip()
+    return body.startswith(b"[") and body.endswith(b"]") and not body[1:-1].strip()
+
+
 def blank_lines(file: Path, dest: Path, line_numbers: set[int]) -> Path:
     """Copy ``file`` to ``dest`` with the given lines emptied (their newlines kept, so that every other line keeps
     its number), streamed in chunks."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from .jsonlines import blank_lines, kept_rows, scan_lines
+from .jsonlines import blank_lines, empty_array, kept_rows, scan_lines
 from .records import PromptRecord, records_digest
 from .rows import BadRow, FieldSpec, NotUTF8, RowPositions, row_to_record, utf8_encodable
 
@@ -269,8 +269,8 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
     builder = DATA_FILE_FORMATS[file.suffix.lower()]
     stats.files.append({"path": str(file), "sha256": _sha256_file(file)})
     lines = scan_lines(file, max_line_bytes) if builder == "json" else None  # in chunks, holding no line
-    if lines is not None and lines.blank:
-        stats.warnings.append(f"{file}: empty file, no rows")
+    if lines is not None and (lines.blank or (lines.array and empty_array(file))):
+        stats.warnings.append(f"{file}: {'empty file' if lines.blank else 'an empty JSON array'}, no rows")
         stats.files[-1]["num_rows"] = 0
         return
 
@@ -476,10 +476,24 @@ def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats) -> t
         elif isinstance(feat, datasets.Value) and feat.dtype in ("binary", "large_binary"):
             stats.warnings.append(f"{label}: column {col!r} holds bytes; they are decoded as UTF-8.")
         elif isinstance(feat, datasets.Value) and feat.dtype.startswith(("float", "double", "decimal")):
+            if feat.dtype in ("float16", "float32"):
+                _narrow_floats(rows, col, feat.dtype)
             stats.warnings.append(
                 f"{label}: column {col!r} has type {feat.dtype}; its values are converted to text with str() "
                 f"(1 written as 1.0 becomes '1.0'). Fix: write the values as strings to control the exact text.")
     return columns, rows
+
+
+def _narrow_floats(rows: list[dict], col: str, dtype: str) -> None:
+    """A float16/float32 column's values as the floats their shortest text in that type denotes: a float32 0.1
+    reaches Python as 0.10000000149011612, whose str() is not the 0.1 the file holds."""
+    import numpy as np
+
+    narrow = np.float16 if dtype == "float16" else np.float32
+    for row in rows:
+        value = row.get(col)
+        if isinstance(value, float):
+            row[col] = float(str(narrow(value)))
 
 
 def _column_to_pylist(column: Any) -> list[Any]:

@@ -37,9 +37,9 @@ scored by the clock (silent).
 from __future__ import annotations
 
 import contextvars
-import functools
 import math
 import re
+import threading
 from typing import Any
 
 __all__ = ["TooCostly", "check_latex", "check_parsed", "parse_guarded", "REFUSED_COMMANDS"]
@@ -123,10 +123,25 @@ class _Budget:
 _ACTIVE: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("rlrepro_math_cost", default=None)
 
 
-@functools.lru_cache(maxsize=1)
+_INSTALL_LOCK = threading.Lock()
+_installed = False
+
+
 def _install_hooks() -> None:
     """Route math-verify's LaTeX and expression parsers through the LaTeX rule while ``parse_guarded`` runs.
-    Outside it (no budget in the context) the wrapped functions behave exactly as math-verify's own."""
+    Outside it (no budget in the context) the wrapped functions behave exactly as math-verify's own.
+    Installed once per process, under a lock: two threads scoring their first answers at once must not both wrap
+    the parsers (each string would be charged twice to the budget, and rewards would change for the process)."""
+    global _installed
+    if _installed:
+        return
+    with _INSTALL_LOCK:
+        if not _installed:
+            _wrap_parsers()
+            _installed = True
+
+
+def _wrap_parsers() -> None:
     from latex2sympy2_extended.latex2sympy2 import _Latex2Sympy
     from math_verify import parser
 

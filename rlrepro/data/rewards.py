@@ -266,6 +266,16 @@ def _spec_problem(spec: str, e: SpecError) -> str:
             f"Fix: set reward.fn={e.module_name}:<one of those>.")
 
 
+def _deferred_kind(obj: Any) -> str | None:
+    """``"async"`` or ``"generator"`` when calling ``obj`` gives a coroutine or generator, not a value; else None."""
+    for fn in (obj, getattr(obj, "__call__", None)):
+        if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+            return "async"
+        if inspect.isgeneratorfunction(fn):
+            return "generator"
+    return None
+
+
 def load_reward_fn(spec: str) -> RewardFn:
     """A built-in name (``exact_match``, ``prefix_match``, ``math``) or a dotted path to a callable:
     ``"pkg.module:function"`` or ``"pkg.module.function"`` (``"pkg.module:Class.attr"`` also works).
@@ -284,6 +294,12 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not callable(obj):
         raise ValueError(f"reward.fn={spec!r} names a {type(obj).__name__}, not a function. Fix: point reward.fn "
                          f"at a function (completion, record) -> float.")
+    kind = _deferred_kind(obj)
+    if kind is not None:
+        # it would return a coroutine or generator, not a number: every reward an error (all 0.0 under zero)
+        raise ValueError(f"reward.fn={spec!r} is {'an' if kind == 'async' else 'a'} {kind} function; rlrepro calls "
+                         f"a reward synchronously and needs the number itself. Fix: make it a plain def that "
+                         f"returns a float (run async code inside it, e.g. with asyncio.run).")
     try:
         inspect.signature(obj).bind("completion", "record")
     except TypeError:

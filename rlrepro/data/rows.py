@@ -6,6 +6,7 @@ row's 0-based index into what a person finds in the file: ``line N`` in a JSON-l
 """
 from __future__ import annotations
 
+import decimal
 import math
 import numbers
 from dataclasses import dataclass
@@ -154,7 +155,15 @@ def _as_text(value: Any, field: str, role: str) -> str:
     elif isinstance(value, numbers.Real):
         if not math.isfinite(value):
             raise BadRow(field, "wrong type", f"expected text, got the number {value!r}", fix)
+        if float(value).is_integer() and abs(value) >= 2 ** 53:  # a JSON integer past int64 is read as a float
+            raise BadRow(field, "wrong type", f"the number {value!r} is a float too large to hold every digit of an "
+                         f"integer (2**53 and above): its text may not be the one written", f"write {field!r} values "
+                         f"as strings")
         value = str(float(value))
+    elif isinstance(value, decimal.Decimal):  # a parquet decimal column: its exact text ('1.50')
+        if not value.is_finite():
+            raise BadRow(field, "wrong type", f"expected text, got the number {value!r}", fix)
+        value = str(value)
     if not isinstance(value, str):
         raise BadRow(field, "wrong type", f"expected text, got {type(value).__name__} ({_short(value)})", fix)
     try:
