@@ -107,6 +107,8 @@ def _run(code: str, limits: SandboxLimits) -> SandboxResult:
         error = "SyntaxError: 'break' or 'continue' outside a loop" + interp.where()
     except RecursionError:
         error = "RecursionError: the program nests too deeply" + interp.where()
+    except MemoryError:  # the machine's memory, not the program's limits: never an observation
+        raise
     except Exception as e:
         error = _exception_text(e, interp.meter) + interp.where()
     return SandboxResult(stdout=interp.stdout(), error=error, steps=interp.meter.steps, memory=interp.meter.memory,
@@ -118,7 +120,7 @@ def _exception_text(e: Exception, meter: Meter) -> str:
         if isinstance(e, KeyError) and len(e.args) == 1:
             text = to_repr(e.args[0], Meter(meter.limits))
         else:
-            text = str(e)
+            text = str(e).encode("utf-8", "backslashreplace").decode("utf-8")  # assert 0, chr(0xd800)
     except Exception:
         text = ""
     if len(text) > 300:
@@ -140,7 +142,6 @@ class _Interpreter:
         self.builtins = make_builtins()
         self.globals = _Scope("module", {}, None, None)
         self.modules: dict[str, Any] = {}
-        self.depth = 0
         self.lineno = 0
         self.out: list[bytes] = []
         self.out_bytes = 0
@@ -196,10 +197,7 @@ class _Interpreter:
                 self._exec(node, self.globals)
 
     def _enter(self) -> None:
-        self.depth += 1
-        if self.depth > self.limits.max_depth:
-            raise SandboxError(f"RecursionError: calls, blocks and expressions nested more than "
-                               f"max_depth={self.limits.max_depth} levels")
+        self.meter.enter()
 
     def _exec(self, node: ast.stmt, scope: _Scope) -> None:
         self.meter.step()
@@ -208,7 +206,7 @@ class _Interpreter:
         try:
             self.stmt[type(node)](node, scope)
         finally:
-            self.depth -= 1
+            self.meter.depth -= 1
 
     def _block(self, body: list[ast.stmt], scope: _Scope) -> None:
         for node in body:
@@ -220,7 +218,7 @@ class _Interpreter:
         try:
             return self.expr[type(node)](node, scope)
         finally:
-            self.depth -= 1
+            self.meter.depth -= 1
 
     # ---- names
 
@@ -418,7 +416,7 @@ class _Interpreter:
                 except _Return as r:
                     value = r.value
         finally:
-            self.depth -= 1
+            self.meter.depth -= 1
         self.lineno = caller_line  # an error later in the calling statement names its line, not the callee's last
         return value
 

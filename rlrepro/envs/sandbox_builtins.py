@@ -87,11 +87,28 @@ class LazyIter:
 _ITERABLE = (str, list, tuple, dict, SandboxSet, range, LazyIter)
 
 
+# Depth levels a pull from a lazy iterator costs: it resumes the iterator's own generators (up to 4 Python frames
+# between two lazy iterators, 3 a level of max_depth), which a chain through a comprehension's inner `for`
+# ((x for _ in r for x in g), not counted by MAX_LAZY_CHAIN) nests without bound.
+_LAZY_DEPTH = 2
+
+
 def iterate(meter: Meter, obj: Any) -> Iterator[Any]:
     """Iterate a sandbox value, one step per element."""
     t = type(obj)
     if t not in _ITERABLE and t.__name__ not in _VIEW_NAMES:
         raise TypeError(f"'{t.__name__}' object is not iterable")
+    if t is LazyIter:
+        while True:
+            meter.enter(_LAZY_DEPTH)
+            try:
+                x = next(obj.it)
+            except StopIteration:
+                return
+            finally:
+                meter.depth -= _LAZY_DEPTH
+            meter.step()
+            yield x
     for x in obj:
         meter.step()
         yield x
@@ -161,8 +178,11 @@ def _print(interp: Any, args: list, kwargs: dict) -> None:
     for name, v in (("sep", sep), ("end", end)):
         if v is not None and type(v) is not str:
             raise TypeError(f"{name} must be None or a string, not {type(v).__name__}")
-    text = (" " if sep is None else sep).join(to_str(a, interp.meter) for a in args) + ("\n" if end is None else end)
-    interp.write(text)
+    sep, end = " " if sep is None else sep, "\n" if end is None else end
+    parts = [to_str(a, interp.meter) for a in args]
+    # the line's size before it is built: print(*range(9999), sep='x' * 10**6) would join 10 GB
+    interp.meter.length(sum(map(len, parts)) + len(sep) * max(len(parts) - 1, 0) + len(end), "str")
+    interp.write(sep.join(parts) + end)
 
 
 def _range(interp: Any, args: list, kwargs: dict) -> range:

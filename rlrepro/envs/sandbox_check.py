@@ -50,19 +50,35 @@ def parse_program(code: str, limits: SandboxLimits) -> ast.Module:
     except SyntaxError as e:
         raise SandboxError(f"SyntaxError: {e.msg} (line {e.lineno})") from None
     except (RecursionError, MemoryError):
-        raise SandboxError("SyntaxError: the program is nested too deeply to parse") from None
+        # building the tree recursed past 3 x sys.getrecursionlimit() levels (a process-wide setting) or the
+        # parser's own fixed stack: far deeper than max_depth, so the observation is the one a tree that deep gets
+        raise Refused(_too_deep(limits)) from None
     check_program(tree, limits)
     return tree
 
 
-def check_program(tree: ast.AST, limits: SandboxLimits) -> None:
-    """Refuse, before running anything, syntax outside the whitelist, forbidden names, dunders and imports."""
+def _too_deep(limits: SandboxLimits) -> str:
+    return f"the program nests more than max_depth={limits.max_depth} levels"
+
+
+def _check_depth(tree: ast.AST, limits: SandboxLimits) -> None:
+    """Refuse a tree deeper than max_depth before any other refusal, the same whether or not the recursion limit
+    let ast.parse build it."""
     stack: list[tuple[ast.AST, int]] = [(tree, 0)]
     while stack:
         node, depth = stack.pop()
-        name = type(node).__name__
         if depth > limits.max_depth:
-            raise Refused(f"the program nests more than max_depth={limits.max_depth} levels")
+            raise Refused(_too_deep(limits))
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+
+
+def check_program(tree: ast.AST, limits: SandboxLimits) -> None:
+    """Refuse, before running anything, syntax outside the whitelist, forbidden names, dunders and imports."""
+    _check_depth(tree, limits)
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        name = type(node).__name__
         if not isinstance(node, _ALLOWED):
             raise Refused(_WHY.get(name) or f"{name} is not supported in the sandbox")
         line = f" (line {node.lineno})" if hasattr(node, "lineno") else ""
@@ -100,8 +116,7 @@ def check_program(tree: ast.AST, limits: SandboxLimits) -> None:
             for t in targets:
                 if any(isinstance(x, ast.Starred) for x in ast.walk(t)):
                     raise Refused(f"starred assignment targets (a, *b = ...) are not supported{line}")
-        for child in ast.iter_child_nodes(node):
-            stack.append((child, depth + 1))
+        stack.extend(ast.iter_child_nodes(node))
 
 
 def names_bound(fn: ast.FunctionDef | ast.Lambda) -> tuple[frozenset, frozenset]:

@@ -156,7 +156,13 @@ def _dict_update(interp: Any, obj: dict, args: list, kwargs: dict) -> None:
 def _set_op(name: str) -> Callable:
     def fn(interp: Any, obj: SandboxSet, args: list, kwargs: dict) -> Any:
         check_args(name, args, kwargs, 1, 1)
-        other = args[0] if type(args[0]) is SandboxSet else SandboxSet(iterate(interp.meter, args[0]))
+        if type(args[0]) is SandboxSet:
+            other = args[0]
+        else:  # each element scanned before it is hashed (a deep tuple recursed in C: a crash), as set(...) does
+            items = list(iterate(interp.meter, args[0]))
+            for x in items:
+                interp.meter.nesting(x)
+            other = SandboxSet(items)
         interp.meter.bulk(len(obj) + len(other))
         return interp.meter.value(getattr(obj, name)(other))
     return fn

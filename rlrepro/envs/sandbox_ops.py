@@ -31,6 +31,8 @@ _COMPARES = {
     "GtE": operator.ge, "Is": operator.is_, "IsNot": operator.is_not,
 }
 _SEQUENCES = (str, list, tuple)
+_VIEWS = ("dict_keys", "dict_values", "dict_items")
+_SET_OPS = ("BitOr", "BitAnd", "BitXor", "Sub")
 
 
 def is_int(x: Any) -> bool:
@@ -49,9 +51,27 @@ def _kind(x: Any) -> str:
     return type(x).__name__
 
 
+def _as_set(meter: Meter, op: str, x: Any, other: Any) -> SandboxSet:
+    """An operand of a set operator with a dict view (``d.keys() | range(9)``) as the sandbox's set: CPython would
+    build a hash-ordered ``set`` in C, its size and work uncharged and its elements hashed unchecked."""
+    if type(x) is SandboxSet:
+        return x
+    if type(x) not in (str, list, tuple, dict, range) and type(x).__name__ not in _VIEWS:
+        raise TypeError(f"unsupported operand type(s) for {_SYMBOL[op]}: '{_kind(x)}' and '{_kind(other)}'")
+    meter.length(len(x), "set")
+    meter.alloc(64 * len(x) + 64)
+    items = list(x)
+    for item in items:
+        meter.nesting(item)
+    return SandboxSet(items)
+
+
 def binop(meter: Meter, op: str, a: Any, b: Any) -> Any:
     """``a <op> b`` for the ast operator name ``op`` (``"Add"``, ``"Pow"``, ...)."""
     ta, tb = type(a), type(b)
+    if op in _SET_OPS and (ta.__name__ in _VIEWS[::2] or tb.__name__ in _VIEWS[::2]):  # keys, items: set-like
+        a, b = _as_set(meter, op, a, b), _as_set(meter, op, b, a)
+        ta = tb = SandboxSet
     if op == "Mult":
         if ta in _SEQUENCES and is_int(b) or tb in _SEQUENCES and is_int(a):
             seq, n = (a, b) if ta in _SEQUENCES else (b, a)
@@ -63,12 +83,14 @@ def binop(meter: Meter, op: str, a: Any, b: Any) -> Any:
                 meter.int_bits(_bits(a) + _bits(b) - 1)
             meter.quad(_bits(a), _bits(b))
     elif op == "Pow":
-        if is_int(a) and is_int(b) and b >= 0 or ta is Fraction and is_int(b):
+        # x ** Fraction(n) is x ** n (a Fraction when n < 0): the same sizes as an int exponent
+        e = b.numerator if tb is Fraction and b.denominator == 1 and (is_int(a) or ta is Fraction) else b
+        if is_int(a) and is_int(e) and (e >= 0 or tb is Fraction) or ta is Fraction and is_int(e):
             num = a.numerator if ta is Fraction else a
             den = a.denominator if ta is Fraction else 1
-            meter.pow_bits(num, abs(int(b)))
-            meter.pow_bits(den, abs(int(b)))
-            est = max(_bits(a) * abs(int(b)), 1) if abs(int(b)) < meter.limits.max_int_bits else 1
+            meter.pow_bits(num, abs(int(e)))
+            meter.pow_bits(den, abs(int(e)))
+            est = max(_bits(a) * abs(int(e)), 1) if abs(int(e)) < meter.limits.max_int_bits else 1
             meter.quad(est, est)
     elif op == "LShift":
         if is_int(a) and is_int(b) and b > 0 and a != 0:
@@ -78,15 +100,15 @@ def binop(meter: Meter, op: str, a: Any, b: Any) -> Any:
         meter.bulk(len(a) + len(b))
     elif op == "Mod" and ta is str:
         raise Refused("'%' formatting of strings is not supported; use an f-string")
+    elif op in _SET_OPS and ta is SandboxSet:  # before Sub's arithmetic branch: a - b of sets was uncharged
+        meter.bulk(len(a) + (len(b) if tb is SandboxSet else 0))
     elif op in ("FloorDiv", "Mod", "Div", "Add", "Sub"):
         if (is_int(a) or ta is Fraction) and (is_int(b) or tb is Fraction):
             meter.quad(_bits(a), _bits(b))
-    elif op in ("BitOr", "BitAnd", "BitXor", "Sub") and ta is SandboxSet:
-        meter.bulk(len(a) + (len(b) if tb is SandboxSet else 0))
     fn = _BINOPS.get(op)
     if fn is None:
         raise Refused(f"the operator {op} is not supported")
-    if op in ("BitOr", "BitAnd", "BitXor", "Sub") and (ta is SandboxSet or tb is SandboxSet) and ta is not tb:
+    if op in _SET_OPS and (ta is SandboxSet or tb is SandboxSet) and ta is not tb:
         raise TypeError(f"unsupported operand type(s) for {_SYMBOL[op]}: '{_kind(a)}' and '{_kind(b)}'")
     return meter.value(fn(a, b))
 
@@ -126,6 +148,12 @@ def compare(meter: Meter, op: str, a: Any, b: Any) -> bool:
         found = a in b
         return found if op == "In" else not found
     if op not in ("Is", "IsNot"):
+        for x in (a, b):
+            name = type(x).__name__
+            if name in _VIEWS:  # compared in C element by element: charged, and an item's value scanned first
+                meter.bulk(len(x))
+                if name == "dict_items":
+                    meter.nesting(list(x))
         meter.nesting(a)
         meter.nesting(b)
         if type(a) is str and type(b) is str:
@@ -166,12 +194,11 @@ def set_item(meter: Meter, obj: Any, index: Any, value: Any) -> None:
         return
     if t is list:
         if type(index) is slice:
-            items = list(value) if type(value) in (list, tuple, str, range) else None
-            if items is None:
+            if type(value) not in (list, tuple, str, range):
                 raise TypeError("can only assign a list, tuple, str or range to a slice")
-            meter.length(len(obj) + len(items), "list")
-            meter.alloc(8 * len(items))
-            obj[index] = items
+            meter.length(len(obj) + len(value), "list")  # before list(range(10**9)) is built
+            meter.alloc(8 * len(value))
+            obj[index] = list(value)
             return
         if not is_int(index):
             raise TypeError(f"list indices must be integers or slices, not {_kind(index)}")
@@ -206,4 +233,6 @@ def format_field(meter: Meter, value: Any, conversion: int, spec: str) -> str:
                                   "print it without one")
     if t not in (int, bool, float, str):
         raise TypeError(f"unsupported format string passed to {_kind(value)}.__format__")
+    if spec.endswith("n") and t is not str:  # the type 'n' (a fill character is never last)
+        raise Refused("the format type 'n' is not supported (it follows the process's locale); use ',' or 'd'")
     return meter.value(format(value, spec))

@@ -219,6 +219,16 @@ class Meter:
         self.limits = limits
         self.steps = 0
         self.memory = 0
+        self.depth = 0  # calls, blocks, expressions and lazy-iterator pulls in progress (see enter)
+
+    def enter(self, n: int = 1) -> None:
+        """Go ``n`` levels deeper; the caller undoes it (``meter.depth -= n``) once that work is over. Every
+        Python-level recursion of a run is counted here, so a program nests too deeply at the same point whatever
+        the process's ``sys.getrecursionlimit()`` is."""
+        if self.depth + n > self.limits.max_depth:
+            raise SandboxError(f"RecursionError: calls, blocks and expressions nested more than "
+                               f"max_depth={self.limits.max_depth} levels")
+        self.depth += n
 
     def step(self, n: int = 1) -> None:
         self.steps += n

@@ -58,11 +58,19 @@ class Tool:
             return ToolResult(f"Error: bad arguments for {self.name}: {problem}", ok=False, malformed=True)
         try:
             text = self.fn(**arguments)
+        except MemoryError:  # the machine's, not the model's doing: an observation would differ between runs
+            raise
         except Exception as e:  # a raising tool is an observation, not a crash
-            return ToolResult(f"Error: {self.name} raised {type(e).__name__}: {e}", ok=False)
+            return ToolResult(_utf8(f"Error: {self.name} raised {type(e).__name__}: {e}"), ok=False)
         if not isinstance(text, str):
             return ToolResult(f"Error: {self.name} returned {type(text).__name__}, not text", ok=False)
-        return ToolResult(text, ok=not text.startswith("Error:"))
+        return ToolResult(_utf8(text), ok=not text.startswith("Error:"))
+
+
+def _utf8(text: str) -> str:
+    """``text`` with lone surrogates (``chr(0xd800)``, a JSON ``"\\ud800"``) as their escapes: the tokenizer cannot
+    encode them, and the observation must not crash the run."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _plain(value: Any) -> Any:
