@@ -315,6 +315,7 @@ def validate(cfg: Any) -> RunSchema:
                           f"generate {k} batches before its first update, more than it trains; use "
                           f"rollout.max_staleness <= {max(s.train.steps - 1, 0)} (1 or 2 is the usual choice)")
     _validate_trainer_layout(s)
+    _validate_dynamic_sampling(s)
     _validate_eval(s)
     _validate_env(s)
     if s.rollout.weight_sync == "cuda_ipc" and (s.run.device != "cuda" or not s.ray.colocate):
@@ -355,6 +356,20 @@ def _validate_env(s: RunSchema) -> None:
     if max_len is not None and s.env.max_episode_tokens is not None and s.env.max_episode_tokens > max_len:
         raise ConfigError(f"env.max_episode_tokens={s.env.max_episode_tokens} exceeds rollout.max_model_len="
                           f"{max_len}: a transcript cannot be longer than the engine's context")
+
+
+def _validate_dynamic_sampling(s: RunSchema) -> None:
+    """rollout.dynamic_sampling drops the groups of equal rewards: only right where such a group has advantage 0."""
+    from rlrepro.trainer.advantages import ADVANTAGE_MODES, zeroes_equal_groups
+
+    adv = s.train.advantage
+    if s.rollout.dynamic_sampling and not zeroes_equal_groups(adv):
+        fits = ", ".join(m for m in ADVANTAGE_MODES if zeroes_equal_groups(m))
+        raise ConfigError(f"rollout.dynamic_sampling=true drops every group whose rewards are all equal, but with "
+                          f"train.advantage={adv} (normalised over the whole batch, no group baseline) such a group "
+                          "still has a nonzero advantage, so dropping it would change what is trained. Fix: set "
+                          f"rollout.dynamic_sampling=false, or an advantage with a group baseline (train.advantage="
+                          f"{fits})")
 
 
 def _validate_eval(s: RunSchema) -> None:

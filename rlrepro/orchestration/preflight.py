@@ -65,6 +65,11 @@ def check_run_dir(cfg: RunSchema, run_dir: Path, fresh: bool) -> None:
         found.append(f"checkpoints up to step {usable[0]}")
     elif ckpts:
         found.append(f"{len(ckpts)} damaged checkpoint directories")
+    # copies an interrupted save set aside (step_N.old-PID): a fresh run would put them back as its own step_N
+    aside = sorted(p.name for p in (run_dir / CHECKPOINTS_DIR).glob("step_*.old-*")
+                   if p.is_dir() and p.name.rsplit(".old-", 1)[1].isdigit())
+    if aside:
+        found.append(f"{len(aside)} checkpoint copies set aside by an interrupted save ({aside[0]})")
     if not found:
         return
     if not cfg.run.overwrite:

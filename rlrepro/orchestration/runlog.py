@@ -6,16 +6,48 @@
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from rlrepro._files import atomic_write_bytes
 from rlrepro.repro.fingerprint import fingerprint_from_samples
 from rlrepro.repro.records import FingerprintWriter, MetricsWriter, RolloutWriter
 from rlrepro.samples import Sample
 
-__all__ = ["RunLog", "step_metrics"]
+__all__ = ["RunLog", "step_metrics", "wandb_run_id"]
+
+# RUN/wandb/<this>: the id of the run's wandb run, so that a resumed run continues it (wandb.init(id=, resume=))
+WANDB_ID_FILE = "rlrepro_run_id"
+_WANDB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _recorded_wandb_id(wandb_dir: Path) -> str | None:
+    """The id recorded in ``wandb_dir`` (RUN/wandb): :data:`WANDB_ID_FILE`, else (a run started before that file
+    existed) the id at the end of the name of wandb's ``latest-run`` (``offline-run-<time>-<id>``); None if none."""
+    try:
+        text = (wandb_dir / WANDB_ID_FILE).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    if not text:
+        latest = wandb_dir / "latest-run"
+        target = latest.resolve().name if latest.is_symlink() or latest.is_dir() else ""
+        text = target.rsplit("-", 1)[1] if target.count("-") >= 2 else ""
+    return text if _WANDB_ID.match(text) else None
+
+
+def wandb_run_id(run_dir: Path, resume: bool) -> str:
+    """The wandb run id of ``run_dir``: a resumed run's is the recorded one (the same wandb run continues); a fresh
+    run (or a resume with none recorded) gets a new random one, recorded in RUN/wandb/:data:`WANDB_ID_FILE`."""
+    wandb_dir = Path(run_dir) / "wandb"
+    recorded = _recorded_wandb_id(wandb_dir) if resume else None
+    run_id = recorded or secrets.token_hex(8)
+    if run_id != recorded or not (wandb_dir / WANDB_ID_FILE).is_file():
+        atomic_write_bytes(wandb_dir / WANDB_ID_FILE, (run_id + "\n").encode("utf-8"))
+    return run_id
 
 
 def step_metrics(step: int, samples: list[Sample], train_metrics: dict, times: dict[str, float], *,
@@ -121,8 +153,11 @@ class RunLog:
         os.environ.setdefault("WANDB_MODE", lc.mode)
         import wandb
 
-        self.wandb_run = wandb.init(project=lc.project, dir=str(self.run_dir), mode=lc.mode,
-                                    name=self.run_dir.name, group=self.cfg.recipe, config=_plain(self.cfg))
+        # a resumed run continues its wandb run (the id recorded in RUN/wandb), a fresh one starts a new one
+        run_id = wandb_run_id(self.run_dir, bool(self.cfg.run.resume))
+        self.wandb_run = wandb.init(project=lc.project, dir=str(self.run_dir), mode=lc.mode, id=run_id,
+                                    resume="allow", name=self.run_dir.name, group=self.cfg.recipe,
+                                    config=_plain(self.cfg))
         for group in ("rollout", "train", "repro", "perf", "eval", "episodes"):
             wandb.define_metric(f"{group}/*", step_metric="step")
 

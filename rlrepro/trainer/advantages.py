@@ -42,7 +42,7 @@ import torch
 from collections.abc import Callable
 
 __all__ = ["ADVANTAGE_MODES", "ADVANTAGE_STDS", "group_advantages", "compute_advantages", "register_advantage",
-           "uses_std", "min_group_size"]
+           "uses_std", "min_group_size", "zeroes_equal_groups"]
 
 # The registry (as verl's register_adv_est): name -> fn(rewards [num_prompts, group_size], eps) -> advantages of
 # the same shape; an estimator registered with uses_std=True also takes std= (one of ADVANTAGE_STDS).
@@ -51,11 +51,13 @@ ADVANTAGE_MODES: dict[str, Callable[..., torch.Tensor]] = {}
 ADVANTAGE_STDS = ("population", "sample")
 _USES_STD: set[str] = set()
 _MIN_GROUP_SIZE: dict[str, int] = {}
+_NONZERO_EQUAL_GROUPS: set[str] = set()
 
 
-def register_advantage(name: str, *, uses_std: bool = False, min_group: int = 1):
+def register_advantage(name: str, *, uses_std: bool = False, min_group: int = 1, group_baseline: bool = True):
     """Register ``fn(rewards, eps)`` (``fn(rewards, eps, std=...)`` with ``uses_std``) as ``train.advantage=name``;
-    ``min_group``: the smallest ``group_size`` it is defined for."""
+    ``min_group``: the smallest ``group_size`` it is defined for; ``group_baseline`` False: a group whose rewards are
+    all equal may get a nonzero advantage (so ``rollout.dynamic_sampling``, which drops such groups, is refused)."""
     def wrap(fn):
         ADVANTAGE_MODES[name] = fn
         if uses_std:
@@ -63,8 +65,18 @@ def register_advantage(name: str, *, uses_std: bool = False, min_group: int = 1)
         else:
             _USES_STD.discard(name)
         _MIN_GROUP_SIZE[name] = min_group
+        if group_baseline:
+            _NONZERO_EQUAL_GROUPS.discard(name)
+        else:
+            _NONZERO_EQUAL_GROUPS.add(name)
         return fn
     return wrap
+
+
+def zeroes_equal_groups(mode: str) -> bool:
+    """Whether ``train.advantage=mode`` gives a group whose rewards are all equal advantage 0 (a group baseline;
+    under ``reinforce_pp_baseline`` up to the rounding of the batch mean): what ``rollout.dynamic_sampling`` needs."""
+    return mode not in _NONZERO_EQUAL_GROUPS
 
 
 def uses_std(mode: str) -> bool:
@@ -156,7 +168,7 @@ def _rloo(rewards: torch.Tensor, eps: float) -> torch.Tensor:
     return _zero_equal_groups(rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (g - 1), rewards)
 
 
-@register_advantage("reinforce_pp", uses_std=True)
+@register_advantage("reinforce_pp", uses_std=True, group_baseline=False)
 def _reinforce_pp(rewards: torch.Tensor, eps: float, std: str = "population") -> torch.Tensor:
     """REINFORCE++ (Hu et al. 2025): ``(r - mean_batch) / (std_batch + eps)``, no group baseline."""
     _check_rewards(rewards)

@@ -12,6 +12,11 @@
    take an AdamW step.
 3. Advance the LR schedule (once per train step; every epoch of a step uses the same rate).
 
+A batch in which no token has loss weight (``train/num_tokens == 0``: every completion empty or masked out) takes no
+update at all: no forward or backward pass and no optimizer step, so weight decay and AdamW's momentum do not move
+the weights and the optimizer state (moments, its step count) stays as it was; the LR schedule still advances, as for
+a step skipped under ``train.on_nonfinite=skip`` (docs/TRAINER.md, "Steps with nothing to train").
+
 The "old" logprobs of the PPO ratio are the rollout's, as the engine reported them; with ``train.decoupled`` they
 are the proximal policy's, the current weights' logprobs at the start of the step (the first epoch's forward, before
 any update, detached: the same bits as a no-grad pass), and the rollout's (the behaviour policy's) only enter the
@@ -357,6 +362,9 @@ class Trainer:
         # layout_invariant over several ranks: the micro-batch fold, sharded; at one rank the plain accumulation is it
         sharded = self.layout_invariant and dp is not None and dp.world_size > 1
         num_tokens = sum(s.num_trained for s in batch)  # the loss's tokens: masked-out ones do not count
+        # no token has loss weight: no pass and no optimizer update (AdamW's weight decay and momentum would move
+        # the weights with zero gradients); the same decision on every rank (num_tokens is the whole batch's)
+        nothing_to_train = num_tokens == 0
         num_seqs = len(batch)
         lr = self.scheduler.get_last_lr()
 
@@ -364,7 +372,7 @@ class Trainer:
         # forward (before any update) computes the current policy's logprobs with the same kernels and the same
         # expression as kernels.token_logprob, hence the same bits (tests/test_trainer_logprobs.py)
         ref_lps: dict[int, list[torch.Tensor]] = {}
-        if self.ref_model is not None:
+        if self.ref_model is not None and not nothing_to_train:
             with torch.no_grad():
                 for k, chunk in enumerate(chunks):
                     part = [batch[i] for i in chunk]
@@ -378,7 +386,7 @@ class Trainer:
 
         # 2. ppo_epochs optimizer steps over the whole batch. A non-finite loss or gradient norm stops the step
         # before the optimizer moves (with several epochs, the state from before the first epoch is put back).
-        snapshot = self._snapshot() if cfg.ppo_epochs > 1 else None
+        snapshot = self._snapshot() if cfg.ppo_epochs > 1 and not nothing_to_train else None
         # train.decoupled: per micro-batch, the proximal logprobs and the behaviour weights (epoch 0, kept for the
         # later epochs) and their metric sums: w*n, max w, truncated, masked, kl*n, n
         proximal: dict[int, torch.Tensor] = {}
@@ -388,7 +396,9 @@ class Trainer:
         losses, norms = [], []
         metric_sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # pg*n, kl*n, clip_frac*n, entropy*n, n
         skipped = False
-        for epoch in range(cfg.ppo_epochs):
+        if nothing_to_train:  # what the epochs would report: a loss and a gradient norm of 0
+            losses, norms = [0.0], [0.0]
+        for epoch in range(0 if nothing_to_train else cfg.ppo_epochs):
             self.optimizer.zero_grad()
             loss_sum = 0.0
             sums = [0.0] * 5
