@@ -400,6 +400,18 @@ def bench_transformers(model, prompts, args) -> dict:
                 decode_tokens_per_s=n * (o_len - 1) / max(total_s - prefill_s, 1e-9))
 
 
+def _sync_fi_plans() -> None:
+    """Make flashinfer's decode-graph plans wait for the device's queue, as its pageable copies did before
+    ``GraphDecode.plan`` staged them asynchronously (benchmark comparison only)."""
+    from rlrepro.kernels import flashinfer_attention as fia
+    plan = fia.GraphDecode.plan
+
+    def synced(self, seq_lens, block_tables):
+        torch.cuda.current_stream().synchronize()
+        return plan(self, seq_lens, block_tables)
+    fia.GraphDecode.plan = synced
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     what = ap.add_mutually_exclusive_group()
@@ -435,9 +447,14 @@ def main(argv=None) -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="time a steady-state decode step's parts (CUDA): launch to launch, graph replay, "
                          "sampler, kernels")
+    ap.add_argument("--fi-plan-sync", action="store_true",
+                    help="the fast mode's decode plan waits for the stream first (as before it staged its copies "
+                         "asynchronously): the comparison of the two")
     args = ap.parse_args(argv)
     if not args.tiny and not args.model:
         args.qwen3_8b_shape = True
+    if args.fi_plan_sync:
+        _sync_fi_plans()
 
     model = build_model(args)
     device = model.device

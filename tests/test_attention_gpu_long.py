@@ -266,3 +266,39 @@ def test_gpu_fast_mode_engine_decodes_on_flashinfer_graphs():
     assert agree >= 0.75 * sum(len(r.token_ids) for r in det)
     first = [o.logprobs[0] for o in outs], [r.logprobs[0] for r in det]
     assert max(abs(a - b) for a, b in zip(*first)) < 0.05
+
+
+def test_gpu_fast_graph_decode_plans_without_waiting_and_stays_right():
+    """The fast mode's decode plan stages the page table without making the host wait for the device's queue;
+    back-to-back plans while the GPU is busy (the host runs ahead, as the engine does) must give the outputs of
+    plans made on an idle GPU: flashinfer's pinned staging buffer is not overwritten before its copy ran."""
+    from rlrepro.kernels.flashinfer_attention import GraphDecode
+    _flashinfer()
+    _seed()
+    b, page, h, hkv, d, blocks = 8, 16, 8, 2, 128, 96
+    kc = torch.randn(blocks, page, hkv, d, device="cuda").to(torch.bfloat16)
+    vc = torch.randn_like(kc)
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for _ in range(12):
+        lens = torch.randint(1, 6 * page, (b,), generator=g).tolist()
+        perm = torch.randperm(blocks, generator=g).tolist()
+        tables = [perm[6 * r:6 * r + 6] for r in range(b)]
+        cases.append((lens, tables, torch.randn(b, h, d, generator=g).to(torch.bfloat16).cuda()))
+    gd = GraphDecode(b, b * 6, h, hkv, d, page, torch.bfloat16, torch.device("cuda"), d ** -0.5)
+    want = []
+    for lens, tables, q in cases:
+        gd.plan(lens, tables)
+        torch.cuda.synchronize()
+        want.append(gd.wrapper.run(q, (kc, vc)).clone())
+        torch.cuda.synchronize()
+    busy = torch.randn(4096, 4096, device="cuda")
+    got = []
+    for lens, tables, q in cases:
+        for _ in range(4):
+            busy = (busy @ busy).clamp_(-1, 1)  # long device work queued ahead of the plan's copies
+        gd.plan(lens, tables)
+        got.append(gd.wrapper.run(q, (kc, vc)))
+    torch.cuda.synchronize()
+    for i, (a, w) in enumerate(zip(got, want)):
+        assert torch.equal(a, w), i

@@ -156,6 +156,8 @@ class GraphDecode:
         self.batch, self.block_size = batch, block_size
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.dtype, self.scale = dtype, float(scale)
+        self.device = torch.device(device)
+        self._staged = None  # the event after the last plan's asynchronous copies (CUDA)
         self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
             _workspace(device), "NHD", use_cuda_graph=True,  # one stream, one call at a time: shared
             use_tensor_cores=True,
@@ -164,13 +166,34 @@ class GraphDecode:
             paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device))
 
     def plan(self, seq_lens: list[int], block_tables: list[list[int]]) -> None:
-        """``seq_lens`` / ``block_tables``: the ``batch`` rows' KV lengths and blocks (padding rows included)."""
+        """``seq_lens`` / ``block_tables``: the ``batch`` rows' KV lengths and blocks (padding rows included).
+
+        Without making the host wait for the device's queue, so that the engine can launch a step while the last
+        one runs, as a serving stack does: flashinfer copies the page table into the graph's buffers with
+        ``copy_``, which from pageable host memory (and for the indices, from any host memory) first waits for
+        the stream to drain. Here the indices reach the device through pinned memory without blocking and the
+        other two vectors are pinned. flashinfer's plan then stages its schedule in a pinned host buffer of the
+        wrapper's and copies it to the device asynchronously; the next plan would overwrite that buffer, so it
+        first waits for the previous copy to have run (an event: at most the step before)."""
+        from .metadata import to_device
+
         indptr, indices, last = host_page_table(seq_lens, block_tables, self.block_size)
         h, hkv, d = self.shape
         i32 = dict(dtype=torch.int32)
-        self.wrapper.plan(torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32),
-                          h, hkv, d, self.block_size, q_data_type=self.dtype, kv_data_type=self.dtype,
-                          sm_scale=self.scale)
+        dev = self.device
+        if dev.type == "cuda":
+            indptr_t = torch.tensor(indptr, **i32).pin_memory()
+            last_t = torch.tensor(last, **i32).pin_memory()
+            indices_t = to_device(torch.tensor(indices, **i32), dev)
+            if self._staged is not None:
+                self._staged.synchronize()
+        else:
+            indptr_t, indices_t, last_t = (torch.tensor(x, **i32) for x in (indptr, indices, last))
+        self.wrapper.plan(indptr_t, indices_t, last_t, h, hkv, d, self.block_size, q_data_type=self.dtype,
+                          kv_data_type=self.dtype, sm_scale=self.scale)
+        if dev.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
 
 
 def host_page_table(seq_lens: list[int], block_tables: list[list[int]],
