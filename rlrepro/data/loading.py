@@ -301,6 +301,8 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
                 raise ValueError(f"{file}: datasets could not read this {builder} file ({_describe(e)}). "
                                  f"Fix: rewrite it with pyarrow/pandas as a valid parquet file.") from e
             bad_lines = _original_rows(_scan_json_lines(src), long_rows)
+            if not bad_lines and _only_empty_objects(src):
+                raise ValueError(_no_columns_message(file, spec)) from e
             if not bad_lines:
                 raise ValueError(f"{file}: datasets could not read this JSON file ({_describe(e)}). Fix: write one "
                                  f"JSON object per line (.jsonl) or a JSON array of objects (.json), UTF-8.") from e
@@ -371,6 +373,37 @@ def _describe(e: BaseException) -> str:
     if cause is not None:
         text += f"; caused by {type(cause).__name__}: {cause}"
     return text[:800]
+
+
+def _only_empty_objects(file: Path) -> bool:
+    """Whether every row of a JSON file (one object per line, or an array) is the empty object ``{}``: rows
+    without columns, which ``datasets`` reads as no data at all."""
+    try:
+        if scan_lines(file).array:
+            rows = json.loads(file.read_text(encoding="utf-8-sig"))
+            return isinstance(rows, list) and bool(rows) and all(r == {} for r in rows)
+        seen = False
+        with open(file, "rb") as f:
+            for line_no, line in enumerate(f, start=1):
+                line = line[3:] if line_no == 1 and line.startswith(b"\xef\xbb\xbf") else line
+                if not line.strip():
+                    continue
+                if json.loads(line.decode("utf-8")) != {}:
+                    return False
+                seen = True
+        return seen
+    except (ValueError, OSError):  # not JSON after all (UnicodeDecodeError is a ValueError): the generic message
+        return False
+
+
+def _no_columns_message(file: Path, spec: FieldSpec) -> str:
+    used = spec.used()
+    names = [f"the {role} field {col!r} (data.{param})" for col, role, param in used]
+    missing = ", ".join(names[:-1]) + " and " + names[-1]  # the prompt (or messages) and answer fields at least
+    example = "{" + ", ".join(f'"{col}": ...' for col, _, _ in used) + "}"
+    return (f"{file}: the rows have no columns (every row is an empty JSON object {{}}), so {missing} are "
+            f"missing. Fix: give every row its fields, e.g. {example}, or point data.source at the file that holds "
+            f"them.")
 
 
 def _scan_json_lines(file: Path) -> list[tuple[int, int, str, str]]:

@@ -294,6 +294,14 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not callable(obj):
         raise ValueError(f"reward.fn={spec!r} names a {type(obj).__name__}, not a function. Fix: point reward.fn "
                          f"at a function (completion, record) -> float.")
+    if inspect.isclass(obj):
+        # calling a class builds an instance, not a reward: every reward would be an error, found only at the
+        # first call (a class whose __init__ takes (completion, record) passes the signature check below)
+        raise ValueError(f"reward.fn={spec!r} names a class ({obj.__name__}); rlrepro calls reward.fn(completion, "
+                         f"record) for a number, and calling a class makes an instance. Fix: point reward.fn at a "
+                         f"function (completion, record) -> float, or at an instance of the class with a "
+                         f"__call__(self, completion, record) (e.g. reward = {obj.__name__}(...) in the module, "
+                         f"then reward.fn=pkg.module:reward).")
     kind = _deferred_kind(obj)
     if kind is not None:
         # it would return a coroutine or generator, not a number: every reward an error (all 0.0 under zero)

@@ -72,7 +72,8 @@ def make_calculator_task_env(record: PromptRecord, seed: int, *, config: EnvConf
     unknown = sorted(set(config.kwargs) - set(CALCULATOR_TASK_OPTIONS))
     if unknown:
         raise ValueError(f"env.kwargs has {unknown}; calculator_task takes no options. Fix: remove them")
-    tools = make_tools(config.tools or ["calculator"], calculator=config.calculator, python=config.python)
+    names = ["calculator"] if config.tools is None else config.tools  # [] is refused by EnvConfig
+    tools = make_tools(names, calculator=config.calculator, python=config.python)
     charset = SYNTHETIC_CHARSET if config.tool_format == "compact" else None
     return CalculatorTaskEnv(record, tools=tools, tool_format=make_tool_format(config.tool_format, charset=charset),
                    reward_fn=reward_fn, max_calls_per_turn=config.max_calls_per_turn,

@@ -9,7 +9,8 @@ Every key (defaults are today's single-turn behaviour)::
     env.max_turns             1      assistant turns per episode; after the last, the episode ends "max_turns"
     env.max_episode_tokens    null   transcript tokens (prompt + every turn + every observation), counted by the
                                      caller; reaching it ends the episode "token_budget"; null = no budget
-    env.tools                 null   built-in tools by name (calculator, python); null = the environment's own
+    env.tools                 null   built-in tools by name (calculator, python); null = the environment's own;
+                                     [] is an error (no tools: env.name=single_turn)
     env.tool_format           qwen3  qwen3 (<tool_call> JSON, real models) | compact ([calc: 1+2], tiny model)
     env.max_calls_per_turn    4      calls executed per assistant turn; further calls get an error result
     env.max_observation_chars 4096   a tool result longer than this is cut (with a note)
@@ -83,6 +84,11 @@ class EnvConfig:
             c.require(not unknown, "tools", f"names unknown tools {unknown}; built-in tools: "
                       f"{sorted(BUILTIN_TOOLS)}")
             c.require(len(set(tools)) == len(tools), "tools", "names a tool twice")
+            # [] is not "no tools": null means the environment's own tools, and an environment without tools is
+            # env.name=single_turn (or a factory that ignores env.tools)
+            c.require(len(tools) > 0, "tools", "is an empty list, which names no tool. Fix: drop env.tools (null: "
+                      "the environment's own tools, python for tool, calculator for calculator_task), name at least "
+                      f"one of {sorted(BUILTIN_TOOLS)}, or for episodes without tools use env.name=single_turn")
             self.tools = list(tools)
         c.require(isinstance(self.calculator, CalculatorLimits), "calculator", "must be a CalculatorLimits")
         c.require(isinstance(self.python, SandboxLimits), "python", "must be a SandboxLimits")

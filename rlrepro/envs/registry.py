@@ -40,8 +40,8 @@ def _tool(record: PromptRecord, seed: int, *, config: EnvConfig, reward_fn: Rewa
     unknown = sorted(set(config.kwargs) - {"prompt"})
     if unknown:
         raise ValueError(f"env.kwargs has {unknown}; the tool environment takes only 'prompt'. Fix: remove them")
-    return ToolEnv(record, tools=make_tools(config.tools or ["python"], calculator=config.calculator,
-                                            python=config.python),
+    tools = ["python"] if config.tools is None else config.tools  # [] is refused by EnvConfig
+    return ToolEnv(record, tools=make_tools(tools, calculator=config.calculator, python=config.python),
                    tool_format=make_tool_format(config.tool_format), reward_fn=reward_fn,
                    max_calls_per_turn=config.max_calls_per_turn, max_observation_chars=config.max_observation_chars,
                    on_malformed=config.on_malformed, malformed_penalty=config.malformed_penalty, prompt=prompt)

@@ -16,7 +16,10 @@ Rewards are ``reward.fn``'s (no overlong shaping). The metrics, in that step's `
   n = K it is the fraction of prompts with at least one passing sample;
 * ``eval/greedy_acc``: the fraction of prompts whose greedy completion passes (``eval.greedy=true``);
 * ``eval/response_length_mean``: the mean length in tokens of the sampled completions;
-* ``eval/num_prompts``.
+* ``eval/num_prompts``;
+* ``repro/eval_fingerprint`` (:func:`rlrepro.repro.fingerprint.eval_fingerprint`): a sha256 over every request's
+  key, token ids and logprobs (an episode's: and loss mask) in key order, so that ``rlrepro diff`` tells two runs
+  whose completions differ even where the numbers above agree. ``rlrepro eval`` checks it too (not printed).
 
 ``rlrepro eval RUN [--step K]`` loads the run's checkpoint of step K into an engine built as the run's rollout
 workers are (the run's base model, then the checkpoint's weights, as a weight sync loads them) and computes the
@@ -152,10 +155,11 @@ def eval_requests(cfg, step: int, prompts: list, stop_token_ids) -> list[Request
 
 
 def run_eval(generate: Callable[[list[Request]], list], cfg, step: int, prompts: list, tokenizer, reward_fn,
-             stop_token_ids, records: list | None = None) -> dict:
+             stop_token_ids, records: list | None = None, fingerprint: bool = False) -> dict:
     """Generate (``generate(requests) -> [(key, RequestOutput)]`` in any order), score and reduce to the
     ``eval/*`` metrics of the evaluation after ``step``; ``records``: a list that gets one dict per request, in
-    key order (:func:`_record`)."""
+    key order (:func:`_record`); ``fingerprint``: add ``repro/eval_fingerprint`` (the requests' token ids and
+    logprobs)."""
     from rlrepro.data import compute_rewards
 
     n = cfg.eval.num_samples
@@ -176,9 +180,19 @@ def run_eval(generate: Callable[[list[Request]], list], cfg, step: int, prompts:
         else:
             greedy[uid] = reward
     uids = [p.uid for p in prompts]
-    return eval_metrics([sampled[u] for u in uids], [lengths[u] for u in uids],
-                        [greedy[u] for u in uids] if cfg.eval.greedy else None, k=n,
-                        threshold=cfg.eval.pass_threshold)
+    out = eval_metrics([sampled[u] for u in uids], [lengths[u] for u in uids],
+                       [greedy[u] for u in uids] if cfg.eval.greedy else None, k=n,
+                       threshold=cfg.eval.pass_threshold)
+    if fingerprint:
+        out.update(_fingerprint((key, o.token_ids, o.logprobs) for key, o in results))
+    return out
+
+
+def _fingerprint(samples) -> dict:
+    """``{repro/eval_fingerprint: digest}`` of ``(key, token_ids, logprobs[, loss_mask])`` per request."""
+    from rlrepro.repro.fingerprint import EVAL_FINGERPRINT_KEY, eval_fingerprint
+
+    return {EVAL_FINGERPRINT_KEY: eval_fingerprint(samples)}
 
 
 def _record(cfg, key: tuple, reward: float, length: int, finish_reason: str, text: str, **extra) -> dict:
@@ -228,12 +242,12 @@ def _tool_calls(result) -> int:
 
 
 def run_eval_episodes(run_episodes: Callable[[list], list], cfg, step: int, prompts: list, env_spec, tokenizer,
-                      stop_token_ids, records: list | None = None) -> dict:
+                      stop_token_ids, records: list | None = None, fingerprint: bool = False) -> dict:
     """The evaluation after ``step`` of a run with ``env.*``: ``run_episodes(requests) -> [EpisodeResult]`` (the
     rollout's episode runner, any order) on :func:`eval_episode_requests`; the ``eval/*`` metrics of
     :func:`run_eval` on the episodes' rewards (``EpisodeResult.total_reward``, as training scores an episode)
     and policy-token lengths, plus the episodes' figures (sampled episodes). ``records``: as :func:`run_eval`'s,
-    with the turns and tool calls."""
+    with the turns and tool calls; ``fingerprint``: as :func:`run_eval`'s, with the episodes' loss masks."""
     n, uids = cfg.eval.num_samples, [p.uid for p in prompts]
     results = sorted(run_episodes(eval_episode_requests(cfg, step, prompts, env_spec, tokenizer, stop_token_ids)),
                      key=lambda res: res.key)
@@ -262,6 +276,8 @@ def run_eval_episodes(run_episodes: Callable[[list], list], cfg, step: int, prom
     from .episodes import finish_fractions
 
     out.update(finish_fractions(flat, "eval/"))
+    if fingerprint:
+        out.update(_fingerprint((r.key, r.completion_token_ids, r.rollout_logprobs, r.loss_mask) for r in results))
     return out
 
 
@@ -287,7 +303,7 @@ class Evaluator:
         if not is_eval_step(self.cfg, step):
             return {}
         return run_eval(actors.generate, self.cfg, step, self.prompts, self.tokenizer, self.reward_fn,
-                        self.stop_token_ids)
+                        self.stop_token_ids, fingerprint=True)
 
 
 # ------------------------------------------------------------------------------------------ after the fact
@@ -312,11 +328,12 @@ def _checkpoint_weights(run_dir: Path, ckpt: Path, tmp: Path) -> dict:
 
 
 def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: str | None = None,
-                        records: list | None = None) -> tuple[int, dict]:
+                        records: list | None = None, fingerprint: bool = False) -> tuple[int, dict]:
     """``(step, eval/* metrics)`` of the run's checkpoint of ``step`` (default: the newest complete one), as the
     run computes them after that step; ``source``: another held-out file than the run's ``eval.source``;
-    ``records``: a list that gets one dict per request (key order). A run with ``env.*`` is evaluated on its
-    episodes (:func:`run_eval_episodes`, on the worker's episode runner, as its rollout ran them)."""
+    ``records``: a list that gets one dict per request (key order); ``fingerprint``: add ``repro/eval_fingerprint``.
+    A run with ``env.*`` is evaluated on its episodes (:func:`run_eval_episodes`, on the worker's episode runner,
+    as its rollout ran them)."""
     import tempfile
 
     from omegaconf import OmegaConf
@@ -373,23 +390,27 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
                                        import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]))
 
         return done, run_eval_episodes(episodes, cfg, done, evaluator.prompts, env_spec, tokenizer,
-                                       evaluator.stop_token_ids, records)
+                                       evaluator.stop_token_ids, records, fingerprint)
 
     def generate(requests: list[Request]) -> list:
         return [(r.key, out) for r, out in zip(requests, worker.generate(requests))]
 
     return done, run_eval(generate, cfg, done, evaluator.prompts, tokenizer, evaluator.reward_fn,
-                          evaluator.stop_token_ids, records)
+                          evaluator.stop_token_ids, records, fingerprint)
 
 
 def _logged(run_dir: Path, step: int) -> dict | None:
+    """The ``eval/*`` metrics the run logged at ``step`` and its ``repro/eval_fingerprint`` (runs recorded before
+    it existed have none), or None."""
+    from rlrepro.repro.records import EVAL_FINGERPRINT_KEY
+
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return None
     for line in path.read_text(encoding="utf-8").splitlines():
         rec = json.loads(line) if line.strip() else {}
         if rec.get("step") == step:
-            return {k: v for k, v in rec.items() if k.startswith("eval/")} or None
+            return {k: v for k, v in rec.items() if k.startswith("eval/") or k == EVAL_FINGERPRINT_KEY} or None
     return None
 
 
@@ -423,15 +444,19 @@ def main_eval(argv: list[str]) -> int:
         ns.source = str(Path(ns.source).resolve())
     try:
         with in_launch_dir(ns.run) as ns.run:
-            step, metrics = evaluate_checkpoint(ns.run, ns.step, ns.source, records)
+            step, metrics = evaluate_checkpoint(ns.run, ns.step, ns.source, records, fingerprint=True)
         if records is not None:
             Path(ns.records).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records),
                                         encoding="utf-8")
     except (ConfigError, ValueError, OSError) as e:
         print(f"rlrepro eval: {e}", file=sys.stderr)
         return 2
+    from rlrepro.repro.records import EVAL_FINGERPRINT_KEY
+
+    digest = metrics.pop(EVAL_FINGERPRINT_KEY)  # compared with the run's (where it logged one), not printed
     logged = _logged(Path(ns.run), step) if ns.source is None else None
-    same = None if logged is None else logged == metrics
+    same = None if logged is None else logged == (dict(metrics, **{EVAL_FINGERPRINT_KEY: digest})
+                                                  if EVAL_FINGERPRINT_KEY in logged else metrics)
     if ns.json:
         print(json.dumps({"step": step, **metrics, "matches_run_log": same}, sort_keys=True))
     else:

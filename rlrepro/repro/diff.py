@@ -24,6 +24,7 @@ from typing import Any, Iterable, Sequence
 from .inputs import INPUTS_FILE, input_differences, read_inputs, resumed_differences, uncompared_inputs
 from .records import (
     CONFIG_FILE,
+    EVAL_FINGERPRINT_KEY,
     FINGERPRINTS_FILE,
     METRICS_FILE,
     ReproError,
@@ -61,6 +62,9 @@ IGNORED_METRIC_PREFIXES = ("perf/",)
 # held-out evaluation (eval.every): compared where both runs logged it, not a difference where one run did not
 # evaluate (a run with eval on trains the same bits as one without)
 OPTIONAL_METRIC_PREFIXES = ("eval/",)
+# and the evaluation's completions (records.EVAL_FINGERPRINT_KEY), as optional as the eval/* numbers: runs recorded
+# before it existed lack it (then their completions are compared by the numbers alone, said in a note)
+OPTIONAL_METRIC_KEYS = (EVAL_FINGERPRINT_KEY,)
 _FINISH_SHARE = "*/finish_*_frac"  # absent from records before 2026-12-04 where no episode ended so: 0.0
 
 # ------------------------------------------------------------------------------------------------- config
@@ -270,12 +274,40 @@ def _metric_diffs(step: int, ma: dict, mb: dict) -> list[MetricDiff]:
         if key == "step" or key.startswith(IGNORED_METRIC_PREFIXES):
             continue
         a, b = ma.get(key, _ABSENT), mb.get(key, _ABSENT)
-        if key.startswith(OPTIONAL_METRIC_PREFIXES) and (key not in ma or key not in mb):
+        optional = key.startswith(OPTIONAL_METRIC_PREFIXES) or key in OPTIONAL_METRIC_KEYS
+        if optional and (key not in ma or key not in mb):
             continue
         zero = 0.0 if fnmatch.fnmatchcase(key, _FINISH_SHARE) else _ABSENT  # what an absent value compares as
         if not float_bits_equal(zero if a == _ABSENT else a, zero if b == _ABSENT else b):
             out.append(MetricDiff(step, key, a, b))
     return out
+
+
+def _evaluated(m: dict) -> bool:
+    return any(k.startswith(OPTIONAL_METRIC_PREFIXES) for k in m)
+
+
+def _compare_evals(rep: DiffReport, met_a: dict[int, dict], met_b: dict[int, dict], steps: Sequence[int]) -> None:
+    """The evaluations' completions (``EVAL_FINGERPRINT_KEY``) at the common metrics steps: compared where both
+    runs fingerprinted them; a step both runs evaluated but only one fingerprinted (recorded before the key
+    existed) is said in a note. (A difference is also a metric difference: it makes the verdict.)"""
+    key = EVAL_FINGERPRINT_KEY
+    absent: dict[str, list[int]] = {"A": [], "B": []}
+    for s in steps:
+        ma, mb = met_a[s], met_b[s]
+        if key in ma and key in mb:
+            rep.eval_steps_compared.append(s)
+            if not float_bits_equal(ma[key], mb[key]):
+                rep.eval_diverged_steps.append(s)
+        elif key in ma or key in mb:
+            run, lacking = ("B", mb) if key in ma else ("A", ma)
+            if _evaluated(lacking):  # it evaluated the step (a run without eval is no difference, as eval/* are)
+                absent[run].append(s)
+    for run, missing in absent.items():
+        if missing:
+            rep.notes.append(f"eval completions not compared at step(s) {_ranges(missing)}: run {run} has no "
+                             f"{key} (recorded before evaluations were fingerprinted); its eval/* numbers are "
+                             "compared alone")
 
 
 # ------------------------------------------------------------------------------------------------- driver
@@ -357,6 +389,7 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
                 rep.metrics_diverged_steps.append(s)
                 if not rep.metric_diffs:
                     rep.metric_diffs = md
+        _compare_evals(rep, met_a, met_b, mcommon)
         window = want if want is not None else set(met_a) | set(met_b)
         rep.metrics_only_a = sorted((set(met_a) - set(met_b)) & window)
         rep.metrics_only_b = sorted((set(met_b) - set(met_a)) & window)

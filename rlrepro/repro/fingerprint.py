@@ -35,6 +35,7 @@ import torch
 from rlrepro.samples import Sample
 
 from .records import (  # noqa: F401  (re-exported: writers live with the digests in the public API)
+    EVAL_FINGERPRINT_KEY,
     FingerprintWriter,
     JsonlStepWriter,
     MetricsWriter,
@@ -47,7 +48,7 @@ from .turns import turn_spans
 __all__ = [
     "SCHEME", "FORMAT", "FIELDS", "SAMPLE_FIELDS", "TURN_FIELDS", "TURN_SAMPLE_FIELDS", "SAMPLE_DIGEST_HEX",
     "tensor_digest", "tensor_digests", "digest_values", "weights_digest",
-    "StepFingerprint", "fingerprint_step", "fingerprint_from_samples",
+    "StepFingerprint", "fingerprint_step", "fingerprint_from_samples", "eval_fingerprint", "EVAL_FINGERPRINT_KEY",
     "FingerprintWriter", "MetricsWriter", "JsonlStepWriter", "RolloutWriter", "read_rollouts", "ReproError",
 ]
 
@@ -538,3 +539,18 @@ def fingerprint_from_samples(step: int, samples: Sequence[Sample | Mapping[str, 
         advantages=[f[4] for f in fields],
         loss=loss, grad_norm=grad_norm, weights=weights,
         loss_masks=[f[5] for f in fields], turns=[f[6] for f in fields])
+
+
+def eval_fingerprint(samples: Iterable[Sequence[Any]]) -> str:
+    """The fingerprint of one evaluation (``eval.every``; metrics.jsonl ``EVAL_FINGERPRINT_KEY``): ``samples`` are
+    ``(key, token_ids, logprobs)`` per eval request, or ``(key, token_ids, logprobs, loss_mask)`` for an episode,
+    in any order; ``key`` is the request's ``(prompt uid, sample index)``. sha256 over ``"rlrepro.eval.v1\\0"``, the
+    count and, in key order, each request's full sha256 of ``digest_values([key, token_ids, logprobs, loss_mask])``
+    (``loss_mask`` None for a single-turn request), so two evaluations agree exactly when every completion's
+    tokens and logprobs do."""
+    items = sorted((tuple(s) for s in samples), key=lambda s: tuple(s[0]))
+    h = hashlib.sha256(b"rlrepro.eval.v1\0")
+    h.update(struct.pack("<Q", len(items)))
+    for key, token_ids, logprobs, *mask in items:
+        h.update(_values_sha([list(key), token_ids, logprobs, _mask(mask[0]) if mask else None]).digest())
+    return h.hexdigest()

@@ -5,7 +5,7 @@ Nothing here imports torch: ``rlrepro diff`` reads run directories with this mod
 Layout (see docs/RUN_DIRECTORY.md)::
 
     RUN/config.yaml
-    RUN/metrics.jsonl                      one JSON object per step, key "step"
+    RUN/metrics.jsonl                      one JSON object per step, key "step" (evaluated steps: EVAL_FINGERPRINT_KEY)
     RUN/fingerprints.jsonl                 one JSON object per step, key "step"
     RUN/rollouts/step_NNNNNN.jsonl.gz      one JSON object per sample
     RUN/checkpoints/step_NNNNNN/
@@ -28,6 +28,11 @@ METRICS_FILE = "metrics.jsonl"
 FINGERPRINTS_FILE = "fingerprints.jsonl"
 ROLLOUTS_DIR = "rollouts"
 CHECKPOINTS_DIR = "checkpoints"
+
+#: metrics.jsonl key of an evaluated step (``eval.every``): ``fingerprint.eval_fingerprint`` of its eval requests'
+#: token ids and logprobs, in key order; ``rlrepro diff`` compares it where both runs have it (runs recorded before
+#: it existed, and runs without eval, have none)
+EVAL_FINGERPRINT_KEY = "repro/eval_fingerprint"
 
 ROLLOUT_SAMPLE_KEYS = ("prompt_uid", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "reward", "advantage")
 #: optional keys of a rollout record (``Sample.to_record`` writes them when set); older files lack them

@@ -101,6 +101,9 @@ class DiffReport:
     metrics_only_a: list[int] = field(default_factory=list)        # metrics.jsonl steps of one run only
     metrics_only_b: list[int] = field(default_factory=list)
     inputs_not_compared: list[str] = field(default_factory=list)   # why (part of) inputs.json was not compared
+    # evaluations (metrics.jsonl repro/eval_fingerprint): the steps both runs fingerprinted, those that differ
+    eval_steps_compared: list[int] = field(default_factory=list)
+    eval_diverged_steps: list[int] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -250,6 +253,14 @@ class DiffReport:
                     L.append(f"  {m.key}: A={m.a!r} B={m.b!r}")
             else:
                 L.append(f"metrics: same on {self.metrics_compared} common step(s) (perf/* ignored)")
+        if self.eval_diverged_steps:
+            ev = self.eval_diverged_steps
+            L.append(f"eval completions: first difference at step {ev[0]} ({len(ev)} of "
+                     f"{len(self.eval_steps_compared)} evaluated step(s) differ: {_ranges(ev)}; "
+                     "repro/eval_fingerprint, the eval requests' token ids and logprobs)")
+        elif self.eval_steps_compared:
+            L.append(f"eval completions: same on {len(self.eval_steps_compared)} common evaluated step(s) "
+                     "(repro/eval_fingerprint)")
         for n in self.notes:
             L.append(f"note: {n}")
         verdict = self.verdict.upper()
