@@ -123,6 +123,8 @@ add_step engine_tp_pieces 500 '$PY benchmarks/bench_engine.py --qwen3-8b-shape -
 add_step engine_tp_pieces_flatten 560 '$PY -m pytest -m gpu -q -p no:cacheprovider tests/test_tp_pieces_fast.py -k flattened && for f in 0 1; do RLREPRO_PIECES_FLATTEN=$f $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --no-hf --tp-emulation 1,8 --json "$OUT/engine_tp_pieces_flatten$f.json" || exit 1; done'
 add_step bench_kernels 400 '$PY benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md" ${BENCH_ARGS:-}'
 add_step grpo 560 'kit && GRPO_SET=one bash scripts/gpu_grpo.sh'
+# GRPO with FA3's bits (RLREPRO_ATTENTION=fa3): two runs on other engine batch settings, the logprobs on-policy
+add_step grpo_fa3 500 'kit && fi_kit && RLREPRO_ATTENTION=fa3 GRPO_SET=fa3 bash scripts/gpu_grpo.sh'
 # train.layout_invariant=true, 8 TP pieces, on 1 GPU through rlrepro train: two runs diffed, on-policy (issue #26)
 add_step grpo_layout 400 'kit && GRPO_SET=layout GRPO_STEPS=${GRPO_STEPS:-2} bash scripts/gpu_grpo.sh'
 add_step grpo_two 560 'kit && GRPO_SET=two bash scripts/gpu_grpo.sh'

@@ -13,6 +13,8 @@
 #                 z (g with train.distributed_optimizer=true: = g?), f2 (g in fast mode, with GRPO_FAST=1)
 #   GRPO_SET=full (2 GPUs, GRPO_LAYERS=36): p1 and p2, the whole model at megatron TP=2 with 2 colocated engines
 #                 (CUDA IPC weight sync of the full 8B policy; p1 = p2?)
+#   GRPO_SET=fa3  (1 GPU, colocated, with RLREPRO_ATTENTION=fa3 and flashinfer): a, and c (other engine batch
+#                 settings, = a?)
 #   GRPO_SET=pipeline (1 GPU, colocated): q0 (rollout.max_staleness=0), q1/q1b/q1c (K=1: two runs and other engine
 #                 settings, diffed), q2 (K=2); step and phase times for docs/BENCHMARKS.md
 #   GRPO_SET=layout (1 GPU, colocated): l1 and l2, train.layout_invariant=true train.tp_partials=8 (l1 = l2?,
@@ -57,7 +59,13 @@ train() { local name=$1; shift
   $PY -m rlrepro.cli train "${COMMON[@]}" model.init=pretrained "model.path=$BASE" "run.dir=$W/$name" "$@" || rc=1; }
 diffrun() { $PY -m rlrepro.cli diff "$W/$1" "$W/$2" > "$R/diff_$1_$2.txt" 2>&1; log "diff $1 $2 ($3): exit $?"; }
 
-if [ "$SET" = one ]; then
+if [ "$SET" = fa3 ]; then
+  # the deterministic mode with FA3's bits (RLREPRO_ATTENTION=fa3, set by the caller; flashinfer on the path): two
+  # runs on other engine batch settings (= a?), the trainer's logprobs against the engine's (max lp diff 0?)
+  first a "${ONE[@]}"
+  train c "${ONE[@]}" rollout.max_num_seqs=7 rollout.max_num_batched_tokens=999; diffrun a c "other engine batch settings"
+  RUNS="a c"
+elif [ "$SET" = one ]; then
   first a "${ONE[@]}" checkpoint.every=2
   train b "${ONE[@]}"; diffrun a b "two runs"
   train c "${ONE[@]}" rollout.max_num_seqs=7 rollout.max_num_batched_tokens=999; diffrun a c "other engine batch settings"
