@@ -150,6 +150,24 @@ def test_an_attention_backward_override_is_named(env, setup):
     assert input_differences(b, a)[0].bits
 
 
+def test_the_flashinfer_version_is_recorded_where_installed_and_named(env, setup, monkeypatch):
+    """flashinfer's kernels give the fast mode's and RLREPRO_ATTENTION=fa3's bits: its version is an input where it
+    is installed; where it is not, the record has no key (and older records, which have none, compare equal)."""
+    from rlrepro.repro import inputs as I
+    model, data = setup
+    real = I._dist_version
+    monkeypatch.setattr(I, "_dist_version", lambda name: None if name == "flashinfer-python" else real(name))
+    a = collect(model, data)
+    assert "flashinfer" not in a["versions"]
+    monkeypatch.setattr(I, "_dist_version", lambda name: "0.5.3" if name == "flashinfer-python" else real(name))
+    b = collect(model, data)
+    assert b["versions"]["flashinfer"] == "0.5.3"
+    (d,) = input_differences(a, b)
+    assert d.bits and d.message == ("flashinfer version differs: none vs 0.5.3 (its kernels run in the fast mode "
+                                    "and with RLREPRO_ATTENTION=fa3)")
+    assert compare_inputs(b, collect(model, data)) == []
+
+
 def test_informational_variables_are_named_as_such(env, setup):
     model, data = setup
     a = collect(model, data)

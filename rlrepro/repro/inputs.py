@@ -12,7 +12,8 @@ them; the driver writes the result once per run with ``write_inputs`` (atomicall
   every ``NCCL_*`` but its debug output, ``CUBLAS_WORKSPACE_CONFIG``, ``PYTHONHASHSEED``, ... see
   ``BIT_ENV`` and ``BIT_ENV_PREFIXES``), and, apart, the informational ones (``CUDA_VISIBLE_DEVICES``,
   ``RLREPRO_STACK_DUMP_S``, ``RLREPRO_DEBUG``, ...), which are recorded but cannot change a bit;
-* the python, torch, triton, CUDA (torch's build) and rlrepro versions and the GPU model;
+* the python, torch, triton, CUDA (torch's build), rlrepro and (where installed) flashinfer versions and the GPU
+  model;
 * rlrepro's own code: a sha256 over the package's ``.py`` files (``code_digest``; the version string alone does not
   change with the source), with the git commit and dirty flag where the package is a git checkout (informational);
 * the CPU: its model name and the vector instructions torch's CPU kernels use (``torch.backends.cpu.
@@ -165,6 +166,9 @@ def _versions_and_gpu() -> tuple[dict[str, str | None], str | None]:
 
     versions = {"python": platform.python_version(), "torch": None, "triton": _dist_version("triton"), "cuda": None,
                 "rlrepro": __version__}
+    fi = _dist_version("flashinfer-python")
+    if fi is not None:  # its kernels are the fast mode's and RLREPRO_ATTENTION=fa3's: their bits follow its version
+        versions["flashinfer"] = fi
     gpu = None
     try:
         import torch
@@ -398,8 +402,10 @@ def input_differences(a: Mapping, b: Mapping) -> list[InputDiff]:
     va, vb = a.get("versions") or {}, b.get("versions") or {}
     for name in sorted(set(va) | set(vb)):
         if va.get(name) != vb.get(name):
+            note = " (its kernels run in the fast mode and with RLREPRO_ATTENTION=fa3)" if name == "flashinfer" else ""
             out.append(InputDiff("version", name, va.get(name), vb.get(name), True,
-                                 f"{name} version differs: {va.get(name) or 'none'} vs {vb.get(name) or 'none'}"))
+                                 f"{name} version differs: {va.get(name) or 'none'} vs {vb.get(name) or 'none'}"
+                                 f"{note}"))
     out += _code_diffs(a.get(CODE_KEY), b.get(CODE_KEY))
     if a.get("gpu") != b.get("gpu"):
         out.append(InputDiff("gpu", "", a.get("gpu"), b.get("gpu"), True,
