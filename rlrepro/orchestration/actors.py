@@ -52,10 +52,21 @@ class ActorGroup:
     def __init__(self, cfg, model_dir: str) -> None:
         """``cfg``: the run's typed config (:class:`~.config.RunSchema`)."""
         self.cfg = cfg
+        self.workers: list = []
+        self.trainers: list = []
+        self._placements: list = []
         start_ray(cfg.ray.address, cfg.ray.num_cpus)  # before anything imports ray: it reads its settings then
         import ray
 
         self._ray = ray
+        try:
+            self._start(cfg, model_dir)
+        except BaseException:  # the actors, placement groups and local Ray started so far go too: the caller
+            self.shutdown()  # has no group to shut down
+            raise
+
+    def _start(self, cfg, model_dir: str) -> None:
+        ray = self._ray
         self.max_restarts = cfg.rollout.max_restarts
         self.restarts = 0  # replacements over the whole run
         self._restarts_in_step = 0
@@ -70,7 +81,6 @@ class ActorGroup:
         common = dict(device=cfg.run.device, dtype=cfg.model.dtype, deterministic=cfg.run.deterministic)
         # Placement (rlrepro/orchestration/placement.py): Ray placement groups on CUDA and on a cluster, checked
         # against the cluster's nodes first; a local CPU run with the default keys keeps plain actors.
-        self._placements: list = []
         self.layout = None
         self.worker_gpu = [i % nt for i in range(nw)] if on_gpu and cfg.ray.colocate else []  # rank sharing a GPU
         if uses_placement_groups(cfg.run.device, is_local(cfg.ray.address), cfg.ray.placement, cfg.ray.trainer_node,
@@ -80,6 +90,9 @@ class ActorGroup:
             self._worker_options = [self._in_bundle(g, b, share) for g, b, share in self.layout.workers]
             trainer_options = [self._in_bundle(g, b, share) for g, b, share in self.layout.trainers]
         else:
+            if cfg.ray.num_nodes:  # plain actors on the one local node: ray.num_nodes is checked all the same
+                check_capacity(Layout(cfg.ray.placement), nodes_from_ray(ray), num_nodes=cfg.ray.num_nodes,
+                               what=_layout_words(cfg))
             self._worker_options = [dict(num_gpus=0)] * nw
             trainer_options = [dict(num_gpus=0)] * nt
         self._held_nodes = self.actors_by_node()  # fixed at start: a node lost later is named with its actors
@@ -93,12 +106,14 @@ class ActorGroup:
         tp_emulation = cfg.train.engine_tp_emulation  # the trainer's reduction pieces: TP, or train.tp_partials
         self._worker_args = (model_dir, engine_config), dict(seed=cfg.run.seed, tensor_parallel_emulation=tp_emulation,
                                                               **common)
-        self.workers = [self._new_worker(i) for i in range(nw)]
+        for i in range(nw):  # one at a time: those made before a failure are shut down
+            self.workers.append(self._new_worker(i))
         trainer_class, extra = self._trainer_actor()
         trainer_cls = ray.remote(num_cpus=0)(trainer_class)
-        self.trainers = [trainer_cls.options(**trainer_options[g]).remote(
-            model_dir, cfg.train, temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_tokens,
-            rank=g, world_size=nt, checkpoint_format=cfg.checkpoint.format, **common, **extra) for g in range(nt)]
+        for g in range(nt):
+            self.trainers.append(trainer_cls.options(**trainer_options[g]).remote(
+                model_dir, cfg.train, temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_tokens,
+                rank=g, world_size=nt, checkpoint_format=cfg.checkpoint.format, **common, **extra))
         self.trainer = self.trainers[0]  # rank 0: weights, digests and checkpoints come from it
         if nt > 1 or self.megatron:
             host, port = self.get(self.trainer.rendezvous_address.remote())
@@ -210,11 +225,11 @@ class ActorGroup:
                 raise RolloutWorkerLost(
                     f"rollout worker {i} was lost during {during}, and the {self.max_restarts} replacement(s) that "
                     f"rollout.max_restarts={self.max_restarts} allows per step are used up; last error: "
-                    f"{describe(error)}. Fix the cause (memory? the Ray logs under /tmp/ray/session_latest/logs "
+                    f"{_why(error)}. Fix the cause (memory? the Ray logs under /tmp/ray/session_latest/logs "
                     "say why the process ended) or raise rollout.max_restarts")
             self.restarts += 1
             redo = "its requests are re-run" if during in ("generate", "run_episodes") else "it gets the weights"
-            log(f"rollout worker {i} lost during {during} ({describe(error, 200)}); replacing it "
+            log(f"rollout worker {i} lost during {during} ({_why(error, 300)}); replacing it "
                 f"({self._restarts_in_step}/{self.max_restarts} this step), {redo}")
             try:
                 ray.kill(self.workers[i], no_restart=True)
@@ -340,15 +355,49 @@ class ActorGroup:
         never a silent stale policy."""
         digest = self.trainer.weights_digest.remote()
         self._before("sync", version)
+        collective = self.sync.name == "collective"
+        if collective:  # a worker dead since its last call would hold the group's rendezvous until its timeout
+            self._gather({i: w.pid.remote() for i, w in enumerate(self.workers)}, lambda i: None, "weight sync",
+                         version)
         calls, weights_ref, trainer_ref = self.sync.send(self, version)
-        got = self._gather(calls, lambda i: None, "weight sync", version, weights_ref)
-        if trainer_ref is not None:
-            self.get(trainer_ref)
+        try:
+            got = self._gather(calls, lambda i: None, "weight sync", version, weights_ref)
+            if trainer_ref is not None:
+                self.get(trainer_ref)
+        except RolloutWorkerLost:
+            raise
+        except Exception:  # noqa: BLE001
+            if not collective:
+                raise
+            got = self._after_broken_collective(calls, trainer_ref, version)
         versions = [got[i] for i in range(len(self.workers))]
         if any(v != version for v in versions):
             raise RuntimeError(f"weight sync to version {version} failed: workers report {versions}")
         self.weight_version = version
         return self.get(digest)
+
+    def _after_broken_collective(self, calls: dict, trainer_ref: Any, version: int) -> dict:
+        """A collective weight sync failed. When a worker died in it (the others' calls then fail at once: the
+        trainer closes the group), every worker loads ``version`` from the object store instead, a replacement for
+        the dead; the group is formed again at the next sync. Otherwise the error stands."""
+        ray = self._ray
+        self.sync.worker_replaced()  # the group is closed on one side at least
+        refs = [trainer_ref, *calls.values()]
+        ray.wait(refs, num_returns=len(refs))
+        errors = []
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001
+                errors.append((ref, e))
+        died = [e for ref, e in errors if ref is not trainer_ref and is_actor_death(e)]
+        if not died:
+            raise errors[0][1] if errors else RuntimeError(f"weight sync to version {version} failed")
+        log(f"a rollout worker died during the collective weight sync to version {version} "
+            f"({describe(died[0], 200)}); every worker loads it from the object store instead")
+        ref = self.trainer.weights_of_version.remote(version)
+        loads = {i: self._call(i, "load_weights", ref, version) for i in range(len(self.workers))}
+        return self._gather(loads, lambda i: None, "weight sync", version, ref)
 
     def save_checkpoint(self, ckpt_root: str, step: int, extra: dict, keep_last: int) -> str:
         # default backend: every rank holds the same state, rank 0 writes it; megatron: a collective (the
@@ -381,8 +430,19 @@ class ActorGroup:
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
         self._placements = []
-        if self.cfg.ray.address is None and self._ray.is_initialized():
+        if is_local(self.cfg.ray.address) and self._ray.is_initialized():  # "local" and "" start one too
             self._ray.shutdown()
+
+
+def _why(error: BaseException, limit: int = 600) -> str:
+    """``describe(error)``; for an actor whose constructor raised, that exception (the last line of Ray's message,
+    whose first lines name only the actor)."""
+    if is_actor_death(error) and getattr(error, "actor_init_failed", False):
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        if lines:
+            out = f"its constructor raised {lines[-1]}"
+            return out if len(out) <= limit else out[: limit - 3] + "..."
+    return describe(error, limit)
 
 
 class NodeLost(RolloutWorkerLost):

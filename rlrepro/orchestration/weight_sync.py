@@ -119,6 +119,13 @@ class WeightBroadcaster:
     def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         if self.rank != 0:
             raise RuntimeError("only rank 0 (the trainer) sends weights")
+        try:
+            self._send(named, version)
+        except BaseException:  # a member died mid-broadcast: the group is closed at once, so that the others'
+            self.close()  # receive fails now instead of waiting for the group's timeout
+            raise
+
+    def _send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         items = sorted(named, key=lambda kv: kv[0])
         header = {"version": version, "tensors": [(n, tuple(t.shape), str(t.dtype)) for n, t in items]}
         self._broadcast_object(header)
@@ -135,6 +142,13 @@ class WeightBroadcaster:
         A tensor already on this group's device is written in place; others go through one staging buffer."""
         if self.rank == 0:
             raise RuntimeError("rank 0 sends; receivers have rank >= 1")
+        try:
+            return self._receive(params)
+        except BaseException:
+            self.close()
+            raise
+
+    def _receive(self, params: dict[str, torch.Tensor]) -> int:
         header = self._broadcast_object(None)
         problem = self._check(header, params)
         if not self._all_accept(problem is None):  # every rank agrees before any tensor moves
