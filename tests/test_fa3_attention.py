@@ -159,6 +159,37 @@ def test_gpu_fa3_engine_equals_trainer_at_8k_context(monkeypatch):
     check_engine_equals_trainer_at_8k(on_fa3_graphs)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_fa3_engine_equals_trainer_at_head_size_64_on_fa3s_own_decode(monkeypatch):
+    """At head size 64 (another FA3 tile than the Triton decode reproduces) decode steps run FA3's folded decode,
+    one :class:`GraphDecode` a CUDA-graph size planned before each replay: the engine's logprobs == the trainer's
+    forward with autograd, bit for bit."""
+    from rlrepro import kernels
+    from rlrepro.model import tiny_model
+    from rlrepro.rollout import Engine, SamplingParams
+    _hopper_with_flashinfer(monkeypatch)
+    fresh_seed()
+    model = tiny_model(seed=4, dtype=torch.bfloat16, initializer_range=0.3, head_dim=64, num_attention_heads=8,
+                       num_key_value_heads=2, hidden_size=256, max_position_embeddings=2048).cuda()
+    assert not F3.triton_decode(64, 8, 2)
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (700, 95, 1, 300)]
+    engine = Engine(model, device="cuda", max_num_batched_tokens=512, num_kv_blocks=400, max_num_seqs=4,
+                    max_model_len=1024)
+    graphs = engine.runner._fi_graphs
+    assert graphs and all(isinstance(x, F3.GraphDecode) for x in graphs.values())
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=9, ignore_eos=True)
+    outs = engine.generate(prompts, [params] * len(prompts))
+    assert engine.runner.num_graph_steps > 0
+    for p, out in zip(prompts, outs):
+        ids = torch.tensor([p + out.token_ids], device="cuda")
+        with torch.enable_grad():
+            logits = model(ids)[0, len(p) - 1:-1].detach()
+        want = kernels.token_logprob(logits, torch.tensor(out.token_ids, device="cuda"), 1.0)
+        assert torch.equal(torch.tensor(out.logprobs, dtype=torch.float32, device="cuda"), want)
+
+
 BACKWARD_LENS = [1500, 97, 65, 1, 300]
 
 
