@@ -77,7 +77,7 @@ class SamplingConfig:
         c.non_negative("temperature")
         c.require(not 0 < self.temperature < MIN_TEMPERATURE, "temperature",
                   f"is too small (logits / T overflows); use 0 for greedy decoding or a value >= {MIN_TEMPERATURE}")
-        c.require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        c.in_range("top_p", 0, 1, low_inclusive=False)  # (a bool is no probability: True would pass as 1)
         c.require(isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
                   and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or a positive integer")
         c.positive_int("max_tokens")

@@ -68,6 +68,14 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
+def _flag(name: str, value: object, optional: bool = False) -> bool | None:
+    """A boolean argument: True or False (or None for a default), never a truthy string such as "false"."""
+    if (value is None and optional) or isinstance(value, bool):
+        return value
+    raise ValueError(f"Engine {name} must be True or False{' (or None for the default)' if optional else ''}, "
+                     f"got {value!r}")
+
+
 class Engine:
     """Deterministic paged-KV engine with continuous batching, chunked prefill, a prefix cache and preemption.
 
@@ -106,22 +114,25 @@ class Engine:
         self.model = model
         self.config = model.config
         self.device = model.device
-        self.deterministic = bool(deterministic)
+        self.deterministic = _flag("deterministic", deterministic)
         self.seed = seed
         self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
         self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         self.block_size = _positive_int("block_size", block_size)
-        self.max_model_len = _positive_int("max_model_len", max_model_len or self.config.max_position_embeddings)
+        self.max_model_len = _positive_int(
+            "max_model_len", self.config.max_position_embeddings if max_model_len is None else max_model_len)
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {max_model_len}")
         self.vocab_size = self.config.vocab_size
         eos = self.config.eos_token_id
         self.eos_token_ids: tuple[int, ...] = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         self.num_kv_blocks = self._num_blocks(num_kv_blocks, kv_cache_memory_bytes)
-        self.enable_prefix_cache = bool(enable_prefix_cache)
+        self.enable_prefix_cache = _flag("enable_prefix_cache", enable_prefix_cache)
         self.block_manager = BlockManager(self.num_kv_blocks, self.block_size, self.enable_prefix_cache)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids)
+        _flag("enable_cuda_graphs", enable_cuda_graphs, optional=True)
+        _flag("fuse_projections", fuse_projections, optional=True)
         if enable_cuda_graphs is None:
             enable_cuda_graphs = self.device.type == "cuda"
         if fuse_projections is None:
@@ -208,7 +219,8 @@ class Engine:
         accepted in, as for ``generate``)."""
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"add_request takes one SamplingParams, got {type(sampling_params).__name__}")
-        (prompt,), (params,) = self._validate([prompt_token_ids], [sampling_params or SamplingParams()])
+        (prompt,), (params,) = self._validate([prompt_token_ids], [sampling_params or SamplingParams()],
+                                              first_index=self.num_requests)  # errors name the id it would get
         seq = self._new_sequence(prompt, params)
         self.scheduler.add(seq)
         self._added[seq.seq_id] = seq
@@ -233,7 +245,8 @@ class Engine:
         """Stop a request from :meth:`add_request`: it is scheduled no more and the next :meth:`step` returns it
         with ``finish_reason="abort"`` and the tokens it had (plus one still in flight, if any). The other
         requests' outputs do not change (nothing a request gets depends on its batch)."""
-        seq = self._added.get(request_id)
+        # (a bool is no id: True == 1 would abort request 1)
+        seq = None if isinstance(request_id, bool) else self._added.get(request_id)
         if seq is None:
             raise ValueError(f"abort: {request_id!r} is not an unfinished request from add_request() (finished "
                              "requests were returned by step())")
@@ -285,7 +298,8 @@ class Engine:
         self._pending = (sch.launched(scheduled), step) if step is not None else None
         return finished
 
-    def _validate(self, prompt_token_ids, sampling_params) -> tuple[list[list[int]], list[SamplingParams]]:
+    def _validate(self, prompt_token_ids, sampling_params,
+                  first_index: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
         if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Iterable):
             raise ValueError("generate() takes a list of prompts, each a list of token ids; got "
                              f"{type(prompt_token_ids).__name__}")
@@ -311,7 +325,7 @@ class Engine:
                                      f"{type(p).__name__}")
         vocab, bs = self.vocab_size, self.block_size
         out = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p) in enumerate(zip(prompts, params), start=first_index):
             if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
                 raise ValueError(f"request {i}: a prompt must be a list of token ids, got {type(prompt).__name__}; "
                                  "tokenize text first")
