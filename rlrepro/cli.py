@@ -105,6 +105,12 @@ def compose_config(overrides: list[str]):
         raise ConfigError(f"recipe {recipe} needs values for {', '.join(missing)}: add "
                           + " ".join(f"{k}=..." for k in missing))
     validate(cfg)
+    set_keys = {o.lstrip("+~").split("=", 1)[0] for o in rest}
+    if "model.path" in set_keys and cfg.model.get("init") == "tiny" and cfg.model.get("path"):
+        # model.init=tiny makes its own tiny random model: the path would be ignored without a word
+        raise ConfigError(f"model.path={cfg.model.path} is not used with model.init=tiny (recipe {recipe} builds "
+                          "a tiny random model); add model.init=pretrained to train that model (or model.init=random "
+                          "for its shape with seeded random weights)")
     return cfg
 
 
@@ -250,6 +256,23 @@ def cmd_train(args: list[str]) -> int:
     return 0
 
 
+def _device_problem(device: str) -> str | None:
+    """Why ``--device`` cannot be used here (an unknown name, CUDA on a machine without it), or None."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return f"--device {device!r} is not a device; use cpu, cuda or cuda:N"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {device!r} but this machine has no visible CUDA device; use --device cpu"
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"--device {device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
+    if dev.type not in ("cpu", "cuda"):
+        return f"--device {device!r}: rlrepro runs on cpu or cuda"
+    return None
+
+
 def cmd_generate(args: list[str]) -> int:
     """Sample completions from a model: an HF directory, a run directory (its newest checkpoint) or a checkpoint
     (``rlrepro.model.resolve_model_dir``), or by default a tiny random Qwen3. Completions go to stdout, one line a
@@ -270,6 +293,10 @@ def cmd_generate(args: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ns = ap.parse_args(args)
+    problem = _device_problem(ns.device)
+    if problem:
+        print(f"rlrepro generate: {problem}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="rlrepro-tiny-") as tmp:
         try:
             if ns.model is None:
@@ -366,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "generate":
         return cmd_generate(rest)
     if cmd == "recipes":
+        if rest and rest[0] in ("-h", "--help"):
+            print("usage: rlrepro recipes\n\nList the shipped recipes, one line each.")
+            return 0
+        if rest:
+            print(f"rlrepro recipes: takes no arguments, got {' '.join(rest)!r}; "
+                  f"run one with: rlrepro train recipe=NAME", file=sys.stderr)
+            return 2
         return cmd_recipes()
     if cmd == "export":
         from rlrepro.orchestration.export import main_export

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -17,16 +18,20 @@ from .config import Qwen3Config
 from .qwen3 import Qwen3ForCausalLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "vocab.json", "merges.txt")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to file names; the model directory is "
+                             "damaged: copy it again")
         files = sorted({path / f for f in weight_map.values()})
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -49,7 +54,8 @@ def model_dir_config(path: str | os.PathLike) -> tuple[Path, Qwen3Config]:
     return path, Qwen3Config.from_file(path)
 
 
-def iter_checkpoint_tensors(path: Path, config: Qwen3Config, names: Collection[str]) -> Iterator[tuple[Path, str, object]]:
+def iter_checkpoint_tensors(path: Path, config: Qwen3Config,
+                            names: Collection[str]) -> Iterator[tuple[Path, str, object]]:
     """Walk every tensor of the model directory's safetensors files: yields (file, name, open safe_open handle)
     for each tensor a Qwen3ForCausalLM of ``config`` has (``names``), skipping a stored LM head of a tied model.
     An unreadable file or an unknown tensor name raises ValueError naming the file and the fix."""
@@ -103,6 +109,10 @@ def fill_model(path: Path, config: Qwen3Config, device: str | torch.device, dtyp
 def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = None) -> Qwen3ForCausalLM:
     """Load an HF Qwen3 checkpoint directory. ``dtype=None`` keeps the checkpoint's own dtype (config torch_dtype)."""
+    if isinstance(dtype, str):
+        if dtype.replace("torch.", "") not in _DTYPE_NAMES:
+            raise ValueError(f"dtype={dtype!r} is not one of None, {', '.join(_DTYPE_NAMES)}")
+        dtype = _DTYPE_NAMES[dtype.replace("torch.", "")]
     path, config = model_dir_config(path)
     model = fill_model(path, config, device, dtype or config.dtype)
     model.source_path = str(path)
@@ -134,6 +144,17 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
+def _remove_stale_weights(path: Path, num_shards: int) -> None:
+    """Delete the weights an earlier save left in ``path`` that this one does not overwrite: a stale index (a
+    loader would follow it to the old shards), a single file next to new shards, shards of another count."""
+    keep = ({"model.safetensors"} if num_shards == 1 else
+            {f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)})
+    for f in path.glob("model*.safetensors*"):
+        if f.name not in keep and (f.name in ("model.safetensors", "model.safetensors.index.json")
+                                   or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f.name)):
+            f.unlink()
+
+
 def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None,
                     tokenizer_from: str | os.PathLike | None = None) -> Path:
     """Write config.json + safetensors (sharded with an index when ``max_shard_bytes`` is exceeded).
@@ -157,6 +178,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
         shards[-1][name] = state[name]
         size += nbytes
     meta = {"format": "pt"}
+    _remove_stale_weights(path, len(shards))
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
         apply_default_mode(path / "model.safetensors")  # safetensors 0.8 creates it 0o600

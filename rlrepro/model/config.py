@@ -10,6 +10,32 @@ import torch
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _stored_float_dtype(directory: Path) -> str | None:
+    """The dtype of the first floating tensor of the model directory's (first) safetensors file, as a config
+    ``torch_dtype`` name; None when there is no readable weights file or no such tensor."""
+    index = directory / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            first = sorted(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())[0]
+            files = [directory / first]
+        else:
+            single = directory / "model.safetensors"
+            files = [single] if single.is_file() else sorted(directory.glob("*.safetensors"))
+        from safetensors import safe_open
+
+        with safe_open(str(files[0]), framework="pt", device="cpu") as h:
+            for name in h.keys():
+                dtype = _SAFETENSORS_DTYPES.get(h.get_slice(name).get_dtype())
+                if dtype is not None:
+                    return dtype
+    except Exception:  # noqa: BLE001 - loading reports a missing or damaged weights file itself, with its fix
+        return None
+    return None
+
+
 @dataclass
 class Qwen3Config:
     vocab_size: int
@@ -53,12 +79,23 @@ class Qwen3Config:
         raw = dict(raw)
         model_type = raw.get("model_type")
         if model_type != "qwen3":
-            raise ValueError(f"rlrepro builds dense Qwen3 models (model_type 'qwen3'); config.json has {model_type!r}")
+            raise ValueError(f"rlrepro builds dense Qwen3 models (model_type 'qwen3'); config.json has model_type "
+                             f"{model_type!r}: point model.path at a Qwen3 (dense) checkpoint")
         if raw.get("use_sliding_window"):
             raise ValueError("use_sliding_window=true is not supported; set it to false in config.json")
+        if raw.get("attention_bias"):
+            raise ValueError("attention_bias=true (biases on q/k/v/o_proj) is not supported: Qwen3 has none; "
+                             "use a Qwen3 checkpoint with attention_bias=false")
+        if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act={raw['hidden_act']!r} is not supported: Qwen3's MLP uses silu")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        if not isinstance(rope, dict):
+            raise ValueError(f"rope_scaling/rope_parameters must be an object or null, got {rope!r}")
+        # transformers' older spelling of rope_type is "type" (e.g. {"type": "yarn", "factor": 4.0})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope type {rope_type!r} is not supported (only default RoPE); remove rope_scaling "
+                             "from config.json to run the model at its native context length")
         theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
         names = {f for f in cls.__dataclass_fields__ if f not in ("extra", "rope_theta", "torch_dtype")}
@@ -67,6 +104,9 @@ class Qwen3Config:
         if missing:
             raise ValueError(f"config.json lacks required keys {missing}")
         kwargs = {k: raw.pop(k) for k in list(raw) if k in names}
+        for k in ("num_key_value_heads", "head_dim"):  # null means derived, as transformers reads it
+            if kwargs.get(k, 0) is None:
+                del kwargs[k]
         kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
         return cls(**kwargs, rope_theta=float(theta), torch_dtype=str(dtype).replace("torch.", ""), extra=raw)
@@ -84,7 +124,14 @@ class Qwen3Config:
             raise ValueError(f"{path} is not valid JSON ({e}); the model directory is damaged: copy it again") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object; the model directory is damaged")
-        return cls.from_dict(raw)
+        if not raw.get("torch_dtype") and not raw.get("dtype"):
+            stored = _stored_float_dtype(path.parent)
+            if stored is not None:  # no dtype in config.json: the weights' own, not a guess
+                raw["torch_dtype"] = stored
+        try:
+            return cls.from_dict(raw)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "extra"}

@@ -101,7 +101,8 @@ class FusedWeight:
         ptr = w.data_ptr()
         for lin, rows in zip(self.linears, self.sizes):
             t = lin.weight
-            if t.data_ptr() != ptr or t.dtype != w.dtype or t.device != w.device or tuple(t.shape) != (rows, w.shape[1]):
+            if (t.data_ptr() != ptr or t.dtype != w.dtype or t.device != w.device
+                    or tuple(t.shape) != (rows, w.shape[1])):
                 return False
             ptr += rows * step
         return True
@@ -141,7 +142,8 @@ class Qwen3Attention(nn.Module):
 
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim)
         self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
         self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)

@@ -22,6 +22,26 @@ def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sor
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _chat_template(path: Path, config: dict) -> str | None:
+    """The default chat template, where transformers looks for it: ``chat_template.jinja`` (what transformers
+    >= 4.50 writes), else ``tokenizer_config.json``'s ``chat_template``, a string or a list of named templates
+    (``[{"name": "default", "template": ...}, {"name": "tool_use", ...}]``: the one named "default")."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+        if template is None:
+            raise ValueError(f"{path}/tokenizer_config.json lists chat templates {sorted(map(str, named))} but none "
+                             "named 'default'; name one of them 'default'")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{path}/tokenizer_config.json: chat_template must be a string or a list of named "
+                         f"templates, got {type(template).__name__}")
+    return template
+
+
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
@@ -31,13 +51,18 @@ class Tokenizer:
         self.path = path
         self._tok = _HFTokenizer.from_file(str(file))
         cfg_file = path / "tokenizer_config.json"
-        self.config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        self.chat_template: str | None = self.config.get("chat_template")
-        self.eos_token = self._token_str(self.config.get("eos_token"))
-        self.pad_token = self._token_str(self.config.get("pad_token")) or self.eos_token
+        self.config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+        self.chat_template: str | None = _chat_template(path, self.config)
+        # special tokens that tokenizer_config.json lacks come from special_tokens_map.json, as in transformers
+        map_file = path / "special_tokens_map.json"
+        special = json.loads(map_file.read_text(encoding="utf-8")) if map_file.is_file() else {}
+        special = {**(special if isinstance(special, dict) else {}),
+                   **{k: v for k, v in self.config.items() if v is not None}}
+        self.eos_token = self._token_str(special.get("eos_token"))
+        self.pad_token = self._token_str(special.get("pad_token")) or self.eos_token
         # the token that stands for text the vocabulary lacks (the tiny character tokenizer's "<unk>"); None for a
         # byte-level BPE (Qwen's), which covers every text
-        self.unk_token = self._token_str(self.config.get("unk_token")) or getattr(self._tok.model, "unk_token", None)
+        self.unk_token = self._token_str(special.get("unk_token")) or getattr(self._tok.model, "unk_token", None)
 
     @staticmethod
     def _token_str(tok) -> str | None:
