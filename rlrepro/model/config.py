@@ -54,6 +54,9 @@ class Qwen3Config:
     eos_token_id: int | list[int] | None = None
     initializer_range: float = 0.02
     extra: dict = field(default_factory=dict)  # keys of config.json we carry through unchanged
+    # generation_config.json's eos_token_id (Qwen3: <|im_end|> and <|endoftext|>), read by from_file: the engine
+    # stops on these too, as vLLM does; not a config.json key (to_dict leaves it out)
+    generation_eos_token_ids: tuple = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -98,7 +101,8 @@ class Qwen3Config:
                              "from config.json to run the model at its native context length")
         theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
-        names = {f for f in cls.__dataclass_fields__ if f not in ("extra", "rope_theta", "torch_dtype")}
+        names = {f for f in cls.__dataclass_fields__
+                 if f not in ("extra", "rope_theta", "torch_dtype", "generation_eos_token_ids")}
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in raw]
         if missing:
@@ -129,15 +133,34 @@ class Qwen3Config:
             if stored is not None:  # no dtype in config.json: the weights' own, not a guess
                 raw["torch_dtype"] = stored
         try:
-            return cls.from_dict(raw)
+            cfg = cls.from_dict(raw)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+        cfg.generation_eos_token_ids = _generation_eos(path.parent / "generation_config.json")
+        return cfg
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "extra"}
         out = {**self.extra, **out}
-        for k in ("rope_parameters", "rope_scaling", "dtype"):
+        for k in ("rope_parameters", "rope_scaling", "dtype", "generation_eos_token_ids"):
             out.pop(k, None)
         out.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False,
                    use_sliding_window=False, hidden_act="silu", rope_scaling=None, attention_dropout=0.0)
         return out
+
+
+def _generation_eos(path: Path) -> tuple:
+    """The ``eos_token_id`` of ``generation_config.json`` (an int or a list of ints) as a tuple; () without the
+    file or the key."""
+    if not path.is_file():
+        return ()
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or delete it (the engine reads its eos_token_id)") \
+            from None
+    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)

@@ -125,7 +125,10 @@ class Engine:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {max_model_len}")
         self.vocab_size = self.config.vocab_size
         eos = self.config.eos_token_id
-        self.eos_token_ids: tuple[int, ...] = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+        # config.json's and generation_config.json's (Qwen3: <|im_end|> and <|endoftext|>), as vLLM stops on both
+        eos += getattr(self.config, "generation_eos_token_ids", ())
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self.num_kv_blocks = self._num_blocks(num_kv_blocks, kv_cache_memory_bytes)
         self.enable_prefix_cache = _flag("enable_prefix_cache", enable_prefix_cache)
         self.block_manager = BlockManager(self.num_kv_blocks, self.block_size, self.enable_prefix_cache)
