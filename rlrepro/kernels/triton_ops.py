@@ -226,7 +226,7 @@ class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta, scale):
         want_lse = any(ctx.needs_input_grad[:3]) and _attention_bwd_impl(q) in ("triton", "flash2")
-        fwd = _fa3.packed if _fa3.usable(q) else _attn.attention_fwd  # RLREPRO_ATTENTION=fa3: the experiment
+        fwd = _fa3.packed if _fa3.usable(q) else _attn.attention_fwd  # RLREPRO_ATTENTION=fa3: FA3's bits
         if want_lse:
             # out and the log-sum-exp: the Triton backward's delta = rowsum(dO * O) and softmax statistics
             out, lse = fwd(q, k, v, meta, scale, return_lse=True)
