@@ -132,18 +132,10 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--no-bench", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_fa3_decode.py needs a CUDA GPU and flashinfer")
+    opened = inv.open_flashinfer("probe_fa3_decode.py", "Triton decode in FA3's order")
+    if opened is None:
         return 1
-    from rlrepro.kernels.fast import flashinfer_module
-    fi = flashinfer_module()
-    if fi is None:
-        print("flashinfer does not import: carry .fi (scripts/make_fi_kit.sh)")
-        return 1
-    emit(f"### Triton decode in FA3's order ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, flashinfer "
-         f"{getattr(fi, '__version__', '?')})")
-    emit("")
-    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    fi, ws = opened
     res = {}
     for seed, scale_q in ((0, 1.0), (1, 8.0)):
         c = inv.Case(inv.LENS, (H, HKV, D), "cuda", seed=seed)

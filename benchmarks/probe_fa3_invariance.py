@@ -344,23 +344,32 @@ def speed_decode(fi, ws) -> None:
         emit(f"| decode {r} x {ctx} | {name} | {ms:.4f} | {kv_bytes / ms / 1e9:.2f} TB/s of KV |")
 
 
+def open_flashinfer(script: str, title: str):
+    """(flashinfer, a 256 MiB workspace) on the GPU, the report's heading emitted; None (said why) without a GPU or
+    flashinfer. The probes' common start."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU and flashinfer")
+        return None
+    from rlrepro.kernels.fast import flashinfer_module
+    fi = flashinfer_module()
+    if fi is None:
+        print("flashinfer does not import: carry .fi (scripts/make_fi_kit.sh)")
+        return None
+    emit(f"### {title} ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, flashinfer "
+         f"{getattr(fi, '__version__', '?')})")
+    emit("")
+    return fi, torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--no-bench", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_fa3_invariance.py needs a CUDA GPU and flashinfer")
+    opened = open_flashinfer("probe_fa3_invariance.py", "FA3 invariance")
+    if opened is None:
         return 1
-    from rlrepro.kernels.fast import flashinfer_module
-    fi = flashinfer_module()
-    if fi is None:
-        print("flashinfer does not import: carry .fi (scripts/make_fi_kit.sh)")
-        return 1
-    emit(f"### FA3 invariance ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, flashinfer "
-         f"{getattr(fi, '__version__', '?')})")
-    emit("")
-    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    fi, ws = opened
     res = bits(fi, ws, Case(LENS, (H, HKV, D), "cuda"))
     emit("")
     emit("Invariant (every check but the ragged kernel's): "

@@ -162,18 +162,10 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(RAGGED + PAGED))
     ap.add_argument("--no-bench", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_fa3_tiles.py needs a CUDA GPU and flashinfer")
+    opened = inv.open_flashinfer("probe_fa3_tiles.py", "FA3 tile variants")
+    if opened is None:
         return 1
-    from rlrepro.kernels.fast import flashinfer_module
-    fi = flashinfer_module()
-    if fi is None:
-        print("flashinfer does not import: carry .fi (scripts/make_fi_kit.sh)")
-        return 1
-    emit(f"### FA3 tile variants ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, flashinfer "
-         f"{getattr(fi, '__version__', '?')})")
-    emit("")
-    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    fi, ws = opened
     t0 = time.perf_counter()
     fi.BatchPrefillWithPagedKVCacheWrapper  # noqa: B018 - the stock module compiles at its first plan, below
     mods = {}
