@@ -10,25 +10,22 @@ import torch
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# safetensors dtype -> config torch_dtype name: the floating dtypes a checkpoint may hold
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def _stored_float_dtype(directory: Path) -> str | None:
-    """The dtype of the first floating tensor of the model directory's (first) safetensors file, as a config
-    ``torch_dtype`` name; None when there is no readable weights file or no such tensor."""
-    index = directory / "model.safetensors.index.json"
-    try:
-        if index.is_file():
-            first = sorted(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())[0]
-            files = [directory / first]
-        else:
-            single = directory / "model.safetensors"
-            files = [single] if single.is_file() else sorted(directory.glob("*.safetensors"))
-        from safetensors import safe_open
+    """The dtype of the first floating tensor of the model directory's first safetensors file (the files
+    loading reads, :func:`.checkpoint_io._weight_files`), as a config ``torch_dtype`` name; None when there is no
+    readable weights file or no such tensor."""
+    from safetensors import safe_open
 
-        with safe_open(str(files[0]), framework="pt", device="cpu") as h:
+    from .checkpoint_io import _weight_files  # it imports this module
+
+    try:
+        with safe_open(str(_weight_files(directory)[0]), framework="pt", device="cpu") as h:
             for name in h.keys():
-                dtype = _SAFETENSORS_DTYPES.get(h.get_slice(name).get_dtype())
+                dtype = SAFETENSORS_DTYPES.get(h.get_slice(name).get_dtype())
                 if dtype is not None:
                     return dtype
     except Exception:  # noqa: BLE001 - loading reports a missing or damaged weights file itself, with its fix

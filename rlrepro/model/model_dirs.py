@@ -36,7 +36,7 @@ from rlrepro._files import sha256_file
 
 from .base_model import BASE_MODEL_DIR
 from .checkpoint_io import fill_model, load_pretrained
-from .config import Qwen3Config
+from .config import SAFETENSORS_DTYPES, Qwen3Config
 from .qwen3 import Qwen3ForCausalLM
 
 __all__ = ["resolve_model_dir", "ResolvedModel", "ModelDirError", "load_resolved", "checkpoint_base"]
@@ -48,7 +48,7 @@ CHECKPOINT_WEIGHTS = "model.safetensors"
 CHECKPOINTS_DIR = "checkpoints"  # rlrepro.repro.records.CHECKPOINTS_DIR
 RUN_CONFIG = "config.yaml"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_SAFETENSORS_DTYPES = {k: getattr(torch, v) for k, v in SAFETENSORS_DTYPES.items()}
 
 ACCEPTS = ("an HF model directory (config.json, *.safetensors, tokenizer.json), an rlrepro run directory "
            "(config.yaml, checkpoints/: its newest complete checkpoint) or a checkpoint directory "
