@@ -118,30 +118,19 @@ def _quad_cols(x, R: tl.constexpr):
 
 
 @triton.jit
-def _add_piece(acc, x, R: tl.constexpr, ASM: tl.constexpr):
+def _add_piece(acc, scale, x, R: tl.constexpr, FIRST: tl.constexpr, ASM: tl.constexpr):
+    """The quad threads' sums ``acc`` [R, 4] after the piece ``x``'s eight columns each, one by one. ``FIRST``: how
+    the first column enters: 0 added to ``acc``; 1 it starts the sums (a row's first tile); 2 ``fma(acc, scale, c0)``
+    (a tile's first piece: the rescaled sum, fused with its first add as FA3's compiler does); 3 the same unfused."""
     c0, c1, c2, c3, c4, c5, c6, c7 = _quad_cols(x, R)
-    acc = _add(acc, c0, ASM)
-    acc = _add(acc, c1, ASM)
-    acc = _add(acc, c2, ASM)
-    acc = _add(acc, c3, ASM)
-    acc = _add(acc, c4, ASM)
-    acc = _add(acc, c5, ASM)
-    acc = _add(acc, c6, ASM)
-    acc = _add(acc, c7, ASM)
-    return acc
-
-
-@triton.jit
-def _start_piece(prev, scale, x, R: tl.constexpr, INIT: tl.constexpr, SUM_FMA: tl.constexpr, ASM: tl.constexpr):
-    """The quad threads' sums after a tile's first piece: its first column starts from the rescaled sum (INIT: from
-    nothing), the other seven follow one by one."""
-    c0, c1, c2, c3, c4, c5, c6, c7 = _quad_cols(x, R)
-    if INIT:
+    if FIRST == 1:
         acc = c0
-    elif SUM_FMA:
-        acc = _fma(prev, scale[:, None], c0, ASM)
+    elif FIRST == 2:
+        acc = _fma(acc, scale[:, None], c0, ASM)
+    elif FIRST == 3:
+        acc = _add(_mul(acc, scale[:, None], ASM), c0, ASM)
     else:
-        acc = _add(_mul(prev, scale[:, None], ASM), c0, ASM)
+        acc = _add(acc, c0, ASM)
     acc = _add(acc, c1, ASM)
     acc = _add(acc, c2, ASM)
     acc = _add(acc, c3, ASM)
@@ -211,9 +200,14 @@ def _tile(q, k_ptr, v_ptr, stride_kn, stride_vn, k_off, v_off, bt_row_ptr, block
     p_a = _exp_piece(sa, m_scaled, c, EXP_FMA, ASM)
     p_b = _exp_piece(sb, m_scaled, c, EXP_FMA, ASM)
     p_c = _exp_piece(sc, m_scaled, c, EXP_FMA, ASM)
-    l_new = _start_piece(l_prev, scale, p_a, R, INIT, SUM_FMA, ASM)
-    l_new = _add_piece(l_new, p_b, R, ASM)
-    l_new = _add_piece(l_new, p_c, R, ASM)
+    if INIT:
+        l_new = _add_piece(l_prev, scale, p_a, R, 1, ASM)
+    elif SUM_FMA:
+        l_new = _add_piece(l_prev, scale, p_a, R, 2, ASM)
+    else:
+        l_new = _add_piece(l_prev, scale, p_a, R, 3, ASM)
+    l_new = _add_piece(l_new, scale, p_b, R, 0, ASM)
+    l_new = _add_piece(l_new, scale, p_c, R, 0, ASM)
     va = _load_piece(v_ptr, stride_vn, v_off, bt_row_ptr, block_size, pa, kv_len, d, ASM)
     vb = _load_piece(v_ptr, stride_vn, v_off, bt_row_ptr, block_size, pb, kv_len, d, ASM)
     vc = _load_piece(v_ptr, stride_vn, v_off, bt_row_ptr, block_size, pc, kv_len, d, ASM)
