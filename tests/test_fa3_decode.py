@@ -164,11 +164,15 @@ def test_errors_name_the_shape():
 
 
 def test_scale_log2_is_rounded_as_fa3_rounds_it():
-    import numpy as np
+    """FA3 multiplies the float32 scale by the float32 log2(e) on the device: one float32 product (torch's float32
+    multiply here), which for some scales differs from the float64 product rounded once."""
     from rlrepro.kernels.triton_fa3_decode import scale_log2
-    c = scale_log2(128 ** -0.5)
-    assert c == float(np.float32(c))  # a float32 value
-    assert c == float(np.float32(np.float32(128 ** -0.5) * np.float32(math.log2(math.e))))
+
+    def device(scale):
+        return float(torch.tensor(scale, dtype=torch.float32) * torch.tensor(math.log2(math.e), dtype=torch.float32))
+    for scale in (128 ** -0.5, 64 ** -0.5, 0.01, 0.3):
+        assert scale_log2(scale) == device(scale)
+    assert device(0.01) != float(torch.tensor(0.01 * math.log2(math.e), dtype=torch.float32))  # the case tells
 
 
 def test_the_fa3_mode_decodes_on_it_at_head_size_128_only():
