@@ -15,35 +15,12 @@ from safetensors.torch import save_file
 from rlrepro._files import apply_default_mode
 
 from .config import Qwen3Config
+from .weight_files import weight_files
 from .qwen3 import Qwen3ForCausalLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ValueError(f"{index}: 'weight_map' must map tensor names to file names; the model directory is "
-                             "damaged: copy it again")
-        files = sorted({path / f for f in weight_map.values()})
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shards that are missing: {missing}")
-        return files
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    return files
 
 
 def model_dir_config(path: str | os.PathLike) -> tuple[Path, Qwen3Config]:
@@ -59,7 +36,7 @@ def iter_checkpoint_tensors(path: Path, config: Qwen3Config,
     """Walk every tensor of the model directory's safetensors files: yields (file, name, open safe_open handle)
     for each tensor a Qwen3ForCausalLM of ``config`` has (``names``), skipping a stored LM head of a tied model.
     An unreadable file or an unknown tensor name raises ValueError naming the file and the fix."""
-    for f in _weight_files(path):
+    for f in weight_files(path):
         try:
             handle = safe_open(str(f), framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .weight_files import weight_files
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -16,14 +18,12 @@ SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 def _stored_float_dtype(directory: Path) -> str | None:
     """The dtype of the first floating tensor of the model directory's first safetensors file (the files
-    loading reads, :func:`.checkpoint_io._weight_files`), as a config ``torch_dtype`` name; None when there is no
+    loading reads, :func:`.weight_files.weight_files`), as a config ``torch_dtype`` name; None when there is no
     readable weights file or no such tensor."""
     from safetensors import safe_open
 
-    from .checkpoint_io import _weight_files  # it imports this module
-
     try:
-        with safe_open(str(_weight_files(directory)[0]), framework="pt", device="cpu") as h:
+        with safe_open(str(weight_files(directory)[0]), framework="pt", device="cpu") as h:
             for name in h.keys():
                 dtype = SAFETENSORS_DTYPES.get(h.get_slice(name).get_dtype())
                 if dtype is not None:
