@@ -10,6 +10,7 @@ import torch
 from .weight_files import weight_files
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+QWEN3_DEFAULT_HEAD_DIM = 128  # transformers' Qwen3Config(head_dim=128): what a config.json without the key means
 
 
 # safetensors dtype -> config torch_dtype name: the floating dtypes a checkpoint may hold
@@ -105,7 +106,10 @@ class Qwen3Config:
         if missing:
             raise ValueError(f"config.json lacks required keys {missing}")
         kwargs = {k: raw.pop(k) for k in list(raw) if k in names}
-        for k in ("num_key_value_heads", "head_dim"):  # null means derived, as transformers reads it
+        # head_dim absent: transformers' Qwen3Config default, 128, not hidden_size // num_attention_heads (Qwen3
+        # decouples them: Qwen3-0.6B has 1024 / 16 = 64 but 128-wide heads); null: derived from the two
+        kwargs.setdefault("head_dim", QWEN3_DEFAULT_HEAD_DIM)
+        for k in ("num_key_value_heads", "head_dim"):  # null means derived
             if kwargs.get(k, 0) is None:
                 del kwargs[k]
         kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])

@@ -62,6 +62,24 @@ def _token_id(request: int, token: object, vocab: int) -> int:
     return value
 
 
+def _one_prompt(prompt: object) -> object:
+    """``add_request``'s prompt, refused with the fix when it is a batch (a list of lists, a 2-D tensor or array);
+    an iterator comes back as a list (it is read once)."""
+    ndim, kind = getattr(prompt, "ndim", None), type(prompt).__name__
+    if ndim is None and isinstance(prompt, Iterable) and not isinstance(prompt, (str, bytes)):
+        prompt = list(prompt)
+        nested = [t for t in prompt
+                  if isinstance(t, Iterable) and not isinstance(t, (str, bytes)) and getattr(t, "ndim", None) != 0]
+    else:
+        nested = [prompt] if ndim is not None and ndim >= 2 else []
+    if nested:
+        got = f"a {ndim}-D {kind}" if ndim is not None else f"a {kind} holding {type(nested[0]).__name__}s"
+        raise ValueError(f"add_request takes one prompt, a flat list of token ids, but got {got} (a batch of "
+                         "prompts?); queue several prompts with one add_request call each, or run them all at once "
+                         "with generate([prompt, ...])")
+    return prompt
+
+
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Engine {name} must be a positive integer, got {value!r}")
@@ -83,7 +101,8 @@ class Engine:
     (loaded with ``load_pretrained(path, device, dtype)``). KV-cache size: ``num_kv_blocks`` blocks, or as many
     as fit in ``kv_cache_memory_bytes``; by default on CUDA what is free after loading minus a reserve, on CPU
     enough for ``max_num_seqs`` full-length sequences up to 512 MiB. ``max_model_len`` defaults to the model's
-    ``max_position_embeddings``. ``enable_cuda_graphs`` (default: on for CUDA) captures decode steps.
+    ``max_position_embeddings`` and may not exceed it. ``enable_cuda_graphs`` (default: on for CUDA) captures
+    decode steps.
     ``fuse_projections`` (default: on for CUDA) stores each layer's q/k/v and gate/up weights as one tensor each
     (``Qwen3ForCausalLM.fuse_projections``: same parameters and values, bitwise the same results on CUDA).
     """
@@ -123,6 +142,13 @@ class Engine:
             "max_model_len", self.config.max_position_embeddings if max_model_len is None else max_model_len)
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {max_model_len}")
+        limit = self.config.max_position_embeddings
+        if self.max_model_len > limit:  # vLLM and SGLang refuse this too (they have an opt-in override; rlrepro none)
+            raise ValueError(f"Engine max_model_len={self.max_model_len} exceeds the model config's "
+                             f"max_position_embeddings={limit}: the model was not built for positions past {limit} "
+                             "and rlrepro has no RoPE scaling to stretch it; lower max_model_len "
+                             f"(rollout.max_model_len) to at most {limit}, or leave it None for the model's own "
+                             "length")
         self.vocab_size = self.config.vocab_size
         eos = self.config.eos_token_id
         eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
@@ -188,7 +214,11 @@ class Engine:
 
     @contextlib.contextmanager
     def _mode(self) -> Iterator[None]:
-        with kernels.mode("deterministic" if self.deterministic else "fast"):
+        """The kernel mode and, on CUDA, the engine's card as the current device: Triton launches, CUDA-graph
+        capture (its side stream) and the step's read-back event use the current device, which for
+        ``device="cuda:1"`` need not be the model's."""
+        on_card = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with on_card, kernels.mode("deterministic" if self.deterministic else "fast"):
             yield
 
     # ---- generation ---------------------------------------------------------------------------------------
@@ -222,6 +252,7 @@ class Engine:
         accepted in, as for ``generate``)."""
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"add_request takes one SamplingParams, got {type(sampling_params).__name__}")
+        prompt_token_ids = _one_prompt(prompt_token_ids)
         (prompt,), (params,) = self._validate([prompt_token_ids], [sampling_params or SamplingParams()],
                                               first_index=self.num_requests)  # errors name the id it would get
         seq = self._new_sequence(prompt, params)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 MAX_SEED = 2**63  # request seeds are 63-bit non-negative integers
@@ -10,6 +11,14 @@ MIN_TEMPERATURE = 1e-5  # below this logits / T may overflow float32; use 0 for 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_int(value: object) -> int | None:
+    """A token id as a Python int: ints and numpy integer scalars (``numbers.Integral``), as prompts take them;
+    None for anything else (bools, numpy bools, floats)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -55,11 +64,12 @@ class SamplingParams:
         if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
             raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids, got {stops!r}")
         stops = tuple(stops)
-        bad = [x for x in stops if not _is_int(x) or x < 0]
+        ids = tuple(_token_int(x) for x in stops)  # numpy integers become ints: the same request, record and hash
+        bad = [x for x, i in zip(stops, ids) if i is None or i < 0]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids must hold non-negative integer token ids; "
                              f"bad entries {bad!r}")
-        object.__setattr__(self, "stop_token_ids", stops)
+        object.__setattr__(self, "stop_token_ids", ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
         object.__setattr__(self, "temperature", float(t))
