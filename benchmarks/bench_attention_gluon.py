@@ -1,0 +1,193 @@
+"""The experimental warp-specialised Gluon forward (Hopper; rlrepro/kernels/gluon_attention_fwd.py) against the
+Triton forward: bits first, then speed. The work runs in a child process under ``--timeout`` seconds, because the
+kernel hung on the H100 (its module docstring says how far the diagnosis got); a hang is reported, not waited out.
+
+    python3 benchmarks/bench_attention_gluon.py [--out FILE.md] [--stages 2,3,4] [--no-bits] [--timeout 120]
+
+``GLW_VARIANT`` (``one``/``two``) and ``GLW_DBG`` pass through to the kernel (see its docstring).
+
+Bits: for packed batches of ragged sequences (lengths at and around the 64-position KV tiles and the 128-row
+tiles, a 1-token sequence, a long one), GQA 4 and 8 and MHA, head sizes 128 and 64, the Gluon output and float32
+lse are ``torch.equal`` to the Triton kernel's under both prefill configs ("large" and "long"); a sequence alone
+gives the same bits as in the batch.
+
+Speed (``triton.testing.do_bench`` medians, L2 flushed, one process): Qwen3-8B heads (H=32, Hkv=8, D=128, bf16),
+causal, packed: 4 x 2048, 2 x 8192, 1 x 16384 and 16 x 1024; the Gluon kernel at each ``--stages``, the Triton
+"long" tile, flashinfer's FA3 ragged prefill (when it imports) and SDPA's flash forward; TFLOP/s and ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from _report import bench, emit, write  # noqa: E402
+
+from rlrepro.kernels import AttentionMetadata  # noqa: E402
+from rlrepro.kernels import gluon_attention_fwd as G  # noqa: E402
+from rlrepro.kernels import triton_attention_fwd as A  # noqa: E402
+
+H, HKV, D = 32, 8, 128
+SHAPES = ((4, 2048), (2, 8192), (1, 16384), (16, 1024))
+BIT_LENS = ([300, 129, 1, 77, 2000, 64, 65, 128, 127, 33], [4096, 17, 511, 512, 513])
+
+
+def gluon_fwd(q, k, v, meta, scale, return_lse=False):
+    """The Gluon kernel on a packed call, as ``attention_fwd`` would schedule its 128-row tile."""
+    n, h, d = q.shape
+    group = h // k.shape[1]
+    group_p = 1 << (group - 1).bit_length()
+    gq = G.CONSUMERS * G.ROWS // group_p
+    out = torch.empty_like(q)
+    lse = torch.zeros((n, h), device=q.device, dtype=torch.float32) if return_lse else None
+    cu = meta.cu_seqlens_q
+    sched = A._device_schedule(cu, meta.num_seqs, n, gq)
+    G.attention_fwd_gluon(q, k, v, cu, meta.seq_lens, sched, scale, group, group_p, gq, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def rnd(*shape, gen, scale=1.0):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * scale
+
+
+def smoke(gen) -> None:
+    """One small call of each kernel, timed with its compile, so that a hang or a slow compile shows where."""
+    lens = [300, 77]
+    q, k, v = rnd(sum(lens), 32, 128, gen=gen), rnd(sum(lens), 8, 128, gen=gen), rnd(sum(lens), 8, 128, gen=gen)
+    meta = AttentionMetadata.packed(lens, device="cuda")
+    for name, fn in (("triton", A.attention_fwd), ("gluon", gluon_fwd)):
+        t0 = time.time()
+        fn(q, k, v, meta, 0.09)
+        torch.cuda.synchronize()
+        emit(f"smoke: {name} first call (with its compile) {time.time() - t0:.1f} s")
+
+
+def bits(gen) -> None:
+    for lens in BIT_LENS:
+        for h, hkv, d in ((32, 8, 128), (32, 4, 128), (16, 16, 128), (32, 8, 64)):
+            n = sum(lens)
+            q, k, v = rnd(n, h, d, gen=gen, scale=2.0), rnd(n, hkv, d, gen=gen, scale=2.0), rnd(n, hkv, d, gen=gen)
+            meta = AttentionMetadata.packed(lens, device="cuda")
+            for cname in ("large", "long"):
+                cfg = A.ATTENTION_CONFIGS[cname]
+                if cfg.rows > 128 and d > A.LONG_MAX_HEAD_DIM:
+                    continue
+                og, lg = gluon_fwd(q, k, v, meta, d ** -0.5, return_lse=True)
+                ot, lt = A.attention_fwd(q, k, v, meta, d ** -0.5, config=cfg, return_lse=True)
+                ok = torch.equal(og, ot) and torch.equal(lg, lt)
+                diff = (og.float() - ot.float()).abs().max().item()
+                emit(f"| {lens[:4]}... | {h}/{hkv}/{d} | {cname} | {'equal' if ok else f'DIFFERS ({diff:.3g})'} |")
+        # one sequence alone vs in the batch
+        q, k, v = rnd(sum(lens), 32, 128, gen=gen), rnd(sum(lens), 8, 128, gen=gen), rnd(sum(lens), 8, 128, gen=gen)
+        full = gluon_fwd(q, k, v, AttentionMetadata.packed(lens, device="cuda"), 0.09)
+        i, s0 = 4 if len(lens) > 4 else 0, sum(lens[:4]) if len(lens) > 4 else 0
+        sl = slice(s0, s0 + lens[i])
+        alone = gluon_fwd(q[sl], k[sl], v[sl], AttentionMetadata.packed([lens[i]], device="cuda"), 0.09)
+        emit(f"| alone len {lens[i]} | 32/8/128 | auto | {'equal' if torch.equal(alone, full[sl]) else 'DIFFERS'} |")
+
+
+def tflops(batch: int, length: int, ms: float) -> float:
+    return 4.0 * batch * H * D * length * length / 2 / (ms * 1e-3) / 1e12
+
+
+def timings(gen, stages: list[int], fi) -> list[str]:
+    rows = []
+    scale = D ** -0.5
+    for batch, length in SHAPES:
+        n = batch * length
+        q, k, v = rnd(n, H, D, gen=gen), rnd(n, HKV, D, gen=gen), rnd(n, HKV, D, gen=gen)
+        meta = AttentionMetadata.packed([length] * batch, "cuda")
+        long = A.ATTENTION_CONFIGS["long"]
+        res = {}
+        res["triton long"] = bench(lambda: A.attention_fwd(q, k, v, meta, scale, config=long))
+        base_stages = G.STAGES
+        try:
+            for st in stages:
+                G.STAGES = st
+                res[f"gluon s{st}"] = bench(lambda: gluon_fwd(q, k, v, meta, scale))
+        finally:
+            G.STAGES = base_stages
+        qd, kd, vd = (t.view(batch, length, -1, D).transpose(1, 2) for t in (q, k, v))
+        res["SDPA"] = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale,
+                                                                   enable_gqa=True))
+        if fi is not None:
+            try:
+                indptr = torch.arange(0, n + 1, length, dtype=torch.int32, device="cuda")
+                ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+                w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+                w.plan(indptr, indptr, H, HKV, D, causal=True, sm_scale=scale, q_data_type=torch.bfloat16)
+                res["FA3"] = bench(lambda: w.run(q, k, v))
+            except Exception as e:  # noqa: BLE001 - report and go on
+                emit(f"flashinfer FA3 failed: {type(e).__name__}: {e}")
+        fa3 = res.get("FA3")
+        for name, ms in res.items():
+            ratio = f"{fa3 / ms:.3f}" if fa3 else "-"
+            rows.append(f"| {batch} x {length} | {name} | {ms:.4f} | {tflops(batch, length, ms):.0f} | {ratio} |")
+    return rows
+
+
+def child(args) -> int:
+    try:
+        import flashinfer as fi
+    except Exception:  # noqa: BLE001
+        fi = None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    emit(f"### Gluon forward vs Triton ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
+         f"flashinfer {'absent' if fi is None else fi.__version__}, GLW_VARIANT={os.environ.get('GLW_VARIANT', 'one')}"
+         f", GLW_DBG={os.environ.get('GLW_DBG', '0')})")
+    smoke(gen)
+    if not args.no_bits:
+        emit("| lens | H/Hkv/D | config | gluon vs triton (out and lse) |")
+        emit("|---|---|---|---|")
+        bits(gen)
+    emit("| shape | kernel | ms | TFLOP/s | FA3 / this |")
+    emit("|---|---|---:|---:|---:|")
+    for line in timings(gen, [int(s) for s in args.stages.split(",") if s], fi):
+        emit(line)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--stages", default="2,3,4")
+    ap.add_argument("--no-bits", action="store_true")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole child run")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not G.HAVE_GLUON:
+        print("bench_attention_gluon: needs a Hopper GPU and Triton with Gluon")
+        return 1
+    if args.child:
+        return child(args)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--stages", args.stages]
+    cmd += ["--no-bits"] if args.no_bits else []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    try:
+        out, _ = proc.communicate(timeout=args.timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        rc = None
+    for line in out.splitlines():
+        emit(line)
+    if rc is None:
+        emit(f"**TIMEOUT**: the child ran past {args.timeout:.0f} s and was killed (the kernel hung?)")
+    elif rc:
+        emit(f"**FAILED**: the child exited {rc} after {time.time() - t0:.0f} s")
+    write(args.out)
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

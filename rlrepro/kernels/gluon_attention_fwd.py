@@ -1,0 +1,317 @@
+"""EXPERIMENTAL, NOT USED: the batch-invariant attention forward for Hopper, warp-specialised, in Gluon (Triton's
+explicit-layout language, Triton 3.6's API). Nothing in rlrepro calls it; ``benchmarks/bench_attention_gluon.py``
+does, in a child process with a time limit, because **on the H100 (Triton 3.6, torch 2.11+cu130) it hangs**.
+
+Why it exists (issue #27): Triton 3.6 cannot warp-specialise the ``tl`` forward for sm_90 (its ``warp_specialize``
+pass fails there), and that is most of what FlashAttention-3 has over it. Gluon states partitions, barriers and
+wgmma layouts itself:
+
+- a **producer** partition streams the KV tiles of one KV head by TMA into a ring of ``STAGES`` shared-memory
+  stages (K and V with their own "ready" barriers);
+- **consumer** warpgroups (64 rows each) run the online softmax on the tiles in order and release a stage when all
+  of them are done with it.
+
+The arithmetic is :func:`.triton_attention_fwd._attn_fwd_kernel`'s, operation for operation, in the same layouts:
+64-position KV tiles from position 0; ``s = qk * scale`` (masked ``-inf`` past a row's position in the diagonal
+tiles); ``m = max(m, rowmax s)``; ``p = exp2(s - m)``; ``alpha = exp2(m_old - m)``; ``l = l * alpha + rowsum p``;
+``acc = p.bf16 @ V + acc * alpha`` on the tensor cores; ``out = acc / l``, ``lse = m + log2 l``; no multiply-add
+contraction. A row is ``(query, head of the GQA group)`` as there. The sm_90a PTX has the Triton kernel's float
+instructions (``ex2.approx.ftz.f32``, ``div.full.f32``, FMAs only inside ``log2``).
+
+What the H100 showed (2026-12-05, twenty-sixth session; docs/BENCHMARKS.md "A warp-specialised forward in Gluon"):
+with the consumers *not* waiting on the K/V "ready" barriers (``GLW_DBG=2``) the kernel finishes and its output is
+``torch.equal`` to the Triton kernel's (one 64-token sequence, 32/8 heads, D = 128). With the waits, every layout
+tried hangs: two 4-warp consumer partitions with the producer as the default partition (``GLW_VARIANT=two``), one
+8-warp consumer as the default partition with a 1- or 4-warp producer (``one``), K and V on one barrier
+(``GLW_DBG=16``), D = 64 (one TMA message a tile), a fence after the barriers' init (``GLW_DBG=128``). The producer
+itself waiting on the same barriers after issuing (``GLW_DBG=64``) returns, so the TMA completes the phase; the
+consumers' wait on that phase still hangs (``GLW_DBG=64`` alone). ``GLW_DBG`` bits: 1 the producer skips the
+"empty" wait; 2 the consumers skip the "ready" waits; 8 half the expected bytes; 16 K and V on the K barrier; 64
+the producer waits on its own loads; 128 a proxy fence after the barriers' init.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+try:  # Gluon and its Hopper namespace (Triton >= 3.5)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - Triton without Gluon
+    HAVE_GLUON = False
+
+ROWS = 64  # query rows of a consumer warpgroup: wgmma's M
+BLOCK_KV = 64  # the KV positions of one online-softmax step (the fixed order; triton_attention_fwd.BLOCK_KV)
+CONSUMERS = 2
+STAGES = 3
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+LOG2E = 1.4426950408889634
+
+
+def gluon_supported(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, paged: bool) -> bool:
+    """Whether :func:`attention_fwd_gluon` could serve this call (the benchmark's guard; nothing else calls it)."""
+    if not HAVE_GLUON or paged or not q.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    d = q.shape[-1]
+    if q.dtype not in (torch.bfloat16, torch.float16) or d not in (64, 128):
+        return False
+    for t in (k_flat, v_flat):
+        if (t.dtype != q.dtype or t.shape[-1] != d or t.stride(2) != 1 or t.stride(1) != d
+                or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16):
+            return False
+    return q.stride(-1) == 1
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _program(prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: gl.constexpr,
+                 BLOCK_KV_: gl.constexpr):
+        """This program's sequence (-1: none), first query, packed row, query count, first position, and its
+        number of KV tiles and of tiles that need no causal mask (as in the Triton kernel)."""
+        pid = gl.program_id(0)
+        seq = gl.load(prog_seq_ptr + pid)
+        seq_c = gl.maximum(seq, 0)
+        q0 = gl.load(prog_q0_ptr + pid)
+        cu0 = gl.load(cu_ptr + seq_c)
+        q_len = gl.load(cu_ptr + seq_c + 1) - cu0
+        kv_len = gl.load(seq_lens_ptr + seq_c)
+        first_pos = kv_len - q_len
+        last_pos = first_pos + gl.minimum(q0 + BLOCK_Q, q_len) - 1
+        n_tiles = last_pos // BLOCK_KV_ + 1
+        n_full = gl.minimum((first_pos + q0 + 1) // BLOCK_KV_, n_tiles)
+        n_tiles = gl.where(seq >= 0, n_tiles, 0).to(gl.int32)  # stage indices must be int32 (seq_lens may be int64)
+        return seq, q0, cu0, q_len, first_pos, n_tiles, n_full.to(gl.int32)
+
+    @gluon.jit
+    def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr, cu_ptr,
+                  seq_lens_ptr, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr, D: gl.constexpr,
+                  NSTAGE: gl.constexpr, DBG: gl.constexpr):
+        hk = gl.program_id(1)
+        seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(prog_seq_ptr, prog_q0_ptr, cu_ptr,
+                                                                   seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+        for t in range(n_tiles):
+            st = t % NSTAGE
+            ph = (t // NSTAGE) & 1
+            if DBG & 1 == 0:
+                mbarrier.wait(kv_empty.index(st), ph ^ 1)  # a fresh barrier passes phase 1: the first round is free
+            row = (cu0 + t * BLOCK_KV_).to(gl.int32)  # TMA coordinates are 32-bit
+            if DBG & 16 != 0:
+                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            elif DBG & 8 == 0:
+                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes // 2)
+            tma.async_copy_global_to_shared(k_desc, [row, (hk * D).to(gl.int32)], k_ready.index(st), k_bufs.index(st))
+            if DBG & 16 != 0:
+                tma.async_copy_global_to_shared(v_desc, [row, (hk * D).to(gl.int32)], k_ready.index(st),
+                                                v_bufs.index(st))
+            else:
+                if DBG & 8 == 0:
+                    mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes // 2)
+                tma.async_copy_global_to_shared(v_desc, [row, (hk * D).to(gl.int32)], v_ready.index(st),
+                                                v_bufs.index(st))
+            if DBG & 64 != 0:
+                mbarrier.wait(k_ready.index(st), ph)
+                mbarrier.wait(v_ready.index(st), ph)
+
+    @gluon.jit
+    def _softmax_step(t, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pos, qk_scale,
+                      MASKED: gl.constexpr, NR: gl.constexpr, NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr,
+                      qk_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, DBG: gl.constexpr):
+        st = t % NSTAGE
+        ph = (t // NSTAGE) & 1
+        if DBG & 2 == 0:
+            mbarrier.wait(k_ready.index(st), ph)
+        zero = gl.zeros([NR, BLOCK_KV_], gl.float32, qk_layout)
+        qk = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero, use_acc=False)
+        if MASKED:
+            j = t * BLOCK_KV_ + gl.arange(0, BLOCK_KV_, layout=gl.SliceLayout(0, qk_layout))
+            s = gl.where(j[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
+        else:
+            s = qk * qk_scale
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        p = gl.exp2(s - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+        if DBG & 18 == 0:
+            mbarrier.wait(v_ready.index(st), ph)
+        acc = warpgroup_mma(pb, v_bufs.index(st), acc)
+        mbarrier.arrive(kv_empty.index(st), count=1)
+        return m_new, l_i, acc
+
+    @gluon.jit
+    def _consumer(q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
+                  prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
+                  CID: gl.constexpr, NR: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
+                  BLOCK_Q: gl.constexpr,
+                  BLOCK_KV_: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr, WRITE_LSE: gl.constexpr,
+                  DBG: gl.constexpr, NW: gl.constexpr = 4):
+        qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                            instr_shape=[16, BLOCK_KV_, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [NW, 1], [1, 0])
+        hk = gl.program_id(1)
+        seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(prog_seq_ptr, prog_q0_ptr, cu_ptr,
+                                                                   seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+        # this warpgroup's query rows: row r of the program's tile is query q0 + r // GROUP_P, head g = r % GROUP_P
+        r = CID * NR + gl.arange(0, NR, layout=gl.SliceLayout(1, ld_layout))
+        qi = q0 + r // GROUP_P
+        g = r % GROUP_P
+        row_ok = (qi < q_len) & (g < GROUP)
+        tok = (cu0 + qi).to(gl.int64)
+        head = (hk * GROUP + g).to(gl.int64)
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        q = gl.load(q_ptr + tok[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        q_smem = q_bufs.index(CID)
+        q_smem.store(q)
+        fence_async_shared()
+        if DBG & 4 == 0:
+            gl.thread_barrier()
+
+        row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
+        rs = CID * NR + gl.arange(0, NR, layout=row_s)
+        pos = first_pos + gl.minimum(q0 + rs // GROUP_P, q_len - 1)  # padding rows borrow a real position
+        m_i = gl.full([NR], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([NR], gl.float32, row_s)
+        acc = gl.zeros([NR, D], gl.float32, o_layout)
+        for t in range(0, n_full):
+            m_i, l_i, acc = _softmax_step(t, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                          pos, qk_scale, False, NR, NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout,
+                                          DBG)
+        for t in range(n_full, n_tiles):
+            m_i, l_i, acc = _softmax_step(t, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                          pos, qk_scale, True, NR, NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout,
+                                          DBG)
+        if seq >= 0:
+            row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+            out = acc / gl.convert_layout(l_i, row_o)[:, None]
+            ro = CID * NR + gl.arange(0, NR, layout=row_o)
+            qo = q0 + ro // GROUP_P
+            go = ro % GROUP_P
+            ok_o = (qo < q_len) & (go < GROUP)
+            do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            o_off = (cu0 + qo).to(gl.int64)[:, None] * stride_on + (hk * GROUP + go).to(gl.int64)[:, None] * stride_oh
+            gl.store(o_ptr + o_off + do[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
+            if WRITE_LSE:
+                qs = q0 + rs // GROUP_P
+                gs = rs % GROUP_P
+                ok_s = (qs < q_len) & (gs < GROUP)
+                l_off = (cu0 + qs).to(gl.int64) * stride_ln + (hk * GROUP + gs).to(gl.int64)
+                gl.store(lse_ptr + l_off, m_i + gl.log2(l_i), mask=ok_s)
+
+    @gluon.jit
+    def _attn_fwd_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
+                            stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
+                            q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
+                            BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
+                            WRITE_LSE: gl.constexpr, NR: gl.constexpr, CREGS: gl.constexpr,
+                            DBG: gl.constexpr):
+        BKV: gl.constexpr = k_desc.block_type.shape[0]
+        q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, NR, D], q_smem_layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE, BKV, D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE, BKV, D], v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NSTAGE):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+        if DBG & 128 != 0:
+            fence_async_shared()
+            gl.thread_barrier()
+        gl.warp_specialize([
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
+                         cu_ptr, seq_lens_ptr, BLOCK_Q, BKV, D, NSTAGE, DBG)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
+                         prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln,
+                         qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
+                         prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln,
+                         qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG)),
+        ], [4, 4], [CREGS, CREGS])
+
+
+    @gluon.jit
+    def _attn_fwd_ws1_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
+                             stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
+                             q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
+                             BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
+                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, PREGS: gl.constexpr, DBG: gl.constexpr,
+                             PW: gl.constexpr):
+        """One consumer partition (the default one, all ``num_warps`` warps: NR rows) and a 1-warp TMA producer."""
+        BKV: gl.constexpr = k_desc.block_type.shape[0]
+        q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [1, NR, D], q_smem_layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE, BKV, D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE, BKV, D], v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NSTAGE):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=1)
+        gl.warp_specialize([
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
+                         prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln,
+                         qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG, gl.num_warps())),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
+                         cu_ptr, seq_lens_ptr, BLOCK_Q, BKV, D, NSTAGE, DBG)),
+        ], [PW], [PREGS])
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    n, hkv, d = t.shape
+    dt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], dt)
+    return TensorDescriptor(t, [n, hkv * d], [t.stride(0), 1], [rows, d], layout)
+
+
+def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, cu: torch.Tensor,
+                        seq_lens: torch.Tensor, schedule, scale: float, group: int, group_p: int, block_q: int,
+                        out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """Run the warp-specialised forward into ``out`` (and ``lse``), given ``_device_schedule``'s slot table for
+    tiles of ``block_q`` queries (``block_q * group_p == CONSUMERS * ROWS``)."""
+    n, h, d = q.shape
+    hkv = k_flat.shape[1]
+    if block_q * group_p != CONSUMERS * ROWS:
+        raise ValueError(f"gluon attention: a tile of {block_q} x {group_p} rows is not {CONSUMERS} x {ROWS}")
+    g_slots, prog_seq, prog_q0 = schedule
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    if os.environ.get("GLW_VARIANT", "one") == "one":
+        _attn_fwd_ws1_kernel[(g_slots, hkv)](
+            q, _descriptor(k_flat, BLOCK_KV), _descriptor(v_flat, BLOCK_KV), out, lse if lse is not None else out,
+            prog_seq, prog_q0, cu, seq_lens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            h if lse is not None else 0, float(scale) * LOG2E,
+            gl.NVMMASharedLayout.get_default_for([CONSUMERS * ROWS, d], dt), group, group_p, block_q, d, STAGES,
+            lse is not None, CONSUMERS * ROWS, PRODUCER_REGS, int(os.environ.get("GLW_DBG", "0")),
+            int(os.environ.get("GLW_PW", "4")),
+            num_warps=4 * CONSUMERS, maxnreg=int(os.environ.get("GLW_MAXNREG", "0")) or
+            (CONSUMERS * 4 * CONSUMER_REGS + 4 * PRODUCER_REGS) // (4 * (CONSUMERS + 1)), enable_fp_fusion=False)
+        return
+    _attn_fwd_ws_kernel[(g_slots, hkv)](
+        q, _descriptor(k_flat, BLOCK_KV), _descriptor(v_flat, BLOCK_KV), out, lse if lse is not None else out,
+        prog_seq, prog_q0, cu, seq_lens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        h if lse is not None else 0, float(scale) * LOG2E,
+        gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), group, group_p, block_q, d, STAGES, lse is not None,
+        ROWS, CONSUMER_REGS, int(os.environ.get("GLW_DBG", "0")),
+        num_warps=4, maxnreg=int(os.environ.get("GLW_MAXNREG", "0")) or
+        (CONSUMERS * 4 * CONSUMER_REGS + 4 * PRODUCER_REGS) // (4 * (CONSUMERS + 1)),
+        enable_fp_fusion=False)
