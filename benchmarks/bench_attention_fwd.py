@@ -27,12 +27,11 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from _report import bench, emit, write  # noqa: E402
+from _report import bench, causal_references, emit, write  # noqa: E402
 
 from rlrepro.kernels import AttentionMetadata  # noqa: E402
 from rlrepro.kernels import triton_attention_fwd as A  # noqa: E402
@@ -114,23 +113,12 @@ def timings(large: A.AttentionConfig, gen) -> dict[str, float]:
 
 
 def references(gen, fi) -> dict[str, float]:
-    scale = D ** -0.5
     row = {}
     for batch, length in ((4, 2048), (1, 16384)):
         n = batch * length
         q, k, v = rnd(n, H, D, gen=gen), rnd(n, HKV, D, gen=gen), rnd(n, HKV, D, gen=gen)
-        qd, kd, vd = (t.view(batch, length, -1, D).transpose(1, 2) for t in (q, k, v))
-        row[f"SDPA {batch}x{length}"] = bench(lambda: F.scaled_dot_product_attention(
-            qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True))
-        if fi is not None:
-            try:
-                indptr = torch.arange(0, n + 1, length, dtype=torch.int32, device="cuda")
-                ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-                w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
-                w.plan(indptr, indptr, H, HKV, D, causal=True, sm_scale=scale, q_data_type=torch.bfloat16)
-                row[f"FA3 {batch}x{length}"] = bench(lambda: w.run(q, k, v))
-            except Exception as e:  # noqa: BLE001 - report and go on
-                emit(f"flashinfer FA3 failed: {type(e).__name__}: {e}")
+        for name, ms in causal_references(q, k, v, batch, length, D ** -0.5, fi).items():
+            row[f"{name} {batch}x{length}"] = ms
     return row
 
 

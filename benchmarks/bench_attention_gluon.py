@@ -24,12 +24,11 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from _report import bench, emit, write  # noqa: E402
+from _report import bench, causal_references, emit, write  # noqa: E402
 
 from rlrepro.kernels import AttentionMetadata  # noqa: E402
 from rlrepro.kernels import gluon_attention_fwd as G  # noqa: E402
@@ -115,18 +114,7 @@ def timings(gen, stages: list[int], fi) -> list[str]:
                 res[f"gluon s{st}"] = bench(lambda: gluon_fwd(q, k, v, meta, scale))
         finally:
             G.STAGES = base_stages
-        qd, kd, vd = (t.view(batch, length, -1, D).transpose(1, 2) for t in (q, k, v))
-        res["SDPA"] = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale,
-                                                                   enable_gqa=True))
-        if fi is not None:
-            try:
-                indptr = torch.arange(0, n + 1, length, dtype=torch.int32, device="cuda")
-                ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-                w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
-                w.plan(indptr, indptr, H, HKV, D, causal=True, sm_scale=scale, q_data_type=torch.bfloat16)
-                res["FA3"] = bench(lambda: w.run(q, k, v))
-            except Exception as e:  # noqa: BLE001 - report and go on
-                emit(f"flashinfer FA3 failed: {type(e).__name__}: {e}")
+        res.update(causal_references(q, k, v, batch, length, scale, fi))
         fa3 = res.get("FA3")
         for name, ms in res.items():
             ratio = f"{fa3 / ms:.3f}" if fa3 else "-"

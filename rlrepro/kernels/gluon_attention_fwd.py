@@ -217,14 +217,11 @@ if HAVE_GLUON:
                 gl.store(lse_ptr + l_off, m_i + gl.log2(l_i), mask=ok_s)
 
     @gluon.jit
-    def _attn_fwd_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
-                            stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
-                            q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
-                            BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
-                            WRITE_LSE: gl.constexpr, NR: gl.constexpr, CREGS: gl.constexpr,
-                            DBG: gl.constexpr):
+    def _stages(k_desc, v_desc, NSTAGE: gl.constexpr, N_CONSUMERS: gl.constexpr):
+        """The K/V ring (``NSTAGE`` tiles of each) and its barriers: K and V "ready" (one TMA arrival each) and
+        "empty" (one arrival per consumer partition), initialised."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
-        q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, NR, D], q_smem_layout)
+        D: gl.constexpr = k_desc.block_type.shape[1]
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE, BKV, D], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE, BKV, D], v_desc.layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
@@ -233,7 +230,19 @@ if HAVE_GLUON:
         for i in gl.static_range(NSTAGE):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)
+            mbarrier.init(kv_empty.index(i), count=N_CONSUMERS)
+        return k_bufs, v_bufs, k_ready, v_ready, kv_empty
+
+    @gluon.jit
+    def _attn_fwd_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
+                            stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
+                            q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
+                            BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
+                            WRITE_LSE: gl.constexpr, NR: gl.constexpr, CREGS: gl.constexpr,
+                            DBG: gl.constexpr):
+        BKV: gl.constexpr = k_desc.block_type.shape[0]
+        q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, NR, D], q_smem_layout)
+        k_bufs, v_bufs, k_ready, v_ready, kv_empty = _stages(k_desc, v_desc, NSTAGE, 2)
         if DBG & 128 != 0:
             fence_async_shared()
             gl.thread_barrier()
@@ -248,7 +257,6 @@ if HAVE_GLUON:
                          qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG)),
         ], [4, 4], [CREGS, CREGS])
 
-
     @gluon.jit
     def _attn_fwd_ws1_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
                              stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
@@ -259,15 +267,7 @@ if HAVE_GLUON:
         """One consumer partition (the default one, all ``num_warps`` warps: NR rows) and a 1-warp TMA producer."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [1, NR, D], q_smem_layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE, BKV, D], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE, BKV, D], v_desc.layout)
-        k_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NSTAGE):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=1)
+        k_bufs, v_bufs, k_ready, v_ready, kv_empty = _stages(k_desc, v_desc, NSTAGE, 1)
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
                          prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln,
