@@ -4,7 +4,7 @@ rlrepro: GRPO reinforcement learning for LLMs, bitwise reproducible. Commands:
 
   train     recipe=NAME [key=value ...]       run a recipe; hydra overrides follow, --cfg prints the config
   diff      RUN_A RUN_B [--json] [--strict]   compare two runs: exit 0 identical, 1 diverged, 2 error
-  verify    RUN [--from-step K] [--steps N]   re-execute recorded steps and diff them against the record
+  verify    RUN [--from-step K] [--steps N]   re-execute recorded steps, diff them: exit as diff, 3 re-execution failed
   show      RUN [--step K] [--n 8]            print a step's prompts, completions, rewards and advantages
   plot      RUN [RUN ...] [--out DIR]         PNG overlays of the runs' curves, first divergence marked
   generate  [--model DIR] [--prompt TEXT]     sample from a model, a run or a checkpoint (tiny model by default)

@@ -70,9 +70,10 @@ def test_verify_ends_a_failed_reexecution_with_a_message(tmp_path, monkeypatch, 
                         step=1, checkpoint=None, cause=FloatingPointError())
 
     monkeypatch.setattr(driver_mod.GRPODriver, "run", fail)
-    assert main(["verify", str(run)]) == 1
+    assert main(["verify", str(run)]) == 3  # a failed re-execution, not a divergence (1)
     err = capsys.readouterr().err
-    assert "rlrepro verify: step 1 failed: FloatingPointError" in err and "Traceback" not in err
+    assert "rlrepro verify: the re-execution failed" in err and "step 1 failed: FloatingPointError" in err
+    assert "Traceback" not in err
 
 
 def test_verify_refuses_zero_steps_saying_so(tmp_path, capsys):

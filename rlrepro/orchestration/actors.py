@@ -48,6 +48,7 @@ class ActorGroup:
     step's ``generate``); then :class:`~.errors.RolloutWorkerLost`. The trainer is not replaced: its state is the
     run's state, and a run whose trainer died resumes from its last checkpoint (``run.resume=true``).
     """
+    _owns_ray = False  # whether this group started the (local) Ray it runs on: only then does shutdown stop it
 
     def __init__(self, cfg, model_dir: str) -> None:
         """``cfg``: the run's typed config (:class:`~.config.RunSchema`)."""
@@ -55,7 +56,9 @@ class ActorGroup:
         self.workers: list = []
         self.trainers: list = []
         self._placements: list = []
-        start_ray(cfg.ray.address, cfg.ray.num_cpus)  # before anything imports ray: it reads its settings then
+        # before anything imports ray: it reads its settings then. A Ray the caller had initialised is not ours
+        # to shut down (False); a local one this call started is (and a joined cluster is left as it is)
+        self._owns_ray = start_ray(cfg.ray.address, cfg.ray.num_cpus) and is_local(cfg.ray.address)
         import ray
 
         self._ray = ray
@@ -399,6 +402,17 @@ class ActorGroup:
         loads = {i: self._call(i, "load_weights", ref, version) for i in range(len(self.workers))}
         return self._gather(loads, lambda i: None, "weight sync", version, ref)
 
+    def optimizer_state_digest(self) -> str | None:
+        """``optimizer_state_digest`` of the trainer's optimizer state (float32 masters, AdamW moments): rank 0's,
+        or with train.distributed_optimizer every rank's share merged; None when not fingerprinted (megatron)."""
+        from rlrepro.repro.fingerprint import optimizer_state_digest
+
+        ranks = self.trainers if self.cfg.train.distributed_optimizer else [self.trainer]
+        shares = self.get([t.optimizer_state_digests.remote() for t in ranks])
+        if any(share is None for share in shares):
+            return None
+        return optimizer_state_digest({name: d for share in shares for name, d in share.items()})
+
     def save_checkpoint(self, ckpt_root: str, step: int, extra: dict, keep_last: int) -> str:
         # default backend: every rank holds the same state, rank 0 writes it; megatron: a collective (the
         # shards are gathered and one rank writes)
@@ -430,8 +444,10 @@ class ActorGroup:
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
         self._placements = []
-        if is_local(self.cfg.ray.address) and self._ray.is_initialized():  # "local" and "" start one too
+        # only a Ray this group started ("local" and "" start one too); a caller's Ray stays up for the caller
+        if self._owns_ray and self._ray.is_initialized():
             self._ray.shutdown()
+            self._owns_ray = False
 
 
 def _why(error: BaseException, limit: int = 600) -> str:

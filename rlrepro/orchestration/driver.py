@@ -159,6 +159,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             train_metrics = self.train(step, samples)
             t("train")
         weights_digest = self.actors.sync_weights(version=step)
+        optimizer_state = self.actors.optimizer_state_digest()  # what the weights do not show (float32 masters)
         t("sync")
         t_eval = time.perf_counter()  # eval.every: on the engines, with the weights of this step
         eval_metrics = self.evaluator(self.actors, step) if self.evaluator is not None else {}
@@ -170,7 +171,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         metrics.update(perf_memory_metrics(cfg, train_metrics, t.times["train"], self.actors.memory_stats()))
         if eval_metrics:
             metrics.update(eval_metrics, **{"perf/eval_s": t_eval})
-        self.log.record_step(step, samples, metrics, train_metrics, weights_digest)
+        self.log.record_step(step, samples, metrics, train_metrics, weights_digest, optimizer_state=optimizer_state)
         return metrics
 
     def compute_advantages(self, samples: list[Sample]) -> None:

@@ -5,8 +5,10 @@ imports this module unless ``RLREPRO_FAULTS`` is set (:func:`actor_group_class`)
 ==========================  =========================================================================================
 kind                        what happens
 ==========================  =========================================================================================
-``kill_worker``             ``at`` ``"generate"`` (after the step's requests are dealt) or ``"sync"`` (after the
-                            weights are sent): rollout worker ``worker`` (default 0) is ended after ``delay_s``
+``kill_worker``             ``at`` ``"generate"`` (after the step's requests are dealt), ``"sync"`` (after the
+                            weights are sent) or ``"join"`` (``rollout.weight_sync=collective``: as the worker's
+                            join of the weight-sync group is submitted, after the sync's liveness check):
+                            rollout worker ``worker`` (default 0) is ended after ``delay_s``
                             (default 0) seconds, ``how`` ``"sigkill"`` (``os.kill`` of its pid, default) or
                             ``"ray_kill"``; ``times`` (default 1): also end that many - 1 of its replacements.
 ``nan_grad``                the trainer's gradient at that step is NaN (a hook on one parameter).
@@ -165,7 +167,9 @@ class FaultInjectingActorGroup(ActorGroup):
     def _call(self, i: int, method: str, *args: Any):
         """``self.workers[i].<method>.remote(*args)``, then the worker is ended if a kill_worker fault says so."""
         actor = self.workers[i]
-        fault = next((f for f in self._active_kills if f["worker"] == i and f["left"] > 0), None)
+        join = method == "sync_group_join"  # only an at="join" fault ends a worker at its join, and only there
+        fault = next((f for f in self._active_kills
+                      if f["worker"] == i and f["left"] > 0 and (f["at"] == "join") == join), None)
         pid = None
         if fault is not None and fault["how"] == "sigkill":
             pid = self.get(actor.pid.remote())  # before the work: an actor runs one call at a time
@@ -180,6 +184,6 @@ class FaultInjectingActorGroup(ActorGroup):
         for i in range(len(self.workers)):
             f = self.fault_plan.take("kill_worker", step, at=at, worker=i)
             if f is not None:
-                self._active_kills.append({"worker": i, "left": int(f.get("times", 1)),
+                self._active_kills.append({"worker": i, "left": int(f.get("times", 1)), "at": at,
                                            "how": f.get("how", "sigkill"), "delay_s": float(f.get("delay_s", 0.0))})
 

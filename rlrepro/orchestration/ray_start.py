@@ -54,8 +54,10 @@ def is_loopback_address(address: str) -> bool:
         return False
 
 
-def start_ray(address: str | None, num_cpus: int | None) -> None:
+def start_ray(address: str | None, num_cpus: int | None) -> bool:
     """Start a local Ray (``address`` unset) or join the cluster at ``address``; nothing if Ray is up already.
+    Returns whether this call started (or joined) it: a Ray that the caller had initialised before is the
+    caller's, and rlrepro never shuts it down (:meth:`~.actors.ActorGroup.shutdown`).
 
     ``num_cpus`` applies to a local instance only (None: every core); a joined cluster keeps its own resources.
     A loopback ``address`` (``127.0.0.1:PORT``) is a loopback-only cluster on this machine (started with
@@ -74,7 +76,7 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if loopback:
         _loopback_for_imported_ray()
     if not local:
@@ -83,7 +85,7 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
                      job_config=job_config_without_driver_paths())
         except ConnectionError as e:
             raise ConnectionError(join_failure_hint(str(address).strip(), e, loopback)) from e
-        return
+        return True
     if os.environ.get("RAY_ADDRESS"):
         env_address = os.environ["RAY_ADDRESS"]
         print(f"rlrepro: RAY_ADDRESS={env_address} is set but ray.address is not: starting a local Ray instance "
@@ -100,6 +102,7 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
         raise RuntimeError(f"the local Ray instance took the node address {node_ip}, not {LOOPBACK}, so its servers "
                            f"would not be on loopback only; this Ray ({ray.__version__}) no longer honours "
                            f"{CLUSTER_ENV}=0 (see rlrepro/orchestration/ray_start.py). Ray was shut down")
+    return True
 
 
 def _loopback_for_imported_ray() -> None:

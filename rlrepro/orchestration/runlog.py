@@ -118,9 +118,10 @@ class RunLog:
         self._init_wandb()
 
     def record_step(self, step: int, samples: list[Sample], metrics: dict, train_metrics: dict,
-                    weights_digest: str) -> None:
+                    weights_digest: str, *, optimizer_state: str | None = None) -> None:
         fp = fingerprint_from_samples(step, samples, loss=train_metrics["train/loss"],
-                                      grad_norm=train_metrics["train/grad_norm"], weights=weights_digest)
+                                      grad_norm=train_metrics["train/grad_norm"], weights=weights_digest,
+                                      optimizer_state=optimizer_state)
         self.fingerprints.write(fp)
         self.metrics.write(metrics)
         if self.cfg.run.save_rollouts:

@@ -4,7 +4,8 @@ The run's own resolved config.yaml is re-used (with the ``eval.*`` keys and ``tr
 back, step by step, to the values each step ran with: amendments.jsonl). Execution starts from the newest
 complete checkpoint at or before step K-1 (from scratch when there is none), runs through step K+N-1 into
 ``RUN/verify/from_K/``, and the fingerprints and metrics of steps K..K+N-1 are compared with the recorded ones.
-Exit 0 reproduced, 1 diverged, 2 error.
+Exit 0 reproduced, 1 diverged, 2 error (a run directory or an input it cannot use), 3 the re-execution itself
+failed (nothing was compared: the message names the failure and where its log and records are), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from omegaconf import OmegaConf
+
+EXIT_REPRODUCED, EXIT_DIVERGED, EXIT_ERROR, EXIT_REEXECUTION_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+RAY_LOGS = "/tmp/ray/session_latest/logs"  # where Ray writes the actors' logs (stdout/stderr of each worker)
 
 
 def _checkpoint_before(ckpt_root: Path, step: int) -> tuple[int, Path | None]:
@@ -111,7 +115,8 @@ def main_verify(argv: list[str] | None = None) -> int:
     from rlrepro.repro.records import ReproError
 
     ap = argparse.ArgumentParser(prog="rlrepro verify", description="re-execute a run's recorded steps and diff them "
-                                 "against the record: exit 0 reproduced, 1 diverged, 2 error")
+                                 "against the record: exit 0 reproduced, 1 diverged, 2 error, 3 the re-execution "
+                                 "failed (nothing compared), 130 interrupted")
     ap.add_argument("run", help="the run directory")
     ap.add_argument("--from-step", type=int, default=1, metavar="K",
                     help="the first step to re-execute (from the newest checkpoint before it; default 1)")
@@ -121,24 +126,40 @@ def main_verify(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     from rlrepro.repro.inputs import in_launch_dir
 
-    from .errors import RunFailed, RunInterrupted
+    from .errors import RunInterrupted
 
     try:
         with in_launch_dir(ns.run) as run:
             report, start = verify_run(run, ns.from_step, ns.steps)
     except RunInterrupted as e:
         print(f"rlrepro verify: {e}", file=sys.stderr)
-        return 130
-    except RunFailed as e:  # a re-executed step failed (a fault, not bad input): the message names it
-        print(f"rlrepro verify: {e}", file=sys.stderr)
-        return 1
+        return EXIT_INTERRUPTED
     except (ReproError, ValueError, FileNotFoundError) as e:
         print(f"rlrepro verify: {e}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
+    except Exception as e:  # noqa: BLE001 - the re-execution crashed (RunFailed: a step failed; or its set-up)
+        if os.environ.get("RLREPRO_DEBUG"):
+            raise
+        print(f"rlrepro verify: {reexecution_failed(e, Path(ns.run).absolute(), ns.from_step)}", file=sys.stderr)
+        return EXIT_REEXECUTION_FAILED
     if ns.json:
         print(report.to_json())
     else:
         origin = f"checkpoint step {start}" if start else "scratch"
         print(f"re-executed from {origin}; compared steps {ns.from_step}..{max(report.steps_compared)}")
         print(report.format())
-    return 0 if report.verdict == "identical" else 1
+    return EXIT_REPRODUCED if report.verdict == "identical" else EXIT_DIVERGED
+
+
+def reexecution_failed(error: BaseException, run: Path, from_step: int) -> str:
+    """The message of a re-execution that failed (exit 3, not 1: nothing was compared, so nothing diverged):
+    the failure, and where the re-execution's log and records are."""
+    from .errors import RunFailed
+
+    out = run / "verify" / f"from_{from_step}"
+    what = str(error) if isinstance(error, RunFailed) else f"{type(error).__name__}: {error}"
+    summary = out / "summary.txt"
+    records = f"{summary} says what it did" if summary.is_file() else f"its records are in {out}"
+    return (f"the re-execution failed, so nothing was compared (exit {EXIT_REEXECUTION_FAILED}; exit "
+            f"{EXIT_DIVERGED} means the steps ran and differ): {what.rstrip('.')}. Its log is the output above; "
+            f"{records}; the Ray actors' logs are under {RAY_LOGS}")

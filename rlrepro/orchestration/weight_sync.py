@@ -9,6 +9,15 @@ tensors' names, shapes and dtypes that every rank checks first: a worker refuses
 loading it silently, and the trainer sends nothing unless all accept. A broadcast is a copy, so the engine
 receives the trainer's bits exactly. NCCL between GPUs (an engine on its own GPU), gloo on CPU.
 
+Joining the group is two phases, so that a member that dies before or while joining costs seconds, not the
+group's 300 s timeout. First every member checks in on the store and polls it (:func:`check_in`) until all
+have, or until the driver sets the group's abort key (:func:`abort_join`), which it does as soon as one join
+fails (a worker that died after the liveness check: Ray ends its call at once); the others then raise
+:class:`SyncGroupAborted` and the driver replaces the dead worker and forms the group again
+(:meth:`CollectiveSync._form`). Then the communicator is built, with every member known to be alive and joining:
+gloo under ``FORM_TIMEOUT_S`` (a member that dies in these milliseconds costs that, not 300 s), then the
+group's own timeout for the broadcasts; NCCL builds its communicator at the first broadcast.
+
 **CUDA IPC** (``rollout.weight_sync=cuda_ipc``, trainer and engine on one GPU): the trainer hands out IPC
 handles of its live parameters (:func:`ipc_handles`); the engine maps them and copies device to device
 (:func:`open_ipc_handles`). No bytes leave the GPU.
@@ -25,7 +34,51 @@ import torch.distributed as dist
 from . import network
 
 __all__ = ["Rendezvous", "WeightBroadcaster", "ipc_handles", "open_ipc_handles", "WeightSync", "WEIGHT_SYNC_MODES",
-           "resolve_weight_sync"]
+           "resolve_weight_sync", "SyncGroupAborted", "check_in", "abort_join"]
+
+JOINED_KEY, ABORT_KEY = "joined", "abort"  # in the group's store, under its generation's prefix
+CHECK_IN_POLL_S = 0.05  # how often a member waiting for the others looks at the store
+FORM_TIMEOUT_S = 60.0  # gloo's connections once every member has checked in (then the group's timeout applies)
+ABORT_CONNECT_S = 10.0  # the driver's connection to a group's store, to abort its join
+
+
+class SyncGroupAborted(RuntimeError):
+    """The driver aborted a weight-sync group's join: another member failed to join (a rollout worker died)."""
+
+
+def group_prefix(generation: int) -> str:
+    return f"rlrepro-weight-sync/{generation}"
+
+
+def check_in(store, world_size: int, timeout_s: float, poll_s: float = CHECK_IN_POLL_S) -> None:
+    """Count this member in on ``store`` and wait until all ``world_size`` have, polling, so that the driver's
+    abort key (:func:`abort_join`) ends the wait at once: :class:`SyncGroupAborted`. ``TimeoutError`` after
+    ``timeout_s``."""
+    import time
+
+    store.add(JOINED_KEY, 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if store.check([ABORT_KEY]):
+            raise SyncGroupAborted(f"weight-sync group join aborted: {store.get(ABORT_KEY).decode()}")
+        joined = store.add(JOINED_KEY, 0)
+        if joined >= world_size:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"weight-sync group join: {joined} of {world_size} members joined in {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def abort_join(host: str, port: int, generation: int, reason: str, timeout_s: float = ABORT_CONNECT_S) -> bool:
+    """Driver side: set the abort key of group ``generation`` in the store at ``host:port``, so that every member
+    still in :func:`check_in` raises now. False when the store cannot be reached (rank 0's join ended, and the
+    others' connections to its store fail on their own)."""
+    try:
+        tcp = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+        dist.PrefixStore(group_prefix(generation), tcp).set(ABORT_KEY, reason)
+        return True
+    except Exception:  # noqa: BLE001 - the store is gone: nobody waits on it any more
+        return False
 
 
 class Rendezvous:
@@ -45,12 +98,16 @@ class Rendezvous:
         """The TCPStore server, listening on this socket. It gets its own duplicate of the descriptor: the
         store uses the descriptor without owning the Python socket, so the socket's closing (when this object
         is collected) must not close the store's listener under clients that have not connected yet (with
-        NCCL's lazy start, rank 0 returns before the others connect)."""
+        NCCL's lazy start, rank 0 returns before the others connect). The store is also kept here (``served``):
+        when rank 0's join fails (aborted), its holder keeps this object until its next rendezvous, so that the
+        members still connecting find the store and its abort key; a store gone would make their connection
+        retry for twice the group's timeout."""
         import os
 
         store = dist.TCPStore(self.host, self.port, world_size, True, timeout, wait_for_workers=False,
                               master_listen_fd=os.dup(self.sock.fileno()))
         self.sock.close()
+        self.served = store
         return store
 
 
@@ -67,10 +124,13 @@ class WeightBroadcaster:
 
     ``host``/``port``: rank 0 hosts the group's TCPStore there, from ``rendezvous`` (required on rank 0, made by
     it); ``generation`` names this incarnation of the group, so a re-formed group never meets an old one's keys.
+    The constructor returns once every member joined (see the module docstring: check-in, then the communicator
+    under ``form_timeout_s``).
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                 generation: int = 0, timeout_s: float = 300.0, rendezvous: Rendezvous | None = None) -> None:
+                 generation: int = 0, timeout_s: float = 300.0, rendezvous: Rendezvous | None = None,
+                 form_timeout_s: float = FORM_TIMEOUT_S) -> None:
         if world_size < 2:
             raise ValueError(f"a weight-sync group needs the trainer and at least one worker; world_size={world_size}")
         if backend not in ("gloo", "nccl"):
@@ -80,7 +140,8 @@ class WeightBroadcaster:
         if (rank == 0) != (rendezvous is not None):
             raise ValueError("rank 0 of a weight-sync group hosts its store: pass rendezvous= on rank 0 only")
         self._tcp = tcp_store(host, port, world_size, rendezvous, timeout)
-        store = dist.PrefixStore(f"rlrepro-weight-sync/{generation}", self._tcp)
+        store = dist.PrefixStore(group_prefix(generation), self._tcp)
+        check_in(store, world_size, timeout_s)
         own = network.node_address()  # this member's sockets listen here (127.0.0.1 in local mode), not where
         if backend == "nccl":  # the hostname resolves to nor on NCCL's first non-loopback interface
             network.pin_socket_interfaces(own)
@@ -88,7 +149,13 @@ class WeightBroadcaster:
             self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
         else:
             self.device = torch.device("cpu")
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, network.gloo_options(own, timeout))
+            # gloo's connections under the form timeout, the broadcasts under the group's (a torch whose gloo
+            # group cannot change its timeout keeps the group's for both)
+            settable = hasattr(dist.ProcessGroupGloo, "_set_default_timeout")
+            form = datetime.timedelta(seconds=min(form_timeout_s, timeout_s)) if settable else timeout
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, network.gloo_options(own, form))
+            if settable:
+                self.pg._set_default_timeout(timeout)
 
     # --------------------------------------------------------------------------------- collectives on self.pg
     def _broadcast(self, t: torch.Tensor) -> None:
@@ -268,21 +335,60 @@ class CollectiveSync(WeightSync):
     def worker_replaced(self) -> None:
         self.ready = False
 
-    def _form(self, group) -> None:
-        if self.ready:
-            return
-        self.generation += 1
-        backend = "nccl" if group.cfg.run.device == "cuda" else "gloo"
-        world = len(group.workers) + 1
-        host, port = group.get(group.trainer.rendezvous_address.remote())
-        refs = [group.trainer.sync_group_join.remote(host, port, world, backend, self.generation)]
-        refs += [w.sync_group_join.remote(host, port, i + 1, world, backend, self.generation)
-                 for i, w in enumerate(group.workers)]
-        group.get(refs)
-        self.ready = True
+    def _form(self, group, version: int) -> None:
+        """Form the group (again) unless it is; a worker that died before or while joining is replaced (it gets
+        the weights by the broadcast that follows) and the group formed anew, within rollout.max_restarts."""
+        while not self.ready:
+            self.generation += 1
+            backend = "nccl" if group.cfg.run.device == "cuda" else "gloo"
+            world = len(group.workers) + 1
+            host, port = group.get(group.trainer.rendezvous_address.remote())
+            group._before("join", version)
+            trainer_ref = group.trainer.sync_group_join.remote(host, port, world, backend, self.generation)
+            joins = {i: group._call(i, "sync_group_join", host, port, i + 1, world, backend, self.generation)
+                     for i in range(len(group.workers))}
+            dead = self._wait_joins(group, trainer_ref, joins, (host, port))
+            for i, error in sorted(dead.items()):
+                group._replace_worker(i, error, "weight sync", -1)  # sets self.ready = False
+            self.ready = not dead
+
+    def _wait_joins(self, group, trainer_ref, joins: dict, address: tuple[str, int]) -> dict:
+        """Wait for every member's join. Ray ends the call of a worker that died at once, and that first failure
+        aborts the others' waits (:func:`abort_join`), which would otherwise last the group's timeout. Returns
+        {slot: error} of the workers that died; the trainer's death, or a failure without a death, raises."""
+        from .errors import describe, is_actor_death
+
+        ray = group._ray
+        pending = {trainer_ref: None, **{ref: i for i, ref in joins.items()}}
+        dead, failed = {}, []
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=2.0)  # the timeout: to look at the nodes
+            if not ready:
+                group.check_nodes("the weight-sync group's join")
+                continue
+            i = pending.pop(ready[0])
+            try:
+                ray.get(ready[0])
+                continue
+            except Exception as e:  # noqa: BLE001
+                error = e
+            if i is not None and is_actor_death(error):
+                dead[i] = error
+            else:
+                failed.append((i, error))
+            if len(dead) + len(failed) == 1:
+                who = f"rollout worker {i}" if i is not None else "the trainer"
+                abort_join(*address, self.generation, f"{who} failed to join: {describe(error, 300)}")
+        for i, e in failed:
+            if i is None and is_actor_death(e):
+                group.check_nodes("the weight-sync group's join", e)
+                raise e
+        if not dead and failed:
+            raise failed[0][1]
+        return dead
 
     def send(self, group, version: int):
-        self._form(group)
+        self._form(group, version)
         trainer_ref = group.trainer.sync_send.remote(version)
         calls = {i: group._call(i, "sync_receive") for i in range(len(group.workers))}
         return calls, None, trainer_ref

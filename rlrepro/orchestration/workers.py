@@ -338,7 +338,7 @@ class TrainerWorker:
             self._sync.close()
         self._sync = WeightBroadcaster(host, port, 0, world_size, backend=backend, generation=generation,
                                        rendezvous=self._rendezvous)
-        self._rendezvous = None
+        self._rendezvous = None  # a join that raised (aborted) keeps it, and the store it serves, until the next
         return True
 
     def sync_send(self, version: int) -> int:
@@ -352,6 +352,29 @@ class TrainerWorker:
         from rlrepro.repro.fingerprint import weights_digest
 
         return weights_digest(self._weights())
+
+    def optimizer_state_digests(self) -> dict[str, str] | None:
+        """``tensor_digest`` by name of the optimizer state this rank holds, beyond the compute-dtype weights that
+        ``weights_digest`` covers: the float32 master weights kept as separate copies (``master/<param>``) and
+        AdamW's state of each parameter (``adamw/<param>/<key>``: moments, step). With the optimizer sharded over
+        data-parallel ranks (ZeRO-1) the tensors of the parameters this rank owns, so that the caller's merge of
+        every rank's is the unsharded optimizer's (``optimizer_state_digest``). None for megatron, whose sharded
+        optimizer is not fingerprinted."""
+        from rlrepro.repro.fingerprint import tensor_digests
+
+        if self.backend == "megatron":
+            return None
+        opt = self.trainer.optimizer
+        named = []
+        for name, master, param in zip(opt.names, opt.masters, opt.params):
+            if master is None:  # owned by another data-parallel rank
+                continue
+            if master is not param:
+                named.append((f"master/{name}", master.detach()))
+            for key, value in sorted(opt.inner.state.get(master, {}).items()):
+                t = value.detach() if torch.is_tensor(value) else torch.tensor(value, dtype=torch.float64)
+                named.append((f"adamw/{name}/{key}", t))
+        return dict(zip((n for n, _ in named), tensor_digests(t for _, t in named)))
 
     def save_checkpoint(self, ckpt_root: str, step: int, extra_state: dict, keep_last: int) -> str:
         # with distributed_optimizer a collective: every trainer rank must be called (rank 0 writes)

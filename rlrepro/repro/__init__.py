@@ -16,7 +16,7 @@ _EXPORTS = {
     # digests and fingerprints (torch)
     "tensor_digest": "fingerprint", "tensor_digests": "fingerprint", "digest_values": "fingerprint",
     "weights_digest": "fingerprint", "StepFingerprint": "fingerprint", "fingerprint_step": "fingerprint",
-    "fingerprint_from_samples": "fingerprint", "FIELDS": "fingerprint",
+    "fingerprint_from_samples": "fingerprint", "FIELDS": "fingerprint", "optimizer_state_digest": "fingerprint",
     # diff (no torch)
     "DiffReport": "diff", "diff_runs": "diff", "main_diff": "diff", "read_fingerprints": "diff",
     "read_metrics": "diff",

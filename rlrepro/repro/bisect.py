@@ -26,7 +26,7 @@ from typing import Any, Sequence
 from .records import CHECKPOINTS_DIR, ReproError, read_rollouts, step_dirname
 
 #: fingerprint fields the trainer produces after the rollout (a metric key ``train/*`` counts too)
-TRAINER_FIELDS = ("loss", "grad_norm", "weights")
+TRAINER_FIELDS = ("loss", "grad_norm", "weights", "optimizer_state")
 _CONCLUSIONS = {
     None: "the divergence comes from sampling or scheduling; compare the differing config keys",
     "rollout_token_ids": "the divergence comes from sampling or scheduling; compare the differing config keys",

@@ -55,7 +55,10 @@ SAMPLE_FIELDS = {"prompt_ids": "sample_prompt_ids", "rollout_token_ids": "sample
                  "rollout_logprobs": "sample_logprobs"}
 # multi-turn steps only (fingerprint.TURN_FIELDS): absent from single-turn records, compared where either run has them
 TURN_SAMPLE_FIELDS = {"loss_masks": "sample_loss_masks", "turns": "sample_turns"}
-COMPARED_FIELDS = FIELDS[:3] + tuple(TURN_SAMPLE_FIELDS) + FIELDS[3:]   # the order diff reports them in
+# the optimizer's state (fingerprint.STATE_FIELDS: float32 masters, AdamW moments): compared where both runs have it;
+# runs recorded before it existed, and megatron runs, lack it (said in a note)
+STATE_FIELDS = ("optimizer_state",)
+COMPARED_FIELDS = FIELDS[:3] + tuple(TURN_SAMPLE_FIELDS) + FIELDS[3:] + STATE_FIELDS  # the order diff reports them
 KNOWN_FORMATS = ("rlrepro.fingerprint.v1",)
 DEFAULT_IGNORED_CONFIG_KEYS = ("run.dir", "run.resume", "logger.*", "repro.ignore_keys")
 IGNORED_METRIC_PREFIXES = ("perf/",)
@@ -151,7 +154,7 @@ def read_fingerprints(run_dir: str | os.PathLike, notes: list[str] | None = None
         for f in FIELDS:
             if rec[f] is not None and not isinstance(rec[f], str):
                 raise ReproError(f"{path}: step {step}: field {f!r} must be a hex string or null")
-        for f in TURN_SAMPLE_FIELDS:
+        for f in (*TURN_SAMPLE_FIELDS, *STATE_FIELDS):
             if rec.get(f) is not None and not isinstance(rec[f], str):
                 raise ReproError(f"{path}: step {step}: field {f!r} must be a hex string or null")
         for key in (*SAMPLE_FIELDS.values(), *TURN_SAMPLE_FIELDS.values()):
@@ -240,7 +243,8 @@ def _sample_detail(dv: Divergence, run_a: Path, run_b: Path) -> None:
 
 
 def _compare_step(step: int, fa: dict, fb: dict) -> Divergence | None:
-    differing = [f for f in COMPARED_FIELDS if fa.get(f) != fb.get(f)]
+    differing = [f for f in COMPARED_FIELDS if fa.get(f) != fb.get(f)
+                 and (f not in STATE_FIELDS or (fa.get(f) is not None and fb.get(f) is not None))]
     na, nb = fa.get("num_samples"), fb.get("num_samples")
     if not differing and na == nb:
         return None
@@ -255,6 +259,17 @@ def _compare_step(step: int, fa: dict, fb: dict) -> Divergence | None:
     if key is not None and isinstance(fa.get(key), list) and isinstance(fb.get(key), list):
         dv.sample_index = _first_mismatch(fa[key], fb[key])
     return dv
+
+
+def _note_uncompared_state(rep: DiffReport, fps_a: dict, fps_b: dict, steps: Sequence[int]) -> None:
+    """A note for each STATE_FIELDS field that one run recorded and the other did not, at some common steps."""
+    for f in STATE_FIELDS:
+        for run, has, lacks in (("B", fps_a, fps_b), ("A", fps_b, fps_a)):
+            missing = [s for s in steps if has[s].get(f) is not None and lacks[s].get(f) is None]
+            if missing:
+                rep.notes.append(f"{f} not compared at step(s) {_ranges(missing)}: run {run} has no {f} digest "
+                                 "(recorded before the optimizer's state was fingerprinted, or a megatron run); "
+                                 "its weights are compared alone")
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -375,6 +390,7 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
         if fw:
             rep.notes.append(f"fields not fingerprinted in either run (null): {', '.join(fw)}")
             break
+    _note_uncompared_state(rep, fps_a, fps_b, common)
 
     if met_a is None or met_b is None:
         missing = [str(p / METRICS_FILE) for p, m in ((a, met_a), (b, met_b)) if m is None]

@@ -47,7 +47,7 @@ from .turns import turn_spans
 
 __all__ = [
     "SCHEME", "FORMAT", "FIELDS", "SAMPLE_FIELDS", "TURN_FIELDS", "TURN_SAMPLE_FIELDS", "SAMPLE_DIGEST_HEX",
-    "tensor_digest", "tensor_digests", "digest_values", "weights_digest",
+    "tensor_digest", "tensor_digests", "digest_values", "weights_digest", "optimizer_state_digest", "STATE_FIELDS",
     "StepFingerprint", "fingerprint_step", "fingerprint_from_samples", "eval_fingerprint", "EVAL_FINGERPRINT_KEY",
     "FingerprintWriter", "MetricsWriter", "JsonlStepWriter", "RolloutWriter", "read_rollouts", "ReproError",
 ]
@@ -65,6 +65,10 @@ SAMPLE_FIELDS = {"prompt_ids": "sample_prompt_ids", "rollout_token_ids": "sample
 #: steps keep exactly the fields above, so their records are those of runs made before multi-turn episodes existed
 TURN_FIELDS = ("loss_masks", "turns")
 TURN_SAMPLE_FIELDS = {"loss_masks": "sample_loss_masks", "turns": "sample_turns"}
+#: the optimizer's state after the step (``optimizer_state_digest``: float32 master weights kept apart from the
+#: compute-dtype ``weights``, AdamW's moments and step), present when the trainer fingerprinted it; records of runs
+#: from before, or of a trainer that cannot (megatron), lack it, and diff compares it where both runs have it
+STATE_FIELDS = ("optimizer_state",)
 #: per-sample digests are the first 16 hex digits (64 bits) of the sample's sha256
 SAMPLE_DIGEST_HEX = 16
 
@@ -248,9 +252,20 @@ def weights_digest(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[st
     for a, b in zip(names, names[1:]):
         if a == b:
             raise ValueError(f"duplicate tensor name {a!r}")
-    digests = tensor_digests(t for _, t in items)
-    h = hashlib.sha256(b"rlrepro.weights_digest.v1\0")
-    h.update(struct.pack("<Q", len(items)))
+    return _named_digest(b"rlrepro.weights_digest.v1\0", names, tensor_digests(t for _, t in items))
+
+
+def optimizer_state_digest(named_digests: Mapping[str, str]) -> str:
+    """Digest of an optimizer's state from its tensors' ``tensor_digest`` by name (``master/<param>``,
+    ``adamw/<param>/<key>``), as :func:`weights_digest` combines them, under its own tag. The tensors are digested
+    where they live and the names merged: a sharded optimizer (ZeRO-1) gives the unsharded one's digest."""
+    names = sorted(named_digests)
+    return _named_digest(b"rlrepro.optimizer_state_digest.v1\0", names, [named_digests[n] for n in names])
+
+
+def _named_digest(tag: bytes, names: Sequence[str], digests: Sequence[str]) -> str:
+    h = hashlib.sha256(tag)
+    h.update(struct.pack("<Q", len(names)))
     for name, d in zip(names, digests):
         nb = name.encode("utf-8")
         h.update(struct.pack("<Q", len(nb)) + nb + bytes.fromhex(d))
@@ -465,6 +480,14 @@ class StepFingerprint:
             self._d["weights"] = weights_digest(weights)
         return self
 
+    def set_optimizer_state(self, digest: str | None) -> "StepFingerprint":
+        """An ``optimizer_state_digest`` hex; None: not fingerprinted (the record has no such field)."""
+        if digest is None:
+            self._d.pop("optimizer_state", None)
+        else:
+            self._d["optimizer_state"] = digest
+        return self
+
     def to_dict(self) -> dict:
         missing = [f for f in FIELDS if f not in self._d]
         if missing:
@@ -472,6 +495,7 @@ class StepFingerprint:
         out: dict[str, Any] = {"step": self.step, "format": FORMAT}
         for f in FIELDS:
             out[f] = self._d[f]
+        out.update((f, self._d[f]) for f in STATE_FIELDS if f in self._d)
         out["num_samples"] = self._d["num_samples"]
         for key in SAMPLE_FIELDS.values():
             out[key] = self._d[key]
@@ -484,7 +508,8 @@ class StepFingerprint:
 
 def fingerprint_step(step: int, *, prompt_ids: Sequence[Any], token_ids: Sequence[Any], logprobs: Sequence[Any],
                      rewards: Any, advantages: Any, loss: Any, grad_norm: Any, weights: Any,
-                     loss_masks: Sequence[Any] | None = None, turns: Sequence[Any] | None = None) -> dict:
+                     loss_masks: Sequence[Any] | None = None, turns: Sequence[Any] | None = None,
+                     optimizer_state: str | None = None) -> dict:
     """One step's fingerprint record (a JSON-able dict).
 
     ``prompt_ids``, ``token_ids`` and ``logprobs`` are per-sample sequences (lists or 1-D tensors), ordered by
@@ -494,12 +519,14 @@ def fingerprint_step(step: int, *, prompt_ids: Sequence[Any], token_ids: Sequenc
     ``loss_masks`` / ``turns``: per sample, the 0/1 loss mask and the turns (``Turn`` objects or rollout-file
     dicts), or None for a single-turn sample; when any sample has one, the record gets the ``TURN_FIELDS`` (the
     masks, and the turns' roles and token spans); otherwise it is exactly the record of a single-turn step.
+    ``optimizer_state``: an ``optimizer_state_digest`` hex (``STATE_FIELDS``), or None (no such field).
     """
     return (StepFingerprint(step)
             .set_rollouts(prompt_ids=prompt_ids, token_ids=token_ids, logprobs=logprobs, rewards=rewards,
                           advantages=advantages, loss_masks=loss_masks, turns=turns)
             .set_train(loss=loss, grad_norm=grad_norm)
             .set_weights(weights)
+            .set_optimizer_state(optimizer_state)
             .to_dict())
 
 
@@ -521,7 +548,7 @@ def _sample_fields(s: Any) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
 
 
 def fingerprint_from_samples(step: int, samples: Sequence[Sample | Mapping[str, Any]], *, loss: Any, grad_norm: Any,
-                             weights: Any) -> dict:
+                             weights: Any, optimizer_state: str | None = None) -> dict:
     """``fingerprint_step`` from the same samples that ``RolloutWriter.write`` takes, so the fingerprint and the
     rollout file cannot disagree on sample order. ``samples``: :class:`~rlrepro.samples.Sample` objects
     (``prompt_token_ids``, ``completion_token_ids``, ``rollout_logprobs``, ``reward``, ``advantage``) or rollout
@@ -537,7 +564,7 @@ def fingerprint_from_samples(step: int, samples: Sequence[Sample | Mapping[str, 
         logprobs=[f[2] for f in fields],
         rewards=[f[3] for f in fields],
         advantages=[f[4] for f in fields],
-        loss=loss, grad_norm=grad_norm, weights=weights,
+        loss=loss, grad_norm=grad_norm, weights=weights, optimizer_state=optimizer_state,
         loss_masks=[f[5] for f in fields], turns=[f[6] for f in fields])
 
 
