@@ -14,7 +14,8 @@ from .train import TrainConfig, Trainer, TrainSample, micro_batches
 __all__ = [
     "token_logprobs", "logprobs_and_entropy", "entropy",
     "group_advantages", "compute_advantages", "ADVANTAGE_MODES",
-    "policy_loss", "aggregate", "kl_penalty", "pad_sequences", "LossOutput", "LOSS_AGG_MODES", "KL_ESTIMATORS", "POLICY_LOSSES",
+    "policy_loss", "aggregate", "kl_penalty", "pad_sequences", "LossOutput", "LOSS_AGG_MODES", "KL_ESTIMATORS",
+    "POLICY_LOSSES",
     "behaviour_weights", "BehaviourWeights", "IS_CORRECTIONS",
     "MasterWeightAdamW", "WarmupCosineLR", "lr_at", "clip_grad_norm_",
     "TrainConfig", "Trainer", "TrainSample", "micro_batches", "enable_determinism",

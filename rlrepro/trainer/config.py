@@ -122,6 +122,10 @@ class TrainConfig:
         c.in_range("adam_beta1", 0, 1, high_inclusive=False)
         c.in_range("adam_beta2", 0, 1, high_inclusive=False)
         # cispo's weight may have no lower bound (clip_low=1: 1 - clip_low = 0, as MiniMax-M1 runs it)
+        c.require(self.clip_low != 1 or self.policy_loss == "cispo", "clip_low",
+                  f"must lie in [0, 1) with train.policy_loss={self.policy_loss}: 1 leaves the ratio no lower clip "
+                  "bound (1 - clip_low = 0), MiniMax-M1's setting, which only train.policy_loss=cispo takes; give e.g. "
+                  "train.clip_low=0.2, or set train.policy_loss=cispo")
         c.in_range("clip_low", 0, 1, high_inclusive=self.policy_loss == "cispo")
         c.choice("loss_agg", LOSS_AGG_MODES)
         c.choice("advantage", ADVANTAGE_MODES)

@@ -44,7 +44,9 @@ Pure functions over padded tensors ``[B, T]`` with a boolean ``mask`` (True at r
       k2 = log_r ** 2 / 2           biased, low variance
       k3 = exp(log_r) - 1 - log_r   unbiased, low variance, >= 0 (the estimator of DeepSeekMath eq. 4)
 
-  The penalty is added to the loss (DeepSeekMath) rather than folded into the reward (InstructGPT).
+  The penalty is added to the loss (DeepSeekMath) rather than folded into the reward (InstructGPT). The estimators
+  are unclamped (verl clamps k3 to [-10, 10]); outside ``mask`` ``log_r`` is taken as 0, so a loss-masked token
+  whose k3 would overflow cannot put a NaN into the gradient.
 
 Clip fraction (``clip_frac``, a token mean): ``ppo_clip``, tokens where a clip bound (including the dual clip)
 is strictly the active term (no gradient); ``gspo``, every token of a sequence whose clip bound is active (the
@@ -383,7 +385,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     n = int(mask.sum())
     kl_value = 0.0
     if ref_logp is not None:
-        kl = kl_penalty(logp, ref_logp, kl_estimator)
+        # outside the mask (padding, loss-masked tokens) the log ratio is 0: there k3's exp(ref - logp) could
+        # overflow, and the masked-out inf would still give a NaN gradient (0 * inf); trained tokens keep their bits
+        kl = kl_penalty(logp, torch.where(mask, ref_logp, logp.detach()), kl_estimator)
         if kl_coef != 0.0:
             loss = loss + kl_coef * aggregate(kl, mask, **agg)
         kl_value = _token_mean(kl, mask, n)
@@ -422,7 +426,8 @@ def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
     """
     if correction not in IS_CORRECTIONS:
         raise ValueError(f"unknown is_correction {correction!r}; choose one of {list(IS_CORRECTIONS)}")
-    log_rho = _bounded(torch.where(mask, proximal_logp - behaviour_logp, torch.zeros_like(proximal_logp)))
+    raw_log_rho = torch.where(mask, proximal_logp - behaviour_logp, torch.zeros_like(proximal_logp))
+    log_rho = _bounded(raw_log_rho)  # a token's weight: exp of at most +-LOG_RATIO_BOUND
     rho = torch.exp(log_rho)
     none = torch.zeros_like(mask)
     truncated, masked = none, none
@@ -434,7 +439,11 @@ def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
     else:
         if not 0 <= mis_low < 1 < mis_high:
             raise ValueError(f"mis bounds must satisfy 0 <= low < 1 < high, got low={mis_low}, high={mis_high}")
-        log_seq = log_rho.sum(dim=-1, keepdim=True)  # log rho_i over the trained tokens of each sequence
+        # log rho_i over the trained tokens of each sequence, from the unbounded token terms (verl sums the raw
+        # log ratios too): clamping each token first would change the sum (+25 and -25 nats are not +20 and -20)
+        # and so which sequence is kept; the sum is only compared in log space and exponentiated where kept
+        # (<= log high), so it needs no bound
+        log_seq = raw_log_rho.sum(dim=-1, keepdim=True)
         low = math.log(mis_low) if mis_low > 0 else -math.inf
         keep = (log_seq >= low) & (log_seq <= math.log(mis_high))
         seq_weight = torch.where(keep, torch.exp(torch.where(keep, log_seq, torch.zeros_like(log_seq))),
