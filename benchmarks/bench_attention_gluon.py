@@ -3,6 +3,11 @@ Triton forward: bits first, then speed. The work runs in a child process under `
 kernel hung on the H100 (its module docstring says how far the diagnosis got); a hang is reported, not waited out.
 
     python3 benchmarks/bench_attention_gluon.py [--out FILE.md] [--stages 2,3,4] [--no-bits] [--timeout 120]
+                                                [--minimal-only]
+
+First the hang reduced (``gluon_attention_fwd.probe_tma_wait``): one partition loads one tile by TMA, another waits
+on its barrier and copies the tile out, with the producer as the default partition and as a worker, each in its own
+child under 30 s. Then the kernel itself (unless ``--minimal-only``).
 
 ``GLW_VARIANT`` (``one``/``two``) and ``GLW_DBG`` pass through to the kernel (see its docstring).
 
@@ -149,24 +154,35 @@ def main() -> int:
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--no-bits", action="store_true")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole child run")
+    ap.add_argument("--minimal-only", action="store_true", help="run only the reduced TMA-wait probe")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-minimal", choices=["default", "worker"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not G.HAVE_GLUON:
         print("bench_attention_gluon: needs a Hopper GPU and Triton with Gluon")
         return 1
+    if args.child_minimal:
+        x = torch.randn(64 * 264, 128, device="cuda", dtype=torch.bfloat16)
+        got = G.probe_tma_wait(x, args.child_minimal == "default")
+        torch.cuda.synchronize()
+        print(f"minimal TMA wait, producer as the {args.child_minimal} partition: "
+              f"{'copy equal' if torch.equal(got, x) else 'COPY DIFFERS'}", flush=True)
+        return 0
     if args.child:
         return child(args)
+    for where in ("default", "worker"):
+        rc, out = _run([sys.executable, os.path.abspath(__file__), "--child-minimal", where], 30.0)
+        for line in out.splitlines()[-3:]:
+            emit(line)
+        if rc is None:
+            emit(f"minimal TMA wait, producer as the {where} partition: **HANG** (killed after 30 s)")
+    if args.minimal_only:
+        write(args.out)
+        return 0
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--stages", args.stages]
     cmd += ["--no-bits"] if args.no_bits else []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t0 = time.time()
-    try:
-        out, _ = proc.communicate(timeout=args.timeout)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        rc = None
+    rc, out = _run(cmd, args.timeout)
     for line in out.splitlines():
         emit(line)
     if rc is None:
@@ -175,6 +191,17 @@ def main() -> int:
         emit(f"**FAILED**: the child exited {rc} after {time.time() - t0:.0f} s")
     write(args.out)
     return 0 if rc == 0 else 1
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[int | None, str]:
+    """Run ``cmd``; (its exit code, or None when killed at ``timeout`` seconds; its output)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return None, proc.communicate()[0]
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ add_step attention_bwd 300 '$PY benchmarks/bench_attention_bwd.py --out "$OUT/at
 add_step attention_fwd 540 'fi_kit && $PY benchmarks/bench_attention_fwd.py --out "$OUT/attention_fwd.md" ${ATTN_FWD_ARGS:-}'
 # the EXPERIMENTAL warp-specialised Gluon forward (rlrepro/kernels/gluon_attention_fwd.py; it hung on the H100, so
 # the script runs it in a child with a time limit): bits against the Triton forward's, then speed beside the Triton
-# "long" tile, FA3 and SDPA (issue #27; GLUON_ARGS="--stages 3 --no-bits --timeout 60"; GLW_VARIANT, GLW_DBG pass on)
+# "long" tile, FA3 and SDPA (issue #27; GLUON_ARGS="--stages 3 --no-bits --timeout 60", or "--minimal-only" for the
+# reduced TMA-wait case alone; GLW_VARIANT, GLW_DBG pass on)
 add_step attention_gluon 300 'fi_kit && $PY benchmarks/bench_attention_gluon.py --out "$OUT/attention_gluon.md" ${GLUON_ARGS:-}'
 # the engine with and without the 256-row attention tile: prefill time, and the outputs' bits equal (8 layers)
 add_step engine_tiles 300 '$PY benchmarks/bench_engine_tiles.py --json "$OUT/engine_tiles.json" ${ENGINE_TILES_ARGS:-}'
