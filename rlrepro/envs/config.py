@@ -22,7 +22,9 @@ Every key (defaults are today's single-turn behaviour)::
                               max_output_bytes, max_code_chars, max_depth
 
 Whether ``env.name`` / ``env.fn`` resolve is checked when the run starts (:func:`rlrepro.envs.load_env`), like
-``reward.fn``; the values' types and ranges are checked here.
+``reward.fn``; the values' types and ranges are checked here, and keys that would change nothing are refused: any
+``env.*`` key with ``env.name`` and ``env.fn`` null (the single-turn path), the tool keys (:data:`TOOL_KEYS`) with
+``env.name=single_turn`` (one turn, no tools).
 """
 from __future__ import annotations
 
@@ -36,9 +38,12 @@ from .sandbox_values import SandboxLimits
 from .tool_calls import TOOL_FORMATS
 from .tools import BUILTIN_TOOLS
 
-__all__ = ["EnvConfig", "MALFORMED_POLICIES"]
+__all__ = ["EnvConfig", "MALFORMED_POLICIES", "TOOL_KEYS"]
 
 MALFORMED_POLICIES = ("observe", "end")
+# the keys of tool calls (their limits included), which env.name=single_turn never reads
+TOOL_KEYS = ("tools", "tool_format", "max_calls_per_turn", "max_observation_chars", "on_malformed", "malformed_penalty",
+             "calculator", "python")
 
 
 @dataclass
@@ -92,6 +97,15 @@ class EnvConfig:
             self.tools = list(tools)
         c.require(isinstance(self.calculator, CalculatorLimits), "calculator", "must be a CalculatorLimits")
         c.require(isinstance(self.python, SandboxLimits), "python", "must be a SandboxLimits")
+        if self.name == "single_turn":  # one assistant turn, no tools: a run that asked for tools must not lack them
+            ignored = [(k, v) for k, v in _changed_keys(self, _DEFAULTS) if k.split(".")[0] in TOOL_KEYS]
+            if ignored:
+                from rlrepro.checks import ConfigError
+
+                raise ConfigError(
+                    ", ".join(f"env.{k}={v!r}" for k, v in ignored) + " is set but changes nothing with "
+                    "env.name=single_turn (one assistant turn, no tools). Fix: env.name=tool (or calculator_task) "
+                    "for episodes with tool calls, or drop " + ", ".join(f"env.{k}" for k, _ in ignored))
         if self.name is None and self.fn is None:  # the single-turn path of rollout.*: env.* would change nothing
             changed = _changed_keys(self, _DEFAULTS)
             if changed:

@@ -10,12 +10,18 @@ version ``s - 1`` = ``(s + K) - 1 - K``, as the rule says) while the trainer tra
 and only then sends version ``s`` to the engines. At step 1 batches ``1 .. K`` are generated first, all from
 version 0. Batches are drawn from the data order in step order (batch ``s + K`` at step ``s``), each with the
 sampling seeds of the step it is for, so which prompts and seeds a batch holds is the same at every K-independent
-speed; threads and arrival order decide nothing (results are put back by key, as always).
+speed; threads and arrival order decide nothing (results are put back by key, as always). Before training batch
+``s`` the driver checks that every sample records that version (``Sample.weight_version``, :func:`check_staleness`),
+and it never generates a batch late: after step 1 a missing one is an error, not a batch of another version.
 
 Checkpoints: the checkpoint of step ``s`` stores the K batches generated ahead (``pending``, plain records in
 ``extra_state.pt``) and the data cursor after them, so a resumed run trains exactly the batches the uninterrupted
 one trains, with no regeneration and no behaviour weights to keep (docs/RELIABILITY.md). The last K batches of a
 run are generated and never trained (the run could be extended with more steps on resume).
+
+Timing (``perf/*``, never bits): step 1's ``perf/step_time_s`` includes generating batches ``1 .. K``
+(``perf/pipeline_fill_s``). The driver trains on copies of a batch's samples, so a batch generated ahead is kept as
+generated in every checkpoint that holds it, whether a periodic one or the one a failed step's handler writes.
 
 With K > 0 the rollout logprobs are the behaviour policy's: use ``train.decoupled`` / ``train.is_correction``
 (docs/TRAINER.md) to correct for it. ``RLREPRO_TEST_DELAYS=SEED[:MAX_S]`` (tests only) sleeps a seeded-random wall-clock
@@ -33,7 +39,7 @@ from rlrepro.samples import Sample, Turn
 
 from .generation import PhaseTimer
 
-__all__ = ["PipelineSteps", "pending_to_state", "pending_from_state"]
+__all__ = ["PipelineSteps", "pending_to_state", "pending_from_state", "check_staleness"]
 
 DELAYS_ENV = "RLREPRO_TEST_DELAYS"
 
@@ -78,12 +84,16 @@ class PipelineSteps:
     def pipelined_batch(self, step: int, t) -> tuple:
         """Train on batch ``step`` while batch ``step + K`` is generated; returns (samples, penalties, reward
         errors, generation metrics, train metrics). Generation and training times go to ``t`` as ``rollout`` /
-        ``reward`` (of the batch generated now) and ``train``; ``perf/overlap_s`` is how much of them ran at once."""
+        ``reward`` (of the batch generated now) and ``train``; ``perf/overlap_s`` is how much of them ran at once.
+        At step 1 the batches of steps 1..K are generated first: their time goes to ``t`` as ``pipeline_fill``
+        (counted in ``perf/step_time_s``) and to ``perf/pipeline_fill_s``."""
         k = self.cfg.rollout.max_staleness
-        for s in range(step, step + k):  # only at the start: the batches of steps 1..K, from version 0
-            if s not in self.pending:
-                self.pending[s] = self._timed_collect(s)[0]
+        fill_s = self._fill_pipeline(step, k)
         samples, penalties, errors, gen_metrics = self.pending.pop(step)
+        check_staleness(step, k, samples)
+        # the batch as generated stays as it is in the snapshot a failure's checkpoint holds (driver._done_pending):
+        # advantages are written into copies
+        samples = [dataclasses.replace(s) for s in samples]
         ahead: dict = {}
 
         def generate_ahead() -> None:
@@ -117,4 +127,38 @@ class PipelineSteps:
         overlap = max(0.0, gen_s + train_s - wall)
         t.times["overlap"] = overlap  # perf/step_time_s counts it once (rlrepro.orchestration.runlog)
         gen_metrics = dict(gen_metrics, **{"perf/overlap_s": overlap, "perf/pipeline_wall_s": wall})
+        if fill_s is not None:
+            t.add("pipeline_fill", fill_s)
+            gen_metrics["perf/pipeline_fill_s"] = fill_s
         return samples, penalties, errors, gen_metrics, train_metrics
+
+    def _fill_pipeline(self, step: int, k: int) -> float | None:
+        """Generate the batches of steps ``step .. step + K - 1`` that ``pending`` lacks: all of them at step 1 (from
+        version 0), none later (a resumed run has them from its checkpoint, a running one from the steps before);
+        returns their generation and reward seconds, None when nothing was generated. A batch missing after step 1
+        would have to come from the engines' version ``step - 1``, not ``max(0, s - 1 - K)``: RuntimeError."""
+        missing = [s for s in range(step, step + k) if s not in self.pending]
+        if not missing:
+            return None
+        if step != 1:
+            raise RuntimeError(f"rollout.max_staleness={k}: the batches of steps {missing} were not generated ahead "
+                               f"before step {step} (pending holds {sorted(self.pending)}); generating them now would "
+                               f"use weight version {step - 1}, not the version the staleness rule gives them")
+        seconds = 0.0
+        for s in missing:
+            batch, times = self._timed_collect(s)
+            self.pending[s] = batch
+            seconds += times.get("rollout", 0.0) + times.get("reward", 0.0)
+        return seconds
+
+
+def check_staleness(step: int, k: int, samples: list[Sample]) -> None:
+    """Every sample trained at ``step`` comes from weight version ``max(0, step - 1 - K)`` (the version it records,
+    ``Sample.weight_version``; None: not recorded), so it trails the trainer's version ``step - 1`` by at most K.
+    RuntimeError naming the first sample that does not, before any update is made with it."""
+    want = max(0, step - 1 - k)
+    for s in samples:
+        if s.weight_version is not None and s.weight_version != want:
+            raise RuntimeError(f"rollout.max_staleness={k}: sample {s.key} of step {step} was generated by weight "
+                               f"version {s.weight_version}, not {want} (= max(0, step - 1 - K)); its update is not "
+                               "made")
