@@ -17,6 +17,7 @@ import torch.distributed as dist
 from rlrepro.cli import compose_config
 from rlrepro.model import write_tiny_checkpoint
 from rlrepro.orchestration.config import validate
+from test_ray_review_actors import _samples  # the same six requests and their outputs by key
 
 
 def _store(world):
@@ -139,19 +140,6 @@ def test_the_broadcasts_keep_the_groups_timeout():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", seed=3))
-
-
-def _requests():
-    from rlrepro.orchestration.workers import Request
-    from rlrepro.rollout import SamplingParams
-
-    return [Request((f"p{i}", j), [5 + i, 9, 11 + j], SamplingParams(max_tokens=5, seed=100 * i + j))
-            for i in range(3) for j in range(2)]
-
-
-def _samples(group):
-    return [(key, out.token_ids, out.logprobs, out.finish_reason, out.seed, out.weight_version)
-            for key, out in sorted(group.generate(_requests()), key=lambda kv: kv[0])]
 
 
 @pytest.mark.parametrize("how", ["sigkill", pytest.param("ray_kill", marks=pytest.mark.slow)])
