@@ -97,6 +97,15 @@ def test_add_request_with_a_batch_says_how_to_submit_several(model, batch, got):
     assert [(o.request_id, o.prompt_token_ids) for o in done] == [(0, [1, 2, 3]), (1, [4, 5]), (2, [6, 7]), (3, [8])]
 
 
+@pytest.mark.parametrize("token", [torch.tensor(True), np.bool_(True), torch.tensor([True])[0]])
+def test_a_bool_tensor_is_no_token_id(model, token):
+    # operator.index(torch.tensor(True)) is 1: the prompt [True] ran as token 1
+    engine = Engine(model, block_size=4, num_kv_blocks=16, max_model_len=32)
+    with pytest.raises(ValueError, match=r"request 0: token id .*True.* is not an integer in \[0, 60\)"):
+        engine.add_request([3, token], SamplingParams(temperature=0.0, max_tokens=2))
+    assert engine.num_requests == 0
+
+
 # ---- 4. the engine's card is the current CUDA device while it works -------------------------------------------
 class _DeviceGuard:
     """Stands in for ``torch.cuda.device`` on a CPU machine: records which device is current."""

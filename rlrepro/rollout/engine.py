@@ -38,9 +38,15 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
+def _is_bool(token: object) -> bool:
+    """A bool, numpy bool or bool tensor: ``operator.index(torch.tensor(True))`` is 1, but it is no token id."""
+    dtype = getattr(token, "dtype", None)
+    return isinstance(token, bool) or dtype is torch.bool or str(dtype) == "bool"
+
+
 def _is_index(token: object) -> bool:
     """An integer token id (ints, numpy integers, 0-d integer tensors), not a bool."""
-    if isinstance(token, bool):
+    if _is_bool(token):
         return False
     try:
         operator.index(token)
@@ -51,9 +57,9 @@ def _is_index(token: object) -> bool:
 
 def _token_id(request: int, token: object, vocab: int) -> int:
     try:
-        if isinstance(token, bool):
+        if _is_bool(token):
             raise TypeError
-        value = operator.index(token)  # ints and numpy integers
+        value = operator.index(token)  # ints, numpy integers, 0-d integer tensors
     except TypeError:
         value = None
     if value is None or not 0 <= value < vocab:
