@@ -48,8 +48,7 @@ def gluon_fwd(q, k, v, meta, scale, return_lse=False):
     """The Gluon kernel on a packed call, as ``attention_fwd`` would schedule its 128-row tile."""
     n, h, d = q.shape
     group = h // k.shape[1]
-    group_p = 1 << (group - 1).bit_length()
-    gq = G.CONSUMERS * G.ROWS // group_p
+    gq, group_p = A.tile_shape(group, G.CONSUMERS * G.ROWS)
     out = torch.empty_like(q)
     lse = torch.zeros((n, h), device=q.device, dtype=torch.float32) if return_lse else None
     cu = meta.cu_seqlens_q
@@ -80,11 +79,11 @@ def bits(gen) -> None:
             n = sum(lens)
             q, k, v = rnd(n, h, d, gen=gen, scale=2.0), rnd(n, hkv, d, gen=gen, scale=2.0), rnd(n, hkv, d, gen=gen)
             meta = AttentionMetadata.packed(lens, device="cuda")
+            og, lg = gluon_fwd(q, k, v, meta, d ** -0.5, return_lse=True)
             for cname in ("large", "long"):
                 cfg = A.ATTENTION_CONFIGS[cname]
                 if cfg.rows > 128 and d > A.LONG_MAX_HEAD_DIM:
                     continue
-                og, lg = gluon_fwd(q, k, v, meta, d ** -0.5, return_lse=True)
                 ot, lt = A.attention_fwd(q, k, v, meta, d ** -0.5, config=cfg, return_lse=True)
                 ok = torch.equal(og, ot) and torch.equal(lg, lt)
                 diff = (og.float() - ot.float()).abs().max().item()
@@ -92,8 +91,8 @@ def bits(gen) -> None:
         # one sequence alone vs in the batch
         q, k, v = rnd(sum(lens), 32, 128, gen=gen), rnd(sum(lens), 8, 128, gen=gen), rnd(sum(lens), 8, 128, gen=gen)
         full = gluon_fwd(q, k, v, AttentionMetadata.packed(lens, device="cuda"), 0.09)
-        i, s0 = 4 if len(lens) > 4 else 0, sum(lens[:4]) if len(lens) > 4 else 0
-        sl = slice(s0, s0 + lens[i])
+        i = 4  # the fifth sequence, alone
+        sl = slice(sum(lens[:i]), sum(lens[:i + 1]))
         alone = gluon_fwd(q[sl], k[sl], v[sl], AttentionMetadata.packed([lens[i]], device="cuda"), 0.09)
         emit(f"| alone len {lens[i]} | 32/8/128 | auto | {'equal' if torch.equal(alone, full[sl]) else 'DIFFERS'} |")
 

@@ -128,3 +128,15 @@ def test_an_older_run_without_the_field_is_compared_by_its_weights_with_a_note(t
         assert rep.notes == [f"optimizer_state not compared at step(s) 1-3: run {lacking} has no optimizer_state "
                              "digest (recorded before the optimizer's state was fingerprinted, or a megatron run); "
                              "its weights are compared alone"]
+
+
+def test_diffs_field_lists_are_the_fingerprints():
+    # repro.diff keeps its own copies (it must not import torch): a field added to the fingerprint and not to diff
+    # would go uncompared
+    from rlrepro.repro import diff as D
+    from rlrepro.repro import fingerprint as FP
+
+    assert D.FIELDS == FP.FIELDS
+    assert D.SAMPLE_FIELDS == FP.SAMPLE_FIELDS
+    assert D.TURN_SAMPLE_FIELDS == FP.TURN_SAMPLE_FIELDS
+    assert D.STATE_FIELDS == FP.STATE_FIELDS

@@ -1,6 +1,7 @@
 """EXPERIMENTAL, NOT USED: the batch-invariant attention forward for Hopper, warp-specialised, in Gluon (Triton's
-explicit-layout language, Triton 3.6's API). Nothing in rlrepro calls it; ``benchmarks/bench_attention_gluon.py``
-does, in a child process with a time limit, because **on the H100 (Triton 3.6, torch 2.11+cu130) it hangs**.
+explicit-layout language, Triton 3.6's API; packed 16-bit K/V, head size 64 or 128). Nothing in rlrepro calls
+it; ``benchmarks/bench_attention_gluon.py`` does, in a child process with a time limit, because **on the H100
+(Triton 3.6, torch 2.11+cu130) it hangs**.
 
 Why it exists (issue #27): Triton 3.6 cannot warp-specialise the ``tl`` forward for sm_90 (its ``warp_specialize``
 pass fails there), and that is most of what FlashAttention-3 has over it. Gluon states partitions, barriers and
@@ -53,22 +54,6 @@ STAGES = 3
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 LOG2E = 1.4426950408889634
-
-
-def gluon_supported(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, paged: bool) -> bool:
-    """Whether :func:`attention_fwd_gluon` could serve this call (the benchmark's guard; nothing else calls it)."""
-    if not HAVE_GLUON or paged or not q.is_cuda:
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    d = q.shape[-1]
-    if q.dtype not in (torch.bfloat16, torch.float16) or d not in (64, 128):
-        return False
-    for t in (k_flat, v_flat):
-        if (t.dtype != q.dtype or t.shape[-1] != d or t.stride(2) != 1 or t.stride(1) != d
-                or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16):
-            return False
-    return q.stride(-1) == 1
 
 
 if HAVE_GLUON:
@@ -278,7 +263,7 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _probe_load(desc, bufs, ready, PRODUCER_FIRST: gl.constexpr):
+    def _probe_load(desc, bufs, ready):
         """The minimal producer: one TMA load of the tile at row 64 * program into ``bufs``, on ``ready``."""
         row = (gl.program_id(0) * desc.block_type.shape[0]).to(gl.int32)
         mbarrier.expect(ready.index(0), desc.block_type.nbytes)
@@ -304,11 +289,11 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(ready.index(0), count=1)
         if PRODUCER_DEFAULT:
-            gl.warp_specialize([(_probe_load, (desc, bufs, ready, True)),
+            gl.warp_specialize([(_probe_load, (desc, bufs, ready)),
                                 (_probe_copy, (out_ptr, bufs, ready, ROWS_, COLS, 4))], [4], [120])
         else:
             gl.warp_specialize([(_probe_copy, (out_ptr, bufs, ready, ROWS_, COLS, 4)),
-                                (_probe_load, (desc, bufs, ready, False))], [1], [24])
+                                (_probe_load, (desc, bufs, ready))], [1], [24])
 
 
 def _descriptor(t: torch.Tensor, rows: int):

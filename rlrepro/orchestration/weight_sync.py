@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from collections.abc import Iterable
 
 import torch
@@ -54,8 +55,6 @@ def check_in(store, world_size: int, timeout_s: float, poll_s: float = CHECK_IN_
     """Count this member in on ``store`` and wait until all ``world_size`` have, polling, so that the driver's
     abort key (:func:`abort_join`) ends the wait at once: :class:`SyncGroupAborted`. ``TimeoutError`` after
     ``timeout_s``."""
-    import time
-
     store.add(JOINED_KEY, 1)
     deadline = time.monotonic() + timeout_s
     while True:
