@@ -61,11 +61,17 @@ class Sample:
         return len(self.prompt_token_ids) + len(self.completion_token_ids)
 
     def to_record(self) -> dict:
-        """The JSON object of this sample in ``rollouts/step_NNNNNN.jsonl.gz`` (the historical key names)."""
+        """The JSON object of this sample in ``rollouts/step_NNNNNN.jsonl.gz`` (the historical key names); the
+        sampling ``seed`` and the ``weight_version`` that generated it when known (files written before they were
+        recorded lack them)."""
         rec = {"prompt_uid": self.prompt_uid, "sample_index": self.sample_index,
                "prompt_token_ids": list(self.prompt_token_ids), "token_ids": list(self.completion_token_ids),
                "logprobs": list(self.rollout_logprobs), "reward": self.reward, "advantage": self.advantage,
                "finish_reason": self.finish_reason}
+        if self.seed is not None:
+            rec["seed"] = self.seed
+        if self.weight_version is not None:
+            rec["weight_version"] = self.weight_version
         if self.prompt_text is not None:
             rec["prompt_text"] = self.prompt_text
         if self.completion_text is not None:
@@ -78,11 +84,13 @@ class Sample:
 
     @classmethod
     def from_record(cls, rec: dict) -> "Sample":
-        """Inverse of :meth:`to_record` (also reads rollout files written before the text fields existed)."""
+        """Inverse of :meth:`to_record` (also reads rollout files written before the text, seed and version fields
+        existed: those are None)."""
         turns = rec.get("turns")
         return cls(prompt_uid=rec["prompt_uid"], sample_index=int(rec["sample_index"]),
                    prompt_token_ids=list(rec["prompt_token_ids"]), completion_token_ids=list(rec["token_ids"]),
                    rollout_logprobs=list(rec["logprobs"]), finish_reason=rec.get("finish_reason", "length"),
+                   seed=rec.get("seed"), weight_version=rec.get("weight_version"),
                    prompt_text=rec.get("prompt_text"), completion_text=rec.get("completion_text"),
                    reward=rec.get("reward"), advantage=rec.get("advantage"), loss_mask=rec.get("loss_mask"),
                    turns=None if turns is None else [Turn(t["role"], list(t["token_ids"]), t.get("text"))
