@@ -158,7 +158,7 @@ class Trainer:
     model's dtype the model is cast to it and the optimizer keeps float32 master weights initialised from the
     model's weights *before* the cast; when the model is float32 and ``param_dtype`` is None the parameters are
     their own masters. ``ref_model``: frozen reference for the KL term (required when ``kl_coef > 0``; with
-    ``kl_coef == 0`` its KL is still reported). ``data_parallel``: see :mod:`rlrepro.trainer.data_parallel`.
+    ``kl_coef == 0`` its KL is still reported); cast in place to the policy's compute dtype when it differs. ``data_parallel``: see :mod:`rlrepro.trainer.data_parallel`.
     ``distributed_optimizer`` (with ``data_parallel``): shard the float32 masters and AdamW state over the ranks
     (ZeRO-1, :class:`~rlrepro.trainer.optim.ShardedMasterWeightAdamW`); the same bits as without. Then
     construction, ``train_step`` and ``save_checkpoint`` are collectives (every rank calls them); without
@@ -202,6 +202,11 @@ class Trainer:
         self.before_update: Callable[[], None] | None = None
         if ref_model is not None:
             ref_model.requires_grad_(False)
+            ref_dtype = getattr(ref_model, "dtype", None)
+            if isinstance(ref_dtype, torch.dtype) and ref_dtype != getattr(model, "dtype", ref_dtype):
+                # the reference computes in the policy's dtype (as the orchestration loads it), so that the KL of
+                # the unchanged policy is exactly 0; cast in place, as the policy is
+                ref_model.to(model.dtype)
         optim_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.adam_eps, weight_decay=config.weight_decay,
                             master_init=master_init)
         self.distributed_optimizer = bool(distributed_optimizer) and data_parallel is not None
