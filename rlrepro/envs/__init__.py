@@ -21,7 +21,7 @@ from .calculator_task import make_calculator_records, make_calculator_task_env
 from .config import MALFORMED_POLICIES, EnvConfig
 from .episode import Episode, Outcome, episode_seed, replay, run_episode, transcript_digest
 from .registry import BUILTIN_ENVS, EnvFactory, EnvSpec, load_env, load_env_factory, register_env
-from .rendering import continuation_text, render_chat
+from .rendering import continuation_text, end_of_turn_token, render_chat
 from .sandbox import FORBIDDEN_NAMES, SandboxResult, run_python
 from .sandbox_values import SandboxLimits
 from .tool_calls import (TOOL_FORMATS, CompactToolFormat, MalformedCall, ParsedCall, Qwen3ToolFormat, ToolCall,
@@ -39,7 +39,7 @@ __all__ = [
     "Tool", "ToolResult", "BUILTIN_TOOLS", "calculator_tool", "python_tool", "make_tools", "check_arguments",
     "ToolCall", "MalformedCall", "ParsedCall", "ToolCallFormat", "Qwen3ToolFormat", "CompactToolFormat",
     "TOOL_FORMATS", "make_tool_format", "tool_message",
-    "render_chat", "continuation_text",
+    "render_chat", "continuation_text", "end_of_turn_token",
     "CalculatorLimits", "CalculatorError", "calculate", "evaluate", "format_number",
     "SandboxLimits", "SandboxResult", "run_python", "FORBIDDEN_NAMES",
 ]

@@ -25,6 +25,7 @@ from rlrepro.samples import Sample
 from . import preflight
 from .actors import ActorGroup
 from .config import ConfigError, RunSchema, to_schema, uses_episodes, validate_model_layout
+from .episodes import turn_stop_token_ids
 from .generation import GenerationSteps, PhaseTimer, shaped_penalties
 from .pipeline import PipelineSteps, pending_from_state, pending_to_state, test_delay
 from .errors import RunFailed, RunInterrupted, dead_actor_class, describe, is_actor_death, unwrap
@@ -93,6 +94,8 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         validate_model_layout(cfg, self.model_config)  # e.g. train.tensor_parallel must divide the heads
         self.tokenizer = load_tokenizer(self.model_dir)
         preflight.check_tokenizer(self.model_config, self.tokenizer, self.model_dir)
+        # episodes with the chat template: the token that closes a turn (the EOS, or the template's own: Base models)
+        self.end_of_turn = preflight.check_end_of_turn(cfg, self.tokenizer, self.model_dir)
         self.prompts, self.data_files = self._load_prompts()
         if len(self.prompts) < cfg.rollout.prompts_per_step:
             raise ConfigError(f"the data set has {len(self.prompts)} prompts < rollout.prompts_per_step="
@@ -106,6 +109,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         self.order = EpochOrder(len(self.prompts), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         eos = self.tokenizer.eos_token_id
         self.stop_token_ids = [eos] if eos is not None else []
+        self.turn_stop_token_ids = turn_stop_token_ids(self.tokenizer, self.stop_token_ids, self.end_of_turn)
         self.env_spec = None
         if uses_episodes(cfg):  # multi-turn episodes (rlrepro.envs, orchestration.episodes); checked now
             self.env_spec = self.load_environment()

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from rlrepro.envs import EnvReset, EnvSpec, Episode, StepResult
     from rlrepro.rollout import Engine, RequestOutput, SamplingParams
 
-__all__ = ["EpisodeRequest", "EpisodeResult", "run_episodes", "episode_metrics", "TurnTokenizer"]
+__all__ = ["EpisodeRequest", "EpisodeResult", "run_episodes", "episode_metrics", "TurnTokenizer",
+           "turn_stop_token_ids"]
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,10 @@ class TurnTokenizer:
     """How a transcript goes on after a turn, in tokens: what :func:`run_episodes` uses between turns and what the
     driver uses to replay a demonstration the same way (``GenerationSteps.demonstration_examples``).
 
-    ``end_of_turn``: the chat template's end-of-turn token (Qwen's ``'<|im_end|>'``), which must encode to one
-    token, or None without a chat template (an observation's text then follows the turn as is). ``max_model_len``:
-    the context the transcript must fit in."""
+    ``end_of_turn``: the chat template's end-of-turn token (Qwen's ``'<|im_end|>'``;
+    :func:`rlrepro.envs.end_of_turn_token` finds it, the driver at set-up), which must encode to one token, or
+    None without a chat template (an observation's text then follows the turn as is). ``max_model_len``: the
+    context the transcript must fit in."""
 
     def __init__(self, tokenizer, end_of_turn: Optional[str], max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -147,6 +149,19 @@ class TurnTokenizer:
         if generated and generated[-1] == self.end_of_turn_id:
             return ids, cont
         return [self.end_of_turn_id] + ids, self.end_of_turn + cont  # cut by length: close the turn first
+
+
+def turn_stop_token_ids(tokenizer, stop_token_ids, end_of_turn: Optional[str]) -> list[int]:
+    """The stop ids of an episode's turns: ``stop_token_ids`` (the EOS) and the end-of-turn token's id when it is
+    not among them (a template whose turns end with another token than the EOS: Qwen3-*-Base's ``<|im_end|>``),
+    so that a turn stops where the template closes it. ``end_of_turn`` None or the EOS: ``stop_token_ids``, as
+    they were."""
+    stops = list(stop_token_ids)
+    if end_of_turn is not None:
+        ids = tokenizer.encode(end_of_turn)
+        if len(ids) == 1 and ids[0] not in stops:
+            stops.append(ids[0])
+    return stops
 
 
 def _env_turn(turns: TurnTokenizer, live: _Live, out: "RequestOutput") -> tuple[str, "StepResult", Optional[tuple]]:
@@ -199,11 +214,13 @@ def run_episodes(engine: "Engine", requests: list[EpisodeRequest], env_spec: "En
 
     ``tokenizer``: ``encode``, ``decode`` (a turn's text is ``decode(turn tokens)``, special tokens skipped, as the
     driver decodes completions) and ``apply_chat_template``. ``end_of_turn``: the chat template's end-of-turn
-    token text (``tokenizer.eos_token``; one token); None when prompts are plain text (no chat template): then an
-    observation's text (its messages' contents joined) follows the turn as is. ``max_tokens``: the per-turn
-    generation limit (None: each request's ``params.max_tokens``). ``tool_threads``: environment steps run
-    concurrently (>= 1). An environment that breaks raises :class:`rlrepro.envs.EnvError` (naming the record
-    uid and the turn); on any error the engine's requests are aborted and the engine stays usable."""
+    token text (one token; :func:`rlrepro.envs.end_of_turn_token`, the tokenizer's EOS where the template closes
+    a turn with it; the requests' stop ids must hold its id, :func:`turn_stop_token_ids`); None when prompts are
+    plain text (no chat template): then an observation's text (its messages' contents joined) follows the turn as
+    is. ``max_tokens``: the per-turn generation limit (None: each request's ``params.max_tokens``).
+    ``tool_threads``: environment steps run concurrently (>= 1). An environment that breaks raises
+    :class:`rlrepro.envs.EnvError` (naming the record uid and the turn); on any error the engine's requests are
+    aborted and the engine stays usable."""
     if isinstance(tool_threads, bool) or not isinstance(tool_threads, int) or tool_threads < 1:
         raise ValueError(f"tool_threads must be an integer >= 1, got {tool_threads!r}")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):

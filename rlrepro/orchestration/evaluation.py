@@ -368,10 +368,15 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
         from rlrepro.data import reward_with_policy
         from rlrepro.envs import load_env
 
+        from .episodes import turn_stop_token_ids
+        from .preflight import check_end_of_turn
+
         try:
             env_spec = load_env(cfg.env, reward_with_policy(evaluator.reward_fn, cfg.reward.on_error))
         except ValueError as e:
             raise ConfigError(f"env.* of {run_dir}/config.yaml: {e}") from None
+        end_of_turn = check_end_of_turn(cfg, tokenizer, base)  # the turns end as the run's did
+        turn_stops = turn_stop_token_ids(tokenizer, evaluator.stop_token_ids, end_of_turn)
     tp = cfg.train.engine_tp_emulation  # as the run's engines sampled: TP on megatron, or train.tp_partials
     with tempfile.TemporaryDirectory(prefix="rlrepro-eval-") as tmp:
         weights = _checkpoint_weights(run_dir, ckpt, Path(tmp))
@@ -387,10 +392,10 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
         def episodes(requests: list) -> list:  # as GenerationSteps.generate_episodes calls the workers
             return worker.run_episodes(requests, cfg.env, cfg.reward.fn, use_chat_template=cfg.data.use_chat_template,
                                        tool_threads=cfg.env.tool_threads, reward_on_error=cfg.reward.on_error,
-                                       import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]))
+                                       import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]), end_of_turn=end_of_turn)
 
-        return done, run_eval_episodes(episodes, cfg, done, evaluator.prompts, env_spec, tokenizer,
-                                       evaluator.stop_token_ids, records, fingerprint)
+        return done, run_eval_episodes(episodes, cfg, done, evaluator.prompts, env_spec, tokenizer, turn_stops,
+                                       records, fingerprint)
 
     def generate(requests: list[Request]) -> list:
         return [(r.key, out) for r, out in zip(requests, worker.generate(requests))]

@@ -1,6 +1,7 @@
 """A step's samples: the GRPO driver's generation phase, a mixin of
 :class:`~rlrepro.orchestration.driver.GRPODriver` (it reads the driver's ``cfg``, ``prompts``, ``order``,
-``tokenizer``, ``reward_fn``, ``env_spec``, ``stop_token_ids``, ``model_config``, ``actors`` and ``log``).
+``tokenizer``, ``reward_fn``, ``env_spec``, ``stop_token_ids``, ``model_config``, ``actors`` and ``log``; for
+episodes ``end_of_turn`` and ``turn_stop_token_ids``, from ``preflight.check_end_of_turn``).
 
 * :meth:`GenerationSteps.collect`: the rounds of a step (one, or DAPO's dynamic sampling), each generated and
   scored: single-turn requests (:meth:`~GenerationSteps.generate`, rewards from ``reward.fn``) or multi-turn
@@ -231,7 +232,8 @@ class GenerationSteps:
     def episode_requests(self, step: int, batch: list, bases: list[int]) -> list:
         """One :class:`~.episodes.EpisodeRequest` per (prompt, sample index): the sampling seed
         ``request_seed(run.seed, step, uid, index)`` (every turn's), the environment's ``episode_seed`` of the
-        same key."""
+        same key; the stop ids ``turn_stop_token_ids`` (the EOS, and the chat template's end-of-turn token where
+        it is another one)."""
         from rlrepro.envs import episode_seed
         from rlrepro.rollout import request_seed
 
@@ -244,7 +246,7 @@ class GenerationSteps:
                 env_seed = episode_seed(seed, step, p.uid, j)
                 ids = self.episode_prompt(p, self.env_spec.make(p.record, env_seed).reset())
                 out.append(EpisodeRequest((p.uid, j), p.record, ids, sampling.params(
-                    seed=request_seed(seed, step, p.uid, j), stop_token_ids=self.stop_token_ids), env_seed))
+                    seed=request_seed(seed, step, p.uid, j), stop_token_ids=self.turn_stop_token_ids), env_seed))
         return out
 
     def generate_episodes(self, step: int, batch: list, bases: list[int]) -> list[Sample]:
@@ -256,10 +258,13 @@ class GenerationSteps:
         from .import_path import module_dirs
 
         cfg = self.cfg
+        # the end-of-turn token goes to the workers only where it is not the EOS (their default): an actor group
+        # written against the older signature keeps working for every configuration that worked before
+        eot = {} if self.end_of_turn in (None, self.tokenizer.eos_token) else {"end_of_turn": self.end_of_turn}
         results = self.actors.run_episodes(self.episode_requests(step, batch, bases), cfg.env, cfg.reward.fn,
                                            use_chat_template=cfg.data.use_chat_template,
                                            tool_threads=cfg.env.tool_threads, reward_on_error=cfg.reward.on_error,
-                                           import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]))
+                                           import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]), **eot)
         self._episode_results = results
         self._episode_reward_errors = sum(r.metrics.get("reward_errors", 0) for r in results)
         samples = [r.to_sample(self.tokenizer.decode) for r in results]
@@ -287,14 +292,18 @@ class GenerationSteps:
         """warm_start.target=demonstration: for each record, the environment's perfect episode
         (``env.demonstration()``: its assistant turns) replayed through the environment; one supervised example
         per turn, the transcript before it (built as the episode runner builds it: the turns, each closed by the
-        end-of-turn token, and the observations' continuation text) -> the turn and its end-of-turn token."""
+        end-of-turn token, and the observations' continuation text) -> the turn and its end-of-turn token (the
+        chat template's, ``end_of_turn``; the EOS without a chat template)."""
         from types import SimpleNamespace
 
         from .episodes import TurnTokenizer
 
         cfg, tok = self.cfg, self.tokenizer
-        end_of_turn = tok.eos_token if cfg.data.use_chat_template else None
+        end_of_turn = (self.end_of_turn or tok.eos_token) if cfg.data.use_chat_template else None
         turns = TurnTokenizer(tok, end_of_turn, self.model_config.max_position_embeddings)
+        close = list(self.stop_token_ids)
+        if turns.end_of_turn_id is not None and turns.end_of_turn_id not in close:
+            close = [turns.end_of_turn_id]  # the template closes a turn with another token than the EOS
         examples = []
         for i, record in enumerate(records):
             env = self.env_spec.make(record, cfg.warm_start.seed + i)
@@ -306,7 +315,7 @@ class GenerationSteps:
                                   "warm_start.target")
             ids = self.episode_prompt(SimpleNamespace(record=record, token_ids=list(prompt_ids[i])), start)
             for text in demo():
-                target = tok.encode(text) + self.stop_token_ids
+                target = tok.encode(text) + close
                 examples.append((list(ids), target))
                 result = env.step(text)
                 if result.done:

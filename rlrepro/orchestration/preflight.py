@@ -14,7 +14,8 @@ from .config import ConfigError, RunSchema
 from .errors import log
 
 __all__ = ["check_devices", "check_run_dir", "overwrite_plan", "describe_deletions", "check_tokenizer",
-           "check_lengths", "check_reward", "remove_partial_checkpoints", "resume_checkpoint", "RUN_FILES", "RUN_DIRS"]
+           "check_end_of_turn", "check_lengths", "check_reward", "remove_partial_checkpoints", "resume_checkpoint",
+           "RUN_FILES", "RUN_DIRS"]
 
 
 def check_devices(cfg: RunSchema) -> None:
@@ -174,6 +175,27 @@ def check_tokenizer(model_config: Any, tokenizer: Any, model_dir: Path) -> None:
     if tokenizer.eos_token is not None and tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer in {model_dir} names eos_token {tokenizer.eos_token!r} "
                           "(tokenizer_config.json), which is not in its vocabulary; fix tokenizer_config.json")
+
+
+def check_end_of_turn(cfg: RunSchema, tokenizer: Any, model_dir: Path) -> str | None:
+    """The chat template's end-of-turn token (:func:`rlrepro.envs.end_of_turn_token`) of a run with multi-turn
+    episodes (env.*, other than single_turn) and data.use_chat_template=true: what each turn stops at and what
+    an observation follows. It is the tokenizer's EOS wherever the template closes an assistant turn with it
+    (those runs keep their bits), else the special token the template closes it with (Qwen3-*-Base:
+    ``<|im_end|>``, EOS ``<|endoftext|>``). None for runs without such episodes (their turns end as the
+    single-turn path's do). Raises ConfigError when the template says no usable token."""
+    from .config import uses_episodes
+
+    single_turn = cfg.env.fn is None and cfg.env.name == "single_turn"
+    if not uses_episodes(cfg) or single_turn or not cfg.data.use_chat_template:
+        return None
+    from rlrepro.envs import end_of_turn_token
+
+    try:
+        return end_of_turn_token(tokenizer)
+    except ValueError as e:  # also: no chat template at all (the tokenizer says so and how to fix it)
+        raise ConfigError(f"data.use_chat_template=true with env.* (multi-turn episodes), model {model_dir}: "
+                          f"{e}") from None
 
 
 def check_lengths(cfg: RunSchema, prompts: list, model_config: Any) -> None:

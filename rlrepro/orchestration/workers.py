@@ -80,13 +80,15 @@ class RolloutWorker:
     def run_episodes(self, requests: list["EpisodeRequest"], env_config: "EnvConfig", reward_fn_spec: str,
                      max_tokens: int | None = None, use_chat_template: bool = True,
                      tool_threads: int = 2, reward_on_error: str = "raise",
-                     import_dirs: list[str] | None = None) -> list["EpisodeResult"]:
+                     import_dirs: list[str] | None = None,
+                     end_of_turn: str | None = None) -> list["EpisodeResult"]:
         """Multi-turn episodes on this engine (:func:`.episodes.run_episodes`), results in key order. The
         environment (``env_config`` with the reward ``reward_fn_spec``, loaded as the driver loads ``reward.fn``)
         and the tokenizer of the model directory are built on the first call and kept. ``use_chat_template``:
         whether the prompts were rendered with the chat template (then observations are too, and a turn cut by
-        length is closed with the tokenizer's EOS, the template's end of turn); ``max_tokens``: per turn (None:
-        each request's own)."""
+        length is closed with ``end_of_turn``, the template's end of turn: the driver's
+        ``preflight.check_end_of_turn``; None: the tokenizer's EOS); ``max_tokens``: per turn (None: each
+        request's own). The requests' stop ids hold the end-of-turn token's (``episodes.turn_stop_token_ids``)."""
         from .episodes import run_episodes
 
         if not requests:
@@ -105,7 +107,7 @@ class RolloutWorker:
 
             reward = reward_with_policy(load_reward_fn(reward_fn_spec), reward_on_error)
             self._env_specs[key] = load_env(env_config, reward)
-        end_of_turn = self._tokenizer.eos_token if use_chat_template else None
+        end_of_turn = (end_of_turn or self._tokenizer.eos_token) if use_chat_template else None
         spec = self._env_specs[key]
         before = spec.reward_fn.errors()  # reward_with_policy's count
         results = run_episodes(self.engine, requests, spec, self._tokenizer, max_tokens=max_tokens,
