@@ -307,9 +307,10 @@ class ActorGroup:
 
     def run_episodes(self, requests: list, env_config, reward_fn_spec: str, *, max_tokens: int | None = None,
                      use_chat_template: bool = True, tool_threads: int = 2, reward_on_error: str = "raise",
-                     import_dirs: list[str] | None = None) -> list:
+                     import_dirs: list[str] | None = None, end_of_turn: str | None = None) -> list:
         """Multi-turn episodes (:class:`~.episodes.EpisodeRequest` objects), dealt to workers by position as
-        :meth:`generate` deals requests; returns the :class:`~.episodes.EpisodeResult` objects sorted by key. A
+        :meth:`generate` deals requests; returns the :class:`~.episodes.EpisodeResult` objects sorted by key
+        (``end_of_turn``: the chat template's end-of-turn token, :meth:`RolloutWorker.run_episodes`). A
         worker that dies is replaced and its episodes re-run from their keys (an episode is a pure function of its
         request and the weights, so the results are the ones the dead worker would have returned). Fault
         injection sees this as a ``generate``."""
@@ -317,7 +318,8 @@ class ActorGroup:
         parts = {i: requests[i::nw] for i in range(nw) if requests[i::nw]}
         self._restarts_in_step = 0
         self._before("generate", self.weight_version + 1)
-        args = (env_config, reward_fn_spec, max_tokens, use_chat_template, tool_threads, reward_on_error, import_dirs)
+        args = (env_config, reward_fn_spec, max_tokens, use_chat_template, tool_threads, reward_on_error, import_dirs,
+                end_of_turn)
         calls = {i: self._call(i, "run_episodes", part, *args) for i, part in parts.items()}
         results = self._gather(calls, lambda i: self._call(i, "run_episodes", parts[i], *args), "run_episodes",
                                self.weight_version)
@@ -428,6 +430,17 @@ class ActorGroup:
         collective), else rank 0 (every rank holds the same weights)."""
         savers = self.trainers if self.megatron else [self.trainer]
         return self.get([t.export_hf.remote(path) for t in savers])[0]
+
+    def abandon_generation(self) -> None:
+        """The run is ending while a driver thread may still be generating (Ctrl-C during a pipelined step): end the
+        rollout workers and replace none from now on, so that the thread's generate fails at once
+        (``RolloutWorkerLost``) instead of starting new actors; the trainers stay for the interrupt's checkpoint."""
+        self.max_restarts = 0
+        for worker in list(self.workers):
+            try:
+                self._ray.kill(worker, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
 
     def shutdown(self) -> None:
         for actor in self.workers + self.trainers:

@@ -26,6 +26,13 @@ generated in every checkpoint that holds it, whether a periodic one or the one a
 With K > 0 the rollout logprobs are the behaviour policy's: use ``train.decoupled`` / ``train.is_correction``
 (docs/TRAINER.md) to correct for it. ``RLREPRO_TEST_DELAYS=SEED[:MAX_S]`` (tests only) sleeps a seeded-random wall-clock
 time in the generation thread and before training, to show that timing never reaches the bits.
+
+Ctrl-C (or SIGTERM, which the driver turns into it) during a pipelined step does not wait for the batch being
+generated ahead: the generation is abandoned (:meth:`PipelineSteps._abandon_generation`; its result is never read,
+so it reaches no ``pending``, checkpoint or record) and the interrupt goes on at once to the driver's handler
+(``GRPODriver._failed``), whose checkpoint holds the snapshots of the last completed step (``_done_order``,
+``_done_pending``); a resume generates that batch again, bit for bit. Any other failure still waits for the
+generation before it is raised.
 """
 from __future__ import annotations
 
@@ -42,6 +49,8 @@ from .generation import PhaseTimer
 __all__ = ["PipelineSteps", "pending_to_state", "pending_from_state", "check_staleness"]
 
 DELAYS_ENV = "RLREPRO_TEST_DELAYS"
+# after an interrupt, how long the driver waits for an abandoned generation whose rollout workers it ended (Ray)
+ABANDON_WAIT_S = 5.0
 
 
 def _sample_from_state(d: dict) -> Sample:
@@ -95,25 +104,41 @@ class PipelineSteps:
         # advantages are written into copies
         samples = [dataclasses.replace(s) for s in samples]
         ahead: dict = {}
+        abandoned = threading.Event()  # set by the driver's thread on Ctrl-C / SIGTERM: nothing here is read then
+        # waited on instead of Thread.join: a join that Ctrl-C interrupts marks a thread that still runs as stopped
+        # (Python 3.11), and a wait on an Event can be interrupted at any time
+        finished = threading.Event()
 
         def generate_ahead() -> None:
             try:
                 test_delay("generate", step)
-                ahead["batch"] = self._timed_collect(step + k)
+                if not abandoned.is_set():  # abandoned before it began: nothing drawn, nothing generated
+                    ahead["batch"] = self._timed_collect(step + k)
             except BaseException as e:  # noqa: BLE001 - re-raised in the driver's thread
                 ahead["error"] = e
+            finally:
+                finished.set()
 
         t0 = time.perf_counter()
         thread = threading.Thread(target=generate_ahead, name=f"rlrepro-generate-step-{step + k}", daemon=True)
-        thread.start()
         try:
-            test_delay("train", step)
-            self.compute_advantages(samples)
-            train_s0 = time.perf_counter()
-            train_metrics = self.train(step, samples)
-            train_s = time.perf_counter() - train_s0
-        finally:
+            thread.start()
+            try:
+                test_delay("train", step)
+                self.compute_advantages(samples)
+                train_s0 = time.perf_counter()
+                train_metrics = self.train(step, samples)
+                train_s = time.perf_counter() - train_s0
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                finished.wait()  # any other failure: the generation ends first, then the failure is raised
+                raise
+            finished.wait()  # Ctrl-C while waiting for the generation abandons it too
             thread.join()
+        except KeyboardInterrupt:
+            self._abandon_generation(finished, abandoned)
+            raise
         wall = time.perf_counter() - t0
         if "error" in ahead:  # after step's update: no checkpoint can be written now (see _failed's note)
             self._ahead_failed = step + k
@@ -131,6 +156,25 @@ class PipelineSteps:
             t.add("pipeline_fill", fill_s)
             gen_metrics["perf/pipeline_fill_s"] = fill_s
         return samples, penalties, errors, gen_metrics, train_metrics
+
+    def _abandon_generation(self, finished: threading.Event, abandoned: threading.Event) -> None:
+        """Ctrl-C or SIGTERM during a pipelined step: the batch being generated ahead is given up, not waited for.
+        Its result stays in the thread (``pending`` never gets it), and the handler of the interrupt
+        (``GRPODriver._failed``) checkpoints the snapshots of the last completed step, never ``self.order`` or
+        ``self.pending`` as the thread leaves them. With Ray's actor group the rollout workers are ended now (the
+        run is ending; that checkpoint is the trainer's alone) and a worker lost from now on is not replaced
+        (``max_restarts``), so the thread stops within about a second, before the handler writes the checkpoint
+        and before the group is shut down (where a thread still calling Ray would start a Ray of its own); it is
+        waited for at most ``ABANDON_WAIT_S``. An in-process group (tests) has nothing to end: the daemon thread
+        is left to finish on its own, unread."""
+        abandoned.set()
+        if finished.is_set():
+            return
+        abandon = getattr(getattr(self, "actors", None), "abandon_generation", None)
+        if abandon is None:
+            return
+        abandon()  # ActorGroup: the rollout workers ended, none replaced (RolloutWorkerLost at once)
+        finished.wait(ABANDON_WAIT_S)
 
     def _fill_pipeline(self, step: int, k: int) -> float | None:
         """Generate the batches of steps ``step .. step + K - 1`` that ``pending`` lacks: all of them at step 1 (from
