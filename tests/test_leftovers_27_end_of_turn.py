@@ -14,7 +14,6 @@ closes an assistant turn with ``<|im_end|>``):
 * for the standard tiny tokenizer nothing changes: the stop ids are the EOS alone, and the workers are called
   without an end-of-turn argument (their EOS default, so the existing multi-turn tests pin the bits).
 """
-import copy
 import gzip
 import json
 
@@ -27,6 +26,7 @@ from rlrepro.model import load_tokenizer, write_tiny_checkpoint
 from rlrepro.orchestration import driver as driver_mod
 from rlrepro.orchestration.episodes import turn_stop_token_ids
 from test_envs_tools import QWEN3_TEMPLATE  # the tool-calling parts of Qwen3's chat template
+from test_review26_pipe_pipeline import LocalActors as PipeLocalActors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,56 +144,18 @@ def test_a_template_without_an_end_of_turn_token_is_refused_at_set_up(plain_end_
 
 
 # -------------------------------------------------------------------------------------------- (c) the runs
-class LocalActors:
-    """The driver's actor group in this process (one RolloutWorker, one TrainerWorker); records the keyword
-    arguments of every run_episodes call."""
+class LocalActors(PipeLocalActors):
+    """The driver's actor group in this process (test_review26_pipe_pipeline's); records the keyword arguments
+    and stop ids of every run_episodes call, and the warm start's examples."""
     calls: list = []
-
-    def __init__(self, cfg, model_dir):
-        from rlrepro.orchestration.workers import RolloutWorker, TrainerWorker
-
-        self.cfg = cfg
-        common = dict(device=cfg.run.device, dtype=cfg.model.dtype, deterministic=cfg.run.deterministic)
-        self.worker = RolloutWorker(model_dir, cfg.rollout.engine, seed=cfg.run.seed, **common)
-        self.trainer = TrainerWorker(model_dir, cfg.train, temperature=cfg.rollout.temperature,
-                                     max_response_length=cfg.rollout.max_tokens, **common)
-        self.restarts, self.weight_version = 0, -1
-
-    def generate(self, requests):
-        return [(r.key, out) for r, out in zip(requests, self.worker.generate(requests))]
 
     def run_episodes(self, requests, env_config, reward_fn_spec, **kw):
         LocalActors.calls.append((kw, [r.params.stop_token_ids for r in requests]))
         return sorted(self.worker.run_episodes(list(requests), env_config, reward_fn_spec, **kw), key=lambda r: r.key)
 
-    def train_step(self, samples):
-        return self.trainer.train_step(copy.deepcopy(samples))
-
     def warm_start(self, examples, **kw):
         LocalActors.examples = examples
-        return self.trainer.warm_start(examples, **kw)
-
-    def sync_weights(self, version):
-        self.worker.load_weights(self.trainer.get_weights(), version)
-        self.weight_version = version
-        return self.trainer.weights_digest()
-
-    def optimizer_state_digest(self):
-        from rlrepro.repro.fingerprint import optimizer_state_digest
-
-        return optimizer_state_digest(self.trainer.optimizer_state_digests())
-
-    def memory_stats(self):
-        return {}
-
-    def save_checkpoint(self, root, step, extra, keep_last):
-        return self.trainer.save_checkpoint(root, step, extra, keep_last)
-
-    def load_checkpoint(self, path):
-        return self.trainer.load_checkpoint(path)
-
-    def shutdown(self):
-        pass
+        return super().warm_start(examples, **kw)
 
 
 def _train(monkeypatch, model_dir, run):
