@@ -154,12 +154,37 @@ def main() -> int:
     ap.add_argument("--no-bits", action="store_true")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole child run")
     ap.add_argument("--minimal-only", action="store_true", help="run only the reduced TMA-wait probe")
+    ap.add_argument("--cases", default="", help="packed lengths to run one call each, e.g. '64;128;300,77' "
+                    "(GLW_HKV: KV heads, 8)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-case", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--probes", action="store_true", help="run gluon_hang_probes.CASES first")
+    ap.add_argument("--child-probe", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-minimal", choices=["default", "worker"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not G.HAVE_GLUON:
         print("bench_attention_gluon: needs a Hopper GPU and Triton with Gluon")
         return 1
+    if args.child_probe:
+        import gluon_hang_probes as P
+
+        ok, err = P.probe(264, **P.CASES[args.child_probe])
+        print(f"probe {args.child_probe!r}: finished, {'equal' if ok else 'DIFFERS'} (max error {err:.3g})",
+              flush=True)
+        return 0
+    if args.child_case:
+        lens = [int(x) for x in args.child_case.split(",")]
+        hkv = int(os.environ.get("GLW_HKV", "8"))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = rnd(sum(lens), 4 * hkv, 128, gen=gen), rnd(sum(lens), hkv, 128, gen=gen), rnd(sum(lens), hkv, 128,
+                                                                                                 gen=gen)
+        meta = AttentionMetadata.packed(lens, device="cuda")
+        og, lg = gluon_fwd(q, k, v, meta, 0.09, return_lse=True)
+        torch.cuda.synchronize()
+        ot, lt = A.attention_fwd(q, k, v, meta, 0.09, config=A.ATTENTION_CONFIGS["large"], return_lse=True)
+        same = torch.equal(og, ot) and torch.equal(lg, lt)
+        print(f"case {lens} (Hkv {hkv}): finished, {'equal' if same else 'DIFFERS'} to the Triton kernel", flush=True)
+        return 0
     if args.child_minimal:
         x = torch.randn(64 * 264, 128, device="cuda", dtype=torch.bfloat16)
         got = G.probe_tma_wait(x, args.child_minimal == "default")
@@ -175,6 +200,21 @@ def main() -> int:
             emit(line)
         if rc is None:
             emit(f"minimal TMA wait, producer as the {where} partition: **HANG** (killed after 30 s)")
+    if args.probes:  # gluon_hang_probes: the forward's pieces added one at a time, each in a child under 20 s
+        import gluon_hang_probes as P
+
+        for name in P.CASES:
+            rc, out = _run([sys.executable, os.path.abspath(__file__), "--child-probe", name], 20.0)
+            for line in out.splitlines()[-2:]:
+                emit(line)
+            if rc is None:
+                emit(f"probe {name!r}: **HANG** (killed after 20 s)")
+    for case in [c for c in args.cases.split(";") if c]:  # one packed call each, in its own child under 20 s
+        rc, out = _run([sys.executable, os.path.abspath(__file__), "--child-case", case], 20.0)
+        for line in out.splitlines()[-2:]:
+            emit(line)
+        if rc is None:
+            emit(f"case [{case}]: **HANG** (killed after 20 s)")
     if args.minimal_only:
         write(args.out)
         return 0

@@ -213,6 +213,8 @@ def test_an_interrupted_pipelined_run_stops_at_once_and_resumes_identical(tmp_pa
     abandoned = _generation_thread(3)
     if where == "before-the-update":
         assert "Saved a checkpoint of the last completed step 1" in str(info.value)
+    else:  # the message says why step 1 has no checkpoint of its own here
+        assert "The update of step 2 was under way when the run stopped" in str(info.value)
     ckpt = b / "checkpoints" / "step_000001"
     assert info.value.checkpoint == str(ckpt)
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step_000001"]

@@ -534,6 +534,11 @@ class GRPODriver(GenerationSteps, PipelineSteps):
                          f"{self.cfg.rollout.max_staleness}): the update of step {step} was made, so the trainer no "
                          f"longer holds step {done}, and step {step} cannot be saved without batch {ahead}; no "
                          "checkpoint is written at such a failure (checkpoint.every bounds the steps repeated)")
+        if interrupted and done < step and self._trainer_step != done and not self._saving and not self._in_warm_start:
+            made = "was under way" if self._trainer_step is None else "was made"
+            notes.append(f"the update of step {step} {made} when the run stopped, so the trainer no longer holds step "
+                         f"{done} and no checkpoint of it could be written (checkpoint.every bounds the steps "
+                         "repeated)")
         if trainer_died:
             notes.append("the trainer process died (out of memory? killed?)")
         kind_of = type(cause).__name__ if cause is not None else ""
