@@ -75,7 +75,11 @@ if HAVE_GLUON:
         n_tiles = last_pos // BLOCK_KV_ + 1
         n_full = gl.minimum((first_pos + q0 + 1) // BLOCK_KV_, n_tiles)
         n_tiles = gl.where(seq >= 0, n_tiles, 0).to(gl.int32)  # stage indices must be int32 (seq_lens may be int64)
-        return seq, q0, cu0, q_len, first_pos, n_tiles, n_full.to(gl.int32)
+        # an empty slot (seq -1) has no tiles at all: its producer loads none, so its consumers must wait on none
+        # (n_full was computed from sequence 0's length, with the slot's q0 past its end: 1 for a 64-token batch,
+        # and the consumers waited for a tile that never came: the hang of 2026-12-05)
+        n_full = gl.minimum(n_full, n_tiles).to(gl.int32)
+        return seq, q0, cu0, q_len, first_pos, n_tiles, n_full
 
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr, cu_ptr,
