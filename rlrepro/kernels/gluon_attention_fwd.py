@@ -1,7 +1,8 @@
 """EXPERIMENTAL, NOT USED: the batch-invariant attention forward for Hopper, warp-specialised, in Gluon (Triton's
 explicit-layout language, Triton 3.6's API; packed 16-bit K/V, head size 64 or 128). Nothing in rlrepro calls
-it; ``benchmarks/bench_attention_gluon.py`` does, in a child process with a time limit, because **on the H100
-(Triton 3.6, torch 2.11+cu130) it hangs**.
+it; ``benchmarks/bench_attention_gluon.py`` does, in a child process with a time limit (it hung until the
+twenty-seventh session found why: an empty schedule slot's consumers waited for a tile its producer never loaded,
+see ``_program``).
 
 Why it exists (issue #27): Triton 3.6 cannot warp-specialise the ``tl`` forward for sm_90 (its ``warp_specialize``
 pass fails there), and that is most of what FlashAttention-3 has over it. Gluon states partitions, barriers and
@@ -19,16 +20,15 @@ tiles); ``m = max(m, rowmax s)``; ``p = exp2(s - m)``; ``alpha = exp2(m_old - m)
 contraction. A row is ``(query, head of the GQA group)`` as there. The sm_90a PTX has the Triton kernel's float
 instructions (``ex2.approx.ftz.f32``, ``div.full.f32``, FMAs only inside ``log2``).
 
-What the H100 showed (2026-12-05, twenty-sixth session; docs/BENCHMARKS.md "A warp-specialised forward in Gluon"):
-with the consumers *not* waiting on the K/V "ready" barriers (``GLW_DBG=2``) the kernel finishes and its output is
-``torch.equal`` to the Triton kernel's (one 64-token sequence, 32/8 heads, D = 128). With the waits, every layout
-tried hangs: two 4-warp consumer partitions with the producer as the default partition (``GLW_VARIANT=two``), one
-8-warp consumer as the default partition with a 1- or 4-warp producer (``one``), K and V on one barrier
-(``GLW_DBG=16``), D = 64 (one TMA message a tile), a fence after the barriers' init (``GLW_DBG=128``). The producer
-itself waiting on the same barriers after issuing (``GLW_DBG=64``) returns, so the TMA completes the phase; the
-consumers' wait on that phase still hangs (``GLW_DBG=64`` alone). ``GLW_DBG`` bits: 1 the producer skips the
-"empty" wait; 2 the consumers skip the "ready" waits; 8 half the expected bytes; 16 K and V on the K barrier; 64
-the producer waits on its own loads; 128 a proxy fence after the barriers' init.
+The hang (2026-12-05; docs/BENCHMARKS.md "A warp-specialised forward in Gluon" and "The Gluon hang found"): every
+layout hung on the H100 while the consumers waited on the K/V "ready" barriers, and finished without those waits.
+Probes that add this kernel's pieces one at a time to one TMA load and a wait (``benchmarks/gluon_hang_probes.py``)
+all finished, up to this kernel's own layout; the fault was this kernel's schedule: an empty slot (``seq == -1``)
+had no tiles for its producer but ``n_full`` > 0 for its consumers. ``GLW_VARIANT`` (``one``: one 8-warp consumer
+partition and a ``GLW_PW``-warp producer; ``two``: two 4-warp consumer partitions, the producer the default one)
+and the ``GLW_DBG`` bits of that bisection stay: 1 the producer skips the "empty" wait; 2 the consumers skip the
+"ready" waits; 8 half the expected bytes; 16 K and V on the K barrier; 64 the producer waits on its own loads; 128 a
+proxy fence after the barriers' init.
 """
 from __future__ import annotations
 
