@@ -24,11 +24,11 @@ The hang (2026-12-05; docs/BENCHMARKS.md "A warp-specialised forward in Gluon" a
 layout hung on the H100 while the consumers waited on the K/V "ready" barriers, and finished without those waits.
 Probes that add this kernel's pieces one at a time to one TMA load and a wait (``benchmarks/gluon_hang_probes.py``)
 all finished, up to this kernel's own layout; the fault was this kernel's schedule: an empty slot (``seq == -1``)
-had no tiles for its producer but ``n_full`` > 0 for its consumers (fixed; not yet run on a GPU). ``GLW_VARIANT`` (``one``: one 8-warp consumer
-partition and a ``GLW_PW``-warp producer; ``two``: two 4-warp consumer partitions, the producer the default one)
-and the ``GLW_DBG`` bits of that bisection stay: 1 the producer skips the "empty" wait; 2 the consumers skip the
-"ready" waits; 8 half the expected bytes; 16 K and V on the K barrier; 64 the producer waits on its own loads; 128 a
-proxy fence after the barriers' init.
+had no tiles for its producer but ``n_full`` > 0 for its consumers (fixed; not yet run on a GPU). ``GLW_VARIANT``
+(``one``: one 8-warp consumer partition and a ``GLW_PW``-warp producer; ``two``: two 4-warp consumer partitions, the
+producer the default one) and the ``GLW_DBG`` bits of that bisection stay: 1 the producer skips the "empty" wait; 2
+the consumers skip the "ready" waits; 8 half the expected bytes; 16 K and V on the K barrier; 64 the producer
+waits on its own loads; 128 a proxy fence after the barriers' init.
 """
 from __future__ import annotations
 
