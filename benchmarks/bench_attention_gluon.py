@@ -9,7 +9,7 @@ First the hang reduced (``gluon_attention_fwd.probe_tma_wait``): one partition l
 on its barrier and copies the tile out, with the producer as the default partition and as a worker, each in its own
 child under 30 s. Then the kernel itself (unless ``--minimal-only``).
 
-``GLW_VARIANT`` (``one``/``two``) and ``GLW_DBG`` pass through to the kernel (see its docstring).
+``GLW_VARIANT`` (``one``/``two``), ``GLW_PIPE`` and ``GLW_DBG`` pass through to the kernel (see its docstring).
 
 Bits: for packed batches of ragged sequences (lengths at and around the 64-position KV tiles and the 128-row
 tiles, a 1-token sequence, a long one), GQA 4 and 8 and MHA, head sizes 128 and 64, the Gluon output and float32
@@ -134,7 +134,7 @@ def child(args) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     emit(f"### Gluon forward vs Triton ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
          f"flashinfer {'absent' if fi is None else fi.__version__}, GLW_VARIANT={os.environ.get('GLW_VARIANT', 'one')}"
-         f", GLW_DBG={os.environ.get('GLW_DBG', '0')})")
+         f", GLW_DBG={os.environ.get('GLW_DBG', '0')}, GLW_PIPE={os.environ.get('GLW_PIPE', '0')})")
     smoke(gen)
     if not args.no_bits:
         emit("| lens | H/Hkv/D | config | gluon vs triton (out and lse) |")

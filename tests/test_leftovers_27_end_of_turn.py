@@ -11,8 +11,10 @@ closes an assistant turn with ``<|im_end|>``):
 * a short multi-turn run completes; every policy turn stops at its first ``<|im_end|>`` (the stop ids hold it),
   a turn cut by length is closed by it, the demonstration warm start's targets end with it, and two runs are
   equal bit for bit;
-* for the standard tiny tokenizer nothing changes: the stop ids are the EOS alone, and the workers are called
-  without an end-of-turn argument (their EOS default, so the existing multi-turn tests pin the bits).
+* for the standard tiny tokenizer nothing changes: the stop ids are the EOS alone, and the workers' end of turn is
+  the EOS (their default, so the existing multi-turn tests pin the bits).
+
+Single-turn runs with the chat template are in tests/test_session28_single_turn_end_of_turn.py.
 """
 import gzip
 import json
@@ -204,8 +206,8 @@ def test_a_base_like_tokenizer_runs_and_its_turns_end_with_im_end(base_dir, tmp_
 
 
 def test_the_standard_tiny_tokenizer_keeps_its_stop_ids_and_worker_calls(tiny_dir, tmp_path, monkeypatch):
-    """EOS = end of turn: the stop ids are the EOS alone and the workers get no end_of_turn argument (their
-    default, the EOS: what they always used), so the existing tests' bits (tests/test_tool_e2e.py,
+    """EOS = end of turn: the stop ids are the EOS alone and the workers get the EOS as the end of turn (their
+    default too: what they always used), so the existing tests' bits (tests/test_tool_e2e.py,
     tests/test_episodes*.py) stay pinned."""
     monkeypatch.setattr(driver_mod, "actor_group_class", lambda: LocalActors)
     LocalActors.calls = []
@@ -215,6 +217,6 @@ def test_the_standard_tiny_tokenizer_keeps_its_stop_ids_and_worker_calls(tiny_di
     assert d.turn_stop_token_ids == d.stop_token_ids == [IM_END]
     d.generate_episodes(1, d.prompts[:2], [0, 0])
     ((kw, stops),) = LocalActors.calls
-    assert "end_of_turn" not in kw and set(stops) == {(IM_END,)}
+    assert kw["end_of_turn"] == "<|im_end|>" and set(stops) == {(IM_END,)}
     examples = d.demonstration_examples([p.record for p in d.prompts[:4]], [p.token_ids for p in d.prompts[:4]])
     assert examples and all(target[-1] == IM_END for _, target in examples)

@@ -48,9 +48,10 @@ class LocalActors:
         return [(r.key, out) for r, out in zip(requests, self.worker.generate(requests))]
 
     def run_episodes(self, requests, env_config, reward_fn_spec, *, max_tokens=None, use_chat_template=True,
-                     tool_threads=2, reward_on_error="raise", import_dirs=None):
+                     tool_threads=2, reward_on_error="raise", import_dirs=None, end_of_turn=None):
         return sorted(self.worker.run_episodes(list(requests), env_config, reward_fn_spec, max_tokens,
-                                               use_chat_template, tool_threads, reward_on_error, import_dirs),
+                                               use_chat_template, tool_threads, reward_on_error, import_dirs,
+                                               end_of_turn),
                       key=lambda r: r.key)
 
     def train_step(self, samples):  # a copy, as Ray's object store gives the trainer

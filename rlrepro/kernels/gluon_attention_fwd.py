@@ -24,7 +24,10 @@ The hang (2026-12-05; docs/BENCHMARKS.md "A warp-specialised forward in Gluon" a
 layout hung on the H100 while the consumers waited on the K/V "ready" barriers, and finished without those waits.
 Probes that add this kernel's pieces one at a time to one TMA load and a wait (``benchmarks/gluon_hang_probes.py``)
 all finished, up to this kernel's own layout; the fault was this kernel's schedule: an empty slot (``seq == -1``)
-had no tiles for its producer but ``n_full`` > 0 for its consumers (fixed; not yet run on a GPU). ``GLW_VARIANT``
+had no tiles for its producer but ``n_full`` > 0 for its consumers (fixed; on the H100 on 2026-12-06 every layout
+finished, its out and lse equal to the Triton "long" tile's on the whole battery, at 0.92-0.97x its speed).
+``GLW_PIPE=1`` software-pipelines the consumers (:func:`_pipelined_tiles`: FlashAttention-3's overlap of one
+tile's softmax with the previous tile's ``P @ V``; the same operations in the same order). ``GLW_VARIANT``
 (``one``: one 8-warp consumer partition and a ``GLW_PW``-warp producer; ``two``: two 4-warp consumer partitions, the
 producer the default one) and the ``GLW_DBG`` bits of that bisection stay: 1 the producer skips the "empty" wait; 2
 the consumers skip the "ready" waits; 8 half the expected bytes; 16 K and V on the K barrier; 64 the producer
@@ -41,7 +44,7 @@ try:  # Gluon and its Hopper namespace (Triton >= 3.5)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma)
+                                                                  warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
@@ -143,12 +146,67 @@ if HAVE_GLUON:
         return m_new, l_i, acc
 
     @gluon.jit
+    def _qk_issue(t, q_smem, k_bufs, k_ready, NR: gl.constexpr, NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr,
+                  qk_layout: gl.constexpr):
+        """Wait for K tile ``t`` and start ``Q @ K_t^T`` on the tensor cores without waiting for it (a token)."""
+        st = t % NSTAGE
+        mbarrier.wait(k_ready.index(st), (t // NSTAGE) & 1)
+        zero = gl.zeros([NR, BLOCK_KV_], gl.float32, qk_layout)
+        return warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _softmax_part(t, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr):
+        """:func:`_softmax_step`'s arithmetic on tile ``t``'s scores up to ``p`` and ``alpha`` (the mask where
+        ``t >= n_full``: a full tile's positions all pass it, so it is skipped there, as the two loops do)."""
+        s = qk * qk_scale
+        if t >= n_full:
+            j = t * BLOCK_KV_ + gl.arange(0, BLOCK_KV_, layout=gl.SliceLayout(0, qk_layout))
+            s = gl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        p = gl.exp2(s - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return m_new, l_i, p, alpha
+
+    @gluon.jit
+    def _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pos, qk_scale,
+                         n_tiles, n_full, NR: gl.constexpr, NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr,
+                         qk_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """The tiles of :func:`_softmax_step`, software-pipelined as FlashAttention-3 overlaps within a
+        warpgroup: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` are issued together, and tile ``t + 1``'s softmax runs
+        while ``P_t @ V_t`` is on the tensor cores. Every value is computed by the same operations in the same
+        order as the unpipelined loop (``acc = P_t @ V_t + acc * alpha_t``), so the bits are its bits.
+        ``n_tiles`` > 0."""
+        tok = _qk_issue(0, q_smem, k_bufs, k_ready, NR, NSTAGE, BLOCK_KV_, qk_layout)
+        qk = warpgroup_mma_wait(0, deps=[tok])
+        m_i, l_i, p, alpha = _softmax_part(0, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout)
+        for t in range(n_tiles - 1):
+            st = t % NSTAGE
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+            tok = _qk_issue(t + 1, q_smem, k_bufs, k_ready, NR, NSTAGE, BLOCK_KV_, qk_layout)
+            mbarrier.wait(v_ready.index(st), (t // NSTAGE) & 1)
+            acc_tok = warpgroup_mma(pb, v_bufs.index(st), acc, is_async=True)
+            qk = warpgroup_mma_wait(1, deps=[tok])  # groups finish in order: Q @ K_{t+1}^T is done
+            m_i, l_i, p, alpha = _softmax_part(t + 1, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout)
+            acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
+            mbarrier.arrive(kv_empty.index(st), count=1)
+        t = n_tiles - 1
+        st = t % NSTAGE
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+        mbarrier.wait(v_ready.index(st), (t // NSTAGE) & 1)
+        acc = warpgroup_mma(pb, v_bufs.index(st), acc)
+        mbarrier.arrive(kv_empty.index(st), count=1)
+        return m_i, l_i, acc
+
+    @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
                   prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
                   CID: gl.constexpr, NR: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
                   BLOCK_Q: gl.constexpr,
                   BLOCK_KV_: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr, WRITE_LSE: gl.constexpr,
-                  DBG: gl.constexpr, NW: gl.constexpr = 4):
+                  DBG: gl.constexpr, NW: gl.constexpr = 4, PIPE: gl.constexpr = 0):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -180,14 +238,20 @@ if HAVE_GLUON:
         m_i = gl.full([NR], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([NR], gl.float32, row_s)
         acc = gl.zeros([NR, D], gl.float32, o_layout)
-        for t in range(0, n_full):
-            m_i, l_i, acc = _softmax_step(t, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                          pos, qk_scale, False, NR, NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout,
-                                          DBG)
-        for t in range(n_full, n_tiles):
-            m_i, l_i, acc = _softmax_step(t, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                          pos, qk_scale, True, NR, NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout,
-                                          DBG)
+        if PIPE:
+            if n_tiles > 0:  # an empty slot has none, and must wait for none
+                m_i, l_i, acc = _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                                 pos, qk_scale, n_tiles, n_full, NR, NSTAGE, BLOCK_KV_, qk_layout,
+                                                 o_layout, p_layout)
+        else:
+            for t in range(0, n_full):
+                m_i, l_i, acc = _softmax_step(t, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                              pos, qk_scale, False, NR, NSTAGE, BLOCK_KV_, qk_layout, o_layout,
+                                              p_layout, DBG)
+            for t in range(n_full, n_tiles):
+                m_i, l_i, acc = _softmax_step(t, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                              pos, qk_scale, True, NR, NSTAGE, BLOCK_KV_, qk_layout, o_layout,
+                                              p_layout, DBG)
         if seq >= 0:
             row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
             out = acc / gl.convert_layout(l_i, row_o)[:, None]
@@ -228,7 +292,7 @@ if HAVE_GLUON:
                             q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
                             BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, CREGS: gl.constexpr,
-                            DBG: gl.constexpr):
+                            DBG: gl.constexpr, PIPE: gl.constexpr = 0):
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, NR, D], q_smem_layout)
         k_bufs, v_bufs, k_ready, v_ready, kv_empty = _stages(k_desc, v_desc, NSTAGE, 2)
@@ -240,10 +304,10 @@ if HAVE_GLUON:
                          cu_ptr, seq_lens_ptr, BLOCK_Q, BKV, D, NSTAGE, DBG)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
                          prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln,
-                         qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG)),
+                         qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG, 4, PIPE)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
                          prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln,
-                         qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG)),
+                         qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG, 4, PIPE)),
         ], [4, 4], [CREGS, CREGS])
 
     @gluon.jit
@@ -252,7 +316,7 @@ if HAVE_GLUON:
                              q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
                              BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                              WRITE_LSE: gl.constexpr, NR: gl.constexpr, PREGS: gl.constexpr, DBG: gl.constexpr,
-                             PW: gl.constexpr):
+                             PW: gl.constexpr, PIPE: gl.constexpr = 0):
         """One consumer partition (the default one, all ``num_warps`` warps: NR rows) and a 1-warp TMA producer."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [1, NR, D], q_smem_layout)
@@ -260,7 +324,8 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
                          prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln,
-                         qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG, gl.num_warps())),
+                         qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG, gl.num_warps(),
+                         PIPE)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
                          cu_ptr, seq_lens_ptr, BLOCK_Q, BKV, D, NSTAGE, DBG)),
         ], [PW], [PREGS])
@@ -325,7 +390,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
             h if lse is not None else 0, float(scale) * LOG2E,
             gl.NVMMASharedLayout.get_default_for([CONSUMERS * ROWS, d], dt), group, group_p, block_q, d, STAGES,
             lse is not None, CONSUMERS * ROWS, PRODUCER_REGS, int(os.environ.get("GLW_DBG", "0")),
-            int(os.environ.get("GLW_PW", "4")),
+            int(os.environ.get("GLW_PW", "4")), int(os.environ.get("GLW_PIPE", "0")),
             num_warps=4 * CONSUMERS, maxnreg=int(os.environ.get("GLW_MAXNREG", "0")) or
             (CONSUMERS * 4 * CONSUMER_REGS + 4 * PRODUCER_REGS) // (4 * (CONSUMERS + 1)), enable_fp_fusion=False)
         return
@@ -334,7 +399,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
         prog_seq, prog_q0, cu, seq_lens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         h if lse is not None else 0, float(scale) * LOG2E,
         gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), group, group_p, block_q, d, STAGES, lse is not None,
-        ROWS, CONSUMER_REGS, int(os.environ.get("GLW_DBG", "0")),
+        ROWS, CONSUMER_REGS, int(os.environ.get("GLW_DBG", "0")), int(os.environ.get("GLW_PIPE", "0")),
         num_warps=4, maxnreg=int(os.environ.get("GLW_MAXNREG", "0")) or
         (CONSUMERS * 4 * CONSUMER_REGS + 4 * PRODUCER_REGS) // (4 * (CONSUMERS + 1)),
         enable_fp_fusion=False)

@@ -349,9 +349,6 @@ def _validate_env(s: RunSchema) -> None:
         raise ConfigError(f"reward.overlong_buffer={s.reward.overlong_buffer} shapes single-turn completions by "
                           "length; with env.* the environment scores the episode (use env.max_episode_tokens and "
                           "its finish reason token_budget): set reward.overlong_buffer=0")
-    if s.eval.every:
-        raise ConfigError(f"eval.every={s.eval.every}: evaluation runs single-turn prompts; with env.* (episodes) "
-                          "it is not supported yet: set eval.every=0")
     max_len = s.rollout.max_model_len
     if max_len is not None and s.env.max_episode_tokens is not None and s.env.max_episode_tokens > max_len:
         raise ConfigError(f"env.max_episode_tokens={s.env.max_episode_tokens} exceeds rollout.max_model_len="

@@ -117,8 +117,9 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         if cfg.eval.every or self.eval_later:  # held-out evaluation (orchestration.evaluation); prompts checked now
             from .evaluation import Evaluator
 
-            self.evaluator = Evaluator(cfg, self.tokenizer, self.reward_fn, self.stop_token_ids, self.model_config,
-                                       later=self.eval_later, load_prompts=bool(cfg.eval.every))
+            self.evaluator = Evaluator(cfg, self.tokenizer, self.reward_fn, self.turn_stop_token_ids,
+                                       self.model_config, later=self.eval_later, load_prompts=bool(cfg.eval.every),
+                                       env_spec=self.env_spec, end_of_turn=self.end_of_turn)
         self._check_resume()  # a resume's checkpoint and data, against this run's (before Ray starts)
         self.log = RunLog(cfg, self.run_dir)
         self.actors = actor_group_class()(cfg, str(self.model_dir))
@@ -228,11 +229,12 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             examples = self.demonstration_examples(records, [ids for ids, _ in pairs])
         else:
             rng = random.Random(ws.seed)
+            close = self.turn_close_ids()  # the EOS, or the chat template's end of turn
             charset = sorted({c for _, answer in pairs for c in answer})
             examples = []
             for ids, answer in pairs:
                 target = answer if ws.target == "answer" else "".join(rng.choice(charset) for _ in answer)
-                examples.append((ids, self.tokenizer.encode(target) + self.stop_token_ids))
+                examples.append((ids, self.tokenizer.encode(target) + close))
         # said first: on a CPU the tool recipe's 500 steps take minutes, with nothing else printed meanwhile
         self.log.line(f"warm start: {ws.steps} supervised steps of {ws.batch_size} examples before step 1 "
                       f"(warm_start.steps; target {ws.target})...")

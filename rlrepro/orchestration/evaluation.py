@@ -44,7 +44,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable
 
-from .generation import GenerationSteps
+from .generation import GenerationSteps, episode_runner
 from .workers import Request
 
 __all__ = ["pass_at_k", "eval_metrics", "is_eval_step", "load_eval_prompts", "eval_requests", "run_eval",
@@ -285,15 +285,20 @@ class Evaluator:
     """The driver's evaluation: the held-out prompts, loaded at set-up (bad input fails before any work)."""
 
     def __init__(self, cfg, tokenizer, reward_fn, stop_token_ids, model_config: Any = None,
-                 later: list[tuple[int, Any]] = (), load_prompts: bool = True) -> None:
+                 later: list[tuple[int, Any]] = (), load_prompts: bool = True, env_spec: Any = None,
+                 end_of_turn: str | None = None) -> None:
         """``later``: ``(from_step, config)`` of each later eval setting, ascending (``rlrepro verify`` re-running
         steps over which a resume amended ``eval.*``: each step is evaluated as it was). ``load_prompts`` False:
-        none (a setting with ``eval.every=0``, which evaluates no step)."""
+        none (a setting with ``eval.every=0``, which evaluates no step). ``env_spec`` (a run with ``env.*``):
+        the steps are evaluated on episodes (:func:`run_eval_episodes`, on ``actors.run_episodes``), their turns
+        ended by ``end_of_turn`` (``preflight.check_end_of_turn``); ``stop_token_ids`` then holds its id."""
         self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
         self.stop_token_ids = list(stop_token_ids)
+        self.env_spec, self.end_of_turn = env_spec, end_of_turn
         self.prompts, self.files = load_eval_prompts(cfg, tokenizer, model_config) if load_prompts else ([], [])
         self.later = [(s, Evaluator(c, tokenizer, reward_fn, stop_token_ids, model_config,
-                                    load_prompts=bool(c.eval.every))) for s, c in later]
+                                    load_prompts=bool(c.eval.every), env_spec=env_spec, end_of_turn=end_of_turn))
+                      for s, c in later]
 
     def __call__(self, actors, step: int) -> dict:
         """The ``eval/*`` metrics after ``step`` on the rollout engines, or {} when the step is not evaluated."""
@@ -302,6 +307,10 @@ class Evaluator:
                 return evaluator(actors, step)
         if not is_eval_step(self.cfg, step):
             return {}
+        if self.env_spec is not None:
+            return run_eval_episodes(episode_runner(actors.run_episodes, self.cfg, self.end_of_turn), self.cfg, step,
+                                     self.prompts, self.env_spec, self.tokenizer, self.stop_token_ids,
+                                     fingerprint=True)
         return run_eval(actors.generate, self.cfg, step, self.prompts, self.tokenizer, self.reward_fn,
                         self.stop_token_ids, fingerprint=True)
 
@@ -344,7 +353,9 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
     from rlrepro.model.model_dirs import checkpoint_base
 
     from .config import ConfigError, migrate_legacy_keys, uses_episodes, validate
+    from .episodes import turn_stop_token_ids
     from .export import checkpoint_of
+    from .preflight import check_end_of_turn
     from .resume import config_at_step, read_amendments
     from .workers import RolloutWorker
 
@@ -360,23 +371,19 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
         cfg.eval.source = source
     base = checkpoint_base(ckpt, run_dir)
     tokenizer = load_tokenizer(base)
-    evaluator = Evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn),
-                          [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
-                          check_pretrained(base))
+    end_of_turn = check_end_of_turn(cfg, tokenizer, base)  # the turns end as the run's did
+    stops = turn_stop_token_ids(tokenizer, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+                                end_of_turn)
+    evaluator = Evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn), stops, check_pretrained(base))
     env_spec = None
     if uses_episodes(cfg):  # the run's environment, built as the driver builds it (bad env.* fails before loading)
         from rlrepro.data import reward_with_policy
         from rlrepro.envs import load_env
 
-        from .episodes import turn_stop_token_ids
-        from .preflight import check_end_of_turn
-
         try:
             env_spec = load_env(cfg.env, reward_with_policy(evaluator.reward_fn, cfg.reward.on_error))
         except ValueError as e:
             raise ConfigError(f"env.* of {run_dir}/config.yaml: {e}") from None
-        end_of_turn = check_end_of_turn(cfg, tokenizer, base)  # the turns end as the run's did
-        turn_stops = turn_stop_token_ids(tokenizer, evaluator.stop_token_ids, end_of_turn)
     tp = cfg.train.engine_tp_emulation  # as the run's engines sampled: TP on megatron, or train.tp_partials
     with tempfile.TemporaryDirectory(prefix="rlrepro-eval-") as tmp:
         weights = _checkpoint_weights(run_dir, ckpt, Path(tmp))
@@ -386,16 +393,9 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
         worker.load_weights(weights, version=done)  # as a weight sync loads the trainer's state dict
         del weights
 
-    if env_spec is not None:
-        from .import_path import module_dirs
-
-        def episodes(requests: list) -> list:  # as GenerationSteps.generate_episodes calls the workers
-            return worker.run_episodes(requests, cfg.env, cfg.reward.fn, use_chat_template=cfg.data.use_chat_template,
-                                       tool_threads=cfg.env.tool_threads, reward_on_error=cfg.reward.on_error,
-                                       import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]), end_of_turn=end_of_turn)
-
-        return done, run_eval_episodes(episodes, cfg, done, evaluator.prompts, env_spec, tokenizer, turn_stops,
-                                       records, fingerprint)
+    if env_spec is not None:  # as GenerationSteps.generate_episodes and Evaluator run them
+        return done, run_eval_episodes(episode_runner(worker.run_episodes, cfg, end_of_turn), cfg, done,
+                                       evaluator.prompts, env_spec, tokenizer, stops, records, fingerprint)
 
     def generate(requests: list[Request]) -> list:
         return [(r.key, out) for r, out in zip(requests, worker.generate(requests))]

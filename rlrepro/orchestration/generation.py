@@ -38,6 +38,20 @@ def shaped_penalties(lengths: list[int], cfg: RunSchema) -> list[float] | None:
 
 
 
+def episode_runner(run_episodes, cfg: RunSchema, end_of_turn: str | None):
+    """``requests -> [EpisodeResult]``: ``run_episodes`` (``ActorGroup.run_episodes``, or one
+    ``RolloutWorker.run_episodes``: the same signature) called with the run's env.*, reward and chat-template
+    keys and ``end_of_turn`` (``preflight.check_end_of_turn``). Training, evaluation during training and
+    ``rlrepro eval`` all run their episodes through it, so they run them alike."""
+    from .import_path import module_dirs
+
+    def run(requests: list) -> list:
+        return run_episodes(requests, cfg.env, cfg.reward.fn, use_chat_template=cfg.data.use_chat_template,
+                            tool_threads=cfg.env.tool_threads, reward_on_error=cfg.reward.on_error,
+                            import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]), end_of_turn=end_of_turn)
+    return run
+
+
 class PhaseTimer:
     """Wall seconds per phase of a step: ``t("phase")`` records the time since the previous call (or since the
     timer was made) as ``phase`` in :attr:`times`, which go to the step's timing metrics (``perf/*``) only."""
@@ -155,7 +169,7 @@ class GenerationSteps:
         sampling = self.cfg.rollout.sampling
         bases = [0] * len(batch) if bases is None else bases
         requests = [Request((p.uid, b + j), p.token_ids, sampling.params(
-                    seed=request_seed(self.cfg.run.seed, step, p.uid, b + j), stop_token_ids=self.stop_token_ids))
+                    seed=request_seed(self.cfg.run.seed, step, p.uid, b + j), stop_token_ids=self.turn_stop_token_ids))
                     for p, b in zip(batch, bases) for j in range(self.cfg.rollout.group_size)]
         prompt_of = {p.uid: p for p in batch}
         results = sorted(self.actors.generate(requests), key=lambda kv: kv[0])  # arrival order never matters
@@ -255,16 +269,8 @@ class GenerationSteps:
         (turns, finish reasons, prefix-cache hit rate across turns, tool seconds) from ``_episode_results``
         (:meth:`episode_batch_metrics`), and the rewards that ``reward.on_error=zero`` made 0.0 in
         ``_episode_reward_errors``."""
-        from .import_path import module_dirs
-
-        cfg = self.cfg
-        # the end-of-turn token goes to the workers only where it is not the EOS (their default): an actor group
-        # written against the older signature keeps working for every configuration that worked before
-        eot = {} if self.end_of_turn in (None, self.tokenizer.eos_token) else {"end_of_turn": self.end_of_turn}
-        results = self.actors.run_episodes(self.episode_requests(step, batch, bases), cfg.env, cfg.reward.fn,
-                                           use_chat_template=cfg.data.use_chat_template,
-                                           tool_threads=cfg.env.tool_threads, reward_on_error=cfg.reward.on_error,
-                                           import_dirs=module_dirs([cfg.reward.fn, cfg.env.fn]), **eot)
+        run_episodes = episode_runner(self.actors.run_episodes, self.cfg, self.end_of_turn)
+        results = run_episodes(self.episode_requests(step, batch, bases))
         self._episode_results = results
         self._episode_reward_errors = sum(r.metrics.get("reward_errors", 0) for r in results)
         samples = [r.to_sample(self.tokenizer.decode) for r in results]
@@ -288,6 +294,17 @@ class GenerationSteps:
         metrics["episodes/policy_tokens_mean"] = sum(sum(r.loss_mask) for r in results) / n
         return metrics
 
+    def turn_close_ids(self) -> list[int]:
+        """The token that closes a supervised target (warm start): the chat template's end-of-turn token where it
+        is another than the EOS (``end_of_turn``, data.use_chat_template=true: Qwen3-*-Base's ``<|im_end|>``),
+        else ``stop_token_ids`` (the EOS)."""
+        close = list(self.stop_token_ids)
+        if self.cfg.data.use_chat_template and self.end_of_turn is not None:
+            ids = self.tokenizer.encode(self.end_of_turn)
+            if len(ids) == 1 and ids[0] not in close:
+                close = ids
+        return close
+
     def demonstration_examples(self, records: list, prompt_ids: list[list[int]]) -> list[tuple[list[int], list[int]]]:
         """warm_start.target=demonstration: for each record, the environment's perfect episode
         (``env.demonstration()``: its assistant turns) replayed through the environment; one supervised example
@@ -301,9 +318,7 @@ class GenerationSteps:
         cfg, tok = self.cfg, self.tokenizer
         end_of_turn = (self.end_of_turn or tok.eos_token) if cfg.data.use_chat_template else None
         turns = TurnTokenizer(tok, end_of_turn, self.model_config.max_position_embeddings)
-        close = list(self.stop_token_ids)
-        if turns.end_of_turn_id is not None and turns.end_of_turn_id not in close:
-            close = [turns.end_of_turn_id]  # the template closes a turn with another token than the EOS
+        close = self.turn_close_ids()
         examples = []
         for i, record in enumerate(records):
             env = self.env_spec.make(record, cfg.warm_start.seed + i)

@@ -178,22 +178,25 @@ def check_tokenizer(model_config: Any, tokenizer: Any, model_dir: Path) -> None:
 
 
 def check_end_of_turn(cfg: RunSchema, tokenizer: Any, model_dir: Path) -> str | None:
-    """The chat template's end-of-turn token (:func:`rlrepro.envs.end_of_turn_token`) of a run with multi-turn
-    episodes (env.*, other than single_turn) and data.use_chat_template=true: what each turn stops at and what
-    an observation follows. It is the tokenizer's EOS wherever the template closes an assistant turn with it
-    (those runs keep their bits), else the special token the template closes it with (Qwen3-*-Base:
-    ``<|im_end|>``, EOS ``<|endoftext|>``). None for runs without such episodes (their turns end as the
-    single-turn path's do). Raises ConfigError when the template says no usable token."""
+    """The chat template's end-of-turn token (:func:`rlrepro.envs.end_of_turn_token`) of a run with
+    data.use_chat_template=true: what each turn (a single-turn response too) stops at besides the EOS, and, in
+    multi-turn episodes (env.*), what an observation follows. It is the tokenizer's EOS wherever the template
+    closes an assistant turn with it (those runs keep their bits), else the special token the template closes it
+    with (Qwen3-*-Base: ``<|im_end|>``, EOS ``<|endoftext|>``). None without the chat template. Raises
+    ConfigError when a multi-turn run's template says no usable token; a single-turn run then stops at the EOS
+    alone (None), as it always did."""
     from .config import uses_episodes
 
-    single_turn = cfg.env.fn is None and cfg.env.name == "single_turn"
-    if not uses_episodes(cfg) or single_turn or not cfg.data.use_chat_template:
+    if not cfg.data.use_chat_template:
         return None
+    single_turn = cfg.env.fn is None and cfg.env.name == "single_turn"
     from rlrepro.envs import end_of_turn_token
 
     try:
         return end_of_turn_token(tokenizer)
     except ValueError as e:  # also: no chat template at all (the tokenizer says so and how to fix it)
+        if not uses_episodes(cfg) or single_turn:
+            return None
         raise ConfigError(f"data.use_chat_template=true with env.* (multi-turn episodes), model {model_dir}: "
                           f"{e}") from None
 
