@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOOL = ["recipe=grpo_tiny_tool", "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=2",
         "rollout.max_tokens=10", "checkpoint.every=2", "logger.progress=false", "train.micro_batch_size=8",
-        "train.warmup_steps=1", "data.synthetic.num=64"]
+        "train.warmup_steps=1", "data.synthetic.num=64", "warm_start.steps=20", "warm_start.batch_size=16"]
 
 
 def _metrics(run):
@@ -48,6 +48,7 @@ def test_a_tool_run_is_evaluated_on_its_episodes_during_training(tmp_path, monke
         assert got == _eval_of(mb[s])  # two runs: the same numbers and fingerprints
         assert not _eval_of(mc[s])  # eval off: none
     assert ma[1]["repro/eval_fingerprint"] != ma[2]["repro/eval_fingerprint"]  # the weights moved: not vacuous
+    assert max(ma[s]["eval/turns_mean"] for s in (1, 2)) > 1  # episodes of several turns (tool calls, observations)
     # eval on changes no training bit
     assert (runs["a"] / "fingerprints.jsonl").read_bytes() == (runs["c"] / "fingerprints.jsonl").read_bytes()
     # after the fact, on the checkpoint of step 2: exactly the logged numbers
