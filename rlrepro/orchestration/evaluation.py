@@ -284,6 +284,9 @@ def run_eval_episodes(run_episodes: Callable[[list], list], cfg, step: int, prom
 class Evaluator:
     """The driver's evaluation: the held-out prompts, loaded at set-up (bad input fails before any work)."""
 
+    env_spec: Any = None  # a run with env.*: its environment (the steps are evaluated on episodes)
+    end_of_turn: str | None = None
+
     def __init__(self, cfg, tokenizer, reward_fn, stop_token_ids, model_config: Any = None,
                  later: list[tuple[int, Any]] = (), load_prompts: bool = True, env_spec: Any = None,
                  end_of_turn: str | None = None) -> None:
