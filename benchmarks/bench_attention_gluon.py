@@ -133,8 +133,8 @@ def child(args) -> int:
         fi = None
     gen = torch.Generator(device="cuda").manual_seed(0)
     emit(f"### Gluon forward vs Triton ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
-         f"flashinfer {'absent' if fi is None else fi.__version__}, GLW_VARIANT={os.environ.get('GLW_VARIANT', 'one')}"
-         f", GLW_DBG={os.environ.get('GLW_DBG', '0')}, GLW_PIPE={os.environ.get('GLW_PIPE', '0')})")
+         f"flashinfer {'absent' if fi is None else fi.__version__}, GLW_VARIANT={os.environ.get('GLW_VARIANT', 'two')}"
+         f", GLW_DBG={os.environ.get('GLW_DBG', '0')}, GLW_PIPE={os.environ.get('GLW_PIPE', '1')})")
     smoke(gen)
     if not args.no_bits:
         emit("| lens | H/Hkv/D | config | gluon vs triton (out and lse) |")
