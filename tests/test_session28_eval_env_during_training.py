@@ -14,6 +14,7 @@ import pytest
 from rlrepro.cli import compose_config, main
 from rlrepro.data import make_synthetic_records, write_jsonl
 from rlrepro.orchestration import driver as driver_mod
+from test_evaluation import _metrics
 from test_review26_pipe_pipeline import LocalActors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -21,10 +22,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOOL = ["recipe=grpo_tiny_tool", "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=2",
         "rollout.max_tokens=10", "checkpoint.every=2", "logger.progress=false", "train.micro_batch_size=8",
         "train.warmup_steps=1", "data.synthetic.num=64", "warm_start.steps=20", "warm_start.batch_size=16"]
-
-
-def _metrics(run):
-    return {json.loads(line)["step"]: json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()}
 
 
 def _eval_of(m):

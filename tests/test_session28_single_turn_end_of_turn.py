@@ -12,7 +12,6 @@ until the EOS or the length limit, while the prompt had taught it ``<|im_end|>``
 * without the chat template, or with a tokenizer whose EOS closes a turn (the tiny model's, Qwen3 instruct), the
   stop ids are the EOS alone, as before.
 """
-import gzip
 import json
 
 import pytest
@@ -22,7 +21,7 @@ from rlrepro.data import make_synthetic_records, write_jsonl
 from rlrepro.model import write_tiny_checkpoint
 from rlrepro.orchestration import driver as driver_mod
 from rlrepro.orchestration.evaluation import evaluate_checkpoint
-from test_leftovers_27_end_of_turn import ENDOFTEXT, IM_END, _retokenize
+from test_leftovers_27_end_of_turn import ENDOFTEXT, IM_END, _retokenize, _rollouts
 from test_review26_pipe_pipeline import LocalActors as PipeLocalActors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,14 +50,6 @@ class LocalActors(PipeLocalActors):
     def warm_start(self, examples, **kw):
         LocalActors.examples = examples
         return super().warm_start(examples, **kw)
-
-
-def _rollouts(run):
-    out = []
-    for path in sorted((run / "rollouts").glob("step_*.jsonl.gz")):
-        with gzip.open(path, "rt") as f:
-            out += [json.loads(x) for x in f]
-    return out
 
 
 def test_a_single_turn_chat_run_stops_at_im_end(base_dir, tmp_path, monkeypatch):
