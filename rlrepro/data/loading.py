@@ -295,6 +295,10 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
             src = blank_lines(file, Path(tmp) / ("short-" + file.name.rsplit(".", 1)[0] + ".jsonl"),
                               {line_no for _, line_no, _ in lines.long})
         try:
+            if builder == "json" and _has_lone_surrogate(src):
+                # pyarrow's reader may drop such an escape silently (a column of mixed types takes another path
+                # than a plain one): the line scan below names the row instead
+                raise ValueError("a line holds a lone surrogate escape")
             ds = datasets.load_dataset(builder, data_files=str(src), split="train", cache_dir=tmp)
         except Exception as e:  # datasets raises several kinds (DatasetGenerationError, UnicodeDecodeError, ...)
             if builder != "json":
@@ -330,6 +334,23 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
             break
         row_index = i if row_map is None else row_map[i]
         _add_row(row, row_index, str(file), where, source_name, spec, on_bad_row, stats, records, seen_uids)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(file: Path) -> bool:
+    """Whether a JSON-lines file has a line whose JSON holds a lone surrogate (``\\ud800`` alone: not UTF-8).
+    The bytes are searched for a surrogate escape first, in chunks; only a file with one is parsed line by line
+    (a pair, like an emoji's ``\\ud83d\\ude00``, is valid)."""
+    found, tail = False, b""
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if _SURROGATE_ESCAPE.search(tail + chunk):
+                found = True
+                break
+            tail = chunk[-5:]
+    return found and any(reason == "not UTF-8" for _, _, reason, _ in _scan_json_lines(file))
 
 
 def _original_rows(bad_lines: list[tuple[int, int, str, str]],
