@@ -70,7 +70,7 @@ def test_a_single_turn_chat_run_stops_at_im_end(base_dir, tmp_path, monkeypatch)
     assert len(records) == 2 * 4 * 2
     ends = 0
     for rec in records:
-        ids = rec["completion_token_ids"] if "completion_token_ids" in rec else rec["token_ids"]
+        ids = rec["token_ids"]  # the completion's tokens (Sample.to_record)
         assert IM_END not in ids[:-1]  # stopped at its first <|im_end|> (before: ran on past it)
         ends += bool(ids) and ids[-1] == IM_END
     assert ends > 0  # not vacuous: responses that stopped there

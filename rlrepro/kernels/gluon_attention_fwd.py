@@ -31,9 +31,9 @@ FlashAttention-3's overlap of one tile's softmax with the previous tile's ``P @ 
 order: the same bits, measured). ``GLW_VARIANT`` (``two``, the default: two 4-warp consumer partitions, the
 producer the default one; ``one``: one 8-warp consumer partition and a ``GLW_PW``-warp producer). Measured on the
 H100 (2026-12-06): ``two`` pipelined with 3 stages is the first layout faster than the Triton "long" tile, 1.06-1.13x
-(0.75-0.83x FlashAttention-3); ``one`` pipelined is not and the ``GLW_DBG`` bits of that bisection stay: 1 the producer skips the "empty" wait; 2
-the consumers skip the "ready" waits; 8 half the expected bytes; 16 K and V on the K barrier; 64 the producer
-waits on its own loads; 128 a proxy fence after the barriers' init.
+(0.75-0.83x FlashAttention-3); ``one`` pipelined is not. The ``GLW_DBG`` bits of that bisection stay: 1 the
+producer skips the "empty" wait; 2 the consumers skip the "ready" waits; 8 half the expected bytes; 16 K and V on
+the K barrier; 64 the producer waits on its own loads; 128 a proxy fence after the barriers' init.
 """
 from __future__ import annotations
 
