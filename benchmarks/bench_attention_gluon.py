@@ -9,7 +9,9 @@ First the hang reduced (``gluon_attention_fwd.probe_tma_wait``): one partition l
 on its barrier and copies the tile out, with the producer as the default partition and as a worker, each in its own
 child under 30 s. Then the kernel itself (unless ``--minimal-only``).
 
-``GLW_VARIANT`` (``one``/``two``), ``GLW_PIPE`` and ``GLW_DBG`` pass through to the kernel (see its docstring).
+``GLW_VARIANT`` (``one``/``two``) passes through to the kernel; ``--variants pp0ps0,pp1ps1,...`` checks the bits of
+each ping-pong (``GLW_PP``) / persistent (``GLW_PERSIST``) variant in a child of its own, then times those whose bits
+held, in one child.
 
 Bits: for packed batches of ragged sequences (lengths at and around the 64-position KV tiles and the 128-row
 tiles, a 1-token sequence, a long one), GQA 4 and 8 and MHA, head sizes 128 and 64, the Gluon output and float32
@@ -101,7 +103,14 @@ def tflops(batch: int, length: int, ms: float) -> float:
     return 4.0 * batch * H * D * length * length / 2 / (ms * 1e-3) / 1e12
 
 
-def timings(gen, stages: list[int], fi) -> list[str]:
+def set_variant(spec: str) -> str:
+    """``spec`` like ``pp1ps0``: GLW_PP and GLW_PERSIST for the kernel's next calls (``-``: leave the env)."""
+    if spec != "-":
+        os.environ["GLW_PP"], os.environ["GLW_PERSIST"] = spec[2], spec[5]
+    return f"pp{os.environ.get('GLW_PP', '0')}ps{os.environ.get('GLW_PERSIST', '0')}"
+
+
+def timings(gen, stages: list[int], fi, variants: list[str]) -> list[str]:
     rows = []
     scale = D ** -0.5
     for batch, length in SHAPES:
@@ -113,9 +122,11 @@ def timings(gen, stages: list[int], fi) -> list[str]:
         res["triton long"] = bench(lambda: A.attention_fwd(q, k, v, meta, scale, config=long))
         base_stages = G.STAGES
         try:
-            for st in stages:
-                G.STAGES = st
-                res[f"gluon s{st}"] = bench(lambda: gluon_fwd(q, k, v, meta, scale))
+            for spec in variants:
+                name = set_variant(spec)
+                for st in stages:
+                    G.STAGES = st
+                    res[f"gluon {name} s{st}"] = bench(lambda: gluon_fwd(q, k, v, meta, scale))
         finally:
             G.STAGES = base_stages
         res.update(causal_references(q, k, v, batch, length, scale, fi))
@@ -134,15 +145,20 @@ def child(args) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     emit(f"### Gluon forward vs Triton ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
          f"flashinfer {'absent' if fi is None else fi.__version__}, GLW_VARIANT={os.environ.get('GLW_VARIANT', 'two')}"
-         f", GLW_DBG={os.environ.get('GLW_DBG', '0')}, GLW_PIPE={os.environ.get('GLW_PIPE', '1')})")
-    smoke(gen)
-    if not args.no_bits:
-        emit("| lens | H/Hkv/D | config | gluon vs triton (out and lse) |")
-        emit("|---|---|---|---|")
-        bits(gen)
+         ")")
+    variants = [v for v in args.variants.split(",") if v]
+    for spec in variants:
+        emit(f"#### variant {set_variant(spec)}")
+        smoke(gen)
+        if not args.no_bits:
+            emit("| lens | H/Hkv/D | config | gluon vs triton (out and lse) |")
+            emit("|---|---|---|---|")
+            bits(gen)
+    if args.no_timing:
+        return 0
     emit("| shape | kernel | ms | TFLOP/s | FA3 / this |")
     emit("|---|---|---:|---:|---:|")
-    for line in timings(gen, [int(s) for s in args.stages.split(",") if s], fi):
+    for line in timings(gen, [int(s) for s in args.stages.split(",") if s], fi, variants):
         emit(line)
     return 0
 
@@ -152,6 +168,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--no-bits", action="store_true")
+    ap.add_argument("--no-timing", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variants", default="-", help="comma list of ping-pong/persistent variants to check and time, "
+                    "e.g. pp0ps0,pp1ps0,pp0ps1,pp1ps1 (GLW_PP, GLW_PERSIST; '-': as the environment says)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole child run")
     ap.add_argument("--minimal-only", action="store_true", help="run only the reduced TMA-wait probe")
     ap.add_argument("--cases", default="", help="packed lengths to run one call each, e.g. '64;128;300,77' "
@@ -194,7 +213,7 @@ def main() -> int:
         return 0
     if args.child:
         return child(args)
-    for where in ("default", "worker"):
+    for where in ("default", "worker") if args.minimal_only or args.probes else ():
         rc, out = _run([sys.executable, os.path.abspath(__file__), "--child-minimal", where], 30.0)
         for line in out.splitlines()[-3:]:
             emit(line)
@@ -218,16 +237,29 @@ def main() -> int:
     if args.minimal_only:
         write(args.out)
         return 0
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--stages", args.stages]
-    cmd += ["--no-bits"] if args.no_bits else []
-    t0 = time.time()
-    rc, out = _run(cmd, args.timeout)
-    for line in out.splitlines():
-        emit(line)
-    if rc is None:
-        emit(f"**TIMEOUT**: the child ran past {args.timeout:.0f} s and was killed (the kernel hung?)")
-    elif rc:
-        emit(f"**FAILED**: the child exited {rc} after {time.time() - t0:.0f} s")
+    base = [sys.executable, os.path.abspath(__file__), "--child", "--stages", args.stages]
+    runs = []  # each variant's bits in a child of its own (a hang costs that variant), then the timings together
+    good = []
+    if not args.no_bits:
+        for spec in [v for v in args.variants.split(",") if v]:
+            runs.append((f"bits of {spec}", base + ["--variants", spec, "--no-timing"]))
+    runs.append(("timings", base + ["--no-bits", "--variants", args.variants]))
+    rc = 0
+    for what, cmd in runs:
+        if what == "timings" and not args.no_bits:
+            if not good:
+                break
+            cmd = base + ["--no-bits", "--variants", ",".join(good)]
+        t0 = time.time()
+        rc, out = _run(cmd, args.timeout)
+        for line in out.splitlines():
+            emit(line)
+        if rc is None:
+            emit(f"**TIMEOUT** ({what}): the child ran past {args.timeout:.0f} s and was killed (the kernel hung?)")
+        elif rc:
+            emit(f"**FAILED** ({what}): the child exited {rc} after {time.time() - t0:.0f} s")
+        elif what.startswith("bits of ") and "DIFFERS" not in out:
+            good.append(what[len("bits of "):])
     write(args.out)
     return 0 if rc == 0 else 1
 

@@ -65,7 +65,7 @@ add_step attention_fwd 540 'fi_kit && $PY benchmarks/bench_attention_fwd.py --ou
 # the script runs it in a child with a time limit): bits against the Triton forward's, then speed beside the Triton
 # "long" tile, FA3 and SDPA (issue #27; GLUON_ARGS="--stages 3 --no-bits --timeout 60", or "--minimal-only" for the
 # reduced TMA-wait case alone; GLW_VARIANT, GLW_DBG pass on)
-add_step attention_gluon 300 'fi_kit && $PY benchmarks/bench_attention_gluon.py --out "$OUT/attention_gluon.md" ${GLUON_ARGS:-}'
+add_step attention_gluon 540 'fi_kit && $PY benchmarks/bench_attention_gluon.py --out "$OUT/attention_gluon.md" ${GLUON_ARGS:-}'
 # the engine with and without the 256-row attention tile: prefill time, and the outputs' bits equal (8 layers)
 add_step engine_tiles 300 '$PY benchmarks/bench_engine_tiles.py --json "$OUT/engine_tiles.json" ${ENGINE_TILES_ARGS:-}'
 # is flashinfer's FA3 forward batch-, chunk- and decode-invariant (the bits), and how fast are its paged forms?

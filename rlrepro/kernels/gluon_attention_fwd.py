@@ -41,6 +41,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 try:  # Gluon and its Hopper namespace (Triton >= 3.5)
     from triton.experimental import gluon
@@ -64,14 +65,42 @@ LOG2E = 1.4426950408889634
 if HAVE_GLUON:
 
     @gluon.jit
-    def _program(prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: gl.constexpr,
+    def _work(r, order_ptr, n_work, hkv, PERSIST: gl.constexpr):
+        """Round ``r``'s work of this program: (schedule slot, KV head, whether there is one). A persistent program
+        takes works ``r * P + lane`` of the slots sorted longest first (``order``), the lane snaking (``pid`` on
+        even rounds, ``P - 1 - pid`` on odd ones) so that the long works spread evenly; otherwise the grid is
+        (slots, KV heads) and a program has one work. Which program runs a work does not change its bits."""
+        if PERSIST:
+            n_prog = gl.num_programs(0)
+            pid = gl.program_id(0)
+            lane = gl.where(r % 2 == 0, pid, n_prog - 1 - pid)
+            idx = r * n_prog + lane
+            valid = idx < n_work
+            idx = gl.minimum(idx, n_work - 1)
+            slot = gl.load(order_ptr + idx // hkv)
+            hk = idx % hkv
+        else:
+            slot = gl.program_id(0)
+            hk = gl.program_id(1)
+            valid = slot >= 0
+        return slot, hk, valid
+
+    @gluon.jit
+    def _rounds(n_work, PERSIST: gl.constexpr):
+        if PERSIST:
+            n = gl.cdiv(n_work, gl.num_programs(0))
+        else:
+            n = gl.program_id(0) * 0 + 1
+        return n
+
+    @gluon.jit
+    def _program(slot, valid, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: gl.constexpr,
                  BLOCK_KV_: gl.constexpr):
-        """This program's sequence (-1: none), first query, packed row, query count, first position, and its
+        """Slot ``slot``'s sequence (-1: none), first query, packed row, query count, first position, and its
         number of KV tiles and of tiles that need no causal mask (as in the Triton kernel)."""
-        pid = gl.program_id(0)
-        seq = gl.load(prog_seq_ptr + pid)
+        seq = gl.where(valid, gl.load(prog_seq_ptr + slot), -1)
         seq_c = gl.maximum(seq, 0)
-        q0 = gl.load(prog_q0_ptr + pid)
+        q0 = gl.load(prog_q0_ptr + slot)
         cu0 = gl.load(cu_ptr + seq_c)
         q_len = gl.load(cu_ptr + seq_c + 1) - cu0
         kv_len = gl.load(seq_lens_ptr + seq_c)
@@ -88,78 +117,52 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr, cu_ptr,
-                  seq_lens_ptr, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr, D: gl.constexpr,
-                  NSTAGE: gl.constexpr, DBG: gl.constexpr):
-        hk = gl.program_id(1)
-        seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(prog_seq_ptr, prog_q0_ptr, cu_ptr,
-                                                                   seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
-        for t in range(n_tiles):
-            st = t % NSTAGE
-            ph = (t // NSTAGE) & 1
-            if DBG & 1 == 0:
-                mbarrier.wait(kv_empty.index(st), ph ^ 1)  # a fresh barrier passes phase 1: the first round is free
-            row = (cu0 + t * BLOCK_KV_).to(gl.int32)  # TMA coordinates are 32-bit
-            if DBG & 16 != 0:
-                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            elif DBG & 8 == 0:
+                  seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr,
+                  D: gl.constexpr, NSTAGE: gl.constexpr, PERSIST: gl.constexpr):
+        """Each work's KV tiles 0, 1, ... by TMA into the ring; the ring's count ``i`` runs on across works."""
+        tb = gl.program_id(0) * 0
+        for r in range(_rounds(n_work, PERSIST)):
+            slot, hk, valid = _work(r, order_ptr, n_work, hkv, PERSIST)
+            seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
+                                                                       cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+            col = (hk * D).to(gl.int32)
+            for t in range(n_tiles):
+                i = tb + t
+                st = i % NSTAGE
+                mbarrier.wait(kv_empty.index(st), ((i // NSTAGE) & 1) ^ 1)  # a fresh barrier passes phase 1
+                row = (cu0 + t * BLOCK_KV_).to(gl.int32)  # TMA coordinates are 32-bit
                 mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes // 2)
-            tma.async_copy_global_to_shared(k_desc, [row, (hk * D).to(gl.int32)], k_ready.index(st), k_bufs.index(st))
-            if DBG & 16 != 0:
-                tma.async_copy_global_to_shared(v_desc, [row, (hk * D).to(gl.int32)], k_ready.index(st),
-                                                v_bufs.index(st))
-            else:
-                if DBG & 8 == 0:
-                    mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-                else:
-                    mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes // 2)
-                tma.async_copy_global_to_shared(v_desc, [row, (hk * D).to(gl.int32)], v_ready.index(st),
-                                                v_bufs.index(st))
-            if DBG & 64 != 0:
-                mbarrier.wait(k_ready.index(st), ph)
-                mbarrier.wait(v_ready.index(st), ph)
+                tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(st), k_bufs.index(st))
+                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(st), v_bufs.index(st))
+            tb += n_tiles
 
     @gluon.jit
-    def _softmax_step(t, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pos, qk_scale,
-                      MASKED: gl.constexpr, NR: gl.constexpr, NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr,
-                      qk_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, DBG: gl.constexpr):
-        st = t % NSTAGE
-        ph = (t // NSTAGE) & 1
-        if DBG & 2 == 0:
-            mbarrier.wait(k_ready.index(st), ph)
-        zero = gl.zeros([NR, BLOCK_KV_], gl.float32, qk_layout)
-        qk = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero, use_acc=False)
-        if MASKED:
-            j = t * BLOCK_KV_ + gl.arange(0, BLOCK_KV_, layout=gl.SliceLayout(0, qk_layout))
-            s = gl.where(j[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
-        else:
-            s = qk * qk_scale
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        p = gl.exp2(s - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-        if DBG & 18 == 0:
-            mbarrier.wait(v_ready.index(st), ph)
-        acc = warpgroup_mma(pb, v_bufs.index(st), acc)
-        mbarrier.arrive(kv_empty.index(st), count=1)
-        return m_new, l_i, acc
+    def _turn(pp_bars, turn, CID: gl.constexpr, PP: gl.constexpr):
+        """Ping-pong (``PP``): wait until it is this warpgroup's turn ``turn`` to issue its products. Turns
+        alternate: warpgroup 0's turn ``k`` follows warpgroup 1's turn ``k - 1``, which follows warpgroup 0's turn
+        ``k - 1``, so one warpgroup's softmax runs while the other's products hold the tensor cores (a fresh
+        barrier passes parity 1: warpgroup 0's first turn is free)."""
+        if PP:
+            mbarrier.wait(pp_bars.index(CID), (turn & 1) ^ (1 - CID))
 
     @gluon.jit
-    def _qk_issue(t, q_smem, k_bufs, k_ready, NR: gl.constexpr, NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr,
+    def _pass(pp_bars, CID: gl.constexpr, PP: gl.constexpr):
+        """Ping-pong: hand the turn to the other warpgroup, once this one's products are issued."""
+        if PP:
+            mbarrier.arrive(pp_bars.index(1 - CID), count=1)
+
+    @gluon.jit
+    def _qk_issue(i, q_smem, k_bufs, NR: gl.constexpr, NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr,
                   qk_layout: gl.constexpr):
-        """Wait for K tile ``t`` and start ``Q @ K_t^T`` on the tensor cores without waiting for it (a token)."""
-        st = t % NSTAGE
-        mbarrier.wait(k_ready.index(st), (t // NSTAGE) & 1)
+        """Start ``Q @ K^T`` on the ring's tile ``i`` (already waited for) without waiting for it (a token)."""
         zero = gl.zeros([NR, BLOCK_KV_], gl.float32, qk_layout)
-        return warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+        return warpgroup_mma(q_smem, k_bufs.index(i % NSTAGE).permute((1, 0)), zero, use_acc=False, is_async=True)
 
     @gluon.jit
     def _softmax_part(t, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr):
-        """:func:`_softmax_step`'s arithmetic on tile ``t``'s scores up to ``p`` and ``alpha`` (the mask where
-        ``t >= n_full``: a full tile's positions all pass it, so it is skipped there, as the two loops do)."""
+        """The Triton kernel's online-softmax arithmetic on KV tile ``t``'s scores, up to ``p`` and ``alpha`` (the
+        causal mask where ``t >= n_full``: a full tile's positions all pass it, so it is skipped there, as there)."""
         s = qk * qk_scale
         if t >= n_full:
             j = t * BLOCK_KV_ + gl.arange(0, BLOCK_KV_, layout=gl.SliceLayout(0, qk_layout))
@@ -171,110 +174,117 @@ if HAVE_GLUON:
         return m_new, l_i, p, alpha
 
     @gluon.jit
-    def _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pos, qk_scale,
-                         n_tiles, n_full, NR: gl.constexpr, NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr,
-                         qk_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-        """The tiles of :func:`_softmax_step`, software-pipelined as FlashAttention-3 overlaps within a
-        warpgroup: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` are issued together, and tile ``t + 1``'s softmax runs
-        while ``P_t @ V_t`` is on the tensor cores. Every value is computed by the same operations in the same
-        order as the unpipelined loop (``acc = P_t @ V_t + acc * alpha_t``), so the bits are its bits.
-        ``n_tiles`` > 0."""
-        tok = _qk_issue(0, q_smem, k_bufs, k_ready, NR, NSTAGE, BLOCK_KV_, qk_layout)
+    def _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, pos, qk_scale,
+                         n_tiles, n_full, tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr,
+                         NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
+                         o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """One work's KV tiles (``n_tiles`` > 0, the ring's tiles ``tb``, ``tb + 1``, ...), software-pipelined as
+        FlashAttention-3 overlaps within a warpgroup: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` are issued together, and
+        tile ``t + 1``'s softmax runs while ``P_t @ V_t`` is on the tensor cores. Every value is computed by the
+        Triton kernel's operations in its order (``acc = P_t @ V_t + acc * alpha_t``), so the bits are its bits.
+        With ``PP`` each issue is one turn of the ping-pong (``turn``, ``turn + 1``, ..., ``n_tiles + 1`` turns)."""
+        mbarrier.wait(k_ready.index(tb % NSTAGE), (tb // NSTAGE) & 1)
+        _turn(pp_bars, turn, CID, PP)
+        tok = _qk_issue(tb, q_smem, k_bufs, NR, NSTAGE, BLOCK_KV_, qk_layout)
+        _pass(pp_bars, CID, PP)
         qk = warpgroup_mma_wait(0, deps=[tok])
         m_i, l_i, p, alpha = _softmax_part(0, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout)
         for t in range(n_tiles - 1):
-            st = t % NSTAGE
+            i = tb + t
+            st = i % NSTAGE
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-            tok = _qk_issue(t + 1, q_smem, k_bufs, k_ready, NR, NSTAGE, BLOCK_KV_, qk_layout)
-            mbarrier.wait(v_ready.index(st), (t // NSTAGE) & 1)
+            mbarrier.wait(k_ready.index((i + 1) % NSTAGE), ((i + 1) // NSTAGE) & 1)
+            mbarrier.wait(v_ready.index(st), (i // NSTAGE) & 1)
+            _turn(pp_bars, turn + 1 + t, CID, PP)
+            tok = _qk_issue(i + 1, q_smem, k_bufs, NR, NSTAGE, BLOCK_KV_, qk_layout)
             acc_tok = warpgroup_mma(pb, v_bufs.index(st), acc, is_async=True)
+            _pass(pp_bars, CID, PP)
             qk = warpgroup_mma_wait(1, deps=[tok])  # groups finish in order: Q @ K_{t+1}^T is done
             m_i, l_i, p, alpha = _softmax_part(t + 1, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout)
             acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
             mbarrier.arrive(kv_empty.index(st), count=1)
-        t = n_tiles - 1
-        st = t % NSTAGE
+        i = tb + n_tiles - 1
+        st = i % NSTAGE
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-        mbarrier.wait(v_ready.index(st), (t // NSTAGE) & 1)
-        acc = warpgroup_mma(pb, v_bufs.index(st), acc)
+        mbarrier.wait(v_ready.index(st), (i // NSTAGE) & 1)
+        _turn(pp_bars, turn + n_tiles, CID, PP)
+        acc_tok = warpgroup_mma(pb, v_bufs.index(st), acc, is_async=True)
+        _pass(pp_bars, CID, PP)
+        acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
         mbarrier.arrive(kv_empty.index(st), count=1)
         return m_i, l_i, acc
 
     @gluon.jit
-    def _consumer(q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
-                  prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
-                  CID: gl.constexpr, NR: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
-                  BLOCK_Q: gl.constexpr,
-                  BLOCK_KV_: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr, WRITE_LSE: gl.constexpr,
-                  DBG: gl.constexpr, NW: gl.constexpr = 4, PIPE: gl.constexpr = 0):
+    def _consumer(q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, prog_seq_ptr,
+                  prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn, stride_qh, stride_on,
+                  stride_oh, stride_ln, qk_scale, CID: gl.constexpr, NR: gl.constexpr, GROUP: gl.constexpr,
+                  GROUP_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr, D: gl.constexpr,
+                  NSTAGE: gl.constexpr, WRITE_LSE: gl.constexpr, NW: gl.constexpr, PP: gl.constexpr,
+                  PERSIST: gl.constexpr):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [NW, 1], [1, 0])
-        hk = gl.program_id(1)
-        seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(prog_seq_ptr, prog_q0_ptr, cu_ptr,
-                                                                   seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+        row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        q_smem = q_bufs.index(CID)
         # this warpgroup's query rows: row r of the program's tile is query q0 + r // GROUP_P, head g = r % GROUP_P
         r = CID * NR + gl.arange(0, NR, layout=gl.SliceLayout(1, ld_layout))
-        qi = q0 + r // GROUP_P
-        g = r % GROUP_P
-        row_ok = (qi < q_len) & (g < GROUP)
-        tok = (cu0 + qi).to(gl.int64)
-        head = (hk * GROUP + g).to(gl.int64)
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-        q = gl.load(q_ptr + tok[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        q_smem = q_bufs.index(CID)
-        q_smem.store(q)
-        fence_async_shared()
-        if DBG & 4 == 0:
-            gl.thread_barrier()
-
-        row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
         rs = CID * NR + gl.arange(0, NR, layout=row_s)
-        pos = first_pos + gl.minimum(q0 + rs // GROUP_P, q_len - 1)  # padding rows borrow a real position
-        m_i = gl.full([NR], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([NR], gl.float32, row_s)
-        acc = gl.zeros([NR, D], gl.float32, o_layout)
-        if PIPE:
+        ro = CID * NR + gl.arange(0, NR, layout=row_o)
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        tb = gl.program_id(0) * 0
+        turn = gl.program_id(0) * 0
+        for rnd in range(_rounds(n_work, PERSIST)):
+            slot, hk, valid = _work(rnd, order_ptr, n_work, hkv, PERSIST)
+            seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
+                                                                       cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+            qi = q0 + r // GROUP_P
+            g = r % GROUP_P
+            row_ok = (qi < q_len) & (g < GROUP)
+            tok = (cu0 + qi).to(gl.int64)
+            head = (hk * GROUP + g).to(gl.int64)
+            q = gl.load(q_ptr + tok[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            if PERSIST:
+                gl.thread_barrier()  # every warp is past the last work's products, which read the old Q
+            q_smem.store(q)
+            fence_async_shared()
+            gl.thread_barrier()
+            pos = first_pos + gl.minimum(q0 + rs // GROUP_P, q_len - 1)  # padding rows borrow a real position
+            m_i = gl.full([NR], float("-inf"), gl.float32, row_s)
+            l_i = gl.zeros([NR], gl.float32, row_s)
+            acc = gl.zeros([NR, D], gl.float32, o_layout)
             if n_tiles > 0:  # an empty slot has none, and must wait for none
                 m_i, l_i, acc = _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                                 pos, qk_scale, n_tiles, n_full, NR, NSTAGE, BLOCK_KV_, qk_layout,
-                                                 o_layout, p_layout)
-        else:
-            for t in range(0, n_full):
-                m_i, l_i, acc = _softmax_step(t, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                              pos, qk_scale, False, NR, NSTAGE, BLOCK_KV_, qk_layout, o_layout,
-                                              p_layout, DBG)
-            for t in range(n_full, n_tiles):
-                m_i, l_i, acc = _softmax_step(t, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                              pos, qk_scale, True, NR, NSTAGE, BLOCK_KV_, qk_layout, o_layout,
-                                              p_layout, DBG)
-        if seq >= 0:
-            row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-            out = acc / gl.convert_layout(l_i, row_o)[:, None]
-            ro = CID * NR + gl.arange(0, NR, layout=row_o)
-            qo = q0 + ro // GROUP_P
-            go = ro % GROUP_P
-            ok_o = (qo < q_len) & (go < GROUP)
-            do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-            o_off = (cu0 + qo).to(gl.int64)[:, None] * stride_on + (hk * GROUP + go).to(gl.int64)[:, None] * stride_oh
-            gl.store(o_ptr + o_off + do[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
-            if WRITE_LSE:
-                qs = q0 + rs // GROUP_P
-                gs = rs % GROUP_P
-                ok_s = (qs < q_len) & (gs < GROUP)
-                l_off = (cu0 + qs).to(gl.int64) * stride_ln + (hk * GROUP + gs).to(gl.int64)
-                gl.store(lse_ptr + l_off, m_i + gl.log2(l_i), mask=ok_s)
+                                                 pp_bars, pos, qk_scale, n_tiles, n_full, tb, turn, CID, PP, NR,
+                                                 NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout)
+                turn += n_tiles + 1
+            tb += n_tiles
+            if seq >= 0:
+                out = acc / gl.convert_layout(l_i, row_o)[:, None]
+                qo = q0 + ro // GROUP_P
+                go = ro % GROUP_P
+                ok_o = (qo < q_len) & (go < GROUP)
+                o_off = ((cu0 + qo).to(gl.int64)[:, None] * stride_on
+                         + (hk * GROUP + go).to(gl.int64)[:, None] * stride_oh)
+                gl.store(o_ptr + o_off + do[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
+                if WRITE_LSE:
+                    qs = q0 + rs // GROUP_P
+                    gs = rs % GROUP_P
+                    ok_s = (qs < q_len) & (gs < GROUP)
+                    l_off = (cu0 + qs).to(gl.int64) * stride_ln + (hk * GROUP + gs).to(gl.int64)
+                    gl.store(lse_ptr + l_off, m_i + gl.log2(l_i), mask=ok_s)
 
     @gluon.jit
     def _stages(k_desc, v_desc, NSTAGE: gl.constexpr, N_CONSUMERS: gl.constexpr):
         """The K/V ring (``NSTAGE`` tiles of each) and its barriers: K and V "ready" (one TMA arrival each) and
-        "empty" (one arrival per consumer partition), initialised."""
+        "empty" (one arrival per consumer partition), and the two ping-pong barriers, initialised."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE, BKV, D], k_desc.layout)
@@ -282,54 +292,57 @@ if HAVE_GLUON:
         k_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        pp_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NSTAGE):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=N_CONSUMERS)
-        return k_bufs, v_bufs, k_ready, v_ready, kv_empty
+        for i in gl.static_range(2):
+            mbarrier.init(pp_bars.index(i), count=1)
+        return k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars
 
     @gluon.jit
     def _attn_fwd_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
-                            stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
+                            order_ptr, n_work, hkv, stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
                             q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
                             BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, CREGS: gl.constexpr,
-                            DBG: gl.constexpr, PIPE: gl.constexpr = 0):
+                            PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0):
+        """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, NR, D], q_smem_layout)
-        k_bufs, v_bufs, k_ready, v_ready, kv_empty = _stages(k_desc, v_desc, NSTAGE, 2)
-        if DBG & 128 != 0:
-            fence_async_shared()
-            gl.thread_barrier()
+        k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars = _stages(k_desc, v_desc, NSTAGE, 2)
         gl.warp_specialize([
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
-                         cu_ptr, seq_lens_ptr, BLOCK_Q, BKV, D, NSTAGE, DBG)),
-            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
-                         prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln,
-                         qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG, 4, PIPE)),
-            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
-                         prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln,
-                         qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG, 4, PIPE)),
+                         cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
+                         prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
+                         stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
+                         prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
+                         stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST)),
         ], [4, 4], [CREGS, CREGS])
 
     @gluon.jit
     def _attn_fwd_ws1_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
-                             stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
+                             order_ptr, n_work, hkv, stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
                              q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
                              BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
-                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, PREGS: gl.constexpr, DBG: gl.constexpr,
-                             PW: gl.constexpr, PIPE: gl.constexpr = 0):
-        """One consumer partition (the default one, all ``num_warps`` warps: NR rows) and a 1-warp TMA producer."""
+                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, PREGS: gl.constexpr, PW: gl.constexpr):
+        """One consumer partition (the default one, all ``num_warps`` warps: NR rows) and a ``PW``-warp producer
+        (no ping-pong, one work a program)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [1, NR, D], q_smem_layout)
-        k_bufs, v_bufs, k_ready, v_ready, kv_empty = _stages(k_desc, v_desc, NSTAGE, 1)
+        k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars = _stages(k_desc, v_desc, NSTAGE, 1)
         gl.warp_specialize([
-            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr,
-                         prog_q0_ptr, cu_ptr, seq_lens_ptr, stride_qn, stride_qh, stride_on, stride_oh, stride_ln,
-                         qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, DBG, gl.num_warps(),
-                         PIPE)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
+                         prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
+                         stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
+                         D, NSTAGE, WRITE_LSE, gl.num_warps(), 0, 0)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
-                         cu_ptr, seq_lens_ptr, BLOCK_Q, BKV, D, NSTAGE, DBG)),
+                         cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, 0)),
         ], [PW], [PREGS])
 
 
@@ -374,37 +387,83 @@ def _descriptor(t: torch.Tensor, rows: int):
     return TensorDescriptor(t, [n, hkv * d], [t.stride(0), 1], [rows, d], layout)
 
 
+@triton.jit
+def _order_kernel(prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, G, BLOCK_Q: tl.constexpr,
+                  BLOCK_KV_: tl.constexpr, CHUNK: tl.constexpr):
+    """``order``: the schedule's slots sorted by their number of KV tiles, most first (ties by slot; empty slots
+    last), for the persistent kernel. Slot i goes to rank #(slots with more tiles) + #(as many, before i)."""
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ci = _slot_tiles(i, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+    rank = tl.zeros([CHUNK], tl.int32)
+    for j0 in range(0, G, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        cj = _slot_tiles(j, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+        ahead = (cj[None, :] > ci[:, None]) | ((cj[None, :] == ci[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum((ahead & (j < G)[None, :]).to(tl.int32), axis=1)
+    tl.store(order_ptr + rank, i, mask=i < G)
+
+
+@triton.jit
+def _slot_tiles(i, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: tl.constexpr,
+                BLOCK_KV_: tl.constexpr):
+    ok = i < G
+    seq = tl.load(prog_seq_ptr + i, mask=ok, other=-1)
+    seq_c = tl.maximum(seq, 0)
+    q0 = tl.load(prog_q0_ptr + i, mask=ok, other=0)
+    cu0 = tl.load(cu_ptr + seq_c)
+    q_len = tl.load(cu_ptr + seq_c + 1) - cu0
+    first_pos = tl.load(seq_lens_ptr + seq_c) - q_len
+    n_tiles = (first_pos + tl.minimum(q0 + BLOCK_Q, q_len) - 1) // BLOCK_KV_ + 1
+    return tl.where(seq >= 0, n_tiles, 0).to(tl.int32)
+
+
+def persistent_order(schedule, cu: torch.Tensor, seq_lens: torch.Tensor, block_q: int) -> torch.Tensor:
+    """The persistent kernel's slot order (``_order_kernel``), on the device with no host wait."""
+    g_slots, prog_seq, prog_q0 = schedule
+    order = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
+    chunk = 128
+    _order_kernel[(triton.cdiv(g_slots, chunk),)](prog_seq, prog_q0, cu, seq_lens, order, g_slots, BLOCK_Q=block_q,
+                                                  BLOCK_KV_=BLOCK_KV, CHUNK=chunk, num_warps=4)
+    return order
+
+
 def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, cu: torch.Tensor,
                         seq_lens: torch.Tensor, schedule, scale: float, group: int, group_p: int, block_q: int,
-                        out: torch.Tensor, lse: torch.Tensor | None) -> None:
+                        out: torch.Tensor, lse: torch.Tensor | None, order: torch.Tensor | None = None) -> None:
     """Run the warp-specialised forward into ``out`` (and ``lse``), given ``_device_schedule``'s slot table for
-    tiles of ``block_q`` queries (``block_q * group_p == CONSUMERS * ROWS``)."""
+    tiles of ``block_q`` queries (``block_q * group_p == CONSUMERS * ROWS``). ``GLW_PERSIST=1`` (variant ``two``)
+    runs one program per SM over the slots in ``order`` (:func:`persistent_order`, computed here if not given);
+    ``GLW_PP=1`` ping-pongs its two consumer warpgroups. Neither changes a bit (the battery checks it)."""
     n, h, d = q.shape
     hkv = k_flat.shape[1]
     if block_q * group_p != CONSUMERS * ROWS:
         raise ValueError(f"gluon attention: a tile of {block_q} x {group_p} rows is not {CONSUMERS} x {ROWS}")
     g_slots, prog_seq, prog_q0 = schedule
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    if os.environ.get("GLW_VARIANT", "two") == "one":
-        _attn_fwd_ws1_kernel[(g_slots, hkv)](
-            q, _descriptor(k_flat, BLOCK_KV), _descriptor(v_flat, BLOCK_KV), out, lse if lse is not None else out,
-            prog_seq, prog_q0, cu, seq_lens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            h if lse is not None else 0, float(scale) * LOG2E,
-            gl.NVMMASharedLayout.get_default_for([CONSUMERS * ROWS, d], dt), group, group_p, block_q, d, STAGES,
-            lse is not None, CONSUMERS * ROWS, PRODUCER_REGS, int(os.environ.get("GLW_DBG", "0")),
-            int(os.environ.get("GLW_PW", "4")), int(os.environ.get("GLW_PIPE", "1")),
-            num_warps=4 * CONSUMERS, maxnreg=int(os.environ.get("GLW_MAXNREG", "0")) or
-            (CONSUMERS * 4 * CONSUMER_REGS + 4 * PRODUCER_REGS) // (4 * (CONSUMERS + 1)), enable_fp_fusion=False)
+    variant = os.environ.get("GLW_VARIANT", "two")
+    persist = variant == "two" and os.environ.get("GLW_PERSIST", "0") == "1"
+    if persist and order is None:
+        order = persistent_order(schedule, cu, seq_lens, block_q)
+    n_work = g_slots * hkv
+    if persist:
+        grid = (min(n_work, torch.cuda.get_device_properties(q.device).multi_processor_count),)
+    else:
+        grid = (g_slots, hkv)
+    args = (q, _descriptor(k_flat, BLOCK_KV), _descriptor(v_flat, BLOCK_KV), out, lse if lse is not None else out,
+            prog_seq, prog_q0, cu, seq_lens, order if persist else prog_seq, n_work, hkv, q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), h if lse is not None else 0, float(scale) * LOG2E)
+    maxnreg = int(os.environ.get("GLW_MAXNREG", "0")) or \
+        (CONSUMERS * 4 * CONSUMER_REGS + 4 * PRODUCER_REGS) // (4 * (CONSUMERS + 1))
+    if variant == "one":
+        _attn_fwd_ws1_kernel[grid](
+            *args, gl.NVMMASharedLayout.get_default_for([CONSUMERS * ROWS, d], dt), group, group_p, block_q, d,
+            STAGES, lse is not None, CONSUMERS * ROWS, PRODUCER_REGS, int(os.environ.get("GLW_PW", "4")),
+            num_warps=4 * CONSUMERS, maxnreg=maxnreg, enable_fp_fusion=False)
         return
-    _attn_fwd_ws_kernel[(g_slots, hkv)](
-        q, _descriptor(k_flat, BLOCK_KV), _descriptor(v_flat, BLOCK_KV), out, lse if lse is not None else out,
-        prog_seq, prog_q0, cu, seq_lens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        h if lse is not None else 0, float(scale) * LOG2E,
-        gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), group, group_p, block_q, d, STAGES, lse is not None,
-        ROWS, CONSUMER_REGS, int(os.environ.get("GLW_DBG", "0")), int(os.environ.get("GLW_PIPE", "1")),
-        num_warps=4, maxnreg=int(os.environ.get("GLW_MAXNREG", "0")) or
-        (CONSUMERS * 4 * CONSUMER_REGS + 4 * PRODUCER_REGS) // (4 * (CONSUMERS + 1)),
-        enable_fp_fusion=False)
+    _attn_fwd_ws_kernel[grid](
+        *args, gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), group, group_p, block_q, d, STAGES,
+        lse is not None, ROWS, CONSUMER_REGS, int(os.environ.get("GLW_PP", "0")), int(persist),
+        num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
 
 
 def probe_tma_wait(x: torch.Tensor, producer_default: bool) -> torch.Tensor:
