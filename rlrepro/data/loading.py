@@ -32,7 +32,8 @@ from typing import Any, Iterator, Literal
 
 from .jsonlines import blank_lines, empty_array, kept_rows, scan_lines
 from .records import PromptRecord, records_digest
-from .rows import BadRow, FieldSpec, NotUTF8, RowPositions, row_to_record, utf8_encodable
+from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_lone_surrogates, has_surrogate_escape,
+                   json_array_rows, row_to_record, utf8_encodable)
 
 __all__ = ["load_records", "LoadStats", "SkippedRow", "DATA_FILE_FORMATS", "MAX_LINE_BYTES"]
 
@@ -279,7 +280,7 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
     with tempfile.TemporaryDirectory(prefix="rlrepro-data-") as tmp, _quiet_datasets():
         import datasets  # imported here: it is slow to import and only loading needs it
 
-        src = file
+        src, lone = file, False
         if lines is not None and lines.long:
             row, line_no, size = lines.long[0]
             problem = (f"the line is {size} bytes, over the limit of {max_line_bytes} bytes; it was not parsed")
@@ -295,16 +296,15 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
             src = blank_lines(file, Path(tmp) / ("short-" + file.name.rsplit(".", 1)[0] + ".jsonl"),
                               {line_no for _, line_no, _ in lines.long})
         try:
-            if builder == "json" and _has_lone_surrogate(src):
-                # pyarrow's reader may drop such an escape silently (a column of mixed types takes another path
-                # than a plain one): the line scan below names the row instead
-                raise ValueError("a line holds a lone surrogate escape")
+            if builder == "json" and (lone := _has_lone_surrogate(src)):
+                # datasets may drop such an escape silently (a mixed-type column, a JSON array): the scan names it
+                raise ValueError("a row holds a lone surrogate escape")
             ds = datasets.load_dataset(builder, data_files=str(src), split="train", cache_dir=tmp)
         except Exception as e:  # datasets raises several kinds (DatasetGenerationError, UnicodeDecodeError, ...)
             if builder != "json":
                 raise ValueError(f"{file}: datasets could not read this {builder} file ({_describe(e)}). "
                                  f"Fix: rewrite it with pyarrow/pandas as a valid parquet file.") from e
-            bad_lines = _original_rows(_scan_json_lines(src), long_rows)
+            bad_lines = _original_rows(_scan_json_lines(src, arrays=lone), long_rows)
             if not bad_lines and _only_empty_objects(src):
                 raise ValueError(_no_columns_message(file, spec)) from e
             if not bad_lines:
@@ -312,9 +312,12 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
                                  f"JSON object per line (.jsonl) or a JSON array of objects (.json), UTF-8.") from e
             if on_bad_row == "error":
                 row, line_no, reason, problem = bad_lines[0]
-                raise ValueError(f"{file}: line {line_no}: {problem}. Fix: correct or remove that line "
-                                 f"(the file must be UTF-8 JSON, one object per line), {_SKIP_HINT}.") from e
-            clean, row_map = _clean_copy(src, Path(tmp), bad_lines, stats, file, long_rows)
+                unit, form = ("row", "an array of objects") if lines.array else ("line", "one object per line")
+                raise ValueError(f"{file}: {unit} {line_no}: {problem}. Fix: correct or remove that {unit} "
+                                 f"(the file must be UTF-8 JSON, {form}), {_SKIP_HINT}.") from e
+            clean, row_map = _clean_copy(src, Path(tmp), bad_lines, stats, file, long_rows, lines.array)
+            if lines.array:  # scan_lines counts no rows in an array
+                lines.num_rows = len(row_map) + len(bad_lines)
             ds = None
             if row_map:
                 ds = datasets.load_dataset("json", data_files=str(clean), split="train", cache_dir=tmp + "/cache")
@@ -336,21 +339,12 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
         _add_row(row, row_index, str(file), where, source_name, spec, on_bad_row, stats, records, seen_uids)
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
-
-
 def _has_lone_surrogate(file: Path) -> bool:
-    """Whether a JSON-lines file has a line whose JSON holds a lone surrogate (``\\ud800`` alone: not UTF-8).
-    The bytes are searched for a surrogate escape first, in chunks; only a file with one is parsed line by line
-    (a pair, like an emoji's ``\\ud83d\\ude00``, is valid)."""
-    found, tail = False, b""
-    with open(file, "rb") as f:
-        while chunk := f.read(1 << 20):
-            if _SURROGATE_ESCAPE.search(tail + chunk):
-                found = True
-                break
-            tail = chunk[-5:]
-    return found and any(reason == "not UTF-8" for _, _, reason, _ in _scan_json_lines(file))
+    """Whether a JSON file has a row whose JSON holds a lone surrogate (``\\ud800`` alone: not UTF-8). Only a file
+    whose bytes hold a surrogate escape is parsed, line by line or, for a JSON array, whole (a pair, like an
+    emoji's ``\\ud83d\\ude00``, is valid)."""
+    return has_surrogate_escape(file) and any(reason == "not UTF-8"
+                                              for _, _, reason, _ in _scan_json_lines(file, arrays=True))
 
 
 def _original_rows(bad_lines: list[tuple[int, int, str, str]],
@@ -427,14 +421,14 @@ def _no_columns_message(file: Path, spec: FieldSpec) -> str:
             f"them.")
 
 
-def _scan_json_lines(file: Path) -> list[tuple[int, int, str, str]]:
+def _scan_json_lines(file: Path, arrays: bool = False) -> list[tuple[int, int, str, str]]:
     """Find the lines pyarrow's JSON reader rejects: (row index, 1-based line number, reason, problem).
 
-    Row indices count non-blank lines, as ``datasets`` does. Only for one-object-per-line files; a JSON array
-    file gives no per-line diagnosis.
+    Row indices count non-blank lines, as ``datasets`` does. A JSON array file has no lines: with ``arrays`` its
+    rows holding a lone surrogate escape are given (1-based row numbers for line numbers), else none.
     """
     if scan_lines(file).array:
-        return []
+        return array_lone_surrogates(file) if arrays else []
     bad = []
     row = 0
     with open(file, "rb") as f:  # line by line: the lines over max_line_bytes were emptied before
@@ -465,18 +459,22 @@ def _line_problem(line: bytes) -> tuple[str, str] | None:
 
 
 def _clean_copy(src: Path, tmp: Path, bad_lines: list[tuple[int, int, str, str]], stats: LoadStats,
-                file: Path | None = None, long_rows: list[int] = ()) -> tuple[Path, list[int]]:
+                file: Path | None = None, long_rows: list[int] = (), array: bool = False) -> tuple[Path, list[int]]:
     """Copy a JSON-lines file without its bad lines (recorded as skipped); return it and its row map (row of the
     copy -> row of ``file``). ``src`` is ``file`` or a copy of it with ``long_rows`` emptied; ``bad_lines`` hold
-    rows of ``file``. Streamed line by line."""
-    file = file or src
+    rows of ``file``. Streamed line by line. An ``array`` file is copied as a JSON array of its other rows."""
+    file, unit = file or src, "row" if array else "line"
     bad_rows = {b[0] for b in bad_lines}
     for row, line_no, reason, problem in bad_lines:
-        stats.skipped.append(SkippedRow(str(file), row, None, reason, f"{file}: line {line_no}: {problem}",
-                                        f"line {line_no}"))
+        stats.skipped.append(SkippedRow(str(file), row, None, reason, f"{file}: {unit} {line_no}: {problem}",
+                                        f"{unit} {line_no}"))
     stats.num_rows += len(bad_lines)
     gone = set(long_rows)
-    clean = tmp / ("clean-" + file.name.rsplit(".", 1)[0] + ".jsonl")
+    clean = tmp / ("clean-" + file.name.rsplit(".", 1)[0] + (".json" if array else ".jsonl"))
+    if array:  # the kept rows as written: datasets reads them as it reads the file
+        kept = [(row, text) for row, (_, text) in enumerate(json_array_rows(src)) if row not in bad_rows]
+        clean.write_text("[" + ",\n".join(text for _, text in kept) + "]\n", encoding="utf-8")
+        return clean, [row for row, _ in kept]
     row_map, row = [], 0
     with open(src, "rb") as f, open(clean, "wb") as out:
         for n, line in enumerate(f):

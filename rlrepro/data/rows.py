@@ -1,14 +1,17 @@
 """One data-set row to one ``PromptRecord``, and where a row is in its file (for messages).
 
 Internal to ``rlrepro.data.loading``: the checks that make a bad row a ``BadRow`` (missing or empty value,
-wrong type, not UTF-8), the field specification with its config keys, and ``RowPositions``, which turns a
-row's 0-based index into what a person finds in the file: ``line N`` in a JSON-lines file, ``row N`` elsewhere.
+wrong type, not UTF-8), the field specification with its config keys, ``RowPositions``, which turns a row's
+0-based index into what a person finds in the file: ``line N`` in a JSON-lines file, ``row N`` elsewhere, and
+the rows of a JSON array file as written (to find lone surrogate escapes, which ``datasets`` drops from them).
 """
 from __future__ import annotations
 
 import decimal
+import json
 import math
 import numbers
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,55 @@ def utf8_encodable(obj: Any) -> bool:
     if isinstance(obj, list):
         return all(utf8_encodable(v) for v in obj)
     return True
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_JSON_DECODER = json.JSONDecoder(strict=False)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+
+
+def has_surrogate_escape(file: Path) -> bool:
+    """Whether the bytes of a JSON file hold a surrogate escape (``\\ud800``, half of a pair or alone), searched in
+    1 MiB chunks: only such a file needs parsing to find a lone one."""
+    tail = b""
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if _SURROGATE_ESCAPE.search(tail + chunk):
+                return True
+            tail = chunk[-5:]
+    return False
+
+
+def json_array_rows(file: Path) -> list[tuple[Any, str]]:
+    """The rows of a JSON array file, each parsed and as written (its text, for a copy without some rows); [] when
+    the file is not a JSON array in UTF-8. Reads the whole file, as ``datasets`` does."""
+    try:
+        text = file.read_text(encoding="utf-8-sig")
+        if not isinstance(_JSON_DECODER.decode(text), list):
+            return []
+    except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
+        return []
+    rows, i = [], text.index("[") + 1
+    while text[i := _JSON_SPACE.match(text, i).end()] != "]":  # valid JSON: a value, then "," or "]"
+        row, end = _JSON_DECODER.raw_decode(text, i)
+        rows.append((row, text[i:end]))
+        i = _JSON_SPACE.match(text, end).end()
+        i += text[i] == ","
+    return rows
+
+
+def array_lone_surrogates(file: Path) -> list[tuple[int, int, str, str]]:
+    """The rows of a JSON array file whose strings are not UTF-8 (a lone surrogate escape such as ``\\ud800``):
+    (row index, 1-based row number, reason, problem naming the field), the form of ``loading._scan_json_lines``."""
+    bad = []
+    for row, (obj, _) in enumerate(json_array_rows(file)):
+        if not utf8_encodable(obj):
+            cols = [k for k, v in obj.items() if not utf8_encodable([k, v])] if isinstance(obj, dict) else []
+            bad.append((row, row + 1, "not UTF-8", (f"field {cols[0]!r}: " if cols else "") + "a string holds a "
+                        "lone surrogate escape (like \\ud800), which is not UTF-8"))
+    return bad
 
 
 def json_lines_numbers(data: bytes) -> list[int] | None:
