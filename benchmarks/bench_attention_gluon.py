@@ -104,10 +104,12 @@ def tflops(batch: int, length: int, ms: float) -> float:
 
 
 def set_variant(spec: str) -> str:
-    """``spec`` like ``pp1ps0``: GLW_PP and GLW_PERSIST for the kernel's next calls (``-``: leave the env)."""
+    """``spec`` like ``pp1ps0kv1``: GLW_PP, GLW_PERSIST and GLW_KV2 for the kernel's next calls (``-``: leave the
+    env; a missing ``kv`` part: 0)."""
     if spec != "-":
         os.environ["GLW_PP"], os.environ["GLW_PERSIST"] = spec[2], spec[5]
-    return f"pp{os.environ.get('GLW_PP', '0')}ps{os.environ.get('GLW_PERSIST', '0')}"
+        os.environ["GLW_KV2"] = spec[8] if len(spec) > 8 else "0"
+    return "pp{}ps{}kv{}".format(*(os.environ.get(f"GLW_{k}", "0") for k in ("PP", "PERSIST", "KV2")))
 
 
 def timings(gen, stages: list[int], fi, variants: list[str]) -> list[str]:
@@ -170,7 +172,7 @@ def main() -> int:
     ap.add_argument("--no-bits", action="store_true")
     ap.add_argument("--no-timing", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variants", default="-", help="comma list of ping-pong/persistent variants to check and time, "
-                    "e.g. pp0ps0,pp1ps0,pp0ps1,pp1ps1 (GLW_PP, GLW_PERSIST; '-': as the environment says)")
+                    "e.g. pp0ps0,pp1ps1kv1 (GLW_PP, GLW_PERSIST, GLW_KV2; '-': as the environment says)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole child run")
     ap.add_argument("--minimal-only", action="store_true", help="run only the reduced TMA-wait probe")
     ap.add_argument("--cases", default="", help="packed lengths to run one call each, e.g. '64;128;300,77' "

@@ -118,24 +118,69 @@ if HAVE_GLUON:
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr, cu_ptr,
                   seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr,
-                  D: gl.constexpr, NSTAGE: gl.constexpr, PERSIST: gl.constexpr):
-        """Each work's KV tiles 0, 1, ... by TMA into the ring; the ring's count ``i`` runs on across works."""
+                  D: gl.constexpr, NSTAGE: gl.constexpr, PERSIST: gl.constexpr, KV2: gl.constexpr = 0):
+        """Each work's KV tiles 0, 1, ... by TMA into the ring; the ring's count ``i`` runs on across works. With
+        ``KV2`` a ring stage holds two tiles (two loads on one barrier; the last stage of an odd count one)."""
         tb = gl.program_id(0) * 0
         for r in range(_rounds(n_work, PERSIST)):
             slot, hk, valid = _work(r, order_ptr, n_work, hkv, PERSIST)
             seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
                                                                        cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
             col = (hk * D).to(gl.int32)
-            for t in range(n_tiles):
+            n_units = _units(n_tiles, KV2)
+            for t in range(n_units):
                 i = tb + t
                 st = i % NSTAGE
                 mbarrier.wait(kv_empty.index(st), ((i // NSTAGE) & 1) ^ 1)  # a fresh barrier passes phase 1
-                row = (cu0 + t * BLOCK_KV_).to(gl.int32)  # TMA coordinates are 32-bit
-                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(st), k_bufs.index(st))
-                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(st), v_bufs.index(st))
-            tb += n_tiles
+                if KV2:
+                    row = (cu0 + 2 * t * BLOCK_KV_).to(gl.int32)
+                    two = 2 * t + 1 < n_tiles
+                    _load_pair(k_desc, k_ready.index(st), k_bufs, 2 * st, row, col, two, BLOCK_KV_)
+                    _load_pair(v_desc, v_ready.index(st), v_bufs, 2 * st, row, col, two, BLOCK_KV_)
+                else:
+                    row = (cu0 + t * BLOCK_KV_).to(gl.int32)  # TMA coordinates are 32-bit
+                    mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(st), k_bufs.index(st))
+                    mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(st), v_bufs.index(st))
+            tb += n_units
+
+    @gluon.jit
+    def _units(n_tiles, KV2: gl.constexpr):
+        """Ring stages a work of ``n_tiles`` KV tiles takes."""
+        if KV2:
+            n = (n_tiles + 1) // 2
+        else:
+            n = n_tiles
+        return n
+
+    @gluon.jit
+    def _load_pair(desc, bar, bufs, b, row, col, two, BLOCK_KV_: gl.constexpr):
+        """Tiles at ``row`` (and ``row + BLOCK_KV_`` if ``two``) into buffers ``b`` (and ``b + 1``), on ``bar``."""
+        if two:
+            mbarrier.expect(bar, 2 * desc.block_type.nbytes)
+        else:
+            mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, bufs.index(b))
+        tma.async_copy_global_to_shared(desc, [row + BLOCK_KV_, col], bar, bufs.index(b + 1), pred=two)
+
+    @gluon.jit
+    def _ring(tb, t, n_tiles, NSTAGE: gl.constexpr, KV2: gl.constexpr):
+        """Where a work's tile ``t`` is (the work's first stage ``tb``): (stage, phase, buffer, whether it starts
+        its stage: wait for it, whether it ends it: release the stage after it)."""
+        if KV2:
+            i = tb + t // 2
+            st = i % NSTAGE
+            b = 2 * st + t % 2
+            new = t % 2 == 0
+            last = (t % 2 == 1) | (t == n_tiles - 1)
+        else:
+            i = tb + t
+            st = i % NSTAGE
+            b = st
+            new = t >= 0
+            last = t >= 0
+        return st, (i // NSTAGE) & 1, b, new, last
 
     @gluon.jit
     def _turn(pp_bars, turn, CID: gl.constexpr, PP: gl.constexpr):
@@ -153,11 +198,10 @@ if HAVE_GLUON:
             mbarrier.arrive(pp_bars.index(1 - CID), count=1)
 
     @gluon.jit
-    def _qk_issue(i, q_smem, k_bufs, NR: gl.constexpr, NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr,
-                  qk_layout: gl.constexpr):
-        """Start ``Q @ K^T`` on the ring's tile ``i`` (already waited for) without waiting for it (a token)."""
+    def _qk_issue(b, q_smem, k_bufs, NR: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr):
+        """Start ``Q @ K^T`` on K buffer ``b`` (already waited for) without waiting for it (a token)."""
         zero = gl.zeros([NR, BLOCK_KV_], gl.float32, qk_layout)
-        return warpgroup_mma(q_smem, k_bufs.index(i % NSTAGE).permute((1, 0)), zero, use_acc=False, is_async=True)
+        return warpgroup_mma(q_smem, k_bufs.index(b).permute((1, 0)), zero, use_acc=False, is_async=True)
 
     @gluon.jit
     def _softmax_part(t, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr):
@@ -177,40 +221,45 @@ if HAVE_GLUON:
     def _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, pos, qk_scale,
                          n_tiles, n_full, tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr,
                          NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
-                         o_layout: gl.constexpr, p_layout: gl.constexpr):
+                         o_layout: gl.constexpr, p_layout: gl.constexpr, KV2: gl.constexpr):
         """One work's KV tiles (``n_tiles`` > 0, the ring's tiles ``tb``, ``tb + 1``, ...), software-pipelined as
         FlashAttention-3 overlaps within a warpgroup: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` are issued together, and
         tile ``t + 1``'s softmax runs while ``P_t @ V_t`` is on the tensor cores. Every value is computed by the
         Triton kernel's operations in its order (``acc = P_t @ V_t + acc * alpha_t``), so the bits are its bits.
-        With ``PP`` each issue is one turn of the ping-pong (``turn``, ``turn + 1``, ..., ``n_tiles + 1`` turns)."""
-        mbarrier.wait(k_ready.index(tb % NSTAGE), (tb // NSTAGE) & 1)
+        With ``PP`` each issue is one turn of the ping-pong (``turn``, ``turn + 1``, ..., ``n_tiles + 1`` turns);
+        with ``KV2`` a ring stage holds two tiles: half the barrier waits and releases."""
+        st, ph, b, new, last = _ring(tb, 0, n_tiles, NSTAGE, KV2)
+        mbarrier.wait(k_ready.index(st), ph)
         _turn(pp_bars, turn, CID, PP)
-        tok = _qk_issue(tb, q_smem, k_bufs, NR, NSTAGE, BLOCK_KV_, qk_layout)
+        tok = _qk_issue(b, q_smem, k_bufs, NR, BLOCK_KV_, qk_layout)
         _pass(pp_bars, CID, PP)
         qk = warpgroup_mma_wait(0, deps=[tok])
         m_i, l_i, p, alpha = _softmax_part(0, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout)
         for t in range(n_tiles - 1):
-            i = tb + t
-            st = i % NSTAGE
+            st, ph, b, new, last = _ring(tb, t, n_tiles, NSTAGE, KV2)
+            st1, ph1, b1, new1, last1 = _ring(tb, t + 1, n_tiles, NSTAGE, KV2)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-            mbarrier.wait(k_ready.index((i + 1) % NSTAGE), ((i + 1) // NSTAGE) & 1)
-            mbarrier.wait(v_ready.index(st), (i // NSTAGE) & 1)
+            if new1:
+                mbarrier.wait(k_ready.index(st1), ph1)
+            if new:
+                mbarrier.wait(v_ready.index(st), ph)
             _turn(pp_bars, turn + 1 + t, CID, PP)
-            tok = _qk_issue(i + 1, q_smem, k_bufs, NR, NSTAGE, BLOCK_KV_, qk_layout)
-            acc_tok = warpgroup_mma(pb, v_bufs.index(st), acc, is_async=True)
+            tok = _qk_issue(b1, q_smem, k_bufs, NR, BLOCK_KV_, qk_layout)
+            acc_tok = warpgroup_mma(pb, v_bufs.index(b), acc, is_async=True)
             _pass(pp_bars, CID, PP)
             qk = warpgroup_mma_wait(1, deps=[tok])  # groups finish in order: Q @ K_{t+1}^T is done
             m_i, l_i, p, alpha = _softmax_part(t + 1, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout)
             acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
-            mbarrier.arrive(kv_empty.index(st), count=1)
-        i = tb + n_tiles - 1
-        st = i % NSTAGE
+            if last:
+                mbarrier.arrive(kv_empty.index(st), count=1)
+        st, ph, b, new, last = _ring(tb, n_tiles - 1, n_tiles, NSTAGE, KV2)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-        mbarrier.wait(v_ready.index(st), (i // NSTAGE) & 1)
+        if new:
+            mbarrier.wait(v_ready.index(st), ph)
         _turn(pp_bars, turn + n_tiles, CID, PP)
-        acc_tok = warpgroup_mma(pb, v_bufs.index(st), acc, is_async=True)
+        acc_tok = warpgroup_mma(pb, v_bufs.index(b), acc, is_async=True)
         _pass(pp_bars, CID, PP)
         acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
         mbarrier.arrive(kv_empty.index(st), count=1)
@@ -222,7 +271,7 @@ if HAVE_GLUON:
                   stride_oh, stride_ln, qk_scale, CID: gl.constexpr, NR: gl.constexpr, GROUP: gl.constexpr,
                   GROUP_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr, D: gl.constexpr,
                   NSTAGE: gl.constexpr, WRITE_LSE: gl.constexpr, NW: gl.constexpr, PP: gl.constexpr,
-                  PERSIST: gl.constexpr):
+                  PERSIST: gl.constexpr, KV2: gl.constexpr = 0):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -263,9 +312,9 @@ if HAVE_GLUON:
             if n_tiles > 0:  # an empty slot has none, and must wait for none
                 m_i, l_i, acc = _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
                                                  pp_bars, pos, qk_scale, n_tiles, n_full, tb, turn, CID, PP, NR,
-                                                 NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout)
+                                                 NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout, KV2)
                 turn += n_tiles + 1
-            tb += n_tiles
+            tb += _units(n_tiles, KV2)
             if seq >= 0:
                 out = acc / gl.convert_layout(l_i, row_o)[:, None]
                 qo = q0 + ro // GROUP_P
@@ -282,13 +331,13 @@ if HAVE_GLUON:
                     gl.store(lse_ptr + l_off, m_i + gl.log2(l_i), mask=ok_s)
 
     @gluon.jit
-    def _stages(k_desc, v_desc, NSTAGE: gl.constexpr, N_CONSUMERS: gl.constexpr):
+    def _stages(k_desc, v_desc, NSTAGE: gl.constexpr, N_CONSUMERS: gl.constexpr, KV2: gl.constexpr = 0):
         """The K/V ring (``NSTAGE`` tiles of each) and its barriers: K and V "ready" (one TMA arrival each) and
         "empty" (one arrival per consumer partition), and the two ping-pong barriers, initialised."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE, BKV, D], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE, BKV, D], v_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE * (1 + KV2), BKV, D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE * (1 + KV2), BKV, D], v_desc.layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
@@ -307,22 +356,22 @@ if HAVE_GLUON:
                             q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
                             BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, CREGS: gl.constexpr,
-                            PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0):
+                            PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, NR, D], q_smem_layout)
-        k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars = _stages(k_desc, v_desc, NSTAGE, 2)
+        k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars = _stages(k_desc, v_desc, NSTAGE, 2, KV2)
         gl.warp_specialize([
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
-                         cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST)),
+                         cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST)),
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST)),
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2)),
         ], [4, 4], [CREGS, CREGS])
 
     @gluon.jit
@@ -463,6 +512,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     _attn_fwd_ws_kernel[grid](
         *args, gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), group, group_p, block_q, d, STAGES,
         lse is not None, ROWS, CONSUMER_REGS, int(os.environ.get("GLW_PP", "0")), int(persist),
+        int(os.environ.get("GLW_KV2", "0")),
         num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
 
 
