@@ -398,8 +398,14 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         if t.stride(-1) != 1:
             raise ValueError(f"attention: {name} must have a contiguous last dim")
     cu = meta.cu_seqlens_q
-    g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q, meta)
     paged = meta.block_table is not None
+    if config is None and not paged and cfg == ATTENTION_CONFIGS["long"] and use_gluon(q, k_flat, v_flat, group):
+        from . import gluon_attention_fwd as G
+        gq, gp = tile_shape(group, G.CONSUMERS * G.ROWS)
+        G.attention_fwd_gluon(q, k_flat, v_flat, cu, meta.seq_lens, _device_schedule(cu, s_count, n, gq, meta),
+                              scale, group, gp, gq, out, lse)
+        return (out, lse) if return_lse else out
+    g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q, meta)
     bt = meta.block_table if paged else cu
     k_desc = v_desc = None
     if not paged and cfg.rows <= DESC_MAX_ROWS and _use_descriptors(k_flat, v_flat):
@@ -419,6 +425,35 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         # where the masked loop's (a select in between) cannot, and a tile's bits would depend on which loop ran it
         enable_fp_fusion=False)
     return (out, lse) if return_lse else out
+
+
+GLUON_MAX_GROUP = 8  # query heads per KV head that the GPU test has proven the Gluon kernel on (1, 2, 4, 5, 8)
+
+
+def use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> bool:
+    """Whether a packed call that picked the "long" tile runs the warp-specialised Gluon forward instead
+    (:mod:`.gluon_attention_fwd`: the same bits, 1.02-1.13x faster on the H100): on an sm_90 GPU (H100/H200),
+    with Triton 3.6 (the Gluon API it is written in), bf16 heads of 64 or 128 whose K/V heads are contiguous rows
+    at 16-byte aligned addresses, at most ``GLUON_MAX_GROUP`` query heads per KV head, and neither
+    ``RLREPRO_ATTENTION_GLUON=0`` nor a forced ``RLREPRO_ATTENTION_CONFIG``. Speed only."""
+    if os.environ.get("RLREPRO_ATTENTION_GLUON", "1") == "0" or os.environ.get("RLREPRO_ATTENTION_CONFIG"):
+        return False
+    if not gluon_layout_ok(q, k, v, group) or not q.is_cuda:
+        return False
+    if not triton.__version__.startswith("3.6.") or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    from . import gluon_attention_fwd as G
+    return G.HAVE_GLUON
+
+
+def gluon_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> bool:
+    """The Gluon kernel's layout rule: bf16, heads of 64 or 128, at most ``GLUON_MAX_GROUP`` query heads per KV
+    head, and K/V whose heads are contiguous rows at 16-byte aligned addresses (what its TMA descriptors read)."""
+    d = q.shape[-1]
+    if q.dtype != torch.bfloat16 or d not in (64, 128) or group > GLUON_MAX_GROUP or q.stride(-1) != 1:
+        return False
+    return all(t.dtype == q.dtype and t.stride(2) == 1 and t.stride(1) == d and (t.stride(0) * 2) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in (k, v))
 
 
 def _use_descriptors(k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -1,0 +1,103 @@
+"""The warp-specialised Gluon forward as the "long" tile's kernel on sm_90 (issue #27): where ``use_gluon`` takes a
+packed call, the output and the log-sum-exp are the Triton kernel's bits (``torch.equal``), at every GQA group the
+dispatch admits, head sizes 64 and 128, ragged lengths around the 64-position KV tiles and the query tiles, and a
+sequence alone; ``RLREPRO_ATTENTION_GLUON=0`` and a forced config keep the Triton kernel. The CPU test checks the
+rule's refusals that do not need a GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _triton_helpers import fresh_seed
+from rlrepro.kernels import triton_attention_fwd as A
+from rlrepro.kernels.metadata import AttentionMetadata
+
+LENS = [300, 129, 1, 77, 2000, 64, 65, 128, 127, 33, 513]
+
+
+def _hopper_with_gluon() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    import triton
+
+    from rlrepro.kernels import gluon_attention_fwd as G
+    return G.HAVE_GLUON and triton.__version__.startswith("3.6.")
+
+
+def test_gluon_layout_rule():
+    """What the Gluon kernel's TMA descriptors can read: bf16 heads of 64 or 128, K/V heads contiguous (a view of a
+    fused projection is), rows and base 16-byte aligned, groups up to the proven size; the switches refuse all."""
+    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    fused = torch.zeros(4, 3 * 2 * 128, dtype=torch.bfloat16)
+    k, v = fused[:, 256:512].view(4, 2, 128), fused[:, 512:].view(4, 2, 128)
+    assert A.gluon_layout_ok(q, k, v, 4)
+    assert A.gluon_layout_ok(torch.zeros(4, 8, 64, dtype=torch.bfloat16), k[..., :64].contiguous(),
+                             v[..., :64].contiguous(), 4)
+    assert not A.gluon_layout_ok(q.float(), k.float(), v.float(), 4)
+    assert not A.gluon_layout_ok(torch.zeros(4, 8, 96, dtype=torch.bfloat16), k[..., :96], v[..., :96], 4)
+    assert not A.gluon_layout_ok(q, k, v, A.GLUON_MAX_GROUP + 1)
+    assert not A.gluon_layout_ok(q, k.transpose(0, 1).contiguous().transpose(0, 1), v, 4)  # heads not rows
+    odd = torch.zeros(4 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 2, 128)  # 2-byte aligned base
+    assert not A.gluon_layout_ok(q, odd, v, 4)
+    assert not A.use_gluon(q, k, v, 4)  # not on a GPU
+
+
+def test_use_gluon_switches(monkeypatch):
+    """``RLREPRO_ATTENTION_GLUON=0`` and a forced ``RLREPRO_ATTENTION_CONFIG`` keep the Triton kernel (checked before
+    anything else, so they hold on any machine)."""
+    calls = []
+    monkeypatch.setattr(A, "gluon_layout_ok", lambda *a: calls.append(1) or True)
+    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    monkeypatch.setenv("RLREPRO_ATTENTION_GLUON", "0")
+    assert not A.use_gluon(q, q, q, 4) and not calls
+    monkeypatch.delenv("RLREPRO_ATTENTION_GLUON")
+    monkeypatch.setenv("RLREPRO_ATTENTION_CONFIG", "long")
+    assert not A.use_gluon(q, q, q, 4) and not calls
+    monkeypatch.delenv("RLREPRO_ATTENTION_CONFIG")
+    A.use_gluon(q, q, q, 4)
+    assert calls
+
+
+def _case(lens, h, hkv, d, gen):
+    n = sum(lens)
+    q = torch.randn(n, h, d, device="cuda", generator=gen).mul_(2.0).to(torch.bfloat16)
+    # K and V as views of one fused projection (the trainer's layout): heads contiguous, rows strided
+    kv = torch.randn(n, 2 * hkv * d, device="cuda", generator=gen).to(torch.bfloat16)
+    k = kv[:, :hkv * d].view(n, hkv, d)
+    v = kv[:, hkv * d:].view(n, hkv, d)
+    return q, k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_with_gluon(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
+@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("h,hkv", [(32, 8), (16, 8), (40, 8), (64, 8), (16, 16)],
+                         ids=["gqa4", "gqa2", "gqa5", "gqa8", "mha"])
+def test_gpu_gluon_forward_gives_the_triton_bits(h, hkv, d, monkeypatch):
+    from rlrepro.kernels import gluon_attention_fwd as G
+    seed = fresh_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = _case(LENS, h, hkv, d, gen)
+    meta = AttentionMetadata.packed(LENS, device="cuda")
+    assert A.pick_attention_config(q.shape[0], len(LENS), h // hkv, q.dtype, d) == A.ATTENTION_CONFIGS["long"]
+    assert A.use_gluon(q, k, v, h // hkv)
+    calls = []
+    real = G.attention_fwd_gluon
+    monkeypatch.setattr(G, "attention_fwd_gluon", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    og, lg = A.attention_fwd(q, k, v, meta, d ** -0.5, return_lse=True)
+    assert calls, "the auto-picked long tile did not run the Gluon kernel"
+    for name in ("long", "large"):
+        ot, lt = A.attention_fwd(q, k, v, meta, d ** -0.5, config=A.ATTENTION_CONFIGS[name], return_lse=True)
+        assert torch.equal(og, ot), f"out differs from the Triton {name!r} tile ({h}/{hkv}/{d}, seed {seed})"
+        assert torch.equal(lg, lt), f"lse differs from the Triton {name!r} tile ({h}/{hkv}/{d}, seed {seed})"
+    n_calls = len(calls)
+    monkeypatch.setenv("RLREPRO_ATTENTION_GLUON", "0")
+    off = A.attention_fwd(q, k, v, meta, d ** -0.5)
+    assert len(calls) == n_calls and torch.equal(off, og)
+    monkeypatch.delenv("RLREPRO_ATTENTION_GLUON")
+    # the 2000-token sequence alone: the same rows as in the batch
+    i = LENS.index(2000)
+    sl = slice(sum(LENS[:i]), sum(LENS[:i + 1]))
+    alone = A.attention_fwd(q[sl], k[sl], v[sl], AttentionMetadata.packed([2000], device="cuda"), d ** -0.5)
+    assert len(calls) > n_calls and torch.equal(alone, og[sl]), f"seed {seed}"
