@@ -1,17 +1,18 @@
-"""EXPERIMENTAL, NOT USED: the batch-invariant attention forward for Hopper, warp-specialised, in Gluon (Triton's
-explicit-layout language, Triton 3.6's API; packed 16-bit K/V, head size 64 or 128). Nothing in rlrepro calls
-it; ``benchmarks/bench_attention_gluon.py`` does, in a child process with a time limit (it hung until the
-twenty-seventh session found why: an empty schedule slot's consumers waited for a tile its producer never loaded,
-see ``_program``).
+"""The batch-invariant attention forward for Hopper, warp-specialised, in Gluon (Triton's explicit-layout language,
+Triton 3.6's API; packed 16-bit K/V, head size 64 or 128). ``triton_attention_fwd.attention_fwd`` runs it for the
+packed calls that pick the "long" tile on sm_90 (``use_gluon``: the trainer's forward); the engine's paged calls
+keep the Triton kernel, whose bits these are.
 
 Why it exists (issue #27): Triton 3.6 cannot warp-specialise the ``tl`` forward for sm_90 (its ``warp_specialize``
-pass fails there), and that is most of what FlashAttention-3 has over it. Gluon states partitions, barriers and
+pass fails there), and that is much of what FlashAttention-3 has over it. Gluon states partitions, barriers and
 wgmma layouts itself:
 
 - a **producer** partition streams the KV tiles of one KV head by TMA into a ring of ``STAGES`` shared-memory
   stages (K and V with their own "ready" barriers);
 - **consumer** warpgroups (64 rows each) run the online softmax on the tiles in order and release a stage when all
-  of them are done with it.
+  of them are done with it, software-pipelined as FlashAttention-3 overlaps within a warpgroup
+  (:func:`_pipelined_tiles`: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` issued together, tile ``t + 1``'s softmax while
+  ``P_t @ V_t`` runs).
 
 The arithmetic is :func:`.triton_attention_fwd._attn_fwd_kernel`'s, operation for operation, in the same layouts:
 64-position KV tiles from position 0; ``s = qk * scale`` (masked ``-inf`` past a row's position in the diagonal
@@ -20,20 +21,14 @@ tiles); ``m = max(m, rowmax s)``; ``p = exp2(s - m)``; ``alpha = exp2(m_old - m)
 contraction. A row is ``(query, head of the GQA group)`` as there. The sm_90a PTX has the Triton kernel's float
 instructions (``ex2.approx.ftz.f32``, ``div.full.f32``, FMAs only inside ``log2``).
 
-The hang (2026-12-05; docs/BENCHMARKS.md "A warp-specialised forward in Gluon" and "The Gluon hang found"): every
-layout hung on the H100 while the consumers waited on the K/V "ready" barriers, and finished without those waits.
-Probes that add this kernel's pieces one at a time to one TMA load and a wait (``benchmarks/gluon_hang_probes.py``)
-all finished, up to this kernel's own layout; the fault was this kernel's schedule: an empty slot (``seq == -1``)
-had no tiles for its producer but ``n_full`` > 0 for its consumers (fixed; on the H100 on 2026-12-06 every layout
-finished, its out and lse equal to the Triton "long" tile's on the whole battery, at 0.92-0.97x its speed).
-``GLW_PIPE=1`` (the default; 0: the plain loop) software-pipelines the consumers (:func:`_pipelined_tiles`:
-FlashAttention-3's overlap of one tile's softmax with the previous tile's ``P @ V``; the same operations in the same
-order: the same bits, measured). ``GLW_VARIANT`` (``two``, the default: two 4-warp consumer partitions, the
-producer the default one; ``one``: one 8-warp consumer partition and a ``GLW_PW``-warp producer). Measured on the
-H100 (2026-12-06): ``two`` pipelined with 3 stages is the first layout faster than the Triton "long" tile, 1.06-1.13x
-(0.75-0.83x FlashAttention-3); ``one`` pipelined is not. The ``GLW_DBG`` bits of that bisection stay: 1 the
-producer skips the "empty" wait; 2 the consumers skip the "ready" waits; 8 half the expected bytes; 16 K and V on
-the K barrier; 64 the producer waits on its own loads; 128 a proxy fence after the barriers' init.
+Variants, each with the same bits (the battery of ``benchmarks/bench_attention_gluon.py``, H100, 2026-12-06) and
+none of them a clear gain there (docs/BENCHMARKS.md), so off by default: ``GLW_PP=1`` ping-pongs the two consumer
+warpgroups (:func:`_turn`); ``GLW_PERSIST=1`` runs one program per SM over the works sorted longest first
+(:func:`persistent_order`); ``GLW_KV2=1`` puts two KV tiles in a ring stage (half the barrier waits).
+``GLW_VARIANT=one``: one 8-warp consumer partition and a ``GLW_PW``-warp producer (slower).
+
+History: the kernel hung on the H100 until the twenty-seventh session found why (an empty schedule slot's consumers
+waited for a tile its producer never loaded, see ``_program``); ``probe_tma_wait`` is the hang's reduced probe.
 """
 from __future__ import annotations
 
