@@ -1,15 +1,15 @@
 """The warp-specialised Gluon forward as the "long" tile's kernel on sm_90 (issue #27): where ``use_gluon`` takes a
 packed call, the output and the log-sum-exp are the Triton kernel's bits (``torch.equal``), at every GQA group the
 dispatch admits, head sizes 64 and 128, ragged lengths around the 64-position KV tiles and the query tiles, and a
-sequence alone; ``RLREPRO_ATTENTION_GLUON=0`` and a forced config keep the Triton kernel. The CPU test checks the
-rule's refusals that do not need a GPU.
+sequence alone; ``RLREPRO_ATTENTION_GLUON=0`` and a forced config keep the Triton kernel. The CPU tests check the
+layout rule and the switches, and (Triton interpreter) the persistent variant's slot order.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from _triton_helpers import fresh_seed
+from _triton_helpers import fresh_seed, interpreter_test_items, main
 from rlrepro.kernels import triton_attention_fwd as A
 from rlrepro.kernels.metadata import AttentionMetadata
 
@@ -101,3 +101,30 @@ def test_gpu_gluon_forward_gives_the_triton_bits(h, hkv, d, monkeypatch):
     sl = slice(sum(LENS[:i]), sum(LENS[:i + 1]))
     alone = A.attention_fwd(q[sl], k[sl], v[sl], AttentionMetadata.packed([2000], device="cuda"), d ** -0.5)
     assert len(calls) > n_calls and torch.equal(alone, og[sl]), f"seed {seed}"
+
+
+INTERP_CHECKS: dict = {}
+
+
+def check_persistent_order():
+    """``persistent_order`` (``GLW_PERSIST=1``): every slot of the schedule once, by KV tiles most first, ties by slot,
+    empty slots last, for ragged batches with more slots than one program's chunk (128)."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    fresh_seed()
+    for lens, block_q in (([300, 129, 1, 77, 2000, 64, 65], 32), ([17] * 150 + [4096], 16), ([1], 64)):
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        sched = A._device_schedule(cu, len(lens), sum(lens), block_q)
+        order = G.persistent_order(sched, cu, seq_lens, block_q).tolist()
+        g_slots, prog_seq, prog_q0 = sched
+        tiles = []
+        for seq, q0 in zip(prog_seq.tolist(), prog_q0.tolist()):
+            tiles.append(0 if seq < 0 else (min(q0 + block_q, lens[seq]) - 1) // G.BLOCK_KV + 1)
+        assert order == sorted(range(g_slots), key=lambda i: (-tiles[i], i)), (lens, block_q)
+
+
+INTERP_CHECKS[check_persistent_order.__name__] = check_persistent_order
+interp_results, test_interpreter = interpreter_test_items(__file__, INTERP_CHECKS)
+
+if __name__ == "__main__":
+    main(INTERP_CHECKS, __file__)
