@@ -112,7 +112,11 @@ class Episode:
             raise EnvError(f"environment {type(self.env).__name__} raised in truncated_reward({reason!r}) for "
                            f"record {self.uid!r}: {type(e).__name__}: {e}") from e
         # the runner's own final result: its penalty is 0 (each turn's penalty is in the env's results already)
-        result = StepResult(done=True, reward=reward, finish_reason=reason, info={"ended_by": "runner"})
+        try:
+            result = StepResult(done=True, reward=reward, finish_reason=reason, info={"ended_by": "runner"})
+        except ValueError as e:  # NaN, inf, None, a str: the environment's bug, named like its other bugs
+            raise EnvError(f"environment {type(self.env).__name__}.truncated_reward({reason!r}) returned "
+                           f"{reward!r} for record {self.uid!r}; it must return a finite number ({e})") from e
         self._end(result)
         return result
 

@@ -288,6 +288,9 @@ class Meter:
         elif t is Fraction:
             self.int_bits(v.numerator.bit_length() + v.denominator.bit_length())
             self.alloc((v.numerator.bit_length() + v.denominator.bit_length()) // 8 + 56)
+        elif t is complex:  # a negative base to a fractional power; the sandbox has no complex numbers
+            raise ValueError("the result is a complex number (a negative number raised to a fractional power?), "
+                             "which the sandbox does not support")
         return v
 
     def nesting(self, v: Any) -> None:

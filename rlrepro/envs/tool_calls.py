@@ -16,6 +16,7 @@ a :class:`MalformedCall` whose ``error`` the environment shows the model as the 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
@@ -122,8 +123,16 @@ def _integer(text: str) -> int:
     return int(text)
 
 
+def _number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: an infinity spelled as a number, as invalid as Infinity
+        raise _BadJSON(f"the number {text[:40]} is out of range (not a finite float)")
+    return value
+
+
 def _loads(text: str) -> Any:
-    return json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant, parse_int=_integer)
+    return json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant, parse_int=_integer,
+                      parse_float=_number)
 
 
 @dataclass(frozen=True)

@@ -33,15 +33,16 @@ def execute_calls(text: str, tools: Sequence[Tool], fmt: ToolCallFormat, *, max_
                   max_observation_chars: int) -> tuple[list[dict[str, str]], int, list[dict[str, Any]]]:
     """Parse every call in an assistant turn and run it: (result messages in call order, number of malformed
     calls, per-call info for the records). Unknown tools and bad arguments are malformed; a call beyond
-    ``max_calls`` is not run and gets an error result (not counted as malformed)."""
+    ``max_calls`` is not run and gets an error result (not counted as malformed). Calls that cannot be read
+    (:class:`MalformedCall`) are not calls of a tool and do not count towards ``max_calls``."""
     table = {t.name: t for t in tools}
     messages, info = [], []
-    malformed = 0
-    for i, call in enumerate(fmt.parse(text, table)):
+    malformed = calls = 0
+    for call in fmt.parse(text, table):
         if isinstance(call, MalformedCall):
             result = ToolResult(f"Error: {call.error}", ok=False, malformed=True)
             entry: dict[str, Any] = {"tool": None, "malformed": True}
-        elif i >= max_calls:
+        elif (calls := calls + 1) > max_calls:
             result = ToolResult(f"Error: more than {max_calls} tool calls in one turn; this one was not run",
                                 ok=False)
             entry = {"tool": call.name, "skipped": True}

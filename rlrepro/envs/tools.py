@@ -47,6 +47,15 @@ class Tool:
     parameters: Mapping[str, Any]
     fn: Callable[..., str] = field(compare=False)
 
+    def __post_init__(self) -> None:  # a schema no call can satisfy would make every call "malformed"
+        problem = _schema_problem(self.parameters)
+        if not isinstance(self.name, str) or not self.name:
+            problem = f"its name must be a non-empty string, got {self.name!r}"
+        elif not callable(self.fn):
+            problem = f"fn must be callable, got {type(self.fn).__name__}"
+        if problem is not None:
+            raise ValueError(f"tool {self.name!r}: {problem}")
+
     def schema(self) -> dict[str, Any]:
         """The tool as chat templates take it (``tools=[...]``; Qwen3 renders each inside ``<tools>``)."""
         return {"type": "function", "function": {"name": self.name, "description": self.description,
@@ -79,6 +88,24 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def _schema_problem(schema: Any) -> str | None:
+    """What makes ``schema`` unusable as a tool's ``parameters`` (None when it is fine)."""
+    if not isinstance(schema, Mapping) or schema.get("type") != "object":
+        return f'parameters must be a JSON schema of type object, got {schema!r}'
+    props = schema.get("properties", {})
+    if not isinstance(props, Mapping) or not all(isinstance(v, Mapping) for v in props.values()):
+        return f'parameters["properties"] must map each argument to its schema, got {props!r}'
+    for key, spec in props.items():
+        kinds = spec.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        if kinds is not None and (not isinstance(kinds, (list, tuple)) or not all(k in _JSON_TYPES for k in kinds)):
+            return f"argument {key!r} has type {spec.get('type')!r}; JSON schema types are {sorted(_JSON_TYPES)}"
+    required = schema.get("required", ())
+    if not isinstance(required, (list, tuple)) or any(k not in props for k in required):
+        return f'parameters["required"]={required!r} must list names of parameters["properties"] ({sorted(props)})'
+    return None
 
 
 def check_arguments(schema: Mapping[str, Any], arguments: Any) -> str | None:
