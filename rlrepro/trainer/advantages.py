@@ -96,6 +96,11 @@ def _check_rewards(rewards: torch.Tensor) -> None:
                          "(reshape with rewards.view(num_prompts, group_size))")
     if not rewards.is_floating_point():
         raise TypeError(f"rewards must be a floating tensor, got {rewards.dtype}; use rewards.float()")
+    bad = (~torch.isfinite(rewards)).nonzero()
+    if bad.numel():  # one NaN / inf made its group's (REINFORCE++: the whole batch's) advantages NaN, silently
+        i, j = (int(v) for v in bad[0])
+        raise ValueError(f"rewards[{i}, {j}] (prompt {i}, sample {j}) is {float(rewards[i, j])}; rewards must be "
+                         "finite: fix the reward function (or map such outcomes to a number, e.g. 0.0)")
 
 
 def _zero_equal_groups(centered: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:

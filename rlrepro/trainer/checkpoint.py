@@ -315,13 +315,43 @@ def write_error(exc: BaseException, path: Path, what: str, free: int | None) -> 
                                  "there (or lower checkpoint.keep_last, or choose a run.dir on a larger disk)")
 
 
+def _save_plain(state: dict, path: Path) -> None:
+    """``torch.save(state, path)``, refused (ValueError naming the key) when ``load_pt`` could not read it back (a
+    numpy scalar or array, a dataclass, a Path: every checkpoint of the run would be unloadable at its resume)."""
+    import io
+    import pickle
+
+    def loads(f) -> bool:
+        try:
+            torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            return False
+        return True
+
+    torch.save(state, path)
+    if loads(path):
+        return
+    for key, value in state.items():
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        buf.seek(0)
+        if not loads(buf):
+            raise ValueError(f"extra_state[{key!r}] holds a {type(value).__module__}.{type(value).__qualname__}, "
+                             "which torch.load(weights_only=True) does not read back, so the checkpoint could never be "
+                             "resumed; store only tensors, Python numbers, strings and plain containers (e.g. int(x), "
+                             "x.tolist(), torch.from_numpy(a))")
+    raise ValueError("extra_state holds objects torch.load(weights_only=True) does not read back; store only tensors, "
+                     "Python numbers, strings and plain containers")
+
+
 def save_checkpoint(ckpt_root: str | os.PathLike, step: int, *, model=None, optimizer=None, scheduler=None,
                     extra_state: Mapping | None = None, rng_state: Mapping | None = None,
                     keep_last: int | None = None) -> Path:
     """Write ``ckpt_root/step_NNNNNN/`` atomically and return its path.
 
     ``rng_state`` defaults to :func:`capture_rng_state` taken now. ``keep_last``: afterwards delete all but the
-    newest ``keep_last`` complete checkpoints. Saving a step that already exists replaces it (the old one is moved
+    newest ``keep_last`` complete checkpoints, this one always kept. ``extra_state``: what ``load_pt`` reads back
+    (else ValueError, nothing written). Saving a step that already exists replaces it (the old one is moved
     aside first, so for a moment neither exists under that name; :func:`latest_checkpoint` then finds the previous).
     """
     if keep_last is not None and keep_last < 1:
@@ -343,7 +373,7 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, *, model=None, opti
     if scheduler is not None:
         writers.append(("scheduler.pt", lambda p: torch.save(scheduler.state_dict(), p)))
     writers.append(("rng.pt", lambda p: torch.save(dict(rng_state), p)))
-    writers.append(("extra_state.pt", lambda p: torch.save(dict(extra_state or {}), p)))
+    writers.append(("extra_state.pt", lambda p: _save_plain(dict(extra_state or {}), p)))
     files: dict[str, dict] = {}
     current = tmp
     try:
@@ -363,8 +393,8 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, *, model=None, opti
         if clear is not None:
             raise clear from e
         raise
-    if keep_last is not None:
-        for old in _complete_steps(root)[keep_last:]:
+    if keep_last is not None:  # the one just written is always kept, even below a newer step (an older resume)
+        for old in [s for s in _complete_steps(root) if s != step][keep_last - 1:]:
             shutil.rmtree(root / checkpoint_dir_name(old), ignore_errors=True)
     return final
 

@@ -27,6 +27,7 @@ and out of everything else; without one (or with all ones) the step's arithmetic
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,8 +73,9 @@ def _field(sample, name: str, index: int):
 
 
 def _as_train_sample(sample, index: int) -> TrainSample:
-    s = TrainSample(prompt_token_ids=list(_field(sample, "prompt_token_ids", index)),
-                    completion_token_ids=list(_field(sample, "completion_token_ids", index)),
+    s = TrainSample(prompt_token_ids=_token_ids(_field(sample, "prompt_token_ids", index), index, "prompt token"),
+                    completion_token_ids=_token_ids(_field(sample, "completion_token_ids", index), index,
+                                                    "completion token"),
                     rollout_logprobs=[float(x) for x in _field(sample, "rollout_logprobs", index)],
                     advantage=float(_field(sample, "advantage", index)))
     if len(s.rollout_logprobs) != len(s.completion_token_ids):
@@ -82,7 +84,27 @@ def _as_train_sample(sample, index: int) -> TrainSample:
     if not math.isfinite(s.advantage):
         raise ValueError(f"sample {index} has advantage {s.advantage}; advantages must be finite")
     s.loss_mask = _loss_mask(sample, index, len(s.completion_token_ids))
+    for j, x in enumerate(s.rollout_logprobs):  # a NaN / inf here made the loss non-finite: "lower train.lr"
+        if not math.isfinite(x) and (s.loss_mask is None or s.loss_mask[j]):
+            raise ValueError(f"sample {index} has rollout logprob {x} at completion token {j}, a trained token; the "
+                             "rollout's logprobs must be finite there (a placeholder belongs only at a loss_mask 0 "
+                             "token)")
     return s
+
+
+def _token_ids(values, index: int, what: str) -> list[int]:
+    """``values`` as a list of ints; a float (e.g. read from a float column) was truncated by ``torch.tensor``."""
+    ids = list(values)
+    if all(type(t) is int for t in ids):
+        return ids
+    out = []
+    for t in ids:
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"sample {index} has {what} {t!r} ({type(t).__name__}); token ids must be integers "
+                             "(convert with int(...))") from None
+    return out
 
 
 def _loss_mask(sample, index: int, num_completion: int) -> list[int] | None:
@@ -158,7 +180,8 @@ class Trainer:
     model's dtype the model is cast to it and the optimizer keeps float32 master weights initialised from the
     model's weights *before* the cast; when the model is float32 and ``param_dtype`` is None the parameters are
     their own masters. ``ref_model``: frozen reference for the KL term (required when ``kl_coef > 0``; with
-    ``kl_coef == 0`` its KL is still reported); cast in place to the policy's compute dtype when it differs. ``data_parallel``: see :mod:`rlrepro.trainer.data_parallel`.
+    ``kl_coef == 0`` its KL is still reported); cast in place to the policy's compute dtype when it differs.
+    ``data_parallel``: see :mod:`rlrepro.trainer.data_parallel`.
     ``distributed_optimizer`` (with ``data_parallel``): shard the float32 masters and AdamW state over the ranks
     (ZeRO-1, :class:`~rlrepro.trainer.optim.ShardedMasterWeightAdamW`); the same bits as without. Then
     construction, ``train_step`` and ``save_checkpoint`` are collectives (every rank calls them); without
