@@ -71,6 +71,9 @@ def _token_id(request: int, token: object, vocab: int) -> int:
 def _one_prompt(prompt: object) -> object:
     """``add_request``'s prompt, refused with the fix when it is a batch (a list of lists, a 2-D tensor or array);
     an iterator comes back as a list (it is read once)."""
+    if _is_index(prompt):  # one token id (an int, a numpy integer, a 0-d tensor): not generate()'s flat-list error
+        raise ValueError(f"add_request takes one prompt, a flat list of token ids, but got the single token id "
+                         f"{prompt!r}; pass a list, e.g. add_request([{operator.index(prompt)}], params)")
     ndim, kind = getattr(prompt, "ndim", None), type(prompt).__name__
     if ndim is None and isinstance(prompt, Iterable) and not isinstance(prompt, (str, bytes)):
         prompt = list(prompt)
@@ -412,19 +415,21 @@ class Engine:
                                "step() until has_unfinished() is False first")
         params = dict(self.model.named_parameters())
         tied = getattr(self.config, "tie_word_embeddings", False)
-        for name, tensor in named_tensors:
-            if name == "lm_head.weight" and tied and name not in params:
-                continue
-            if name not in params:
-                raise ValueError(f"load_weights: the model has no parameter {name!r}; expected names like "
-                                 f"{next(iter(params))!r} (transformers' Qwen3 naming)")
-            target = params[name]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is "
-                                 f"{tuple(target.shape)}")
-            target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+        try:
+            for name, tensor in named_tensors:
+                if name == "lm_head.weight" and tied and name not in params:
+                    continue
+                if name not in params:
+                    raise ValueError(f"load_weights: the model has no parameter {name!r}; expected names like "
+                                     f"{next(iter(params))!r} (transformers' Qwen3 naming)")
+                target = params[name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is "
+                                     f"{tuple(target.shape)}")
+                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+        finally:  # even after an error: tensors copied before it changed the weights the cached K/V came from
+            self.reset_prefix_cache()
         self.weight_version = version
-        self.reset_prefix_cache()
 
     def receive_weights(self, fill: Callable[[dict[str, torch.Tensor]], int]) -> int:
         """Let ``fill`` write new weights straight into the model's parameters (e.g. a collective broadcast
@@ -434,12 +439,14 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("receive_weights while requests are unfinished: their tokens so far (and their K/V) "
                                "come from the old weights; call step() until has_unfinished() is False first")
-        with torch.no_grad():
-            version = fill(dict(self.model.named_parameters()))
+        try:
+            with torch.no_grad():
+                version = fill(dict(self.model.named_parameters()))
+        finally:  # even if fill fails part way: the weights the cached K/V came from may be gone
+            self.reset_prefix_cache()
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"receive_weights: the filler returned version {version!r}, not an integer")
         self.weight_version = version
-        self.reset_prefix_cache()
         return version
 
     def reset_prefix_cache(self) -> None:
