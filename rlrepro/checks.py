@@ -7,7 +7,9 @@ user types (``train.lr``, ``rollout.max_num_seqs``). Plain Python, nothing else 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,6 +24,19 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _plain_number(value: Any) -> Any:
+    """A numpy scalar (``np.int64(64)``, ``np.float32(0.7)``: a config built in code) as the Python int or float
+    it holds, as :class:`rlrepro.rollout.SamplingParams` takes them, so that the checks, ``config.yaml`` (OmegaConf
+    takes no numpy) and the records see one type; anything else (numpy bools too) unchanged."""
+    if type(value) in (bool, int, float) or not hasattr(value, "item"):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -33,6 +48,12 @@ class Checker:
     def __init__(self, obj: Any) -> None:
         self.obj = obj
         self.section = getattr(obj, "SECTION", "")
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name, None)
+                plain = _plain_number(value)
+                if plain is not value:
+                    object.__setattr__(obj, f.name, plain)
 
     def key(self, name: str) -> str:
         return f"{self.section}.{name}" if self.section else name

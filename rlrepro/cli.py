@@ -111,6 +111,11 @@ def compose_config(overrides: list[str]):
         raise ConfigError(f"model.path={cfg.model.path} is not used with model.init=tiny (recipe {recipe} builds "
                           "a tiny random model); add model.init=pretrained to train that model (or model.init=random "
                           "for its shape with seeded random weights)")
+    tiny_keys = sorted(k for k in set_keys if k == "model.tiny_overrides" or k.startswith("model.tiny_overrides."))
+    if tiny_keys and cfg.model.get("init") != "tiny":
+        # the overrides shape the tiny model that model.init=tiny builds; with another init they change nothing
+        raise ConfigError(f"{tiny_keys[0]} is not used with model.init={cfg.model.get('init')} (the weights come from "
+                          "model.path); drop it, or set model.init=tiny to build a tiny random model")
     return cfg
 
 
@@ -165,10 +170,25 @@ def _into_mapping(item: str, schema) -> str:
 
 
 def _refuse_added_keys(overrides: list[str], schema, recipe: str) -> None:
-    """hydra's ``+key=value`` adds a key without asking the schema; refuse it unless the schema has the key."""
+    """hydra's ``+key=value`` adds a key without asking the schema; refuse it unless the schema has the key.
+    hydra's ``~key`` deletes a key: the schema then puts its own default back in silence (``~run`` would reset
+    run.seed and run.device and write into ``runs/${recipe}``, unresolved); refuse it for a schema key (a key
+    inside a mapping-valued key, ``~model.tiny_overrides.num_hidden_layers``, may go)."""
+    from omegaconf import OmegaConf
+
     from rlrepro.orchestration.config import ConfigError
 
+    known = _all_keys(schema)
     for item in overrides:
+        if item.startswith("~"):
+            key = item[1:].split("=", 1)[0]
+            if key in known and not any(key.startswith(k + ".") and OmegaConf.get_type(OmegaConf.select(schema, k))
+                                        is dict for k in known):
+                raise ConfigError(f"bad override for recipe {recipe}: {item!r} would delete {key}, and the schema "
+                                  "would put its default back in silence. Set the value you want instead (KEY=VALUE, "
+                                  f"null where a key allows it); `rlrepro train recipe={recipe} --cfg` prints every "
+                                  "key with its value")
+            continue
         if not item.startswith("+"):
             continue
         hint = _unknown_key_hint(item.split("=", 1)[0].lstrip("+"), schema)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-from rlrepro.checks import Checker, ConfigError
+from rlrepro.checks import Checker, ConfigError, _plain_number
 from rlrepro.data.config import DataConfig, EvalConfig, RewardConfig
 from rlrepro.envs.config import EnvConfig
 from rlrepro.rollout.config import EngineConfig, SamplingConfig
@@ -64,6 +64,9 @@ class RunConfig:
         c.integer("seed")
         c.choice("device", ("cpu", "cuda"))
         c.boolean("resume", "deterministic", "save_rollouts", "overwrite")
+        c.require(isinstance(self.dir, str) and self.dir.strip() != "", "dir",
+                  "must name the run directory (empty, the run would write into the current directory); "
+                  "e.g. run.dir=runs/my_run")
 
 
 @dataclass
@@ -90,6 +93,31 @@ class ModelConfig:
         if self.init == "pretrained" and not Path(self.path).is_dir():
             raise ConfigError(f"model.path={self.path!r} is not a directory; point it at a local HF model "
                               "directory (rlrepro never downloads weights)")
+        if self.init == "tiny":
+            self._check_tiny_overrides()
+
+    def _check_tiny_overrides(self) -> None:
+        """model.tiny_overrides makes a valid tiny config (rlrepro.model.tiny.tiny_config): a misspelt key or a bad
+        value fails here, not when the run directory's base_model is written."""
+        import dataclasses
+        import difflib
+
+        from rlrepro.model.config import Qwen3Config
+        from rlrepro.model.tiny import build_char_tokenizer, tiny_config
+
+        overrides = dict(self.tiny_overrides or {})
+        names = [f.name for f in dataclasses.fields(Qwen3Config) if f.name not in ("extra", "generation_eos_token_ids")]
+        for key in overrides:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                raise ConfigError(f"model.tiny_overrides.{key} is not a key of the tiny model's config"
+                                  + (f" (did you mean model.tiny_overrides.{close[0]}?)" if close else "")
+                                  + f"; the keys are {', '.join(names)}")
+        try:
+            tiny_config(build_char_tokenizer().get_vocab_size(with_added_tokens=True), **overrides)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model.tiny_overrides={overrides!r} does not make a tiny model: {e}. Fix the value "
+                              "(or remove the key for the tiny default)") from None
 
 
 ROUND_CAP_POLICIES = ("fill", "partial", "error")
@@ -278,6 +306,15 @@ def _unwrap_config_error(e: BaseException) -> BaseException:
     return e
 
 
+def _plain_numbers(obj: Any) -> Any:
+    """A plain config dict with its numpy scalars as Python numbers (OmegaConf refuses numpy, naming no key)."""
+    if isinstance(obj, dict):
+        return {k: _plain_numbers(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain_numbers(v) for v in obj]
+    return _plain_number(obj)
+
+
 def to_schema(cfg: Any) -> RunSchema:
     """The typed tree of a composed config (an OmegaConf DictConfig, a plain dict, or a RunSchema), with every
     component's own checks run. Raises ConfigError."""
@@ -287,7 +324,8 @@ def to_schema(cfg: Any) -> RunSchema:
     if isinstance(cfg, RunSchema):
         return cfg
     try:
-        node = cfg if OmegaConf.is_config(cfg) else OmegaConf.merge(OmegaConf.structured(RunSchema), cfg)
+        node = cfg if OmegaConf.is_config(cfg) else OmegaConf.merge(OmegaConf.structured(RunSchema),
+                                                                     _plain_numbers(cfg))
         obj = OmegaConf.to_object(node)
     except ConfigError:
         raise
