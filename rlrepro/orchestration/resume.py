@@ -267,15 +267,32 @@ def read_amendments(run_dir) -> list[dict]:
     path = Path(run_dir) / "amendments.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    out = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            a = json.loads(line)
+        except ValueError:
+            a = None
+        ok = (isinstance(a, dict) and {"key", "old", "new", "from_step"} <= set(a) and isinstance(a["key"], str)
+              and isinstance(a["from_step"], int) and not isinstance(a["from_step"], bool))
+        if not ok:
+            raise ConfigError(f"{path}:{lineno}: not an amendment ({line[:80]!r}): each line is a JSON object "
+                              '{"key", "old", "new", "from_step"} written by a resume. Fix: restore amendments.jsonl '
+                              "from a copy of the run")
+        out.append(a)
+    return out
 
 
 def config_at_step(config: dict, amendments: list[dict], step: int, keys: tuple[str, ...] = EVAL_KEYS) -> dict:
     """``config`` (a run's latest, as config.yaml holds it) with each key matching ``keys`` put back to the value
-    it had at ``step``: an amendment that took effect after ``step`` is undone (the earliest such one's ``old``)."""
+    it had at ``step``: an amendment that took effect after ``step`` is undone (the earliest such one's ``old``;
+    of amendments from one step, two resumes from one checkpoint, the one made first)."""
     out = copy.deepcopy(config)
     later = [a for a in amendments if a["from_step"] > step and any(fnmatchcase(a["key"], k) for k in keys)]
-    for a in sorted(later, key=lambda a: a["from_step"], reverse=True):
+    # newest first: by from_step, and in the order they were made where two share it (a stable sort, reversed)
+    for a in reversed(sorted(later, key=lambda a: a["from_step"])):
         _set(out, a["key"], copy.deepcopy(a["old"]))
     return out
 

@@ -19,6 +19,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 EXIT_REPRODUCED, EXIT_DIVERGED, EXIT_ERROR, EXIT_REEXECUTION_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+# what verify sets in the re-execution's config (bit-neutral: resume.BIT_NEUTRAL_KEYS), left out of its config diff
+VERIFY_SET_KEYS = ("checkpoint.every", "checkpoint.save_last", "checkpoint.export_hf")
 RAY_LOGS = "/tmp/ray/session_latest/logs"  # where Ray writes the actors' logs (stdout/stderr of each worker)
 
 
@@ -49,6 +51,7 @@ def _load_recorded_config(path: Path) -> dict:
 def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None = None, *,
                progress: bool = True):
     from rlrepro.repro.diff import diff_runs, read_fingerprints
+    from rlrepro.repro.inputs import read_inputs, write_inputs
     from rlrepro.repro.records import ReproError
 
     from .config import validate
@@ -98,17 +101,21 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
             os.symlink((run / "base_model").resolve(), out / "base_model")  # overwritten by the checkpoint anyway
         if ckpt is not None and (run / "inputs.json").is_file():
             # a re-execution from a checkpoint compares its inputs with the run's record (the starting weights'
-            # digest is the record's: they are not rebuilt) instead of writing a record without that digest
-            shutil.copyfile(run / "inputs.json", out / "inputs.json")
+            # digest is the record's: they are not rebuilt) instead of writing a record without that digest; the
+            # run's own resumes stay out of it (diff says them as run A's; as B's too they would be said twice)
+            first_start = {k: v for k, v in (read_inputs(run) or {}).items() if k != "resumes"}
+            write_inputs(out, first_start)
         cfg.run.dir = str(out)
         cfg.run.resume = False
         cfg.logger.wandb = False
         cfg.logger.progress = progress
-        cfg.checkpoint.every = 0
+        cfg.checkpoint.every = 0  # nor the last step's checkpoint or HF export: nothing reads them, and a large
+        cfg.checkpoint.save_last = False  # model's would fill RUN's disk (its optimizer state too) on every verify
+        cfg.checkpoint.export_hf = False
         driver = GRPODriver(cfg, out)
         driver.eval_later = eval_later
         driver.run(start_checkpoint=None if ckpt is None else str(ckpt), last_step=last)
-    return diff_runs(run, out, steps=range(from_step, last + 1)), start_step
+    return diff_runs(run, out, steps=range(from_step, last + 1), ignore_config_keys=VERIFY_SET_KEYS), start_step
 
 
 def main_verify(argv: list[str] | None = None) -> int:

@@ -124,8 +124,8 @@ def _ignore_keys(cfg: dict | None) -> list[str]:
     return [str(k) for k in keys]
 
 
-def diff_configs(cfg_a: dict, cfg_b: dict) -> list[ConfigDiff]:
-    patterns = list(DEFAULT_IGNORED_CONFIG_KEYS) + _ignore_keys(cfg_a) + _ignore_keys(cfg_b)
+def diff_configs(cfg_a: dict, cfg_b: dict, ignore: Iterable[str] = ()) -> list[ConfigDiff]:
+    patterns = list(DEFAULT_IGNORED_CONFIG_KEYS) + _ignore_keys(cfg_a) + _ignore_keys(cfg_b) + list(ignore)
     fa, fb = flatten(cfg_a), flatten(cfg_b)
     out = []
     for key in sorted(set(fa) | set(fb)):
@@ -329,9 +329,10 @@ def _compare_evals(rep: DiffReport, met_a: dict[int, dict], met_b: dict[int, dic
 
 
 def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iterable[int] | None = None,
-              detail: bool = True) -> DiffReport:
+              detail: bool = True, ignore_config_keys: Iterable[str] = ()) -> DiffReport:
     """Compare two run directories. ``steps`` restricts the comparison to those steps (``rlrepro verify`` uses it
-    for a re-executed window); ``detail=False`` skips reading rollout files.
+    for a re-executed window); ``detail=False`` skips reading rollout files; ``ignore_config_keys``: more config
+    keys (patterns) to leave out of the config comparison (``rlrepro verify``: the checkpoint keys it sets).
     Raises ReproError for a missing directory or a missing / corrupt fingerprints.jsonl, metrics.jsonl or
     config.yaml."""
     a, b = Path(run_a), Path(run_b)
@@ -360,7 +361,7 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
         missing = [str(p / CONFIG_FILE) for p, c in ((a, cfg_a), (b, cfg_b)) if c is None]
         rep.notes.append(f"config not compared: missing {', '.join(missing)}")
     else:
-        rep.config_diffs = diff_configs(cfg_a, cfg_b)
+        rep.config_diffs = diff_configs(cfg_a, cfg_b, ignore_config_keys)
 
     fps_a, fps_b = read_fingerprints(a, rep.notes), read_fingerprints(b, rep.notes)
     met_a, met_b = read_metrics(a, rep.notes), read_metrics(b, rep.notes)
