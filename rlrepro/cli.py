@@ -111,9 +111,10 @@ def compose_config(overrides: list[str]):
         raise ConfigError(f"model.path={cfg.model.path} is not used with model.init=tiny (recipe {recipe} builds "
                           "a tiny random model); add model.init=pretrained to train that model (or model.init=random "
                           "for its shape with seeded random weights)")
-    tiny_keys = sorted(k for k in set_keys if k == "model.tiny_overrides" or k.startswith("model.tiny_overrides."))
+    tiny_keys = sorted(k for k in set_keys if k.startswith("model.tiny_overrides."))
     if tiny_keys and cfg.model.get("init") != "tiny":
         # the overrides shape the tiny model that model.init=tiny builds; with another init they change nothing
+        # (the whole mapping may be set, e.g. model.tiny_overrides={} to clear a recipe's)
         raise ConfigError(f"{tiny_keys[0]} is not used with model.init={cfg.model.get('init')} (the weights come from "
                           "model.path); drop it, or set model.init=tiny to build a tiny random model")
     return cfg

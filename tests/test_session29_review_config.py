@@ -94,3 +94,22 @@ def test_tiny_override_without_tiny_init_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"tiny_overrides\.hidden_size is not used with model\.init=pretrained"):
         compose_config(["recipe=grpo_tiny", "model.init=pretrained", f"model.path={tmp_path}",
                         "model.tiny_overrides.hidden_size=32"])
+
+
+def test_clearing_the_tiny_overrides_with_another_init_is_allowed(tmp_path):
+    # model.tiny_overrides={} clears the recipe's mapping when switching to a pretrained model (tests and users do it)
+    cfg = compose_config(["recipe=grpo_tiny", "model.init=pretrained", f"model.path={tmp_path}",
+                          "model.tiny_overrides={}"])
+    assert cfg.model.init == "pretrained"
+
+
+def test_the_driver_runs_every_rule_for_a_python_caller(tmp_path):
+    # GRPODriver ran only each component's own checks (to_schema): a rule across components passed and failed late
+    from rlrepro.orchestration.config import to_schema
+    from rlrepro.orchestration.driver import GRPODriver
+
+    schema = to_schema(compose_config(["recipe=grpo_tiny", f"run.dir={tmp_path / 'r'}"]))
+    schema.reward.overlong_buffer = schema.rollout.max_tokens
+    with pytest.raises(ConfigError, match=r"reward\.overlong_buffer=.* must be below rollout\.max_tokens"):
+        GRPODriver(schema)
+    assert not (tmp_path / "r").exists()

@@ -24,7 +24,7 @@ from rlrepro.samples import Sample
 
 from . import preflight
 from .actors import ActorGroup
-from .config import ConfigError, RunSchema, to_schema, uses_episodes, validate_model_layout
+from .config import ConfigError, RunSchema, to_schema, uses_episodes, validate, validate_model_layout  # noqa: F401
 from .episodes import turn_stop_token_ids
 from .generation import GenerationSteps, PhaseTimer, shaped_penalties
 from .pipeline import PipelineSteps, pending_from_state, pending_to_state, test_delay
@@ -63,7 +63,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
     def __init__(self, cfg: Any, run_dir: str | Path | None = None, *, override_keys: list[str] | None = None) -> None:
         """``override_keys``: the dotted keys the command line set (what a resume may change, rlrepro.cli passes
         them); None compares every key of ``cfg`` with the record on a resume."""
-        self.cfg = to_schema(cfg)
+        self.cfg = validate(cfg)  # every rule, as the command line runs them (a Python caller skipped the cross ones)
         self.override_keys = override_keys
         self.run_dir = Path(run_dir or self.cfg.run.dir)
         self.actors: ActorGroup | None = None
@@ -394,7 +394,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
 
         from rlrepro.trainer import latest_checkpoint
 
-        from .config import migrate_legacy_keys, validate
+        from .config import migrate_legacy_keys
         from .resume import reconcile_resume, with_keys
 
         path = self.run_dir / CONFIG_FILE
