@@ -24,7 +24,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _plain_number(value: Any) -> Any:
+def plain_number(value: Any) -> Any:
     """A numpy scalar (``np.int64(64)``, ``np.float32(0.7)``: a config built in code) as the Python int or float
     it holds, as :class:`rlrepro.rollout.SamplingParams` takes them, so that the checks, ``config.yaml`` (OmegaConf
     takes no numpy) and the records see one type; anything else (numpy bools too) unchanged."""
@@ -51,7 +51,7 @@ class Checker:
         if dataclasses.is_dataclass(obj):
             for f in dataclasses.fields(obj):
                 value = getattr(obj, f.name, None)
-                plain = _plain_number(value)
+                plain = plain_number(value)
                 if plain is not value:
                     object.__setattr__(obj, f.name, plain)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-from rlrepro.checks import Checker, ConfigError, _plain_number
+from rlrepro.checks import Checker, ConfigError, plain_number
 from rlrepro.data.config import DataConfig, EvalConfig, RewardConfig
 from rlrepro.envs.config import EnvConfig
 from rlrepro.rollout.config import EngineConfig, SamplingConfig
@@ -312,7 +312,7 @@ def _plain_numbers(obj: Any) -> Any:
         return {k: _plain_numbers(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_plain_numbers(v) for v in obj]
-    return _plain_number(obj)
+    return plain_number(obj)
 
 
 def to_schema(cfg: Any) -> RunSchema:

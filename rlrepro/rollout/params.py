@@ -5,6 +5,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from rlrepro.checks import plain_number
+
 MAX_SEED = 2**63  # request seeds are 63-bit non-negative integers
 MIN_TEMPERATURE = 1e-5  # below this logits / T may overflow float32; use 0 for greedy decoding
 
@@ -42,13 +44,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # numpy scalars (a seed from ``rng.integers``, a length from array arithmetic) are the numbers they hold,
         # as for token ids: stored as Python ints and floats (the same request, record and hash either way)
-        for name in ("top_k", "max_tokens", "seed"):
-            if _token_int(getattr(self, name)) is not None:
-                object.__setattr__(self, name, _token_int(getattr(self, name)))
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, numbers.Real) and not isinstance(value, bool):
-                object.__setattr__(self, name, float(value))
+        for name in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {t!r}; "
