@@ -95,7 +95,10 @@ def check_fused_grad_fp32():
     lp0, _, g0 = _reference(x, targets, 0.7, weight)
     lp1, _, g1 = _fused(x, targets, 0.7, weight)
     torch.testing.assert_close(lp1, lp0, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)
+    # over 37 columns a target often has p near 1, and its gradient weight * (1 - p) keeps the float32 rounding of
+    # the log-sum-exp (|lse| * 6e-8, lse ~ 20) as an absolute error: up to 2.4e-6 in 500 random seeds, so atol 1e-7
+    # failed about one run in 80
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-5)
     from rlrepro.trainer.logprobs import _FusedTokenLogprob
     bad = targets.clone()
     bad[0] = 37
