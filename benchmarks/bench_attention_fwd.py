@@ -2,8 +2,9 @@
 
     python3 benchmarks/bench_attention_fwd.py [--out FILE.md] [--variants kv64,kv128-s3,...] [--no-bits]
 
-A variant sets ``BLOCK_KV`` (KV positions per online-softmax step: the fixed reduction order, so variants of
-another BLOCK_KV differ in bits from the shipped kernel), the prefill tile (rows, warps, pipeline stages),
+A variant sets the reduction order (``RLREPRO_ATTENTION_ORDER``: KV positions per online-softmax step and whether
+the scale is folded into an FMA, so variants of another order differ in bits from the shipped kernel), the prefill
+tile (rows, warps, pipeline stages),
 whether packed KV tiles are read by TMA descriptors, and (``-nR``) a cap of R registers a thread (all speed
 only). Each variant is checked for the promises on its own, and a 64-position one against the shipped kernel's
 output (``torch.equal``). (The PREFETCH_QK and WIDE_QK loops were measured here and removed: docs/BENCHMARKS.md.)
@@ -16,8 +17,8 @@ output (``torch.equal``). (The PREFETCH_QK and WIDE_QK loops were measured here 
 Timed (``triton.testing.do_bench`` medians, L2 flushed; all variants in one process, so ratios compare): Qwen3-8B
 heads (H=32, Hkv=8, D=128, bf16), causal prefill 4 x 2048 and 1 x 16384 (TFLOP/s); a 512-token chunk of 16
 sequences against 2048 cached tokens (paged, block 16, the prefill tile); a mixed step of 16 x 32 new tokens on
-2048 cached (the 64-row tile at 1 and 2 stages); decode 64 x 2048 context (the 16-row tile at 1 and 2 stages,
-TB/s of KV read); and SDPA's flash forward and flashinfer's FA3 prefill (when flashinfer imports) as references.
+2048 cached (the 64-row tile at 1 and 2 stages); decode 64 x 2048 context (the 16-row tile at 1 and 2 stages and
+the 64-row one at 1 and 2, TB/s of KV read); and SDPA's flash forward and flashinfer's FA3 prefill (when flashinfer imports) as references.
 """
 from __future__ import annotations
 
@@ -37,9 +38,11 @@ from rlrepro.kernels import AttentionMetadata  # noqa: E402
 from rlrepro.kernels import triton_attention_fwd as A  # noqa: E402
 
 H, HKV, D = 32, 8, 128
-# name -> (BLOCK_KV, prefill tile (rows, warps, stages), largest tile that reads packed KV by TMA descriptors).
+# name -> (reduction order, prefill tile (rows, warps, stages), largest tile that reads packed KV by TMA descriptors).
 # kv64 is the "large" config (TMA), kv64-r256w16-s3 the "long" one (pointer loads).
 VARIANTS = {
+    "o128f": ("128f", (128, 8, 2), 128),
+    "o128f-r256w16-s2": ("128f", (256, 16, 2), 128),
     "kv64": (64, (128, 8, 2), 128),
     "kv64-r128-s3": (64, (128, 8, 3), 128),
     "kv64-r256w16-s2": (64, (256, 16, 2), 128),
@@ -51,8 +54,9 @@ VARIANTS = {
     # programs share an SM as the 256-row tile's four warpgroups do, but without its block-wide barriers
     "kv64-n128": (64, (128, 8, 2), 128),
 }
-DEFAULTS = (A.BLOCK_KV, A.DESC_MAX_ROWS)  # the shipped kernel's settings
-COLS = ["4x2048", "1x16384", "chunk 16x512", "mixed 16x32 s1", "mixed 16x32 s2", "decode s1", "decode s2"]
+DEFAULTS = (A.DEFAULT_ORDER, A.DESC_MAX_ROWS)  # the shipped kernel's settings
+COLS = ["4x2048", "1x16384", "chunk 16x512", "mixed 16x32 s1", "mixed 16x32 s2", "decode s1", "decode s2",
+        "decode r64 s1", "decode r64 s2"]
 
 
 def rnd(*shape, gen):
@@ -60,15 +64,16 @@ def rnd(*shape, gen):
 
 
 def set_variant(name: str) -> A.AttentionConfig:
-    block_kv, (rows, warps, stages), desc_rows = VARIANTS[name]
-    A.BLOCK_KV, A.DESC_MAX_ROWS = block_kv, desc_rows
+    order, (rows, warps, stages), desc_rows = VARIANTS[name]
+    os.environ["RLREPRO_ATTENTION_ORDER"] = "" if order == 64 else order
+    A.DESC_MAX_ROWS = desc_rows
     nreg = int(name.rsplit("-n", 1)[1]) if "-n1" in name else None
     return A.AttentionConfig(rows=rows, num_warps=warps, num_stages=stages, maxnreg=nreg)
 
 
 def same_as_shipped(large: A.AttentionConfig) -> str:
     """A 64-position variant's output against the shipped kernel's (``torch.equal``), Qwen3-8B heads."""
-    if A.BLOCK_KV != 64:
+    if A.attention_order() != A.ATTENTION_ORDERS[DEFAULTS[0]]:
         return "n/a (another KV order)"
     import test_triton_kernels as TK
     lens = [300, 129, 1, 77, 2000]
@@ -99,7 +104,8 @@ def timings(large: A.AttentionConfig, gen) -> dict[str, float]:
     bs, ctx = 16, 2048
     cases = (("chunk 16x512", 16, 512, (large,)), ("mixed 16x32", 16, 32, (A.AttentionConfig(64, 4, 1),
                                                                            A.AttentionConfig(64, 4, 2))),
-             ("decode", 64, 1, (A.AttentionConfig(16, 1, 1), A.AttentionConfig(16, 1, 2))))
+             ("decode", 64, 1, (A.AttentionConfig(16, 1, 1), A.AttentionConfig(16, 1, 2))),
+             ("decode r64", 64, 1, (A.AttentionConfig(64, 4, 1), A.AttentionConfig(64, 4, 2))))
     for name, s_count, q_len, cfgs in cases:
         nblk = ctx // bs
         perm = torch.randperm(s_count * nblk).view(s_count, nblk)
@@ -171,7 +177,7 @@ def main() -> int:
         for k, ms in ref.items()))
     emit()
     emit("| variant | " + " | ".join(f"{c} ms" for c in COLS) + " | 4x2048 TFLOP/s | 16k TFLOP/s | "
-         "decode s1 / s2 TB/s | bits |")
+         "decode r16 / r64 TB/s (best stage) | bits |")
     emit("|---|" + "---:|" * (len(COLS) + 3) + "---|")
     default = DEFAULTS
     kv_bytes = 2.0 * 64 * 2048 * HKV * D * 2
@@ -185,11 +191,13 @@ def main() -> int:
             emit(f"| {name} | failed: {type(e).__name__}: {str(e)[:300]} |")
             continue
         finally:
-            A.BLOCK_KV, A.DESC_MAX_ROWS = default
+            os.environ.pop("RLREPRO_ATTENTION_ORDER", None)
+            A.DESC_MAX_ROWS = default[1]
         rows[name] = row
         emit(f"| {name} | " + " | ".join(f"{row[c]:.4f}" for c in COLS)
              + f" | {causal_tflops(4, 2048, row['4x2048']):.0f} | {causal_tflops(1, 16384, row['1x16384']):.0f}"
-             f" | {kv_bytes / row['decode s1'] / 1e9:.2f} / {kv_bytes / row['decode s2'] / 1e9:.2f} | {verdict} |")
+             f" | {kv_bytes / min(row['decode s1'], row['decode s2']) / 1e9:.2f} / "
+             f"{kv_bytes / min(row['decode r64 s1'], row['decode r64 s2']) / 1e9:.2f} | {verdict} |")
         torch.cuda.empty_cache()
     if rows:
         first = next(iter(rows))

@@ -55,7 +55,9 @@ def gluon_fwd(q, k, v, meta, scale, return_lse=False):
     lse = torch.zeros((n, h), device=q.device, dtype=torch.float32) if return_lse else None
     cu = meta.cu_seqlens_q
     sched = A._device_schedule(cu, meta.num_seqs, n, gq)
-    G.attention_fwd_gluon(q, k, v, cu, meta.seq_lens, sched, scale, group, group_p, gq, out, lse)
+    block_kv, fma = A.attention_order()
+    G.attention_fwd_gluon(q, k, v, cu, meta.seq_lens, sched, scale, group, group_p, gq, out, lse, block_kv=block_kv,
+                          fma=fma)
     return (out, lse) if return_lse else out
 
 
@@ -104,12 +106,17 @@ def tflops(batch: int, length: int, ms: float) -> float:
 
 
 def set_variant(spec: str) -> str:
-    """``spec`` like ``pp1ps0kv1``: GLW_PP, GLW_PERSIST and GLW_KV2 for the kernel's next calls (``-``: leave the
-    env; a missing ``kv`` part: 0)."""
+    """``spec`` like ``pp1ps0kv1`` or ``pp0ps0kv0o128f``: GLW_PP, GLW_PERSIST, GLW_KV2 and the reduction order
+    (``RLREPRO_ATTENTION_ORDER``, for the Triton reference too) for the kernels' next calls (``-``: leave the env;
+    a missing ``kv`` part: 0; a missing ``o`` part: the default order)."""
     if spec != "-":
         os.environ["GLW_PP"], os.environ["GLW_PERSIST"] = spec[2], spec[5]
         os.environ["GLW_KV2"] = spec[8] if len(spec) > 8 else "0"
-    return "pp{}ps{}kv{}".format(*(os.environ.get(f"GLW_{k}", "0") for k in ("PP", "PERSIST", "KV2")))
+        order = spec.split("o", 1)[1] if "o" in spec[9:] else ""
+        os.environ["RLREPRO_ATTENTION_ORDER"] = order
+    name = "pp{}ps{}kv{}".format(*(os.environ.get(f"GLW_{k}", "0") for k in ("PP", "PERSIST", "KV2")))
+    order = os.environ.get("RLREPRO_ATTENTION_ORDER", "")
+    return name + (f"o{order}" if order else "")
 
 
 def timings(gen, stages: list[int], fi, variants: list[str]) -> list[str]:

@@ -1,8 +1,9 @@
 """The warp-specialised Gluon forward as the "long" tile's kernel on sm_90 (issue #27): where ``use_gluon`` takes a
 packed call, the output and the log-sum-exp are the Triton kernel's bits (``torch.equal``), at every GQA group the
 dispatch admits, head sizes 64 and 128, ragged lengths around the 64-position KV tiles and the query tiles, and a
-sequence alone; ``RLREPRO_ATTENTION_GLUON=0`` and a forced config keep the Triton kernel. The CPU tests check the
-layout rule and the switches, and (Triton interpreter) the persistent variant's slot order.
+sequence alone, in both reduction orders (``RLREPRO_ATTENTION_ORDER``); ``RLREPRO_ATTENTION_GLUON=0`` and a forced
+config keep the Triton kernel. The CPU tests check the layout rule and the switches, and (Triton interpreter) the
+persistent variant's slot order.
 """
 from __future__ import annotations
 
@@ -71,11 +72,14 @@ def _case(lens, h, hkv, d, gen):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper_with_gluon(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
+@pytest.mark.parametrize("order", ["64", "128f"])
 @pytest.mark.parametrize("d", [128, 64])
 @pytest.mark.parametrize("h,hkv", [(32, 8), (16, 8), (40, 8), (64, 8), (16, 16)],
                          ids=["gqa4", "gqa2", "gqa5", "gqa8", "mha"])
-def test_gpu_gluon_forward_gives_the_triton_bits(h, hkv, d, monkeypatch):
+def test_gpu_gluon_forward_gives_the_triton_bits(h, hkv, d, order, monkeypatch):
+    """In each reduction order (``RLREPRO_ATTENTION_ORDER``) the Gluon kernel gives that order's Triton bits."""
     from rlrepro.kernels import gluon_attention_fwd as G
+    monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", order)
     seed = fresh_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = _case(LENS, h, hkv, d, gen)

@@ -199,16 +199,25 @@ if HAVE_GLUON:
         return warpgroup_mma(q_smem, k_bufs.index(b).permute((1, 0)), zero, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _softmax_part(t, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr):
-        """The Triton kernel's online-softmax arithmetic on KV tile ``t``'s scores, up to ``p`` and ``alpha`` (the
-        causal mask where ``t >= n_full``: a full tile's positions all pass it, so it is skipped there, as there)."""
-        s = qk * qk_scale
+    def _softmax_part(t, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
+                      FMA: gl.constexpr):
+        """The Triton kernel's online-softmax arithmetic (``_softmax_step``, in the order ``FMA`` names) on KV tile
+        ``t``'s scores, up to ``p`` and ``alpha`` (the causal mask where ``t >= n_full``: a full tile's positions all
+        pass it, so it is skipped there, as there)."""
+        if FMA:
+            s = qk
+        else:
+            s = qk * qk_scale
         if t >= n_full:
             j = t * BLOCK_KV_ + gl.arange(0, BLOCK_KV_, layout=gl.SliceLayout(0, qk_layout))
             s = gl.where(j[None, :] <= pos[:, None], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        p = gl.exp2(s - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
+        if FMA:
+            p = gl.exp2(gl.fma(s, gl.full_like(s, qk_scale), -(m_new * qk_scale)[:, None]))
+            alpha = gl.exp2((m_i - m_new) * qk_scale)
+        else:
+            p = gl.exp2(s - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return m_new, l_i, p, alpha
 
@@ -216,7 +225,7 @@ if HAVE_GLUON:
     def _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, pos, qk_scale,
                          n_tiles, n_full, tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr,
                          NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
-                         o_layout: gl.constexpr, p_layout: gl.constexpr, KV2: gl.constexpr):
+                         o_layout: gl.constexpr, p_layout: gl.constexpr, KV2: gl.constexpr, FMA: gl.constexpr):
         """One work's KV tiles (``n_tiles`` > 0, the ring's tiles ``tb``, ``tb + 1``, ...), software-pipelined as
         FlashAttention-3 overlaps within a warpgroup: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` are issued together, and
         tile ``t + 1``'s softmax runs while ``P_t @ V_t`` is on the tensor cores. Every value is computed by the
@@ -229,7 +238,7 @@ if HAVE_GLUON:
         tok = _qk_issue(b, q_smem, k_bufs, NR, BLOCK_KV_, qk_layout)
         _pass(pp_bars, CID, PP)
         qk = warpgroup_mma_wait(0, deps=[tok])
-        m_i, l_i, p, alpha = _softmax_part(0, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout)
+        m_i, l_i, p, alpha = _softmax_part(0, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout, FMA)
         for t in range(n_tiles - 1):
             st, ph, b, new, last = _ring(tb, t, n_tiles, NSTAGE, KV2)
             st1, ph1, b1, new1, last1 = _ring(tb, t + 1, n_tiles, NSTAGE, KV2)
@@ -244,7 +253,8 @@ if HAVE_GLUON:
             acc_tok = warpgroup_mma(pb, v_bufs.index(b), acc, is_async=True)
             _pass(pp_bars, CID, PP)
             qk = warpgroup_mma_wait(1, deps=[tok])  # groups finish in order: Q @ K_{t+1}^T is done
-            m_i, l_i, p, alpha = _softmax_part(t + 1, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout)
+            m_i, l_i, p, alpha = _softmax_part(t + 1, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout,
+                                               FMA)
             acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
             if last:
                 mbarrier.arrive(kv_empty.index(st), count=1)
@@ -266,7 +276,7 @@ if HAVE_GLUON:
                   stride_oh, stride_ln, qk_scale, CID: gl.constexpr, NR: gl.constexpr, GROUP: gl.constexpr,
                   GROUP_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr, D: gl.constexpr,
                   NSTAGE: gl.constexpr, WRITE_LSE: gl.constexpr, NW: gl.constexpr, PP: gl.constexpr,
-                  PERSIST: gl.constexpr, KV2: gl.constexpr = 0):
+                  PERSIST: gl.constexpr, KV2: gl.constexpr = 0, FMA: gl.constexpr = 0):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -307,7 +317,7 @@ if HAVE_GLUON:
             if n_tiles > 0:  # an empty slot has none, and must wait for none
                 m_i, l_i, acc = _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
                                                  pp_bars, pos, qk_scale, n_tiles, n_full, tb, turn, CID, PP, NR,
-                                                 NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout, KV2)
+                                                 NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout, KV2, FMA)
                 turn += n_tiles + 1
             tb += _units(n_tiles, KV2)
             if seq >= 0:
@@ -323,6 +333,8 @@ if HAVE_GLUON:
                     gs = rs % GROUP_P
                     ok_s = (qs < q_len) & (gs < GROUP)
                     l_off = (cu0 + qs).to(gl.int64) * stride_ln + (hk * GROUP + gs).to(gl.int64)
+                    if FMA:
+                        m_i = m_i * qk_scale
                     gl.store(lse_ptr + l_off, m_i + gl.log2(l_i), mask=ok_s)
 
     @gluon.jit
@@ -351,7 +363,8 @@ if HAVE_GLUON:
                             q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
                             BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, CREGS: gl.constexpr,
-                            PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0):
+                            PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0,
+                            FMA: gl.constexpr = 0):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, NR, D], q_smem_layout)
@@ -362,11 +375,11 @@ if HAVE_GLUON:
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2)),
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2)),
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA)),
         ], [4, 4], [CREGS, CREGS])
 
     @gluon.jit
@@ -461,19 +474,21 @@ def _slot_tiles(i, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: 
     return tl.where(seq >= 0, n_tiles, 0).to(tl.int32)
 
 
-def persistent_order(schedule, cu: torch.Tensor, seq_lens: torch.Tensor, block_q: int) -> torch.Tensor:
+def persistent_order(schedule, cu: torch.Tensor, seq_lens: torch.Tensor, block_q: int,
+                     block_kv: int = BLOCK_KV) -> torch.Tensor:
     """The persistent kernel's slot order (``_order_kernel``), on the device with no host wait."""
     g_slots, prog_seq, prog_q0 = schedule
     order = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
     chunk = 128
     _order_kernel[(triton.cdiv(g_slots, chunk),)](prog_seq, prog_q0, cu, seq_lens, order, g_slots, BLOCK_Q=block_q,
-                                                  BLOCK_KV_=BLOCK_KV, CHUNK=chunk, num_warps=4)
+                                                  BLOCK_KV_=block_kv, CHUNK=chunk, num_warps=4)
     return order
 
 
 def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, cu: torch.Tensor,
                         seq_lens: torch.Tensor, schedule, scale: float, group: int, group_p: int, block_q: int,
-                        out: torch.Tensor, lse: torch.Tensor | None, order: torch.Tensor | None = None) -> None:
+                        out: torch.Tensor, lse: torch.Tensor | None, order: torch.Tensor | None = None,
+                        block_kv: int = BLOCK_KV, fma: bool = False) -> None:
     """Run the warp-specialised forward into ``out`` (and ``lse``), given ``_device_schedule``'s slot table for
     tiles of ``block_q`` queries (``block_q * group_p == CONSUMERS * ROWS``). ``GLW_PERSIST=1`` (variant ``two``)
     runs one program per SM over the slots in ``order`` (:func:`persistent_order`, computed here if not given);
@@ -487,18 +502,20 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     variant = os.environ.get("GLW_VARIANT", "two")
     persist = variant == "two" and os.environ.get("GLW_PERSIST", "0") == "1"
     if persist and order is None:
-        order = persistent_order(schedule, cu, seq_lens, block_q)
+        order = persistent_order(schedule, cu, seq_lens, block_q, block_kv)
     n_work = g_slots * hkv
     if persist:
         grid = (min(n_work, torch.cuda.get_device_properties(q.device).multi_processor_count),)
     else:
         grid = (g_slots, hkv)
-    args = (q, _descriptor(k_flat, BLOCK_KV), _descriptor(v_flat, BLOCK_KV), out, lse if lse is not None else out,
+    args = (q, _descriptor(k_flat, block_kv), _descriptor(v_flat, block_kv), out, lse if lse is not None else out,
             prog_seq, prog_q0, cu, seq_lens, order if persist else prog_seq, n_work, hkv, q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), h if lse is not None else 0, float(scale) * LOG2E)
     maxnreg = int(os.environ.get("GLW_MAXNREG", "0")) or \
         (CONSUMERS * 4 * CONSUMER_REGS + 4 * PRODUCER_REGS) // (4 * (CONSUMERS + 1))
     if variant == "one":
+        if fma or block_kv != BLOCK_KV:
+            raise ValueError("gluon attention: GLW_VARIANT=one has only the 64-position order; unset GLW_VARIANT")
         _attn_fwd_ws1_kernel[grid](
             *args, gl.NVMMASharedLayout.get_default_for([CONSUMERS * ROWS, d], dt), group, group_p, block_q, d,
             STAGES, lse is not None, CONSUMERS * ROWS, PRODUCER_REGS, int(os.environ.get("GLW_PW", "4")),
@@ -507,7 +524,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     _attn_fwd_ws_kernel[grid](
         *args, gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), group, group_p, block_q, d, STAGES,
         lse is not None, ROWS, CONSUMER_REGS, int(os.environ.get("GLW_PP", "0")), int(persist),
-        int(os.environ.get("GLW_KV2", "0")),
+        int(os.environ.get("GLW_KV2", "0")), int(fma),
         num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
 
 

@@ -34,6 +34,22 @@ from .metadata import AttentionMetadata
 
 BLOCK_KV = 64  # KV positions per step of the online softmax: the fixed reduction order
 LOG2E = 1.4426950408889634
+# The reduction orders (issue #27): KV positions per online-softmax step, and whether the scale is folded into one
+# multiply-add (``p = exp2(fma(qk, scale, -m * scale))``, the running max kept in unscaled units, as FlashAttention-3
+# does) rather than ``s = qk * scale`` and ``s - m`` rounded apart. ``RLREPRO_ATTENTION_ORDER`` picks one.
+ATTENTION_ORDERS = {"64": (64, False), "128f": (128, True)}
+DEFAULT_ORDER = "64"
+
+
+def attention_order() -> tuple[int, bool]:
+    """(KV positions per softmax step, scale folded into an FMA) of ``RLREPRO_ATTENTION_ORDER`` (unset: the
+    default order). Every CUDA attention forward of rlrepro's own kernels (Triton and Gluon: prefill, chunked
+    prefill, decode, the trainer) reads it, so engine == trainer holds within one order; orders differ in bits."""
+    name = os.environ.get("RLREPRO_ATTENTION_ORDER", "").strip() or DEFAULT_ORDER
+    if name not in ATTENTION_ORDERS:
+        raise ValueError(f"RLREPRO_ATTENTION_ORDER={name!r} is not one of {sorted(ATTENTION_ORDERS)}: unset it for "
+                         f"the default order {DEFAULT_ORDER!r}")
+    return ATTENTION_ORDERS[name]
 
 
 @dataclass(frozen=True)
@@ -60,6 +76,7 @@ ATTENTION_CONFIGS = {
     "large3": AttentionConfig(rows=128, num_warps=8, num_stages=3),
     "long": AttentionConfig(rows=256, num_warps=16, num_stages=3),
     "decode": AttentionConfig(rows=16, num_warps=1, num_stages=2),
+    "small1": AttentionConfig(rows=64, num_warps=4, num_stages=1),
 }
 LARGE_MIN_TOKENS = 1024  # calls with at least this many query tokens use "large" or "long" (H200: prefill 13% faster)
 LONG_MIN_QUERIES = 128  # ... and "long" when they average at least this many queries per sequence
@@ -92,6 +109,27 @@ def pick_attention_config(num_tokens: int, num_seqs: int = 0, group: int = 1,
     if dtype == torch.bfloat16 and num_seqs and per_program >= 1 and num_tokens <= num_seqs * per_program:
         return ATTENTION_CONFIGS["decode"]  # every sequence's queries fit one 16-row tile
     return ATTENTION_CONFIGS["small"]
+
+
+def config_for_order(cfg: AttentionConfig, block_kv: int, element_size: int = 2,
+                     head_dim: int = 128) -> AttentionConfig:
+    """The auto-picked tile ``cfg`` for an order of ``block_kv``-position steps (speed only: every tile gives the
+    order's bits). With 128-position steps (H100, ``benchmarks/bench_attention_fwd.py``, 2026-12-06): the 16-row
+    one-warp tile holds a whole 128 x D K tile in registers for its mma.sync and spills (decode 64 x 2048: 0.35 ms
+    against 0.205 for "small1"), and the 256-row tile's 16 warps get 128 registers a thread (4 x 2048: 4.2 ms
+    against 0.46 for "large"), so "large" serves the calls of the 128- and 256-row tiles (packed ones go to the
+    Gluon kernel on Hopper first) and "small1" the others, and every call whose 128-position K and V tiles would
+    not fit two stages of "large" in shared memory (float32, heads over 128)."""
+    if block_kv <= BLOCK_KV:
+        return cfg
+    d_p = triton.next_power_of_2(head_dim)
+    if element_size * d_p * block_kv * 2 > 128 * 1024:
+        raise ValueError(f"attention: RLREPRO_ATTENTION_ORDER with {block_kv}-position steps cannot hold the K and "
+                         f"V tiles of {element_size * 8}-bit heads of {head_dim} in shared memory: unset "
+                         "RLREPRO_ATTENTION_ORDER for the default order")
+    if cfg.rows >= 128 and element_size == 2 and d_p <= LONG_MAX_HEAD_DIM:
+        return ATTENTION_CONFIGS["large"]
+    return ATTENTION_CONFIGS["small1"]
 
 
 def tile_shape(group: int, rows: int = 64) -> tuple[int, int]:
@@ -129,6 +167,28 @@ def _schedule_kernel(cu_ptr, S, G, prog_seq_ptr, prog_q0_ptr, BLOCK_Q: tl.conste
         tl.store(prog_q0_ptr + slot, q0, mask=b < G)
 
 
+@triton.jit
+def _softmax_step(qk, allowed, m_i, l_i, qk_scale, MASK: tl.constexpr, FMA: tl.constexpr):
+    """One online-softmax step on a tile's scores ``qk`` (with ``MASK``, ``-inf`` where not ``allowed``): the new
+    running max, ``p``, the rescale ``alpha`` of the old state, and the new row sum. ``FMA``: the max is unscaled
+    and the scale folded into one multiply-add; else ``s = qk * scale`` first (the max scaled), ``s - m`` apart."""
+    if FMA:
+        if MASK:
+            qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp2(tl.fma(qk, qk_scale, -(m_new * qk_scale)[:, None]))
+        alpha = tl.exp2((m_i - m_new) * qk_scale)
+    else:
+        s = qk * qk_scale
+        if MASK:
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, p, alpha, l_i
+
+
 @triton.jit(do_not_specialize=["stride_bt", "block_size", "paged"])
 def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
                      bt_ptr, stride_bt, block_size, paged,
@@ -136,7 +196,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
                      qk_scale, D, k_desc, v_desc, lse_ptr, stride_ln,
                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_KV: tl.constexpr, D_P: tl.constexpr, PRECISION: tl.constexpr, USE_DESC: tl.constexpr,
-                     WRITE_LSE: tl.constexpr):
+                     WRITE_LSE: tl.constexpr, FMA: tl.constexpr = False):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     seq = tl.load(prog_seq_ptr + pid)
@@ -184,11 +244,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
                 k = tl.load(k_ptr + kv_row[:, None] * stride_kn + kv_head * stride_kh + d[None, :],
                             mask=d_ok[None, :], other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            s = qk * qk_scale
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_new, p, alpha, l_i = _softmax_step(qk, qk, m_i, l_i, qk_scale, False, FMA)
             if USE_DESC:
                 v = v_desc.load([(cu0 + t * BLOCK_KV).to(tl.int32), hk * D_P])
             else:
@@ -205,11 +261,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
                         mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             allowed = kv_pos[None, :] <= pos[:, None]
-            s = tl.where(allowed, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_new, p, alpha, l_i = _softmax_step(qk, allowed, m_i, l_i, qk_scale, True, FMA)
             v = tl.load(v_ptr + kv_row[:, None] * stride_vn + kv_head * stride_vh + d[None, :],
                         mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -218,7 +270,8 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, prog_seq_ptr, prog_q0_ptr, cu_p
         tl.store(o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         if WRITE_LSE:  # the backward's softmax statistics: log2 of the row's sum of 2^(score * log2(e))
-            tl.store(lse_ptr + tok * stride_ln + head, m_i + tl.log2(l_i), mask=row_ok)
+            m_s = m_i * qk_scale if FMA else m_i
+            tl.store(lse_ptr + tok * stride_ln + head, m_s + tl.log2(l_i), mask=row_ok)
 
 
 def _device_schedule(cu: torch.Tensor, s_count: int, n: int, block: int,
@@ -383,13 +436,13 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         raise ValueError(f"attention: {h} query heads is not a multiple of {hkv} KV heads")
     group = h // hkv
     s_count = meta.num_seqs
+    block_kv, fma = attention_order()
     cfg = config or pick_attention_config(n, s_count, group, q.dtype, d)
     if cfg.rows > 128 and q.is_cuda and (q.element_size() > 2 or triton.next_power_of_2(d) > LONG_MAX_HEAD_DIM):
         forced = os.environ.get("RLREPRO_ATTENTION_CONFIG")
         raise ValueError(f"attention: the {cfg.rows}-row tile (RLREPRO_ATTENTION_CONFIG={forced!r} or config=) "
                          f"needs 16-bit inputs with head_dim <= {LONG_MAX_HEAD_DIM} to fit in shared memory; got "
                          f"{q.dtype}, head_dim {d}: unset the variable or choose 'large'")
-    block_q, group_p = tile_shape(group, cfg.rows)
     out = torch.empty((n, h, d), device=q.device, dtype=q.dtype)
     lse = torch.zeros((n, h), device=q.device, dtype=torch.float32) if return_lse else None
     if n == 0 or s_count == 0:
@@ -399,28 +452,32 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
             raise ValueError(f"attention: {name} must have a contiguous last dim")
     cu = meta.cu_seqlens_q
     paged = meta.block_table is not None
-    if config is None and not paged and cfg == ATTENTION_CONFIGS["long"] and use_gluon(q, k_flat, v_flat, group):
+    auto = config is None and not os.environ.get("RLREPRO_ATTENTION_CONFIG")
+    if auto and not paged and cfg == ATTENTION_CONFIGS["long"] and use_gluon(q, k_flat, v_flat, group):
         from . import gluon_attention_fwd as G
         gq, gp = tile_shape(group, G.CONSUMERS * G.ROWS)
         G.attention_fwd_gluon(q, k_flat, v_flat, cu, meta.seq_lens, _device_schedule(cu, s_count, n, gq, meta),
-                              scale, group, gp, gq, out, lse)
+                              scale, group, gp, gq, out, lse, block_kv=block_kv, fma=fma)
         return (out, lse) if return_lse else out
+    if auto:
+        cfg = config_for_order(cfg, block_kv, q.element_size(), d)
+    block_q, group_p = tile_shape(group, cfg.rows)
     g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q, meta)
     bt = meta.block_table if paged else cu
     k_desc = v_desc = None
     if not paged and cfg.rows <= DESC_MAX_ROWS and _use_descriptors(k_flat, v_flat):
-        k_desc, v_desc = (_kv_descriptor(t, BLOCK_KV) for t in (k_flat, v_flat))
+        k_desc, v_desc = (_kv_descriptor(t, block_kv) for t in (k_flat, v_flat))
     _attn_fwd_kernel[(g_slots, hkv)](
         q, k_flat, v_flat, out, prog_seq, prog_q0, cu, meta.seq_lens,
         bt, bt.stride(0) if paged else 0, meta.block_size if paged else 1, int(paged),
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
         out.stride(0), out.stride(1), float(scale) * LOG2E, d, k_desc, v_desc,
         lse if return_lse else out, h if return_lse else 0,
-        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=BLOCK_KV,
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_KV=block_kv,
         D_P=triton.next_power_of_2(d),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_DESC=k_desc is not None,
-        WRITE_LSE=return_lse,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        WRITE_LSE=return_lse, FMA=fma,
+        num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 2) if block_kv > 64 and cfg.rows > 128 else cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         # no multiply-add contraction: the whole-tile loop's ``qk * scale - m`` could otherwise become one FMA
         # where the masked loop's (a select in between) cannot, and a tile's bits would depend on which loop ran it
         enable_fp_fusion=False)
