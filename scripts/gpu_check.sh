@@ -69,6 +69,12 @@ add_step attention_gluon 540 'fi_kit && $PY benchmarks/bench_attention_gluon.py 
 # the Gluon forward as the "long" tile's kernel on sm_90 (triton_attention_fwd.use_gluon): its GPU tests and the
 # attention GPU tests it now serves, then a 2-layer 8B-width train step of 8 x 8k tokens without and with it (twice)
 add_step gluon_fwd 540 'kit && $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_gluon_forward.py tests/test_attention_gpu_long.py tests/test_triton_kernels.py && for g in 0 1 0 1; do RLREPRO_ATTENTION_GLUON=$g $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode deterministic --num-samples 8 --prompt-len 1024 --completion-len 7168 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 2 --no-phases --json "$OUT/train_gluon_${g}_$RANDOM.json" || exit 1; done'
+# issue #27's second reduction order (RLREPRO_ATTENTION_ORDER=128f): its GPU tests (every tile, the battery, the Gluon
+# kernel's bits in both orders, engine == trainer at 8k), then a 2-layer 8B-width train step of 8 x 8k tokens in each
+# order, twice, alternating
+add_step order_128f 560 'kit && $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_attention_order.py tests/test_gluon_forward.py && for o in 64 128f 64 128f; do RLREPRO_ATTENTION_ORDER=$o $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 2 --mode deterministic --num-samples 8 --prompt-len 1024 --completion-len 7168 --micro-batch-size 1 --logits-chunk-size 4096 --warmup 1 --steps 2 --no-phases --json "$OUT/train_order_${o}_$RANDOM.json" || exit 1; done'
+# the engine (36 layers, 64 requests, 512/512 unless ORDER_ENGINE_ARGS says otherwise, deterministic) in each order
+add_step order_engine 560 'for o in ${ORDER_LIST:-64 128f}; do RLREPRO_ATTENTION_ORDER=$o $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --no-hf ${ORDER_ENGINE_ARGS:-} --json "$OUT/engine_order_$o.json" || exit 1; done'
 # the engine with and without the 256-row attention tile: prefill time, and the outputs' bits equal (8 layers)
 add_step engine_tiles 300 '$PY benchmarks/bench_engine_tiles.py --json "$OUT/engine_tiles.json" ${ENGINE_TILES_ARGS:-}'
 # is flashinfer's FA3 forward batch-, chunk- and decode-invariant (the bits), and how fast are its paged forms?

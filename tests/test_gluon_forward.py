@@ -107,6 +107,37 @@ def test_gpu_gluon_forward_gives_the_triton_bits(h, hkv, d, order, monkeypatch):
     assert len(calls) > n_calls and torch.equal(alone, og[sl]), f"seed {seed}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_with_gluon(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
+@pytest.mark.parametrize("order", ["64", "128f"])
+def test_gpu_gluon_forward_ignores_a_nonfinite_neighbour(order, monkeypatch):
+    """A sequence does not see its packed neighbours' K/V, even where a last KV tile loads their rows: with two
+    sequences' K all inf and V all NaN, the others give, through the Gluon kernel, finite rows equal to their bits
+    alone (the Triton tiles' masked loads never read those rows; the Gluon kernel zeroes them in shared memory)."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", order)
+    seed = fresh_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lens = [300, 37, 2000, 100, 129]
+    q, k, v = _case(lens, 32, 8, 128, gen)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    for bad in (1, 3):
+        k[cu[bad]:cu[bad + 1]] = float("inf")
+        v[cu[bad]:cu[bad + 1]] = float("nan")
+    calls = []
+    real = G.attention_fwd_gluon
+    monkeypatch.setattr(G, "attention_fwd_gluon", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    out = A.attention_fwd(q, k, v, AttentionMetadata.packed(lens, device="cuda"), 0.09)
+    assert calls, "the packed call did not run the Gluon kernel"
+    for i in (0, 2, 4):
+        sl = slice(cu[i], cu[i + 1])
+        alone = A.attention_fwd(q[sl], k[sl], v[sl], AttentionMetadata.packed([lens[i]], device="cuda"), 0.09)
+        assert torch.isfinite(out[sl]).all(), f"sequence {i} took a neighbour's non-finite values (seed {seed})"
+        assert torch.equal(out[sl], alone), f"sequence {i} differs from its bits alone (seed {seed})"
+
+
 INTERP_CHECKS: dict = {}
 
 

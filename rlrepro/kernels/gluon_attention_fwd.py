@@ -222,10 +222,29 @@ if HAVE_GLUON:
         return m_new, l_i, p, alpha
 
     @gluon.jit
+    def _zero_past(v_tile, n_valid, BLOCK_KV_: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
+        """Zero the rows of a V tile in shared memory from row ``n_valid`` on: the rows past the sequence's end in its
+        last tile, which TMA loads from the next sequence (or zero-fills past the tensor). Their scores are masked,
+        so ``p == 0`` there, but ``0 * inf`` or ``0 * nan`` in ``P @ V`` would carry a neighbour's non-finite values
+        into this sequence, which the Triton kernel's masked loads never read. Both consumer warpgroups zero the same
+        rows before their own product (they write what is there or zeros, so the order between them is moot)."""
+        CH: gl.constexpr = 32
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [NW, 1], [1, 0])
+        rows = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+        for c in gl.static_range(BLOCK_KV_ // CH):
+            if (c + 1) * CH > n_valid:
+                part = v_tile.slice(c * CH, CH)
+                x = part.load(layout)
+                part.store(gl.where((c * CH + rows)[:, None] < n_valid, x, gl.zeros_like(x)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
     def _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, pos, qk_scale,
-                         n_tiles, n_full, tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr,
+                         n_tiles, n_full, kv_end, tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr,
                          NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
-                         o_layout: gl.constexpr, p_layout: gl.constexpr, KV2: gl.constexpr, FMA: gl.constexpr):
+                         o_layout: gl.constexpr, p_layout: gl.constexpr, KV2: gl.constexpr, FMA: gl.constexpr,
+                         NW: gl.constexpr):
         """One work's KV tiles (``n_tiles`` > 0, the ring's tiles ``tb``, ``tb + 1``, ...), software-pipelined as
         FlashAttention-3 overlaps within a warpgroup: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` are issued together, and
         tile ``t + 1``'s softmax runs while ``P_t @ V_t`` is on the tensor cores. Every value is computed by the
@@ -263,6 +282,8 @@ if HAVE_GLUON:
         pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
         if new:
             mbarrier.wait(v_ready.index(st), ph)
+        if kv_end < n_tiles * BLOCK_KV_:  # the sequence ends inside this tile
+            _zero_past(v_bufs.index(b), kv_end - (n_tiles - 1) * BLOCK_KV_, BLOCK_KV_, v_bufs.shape[2], NW)
         _turn(pp_bars, turn + n_tiles, CID, PP)
         acc_tok = warpgroup_mma(pb, v_bufs.index(b), acc, is_async=True)
         _pass(pp_bars, CID, PP)
@@ -316,8 +337,9 @@ if HAVE_GLUON:
             acc = gl.zeros([NR, D], gl.float32, o_layout)
             if n_tiles > 0:  # an empty slot has none, and must wait for none
                 m_i, l_i, acc = _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                                 pp_bars, pos, qk_scale, n_tiles, n_full, tb, turn, CID, PP, NR,
-                                                 NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout, KV2, FMA)
+                                                 pp_bars, pos, qk_scale, n_tiles, n_full, first_pos + q_len, tb,
+                                                 turn, CID, PP, NR,
+                                                 NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout, KV2, FMA, NW)
                 turn += n_tiles + 1
             tb += _units(n_tiles, KV2)
             if seq >= 0:
