@@ -19,7 +19,11 @@ The arithmetic is :func:`.triton_attention_fwd._attn_fwd_kernel`'s, operation fo
 tiles); ``m = max(m, rowmax s)``; ``p = exp2(s - m)``; ``alpha = exp2(m_old - m)``; ``l = l * alpha + rowsum p``;
 ``acc = p.bf16 @ V + acc * alpha`` on the tensor cores; ``out = acc / l``, ``lse = m + log2 l``; no multiply-add
 contraction. A row is ``(query, head of the GQA group)`` as there. The sm_90a PTX has the Triton kernel's float
-instructions (``ex2.approx.ftz.f32``, ``div.full.f32``, FMAs only inside ``log2``).
+instructions (``ex2.approx.ftz.f32``, ``div.full.f32``, FMAs only inside ``log2``). In the other reduction order
+(``RLREPRO_ATTENTION_ORDER=128f``: ``block_kv=128, fma=True``) it takes 128-position tiles and folds the scale into
+one FMA, as the Triton kernel then does (the same bits again; 0.93-1.04x FlashAttention-3 at 8k-16k tokens).
+Where a sequence ends inside its last tile, the rows TMA loaded from the next sequence are zeroed in shared memory
+before ``P @ V`` (:func:`_zero_past`), so a neighbour's non-finite values cannot reach it.
 
 Variants, each with the same bits (the battery of ``benchmarks/bench_attention_gluon.py``, H100, 2026-12-06) and
 none of them a clear gain there (docs/BENCHMARKS.md), so off by default: ``GLW_PP=1`` ping-pongs the two consumer
