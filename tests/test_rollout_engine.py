@@ -241,6 +241,9 @@ def test_kv_cache_sizing(model):
     assert Engine(model, block_size=4, num_kv_blocks=3).runner.kv_caches[0][0].shape == (4, 4, 2, 16)
     default = Engine(model, block_size=4, max_num_seqs=2, max_model_len=64)
     assert default.num_kv_blocks == 2 * 16  # enough for max_num_seqs full-length sequences
+    # both sizes given: refused, naming both (num_kv_blocks silently won before)
+    with pytest.raises(ValueError, match=r"num_kv_blocks=3 and kv_cache_memory_bytes=\d+ both .*pass one of them"):
+        Engine(model, block_size=4, num_kv_blocks=3, kv_cache_memory_bytes=per_block * 10)
 
 
 def test_error_mid_generation_leaves_the_engine_usable(model, monkeypatch):

@@ -204,6 +204,9 @@ class Engine:
                    **engine_kwargs, **kwargs)
 
     def _num_blocks(self, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None) -> int:
+        if num_kv_blocks is not None and kv_cache_memory_bytes is not None:
+            raise ValueError(f"Engine: num_kv_blocks={num_kv_blocks!r} and kv_cache_memory_bytes="
+                             f"{kv_cache_memory_bytes!r} both size the KV cache: pass one of them")
         if num_kv_blocks is not None:
             return _positive_int("num_kv_blocks", num_kv_blocks)
         per_block = kv_block_bytes(self.config, self.block_size, self.model.dtype)
