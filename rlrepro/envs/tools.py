@@ -20,7 +20,8 @@ __all__ = ["Tool", "ToolResult", "check_arguments", "calculator_tool", "python_t
 
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "string": lambda v: isinstance(v, str),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    # JSON has one number type: 2.0 is an integer (JSON Schema), and the tool gets it as int (``_as_declared``)
+    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()),
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "boolean": lambda v: isinstance(v, bool),
     "array": lambda v: isinstance(v, list),
@@ -66,7 +67,7 @@ class Tool:
         if problem is not None:
             return ToolResult(f"Error: bad arguments for {self.name}: {problem}", ok=False, malformed=True)
         try:
-            text = self.fn(**arguments)
+            text = self.fn(**_as_declared(self.parameters, arguments))
         except MemoryError:  # the machine's, not the model's doing: an observation would differ between runs
             raise
         except Exception as e:  # a raising tool is an observation, not a crash
@@ -126,9 +127,28 @@ def check_arguments(schema: Mapping[str, Any], arguments: Any) -> str | None:
         kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
         if kinds and not any(_JSON_TYPES[k](value) for k in kinds if k in _JSON_TYPES):
             return f"argument {key!r} must be of type {' or '.join(kinds)}, got {type(value).__name__}"
-        if "enum" in spec and value not in spec["enum"]:
+        if "enum" in spec and not any(_same_json(value, e) for e in spec["enum"]):
             return f"argument {key!r} must be one of {list(spec['enum'])}"
     return None
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """JSON equality: ``true`` is not ``1`` (Python's ``True == 1``), ``1.0`` is ``1``."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    return a == b
+
+
+def _as_declared(schema: Mapping[str, Any], arguments: dict) -> dict:
+    """``arguments`` (already checked) with each integral float of a parameter typed ``integer`` and not ``number``
+    as an int: the model wrote ``2.0``, the tool's ``range(n)`` gets ``2``."""
+    out = dict(arguments)
+    for key, value in arguments.items():
+        kinds = schema.get("properties", {})[key].get("type")
+        kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+        if isinstance(value, float) and "integer" in kinds and "number" not in kinds:
+            out[key] = int(value)
+    return out
 
 
 def truncate_text(text: str, max_chars: int) -> str:
