@@ -80,18 +80,22 @@ class Sample:
             rec["loss_mask"] = list(self.loss_mask)
         if self.turns is not None:
             rec["turns"] = [{"role": t.role, "token_ids": list(t.token_ids), "text": t.text} for t in self.turns]
+        if self.extra:  # only when set, so records of samples without extras keep their bytes
+            rec["extra"] = dict(self.extra)
         return rec
 
     @classmethod
     def from_record(cls, rec: dict) -> "Sample":
         """Inverse of :meth:`to_record` (also reads rollout files written before the text, seed and version fields
-        existed: those are None)."""
-        turns = rec.get("turns")
+        existed: those are None). The sample holds its own lists: changing ``rec`` afterwards does not change it."""
+        turns, loss_mask = rec.get("turns"), rec.get("loss_mask")
         return cls(prompt_uid=rec["prompt_uid"], sample_index=int(rec["sample_index"]),
                    prompt_token_ids=list(rec["prompt_token_ids"]), completion_token_ids=list(rec["token_ids"]),
                    rollout_logprobs=list(rec["logprobs"]), finish_reason=rec.get("finish_reason", "length"),
                    seed=rec.get("seed"), weight_version=rec.get("weight_version"),
                    prompt_text=rec.get("prompt_text"), completion_text=rec.get("completion_text"),
-                   reward=rec.get("reward"), advantage=rec.get("advantage"), loss_mask=rec.get("loss_mask"),
+                   reward=rec.get("reward"), advantage=rec.get("advantage"),
+                   loss_mask=None if loss_mask is None else list(loss_mask),
                    turns=None if turns is None else [Turn(t["role"], list(t["token_ids"]), t.get("text"))
-                                                     for t in turns])
+                                                     for t in turns],
+                   extra=dict(rec.get("extra") or {}))

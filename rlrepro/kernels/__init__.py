@@ -82,7 +82,10 @@ def token_logprob(logits: torch.Tensor, token_ids: torch.Tensor, temperature: fl
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``logits.float() / t`` (``t = temperature`` if > 0, else 1), the tempered logits of ``token_logprob``. At
     ``t = 1`` the division is skipped: ``x / 1.0 == x`` exactly in IEEE float32, so the bits are the same and a
-    full pass over [rows, vocab] is saved."""
+    full pass over [rows, vocab] is saved. A NaN temperature is refused (it is not > 0, so it would silently
+    report the untempered distribution)."""
+    if temperature != temperature:
+        raise ValueError(f"temperature={temperature!r} is not a number; pass a float >= 0 (0 = greedy)")
     t = float(temperature) if temperature > 0 else 1.0
     x = logits.float()
     return x if t == 1.0 else x / t

@@ -57,7 +57,21 @@ class _Linear(torch.autograd.Function):
         return gx, gw
 
 
+def _check_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: x of shape {tuple(x.shape)} and weight of shape {tuple(weight.shape)} are not "
+                         "[..., K] and [N, K]; pass the weight as [out_features, in_features] (F.linear's layout)")
+    if x.dtype != weight.dtype and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"linear: x is {x.dtype} but the weight is {weight.dtype}; cast one to the other's dtype "
+                         "(e.g. model.to(dtype)) before the call")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` row by row (:func:`_rowwise_matmul`). The weight is used in its contiguous [N, K] layout
+    whatever its strides (a no-op for a contiguous weight): the GEMM route follows the operand's strides, so a
+    weight held as a transposed view would otherwise give other bits than the same values stored contiguously."""
+    _check_linear(x, weight)
+    weight = weight.contiguous()
     k = x.shape[-1]
     n = weight.shape[0]
     x2d = x.reshape(-1, k)
@@ -88,6 +102,9 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: x of shape {tuple(x.shape)} is not [..., 2d] (gate | up); its last dim "
+                         "must be even: concatenate the gate and up projections")
     d = x.shape[-1] // 2
     gate, up = x[..., :d], x[..., d:]
     return gate / (1.0 + torch.exp(-gate)) * up
@@ -103,6 +120,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight[ids]``. On the CPU the ids are range-checked first: indexing wraps a negative id round to the end
+    of the table (``-1`` reads the last row) where ``F.embedding`` refuses it. (Fast mode on CUDA uses this
+    function too; it is not checked there, which would make the host wait for the device.)"""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype in (torch.bool, torch.uint8):
+        raise ValueError(f"embedding: token ids must be an integer tensor (not a mask), got {ids.dtype}; pass "
+                         "them as int64")
+    if not ids.is_cuda and ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= weight.shape[0]:
+            raise ValueError(f"embedding: token ids must lie in [0, {weight.shape[0]}); got min {lo}, max {hi}")
     return weight[ids]
 
 
@@ -124,6 +151,29 @@ def kv_rows(meta: AttentionMetadata, kv_pos: torch.Tensor) -> torch.Tensor:
     return blocks * meta.block_size + pos % meta.block_size
 
 
+def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                     kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Shape checks (host-side sizes only) whose failures would otherwise surface as a reshape error mid-loop."""
+    if q.dim() != 3 or k.dim() != 3 or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not [N, H, D], "
+                         "[N, Hkv, D], [N, Hkv, D]")
+    n, h, d = q.shape
+    if k.shape[0] != n or k.shape[2] != d or h % k.shape[1]:
+        raise ValueError(f"attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} need the same N and D, and Hkv "
+                         f"({k.shape[1]}) dividing H ({h})")
+    if meta.positions.shape[0] != n:
+        raise ValueError(f"attention: {n} query tokens but the metadata describes {meta.positions.shape[0]}; "
+                         "build the AttentionMetadata for this batch")
+    if kv_cache is not None:
+        for name, c in zip(("key", "value"), kv_cache):
+            if c.dim() != 4 or tuple(c.shape[2:]) != (k.shape[1], d):
+                raise ValueError(f"attention: the {name} cache has shape {tuple(c.shape)}, not [num_blocks, "
+                                 f"block_size, {k.shape[1]}, {d}] for k/v of shape {tuple(k.shape)}")
+        if meta.slot_mapping is None or meta.block_table is None:
+            raise ValueError("attention with a kv_cache needs paged metadata (slot_mapping and block_table): "
+                             "build it with AttentionMetadata.paged")
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
               kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention, q: [N, H, D], k and v: [N, Hkv, D] for the same N new tokens.
@@ -134,6 +184,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     online softmax in float32. Tiles past p leave the state untouched, so the output depends only on the
     sequence's tokens up to p, never on the batch, the chunking or where the KV came from.
     """
+    _check_attention(q, k, v, meta, kv_cache)
     n, h, d = q.shape
     out_dtype = q.dtype
     if kv_cache is not None:

@@ -30,6 +30,20 @@ def tensor_to_device(values, dtype: torch.dtype, device: torch.device | str) -> 
     return to_device(torch.tensor(values, dtype=dtype), device)
 
 
+def _int_list(name: str, values) -> list[int]:
+    """``values`` as a list of Python ints; ValueError naming ``name`` for anything else (a float length would be
+    truncated by ``torch.tensor(..., dtype=int64)``, a bool taken as 0/1). numpy / torch integer scalars are fine."""
+    out = []
+    for v in values:
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(v.__index__())
+        except (AttributeError, TypeError):
+            raise ValueError(f"{name} must hold integers, got {v!r} in {list(values)!r}") from None
+    return out
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [S+1] int64: queries of sequence s are rows cu[s]:cu[s+1] of the batch
@@ -55,6 +69,7 @@ class AttentionMetadata:
     @staticmethod
     def packed(seq_lens: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
         """Whole sequences packed back to back (trainer, full-sequence forward): no cache, queries == keys."""
+        seq_lens = _int_list("seq_lens", seq_lens)
         if not seq_lens or min(seq_lens) < 1:
             raise ValueError(f"packed attention needs at least one sequence, each of length >= 1; got {seq_lens}")
         lens = torch.tensor(seq_lens, dtype=torch.int64)
@@ -70,8 +85,15 @@ class AttentionMetadata:
     def paged(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device | str = "cpu") -> "AttentionMetadata":
         """A mixed engine step: sequence s computes its positions seq_lens[s]-query_lens[s] .. seq_lens[s]-1."""
+        query_lens, seq_lens = _int_list("query_lens", query_lens), _int_list("seq_lens", seq_lens)
         if len(query_lens) != len(seq_lens) or len(block_tables) != len(seq_lens):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        if not seq_lens:
+            raise ValueError("paged attention needs at least one sequence; got empty query_lens, seq_lens and "
+                             "block_tables (skip the step when nothing is scheduled)")
+        (block_size,) = _int_list("block_size", [block_size])
+        if block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         ql = torch.tensor(query_lens, dtype=torch.int64)
         sl = torch.tensor(seq_lens, dtype=torch.int64)
         if bool((ql < 1).any()) or bool((ql > sl).any()):
@@ -84,8 +106,11 @@ class AttentionMetadata:
         table = torch.zeros(len(block_tables), width, dtype=torch.int64)
         for s, blocks in enumerate(block_tables):
             if len(blocks) * block_size < seq_lens[s]:
-                raise ValueError(f"sequence {s} has {len(blocks)} blocks of {block_size} for {seq_lens[s]} tokens")
+                raise ValueError(f"sequence {s} has {len(blocks)} blocks of {block_size} for {seq_lens[s]} tokens; "
+                                 f"its block table needs at least {-(-seq_lens[s] // block_size)} blocks")
             table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        if bool((table < 0).any()):  # indexing would wrap a negative id round to a block from the cache's end
+            raise ValueError(f"block ids must be >= 0; got block_tables={[list(t) for t in block_tables]}")
         slots = table[seq_idx, positions // block_size] * block_size + positions % block_size
         return AttentionMetadata(
             cu_seqlens_q=to_device(cu, device), seq_lens=to_device(sl, device),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,11 @@ def _stored_float_dtype(directory: Path) -> str | None:
     return None
 
 
+def _positive_real(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
 @dataclass
 class Qwen3Config:
     vocab_size: int
@@ -58,10 +64,17 @@ class Qwen3Config:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"config.{name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not _positive_real(getattr(self, name)):
+                raise ValueError(f"config.{name} must be a finite number > 0, got {getattr(self, name)!r}")
+        if not _positive_real(self.initializer_range) and self.initializer_range != 0:
+            raise ValueError(f"config.initializer_range must be a finite number >= 0, got {self.initializer_range!r}")
+        if not isinstance(self.tie_word_embeddings, bool):  # a string "false" would tie the LM head (truthy)
+            raise ValueError(f"config.tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
@@ -98,6 +111,8 @@ class Qwen3Config:
             raise ValueError(f"rope type {rope_type!r} is not supported (only default RoPE); remove rope_scaling "
                              "from config.json to run the model at its native context length")
         theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        if not _positive_real(theta):
+            raise ValueError(f"rope_theta must be a finite number > 0, got {theta!r}")
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
         names = {f for f in cls.__dataclass_fields__
                  if f not in ("extra", "rope_theta", "torch_dtype", "generation_eos_token_ids")}
@@ -112,6 +127,8 @@ class Qwen3Config:
         for k in ("num_key_value_heads", "head_dim"):  # null means derived
             if kwargs.get(k, 0) is None:
                 del kwargs[k]
+        if "tie_word_embeddings" in kwargs and kwargs["tie_word_embeddings"] is None:
+            kwargs["tie_word_embeddings"] = False  # null: untied, as transformers reads it
         kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
         return cls(**kwargs, rope_theta=float(theta), torch_dtype=str(dtype).replace("torch.", ""), extra=raw)

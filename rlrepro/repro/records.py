@@ -37,7 +37,7 @@ EVAL_FINGERPRINT_KEY = "repro/eval_fingerprint"
 ROLLOUT_SAMPLE_KEYS = ("prompt_uid", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "reward", "advantage")
 #: optional keys of a rollout record (``Sample.to_record`` writes them when set); older files lack them
 ROLLOUT_OPTIONAL_KEYS = ("finish_reason", "seed", "weight_version", "prompt_text", "completion_text", "loss_mask",
-                         "turns")
+                         "turns", "extra")
 
 
 class ReproError(Exception):
