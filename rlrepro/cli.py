@@ -85,6 +85,7 @@ def compose_config(overrides: list[str]):
     schema = OmegaConf.structured(RunSchema)
     _refuse_added_keys(rest, schema, recipe)
     rest = [_into_mapping(item, schema) for item in rest]
+    _check_override_grammar(rest, recipe)
     ConfigStore.instance().store(name="rlrepro_schema", node=RunSchema)
     try:
         with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
@@ -118,6 +119,37 @@ def compose_config(overrides: list[str]):
         raise ConfigError(f"{tiny_keys[0]} is not used with model.init={cfg.model.get('init')} (the weights come from "
                           "model.path); drop it, or set model.init=tiny to build a tiny random model")
     return cfg
+
+
+def _check_override_grammar(overrides: list[str], recipe: str) -> None:
+    """Parse each override as hydra will; one its grammar refuses (a space-free value with a character outside
+    it: ``run.dir=runs/ünï``, ``run.dir=~/runs``, ``data.template=q: {prompt}=``) fails naming it and its quoted
+    form, which hydra takes as a plain string, instead of hydra's bare lexer message about the whole line."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from rlrepro.orchestration.config import ConfigError
+
+    parser = OverridesParser.create()
+    for item in overrides:
+        try:
+            parser.parse_override(item)
+        except HydraException as e:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "=" not in item:
+                raise ConfigError(f"bad override for recipe {recipe}: {item!r} is not KEY=VALUE ({why})") from None
+            key, value = item.split("=", 1)
+            quote = "'" if "'" not in value else '"' if '"' not in value else None
+            fix = "quote the value for hydra"
+            if value.startswith("~"):  # quoted, it would be a folder named "~": the shell must expand it
+                fix = f"neither hydra nor rlrepro expands ~: let the shell do it, {key}=$HOME{value[1:]}"
+            elif quote:
+                outer = '"' if quote == "'" else "'"
+                quoted = f"{key}={quote}{value}{quote}"
+                fix += f": {quoted}" + (f" (on a shell command line in other quotes: {outer}{quoted}{outer})"
+                                        if outer not in value else "")
+            raise ConfigError(f"bad override for recipe {recipe}: {item!r}: hydra's override grammar does not take "
+                              f"this value unquoted ({why}); {fix}") from None
 
 
 def _unknown_key_hint(key: str, schema) -> str | None:
@@ -272,6 +304,14 @@ def cmd_train(args: list[str]) -> int:
         if os.environ.get("RLREPRO_DEBUG"):
             raise
         print(f"rlrepro train: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # The machine refused something while preparing the run (a folder it cannot write, a cluster it cannot
+        # reach): the path or address is in the message; a step's OSError arrives as RunFailed above.
+        if os.environ.get("RLREPRO_DEBUG"):
+            raise
+        print(f"rlrepro train: the run could not be set up: {type(e).__name__}: {e} (RLREPRO_DEBUG=1 shows the "
+              "traceback)", file=sys.stderr)
         return 2
     print(f"run written to {cfg.run.dir}", file=sys.stderr)
     return 0

@@ -445,6 +445,7 @@ def main_eval(argv: list[str]) -> int:
               "create it or name a file in an existing folder", file=sys.stderr)
         return 2
     from rlrepro.repro.inputs import in_launch_dir
+    from rlrepro.repro.records import EVAL_FINGERPRINT_KEY, ReproError
 
     # the user's paths are resolved where the user is, before moving to the run's launch directory
     ns.records = None if ns.records is None else str(Path(ns.records).resolve())
@@ -456,10 +457,9 @@ def main_eval(argv: list[str]) -> int:
         if records is not None:
             Path(ns.records).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records),
                                         encoding="utf-8")
-    except (ConfigError, ValueError, OSError) as e:
+    except (ConfigError, ValueError, OSError, ReproError) as e:  # ReproError: a damaged or missing record
         print(f"rlrepro eval: {e}", file=sys.stderr)
         return 2
-    from rlrepro.repro.records import EVAL_FINGERPRINT_KEY
 
     digest = metrics.pop(EVAL_FINGERPRINT_KEY)  # compared with the run's (where it logged one), not printed
     logged = _logged(Path(ns.run), step) if ns.source is None else None

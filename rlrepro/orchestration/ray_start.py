@@ -80,6 +80,7 @@ def start_ray(address: str | None, num_cpus: int | None) -> bool:
     if loopback:
         _loopback_for_imported_ray()
     if not local:
+        _check_reachable(str(address).strip())
         try:
             ray.init(address=str(address).strip(), include_dashboard=False, log_to_driver=True,
                      job_config=job_config_without_driver_paths())
@@ -103,6 +104,30 @@ def start_ray(address: str | None, num_cpus: int | None) -> bool:
                            f"would not be on loopback only; this Ray ({ray.__version__}) no longer honours "
                            f"{CLUSTER_ENV}=0 (see rlrepro/orchestration/ray_start.py). Ray was shut down")
     return True
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A ``host:port`` ``ray.address`` that nothing answers on (no head node there, a wrong port) is refused at
+    once: ``ray.init`` would retry it for minutes, printing GCS time-outs. ``auto`` and ``ray://`` are Ray's."""
+    import socket
+
+    from .config import ConfigError
+
+    if "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        port_no = int(port)
+    except ValueError:
+        raise ConfigError(f"ray.address={address}: {port!r} is not a port; give the head node's GCS address as "
+                          "host:port (e.g. 10.0.0.1:6379), or leave ray.address unset for a local Ray") from None
+    try:
+        socket.create_connection((host.strip("[]"), port_no), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"ray.address={address}: nothing answers there ({e.strerror or type(e).__name__}); is a "
+                          f"head node running (ray status --address={address})? Give the head's GCS address "
+                          "(host:port, default port 6379), or leave ray.address unset for a local Ray of "
+                          "rlrepro's own") from None
 
 
 def _loopback_for_imported_ray() -> None:

@@ -143,14 +143,17 @@ class RunLock:
     def acquire(self) -> "RunLock":
         if self._fd is not None:
             return self
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where the directory (or a folder above it) should be, no permission, ...
+            raise ConfigError(self._unusable(e)) from None
         try:  # 0o666 & ~umask, as a plain open() would; a symbolic link is refused, never followed
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise ConfigError(f"{self.path} is a symbolic link; rlrepro locks the run directory with a file of "
                                   "its own there and does not follow links: remove it") from None
-            raise
+            raise ConfigError(self._unusable(e)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -185,6 +188,16 @@ class RunLock:
         if host != socket.gethostname() or not isinstance(pid, int):
             return "which no longer holds it"
         return f"pid {pid} is no longer running" if not _pid_alive(pid) else f"pid {pid} no longer holds it"
+
+    def _unusable(self, e: OSError) -> str:
+        """Why the run directory cannot be created or locked (a file in its place, no permission), and the fix."""
+        blocking = next((p for p in (self.run_dir, *self.run_dir.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            what = "it" if blocking == self.run_dir else f"{blocking}, a folder above it,"
+            return (f"run directory {self.run_dir} cannot be created: {what} is a file, not a directory; choose "
+                    "another run.dir (or move that file away)")
+        return (f"run directory {self.run_dir} cannot be created or locked ({e.strerror or e}: "
+                f"{e.filename or self.run_dir}); choose a run.dir you can write to")
 
     def _refusal(self, holder: dict | None) -> str:
         text = (f"run.dir={str(self.run_dir)!r} is in use: {describe_holder(holder)} holds its lock "
