@@ -18,7 +18,8 @@ Timed (``triton.testing.do_bench`` medians, L2 flushed; all variants in one proc
 heads (H=32, Hkv=8, D=128, bf16), causal prefill 4 x 2048 and 1 x 16384 (TFLOP/s); a 512-token chunk of 16
 sequences against 2048 cached tokens (paged, block 16, the prefill tile); a mixed step of 16 x 32 new tokens on
 2048 cached (the 64-row tile at 1 and 2 stages); decode 64 x 2048 context (the 16-row tile at 1 and 2 stages and
-the 64-row one at 1 and 2, TB/s of KV read); and SDPA's flash forward and flashinfer's FA3 prefill (when flashinfer imports) as references.
+the 64-row one at 1 and 2, TB/s of KV read); and SDPA's flash forward and flashinfer's FA3 prefill (when flashinfer
+imports) as references.
 """
 from __future__ import annotations
 

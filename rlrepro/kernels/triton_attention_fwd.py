@@ -464,6 +464,8 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
     block_q, group_p = tile_shape(group, cfg.rows)
     g_slots, prog_seq, prog_q0 = _device_schedule(cu, s_count, n, block_q, meta)
     bt = meta.block_table if paged else cu
+    # the 256-row tile's 3 stages of 128-position K/V tiles would not fit in shared memory (forced configs only)
+    stages = min(cfg.num_stages, 2) if block_kv > BLOCK_KV and cfg.rows > 128 else cfg.num_stages
     k_desc = v_desc = None
     if not paged and cfg.rows <= DESC_MAX_ROWS and _use_descriptors(k_flat, v_flat):
         k_desc, v_desc = (_kv_descriptor(t, block_kv) for t in (k_flat, v_flat))
@@ -477,7 +479,7 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         D_P=triton.next_power_of_2(d),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_DESC=k_desc is not None,
         WRITE_LSE=return_lse, FMA=fma,
-        num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 2) if block_kv > 64 and cfg.rows > 128 else cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        num_warps=cfg.num_warps, num_stages=stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         # no multiply-add contraction: the whole-tile loop's ``qk * scale - m`` could otherwise become one FMA
         # where the masked loop's (a select in between) cannot, and a tile's bits would depend on which loop ran it
         enable_fp_fusion=False)
