@@ -33,6 +33,20 @@ def test_order_variable_parsed_and_refused(monkeypatch):
         A.attention_order()
 
 
+def test_fa3_mode_refuses_an_order(monkeypatch):
+    """``RLREPRO_ATTENTION=fa3`` computes in FA3's own order: an order set beside it is refused, not ignored."""
+    from rlrepro.kernels import fa3_attention
+    monkeypatch.setenv("RLREPRO_ATTENTION", "fa3")
+    monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", "128f")
+    with pytest.raises(ValueError, match="RLREPRO_ATTENTION=fa3 computes in FA3's own order.*unset one of the two"):
+        fa3_attention.requested()
+    monkeypatch.delenv("RLREPRO_ATTENTION_ORDER")
+    assert fa3_attention.requested()
+    monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", "128f")
+    monkeypatch.setenv("RLREPRO_ATTENTION", "triton")
+    assert not fa3_attention.requested()
+
+
 def test_auto_tile_per_order():
     """64: the pick stands. 128f: "large" for the 128- and 256-row picks (16-bit, heads up to 128), "small1"
     otherwise; K and V tiles that cannot fit shared memory are refused with the fix."""

@@ -48,6 +48,10 @@ def requested() -> bool:
     value = os.environ.get("RLREPRO_ATTENTION", "").strip().lower()
     if value not in ("", "triton", "fa3"):
         raise ValueError(f"RLREPRO_ATTENTION must be 'triton' or 'fa3', not {value!r}")
+    order = os.environ.get("RLREPRO_ATTENTION_ORDER", "").strip()
+    if value == "fa3" and order:  # FA3 has its own order: the variable would be recorded but change nothing
+        raise ValueError(f"RLREPRO_ATTENTION=fa3 computes in FA3's own order; RLREPRO_ATTENTION_ORDER={order!r} "
+                         "chooses the order of rlrepro's Triton kernels: unset one of the two")
     return value == "fa3"
 
 
