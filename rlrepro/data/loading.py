@@ -34,6 +34,7 @@ from .jsonlines import blank_lines, empty_array, kept_rows, scan_lines
 from .records import PromptRecord, records_digest
 from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_lone_surrogates, has_surrogate_escape,
                    json_array_rows, row_to_record, utf8_encodable)
+from .sources import check_not_saved_dataset
 
 __all__ = ["load_records", "LoadStats", "SkippedRow", "DATA_FILE_FORMATS", "MAX_LINE_BYTES"]
 
@@ -183,6 +184,7 @@ def load_records(
 
 def _local_files(path: Path, split: str) -> list[tuple[Path, str]]:
     """(file, source_name) pairs in load order."""
+    check_not_saved_dataset(path, split)  # its .json files are metadata, not rows
     if path.is_file():
         if path.suffix.lower() not in DATA_FILE_FORMATS:
             raise ValueError(f"{path}: unsupported file type {path.suffix!r}; supported: {sorted(DATA_FILE_FORMATS)}. "

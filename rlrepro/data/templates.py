@@ -20,11 +20,13 @@ __all__ = ["render_prompt", "tokenize_prompt", "check_template"]
 
 
 def check_template(template: str) -> None:
-    """Raise ValueError unless ``template`` is a format string whose only field is ``{prompt}`` (at least once)."""
+    """Raise ValueError unless ``template`` is a format string whose only field is ``{prompt}`` (at least once),
+    written plain: no conversion (``{prompt!r}``) or format spec (``{prompt:>9}``)."""
     if not isinstance(template, str):
         raise ValueError(f"data.template (template) must be a string or null, got {type(template).__name__}")
     try:
-        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        parsed = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+        fields = [name for name, _, _ in parsed]
     except ValueError as e:
         raise ValueError(f"data.template={template!r} is not a valid format string ({e}). "
                          f"Fix: write literal braces doubled in data.template, e.g. \\boxed{{{{}}}}.") from None
@@ -32,6 +34,11 @@ def check_template(template: str) -> None:
     if others:
         raise ValueError(f"data.template={template!r} uses the fields {others}; only {{prompt}} is filled in. "
                          f"Fix: write literal braces doubled in data.template ({{{{ and }}}}), e.g. \\boxed{{{{}}}}.")
+    styled = next((f"{{prompt{'!' + conv if conv else ''}{':' + spec if spec else ''}}}" for name, spec, conv in parsed
+                   if name == "prompt" and (spec or conv)), None)
+    if styled is not None:  # {prompt!r} inserts a repr (quotes, escapes), {prompt:>9} pads, {prompt:{prompt}} fails
+        raise ValueError(f"data.template={template!r} writes {styled}; only a plain {{prompt}} is filled in, with "
+                         f"the record's text as it is (no conversion or format spec). Fix: write {{prompt}} instead.")
     if "prompt" not in fields:
         raise ValueError(f"data.template={template!r} has no {{prompt}} field, so the record's text would be "
                          f"dropped. Fix: put {{prompt}} in data.template where the question goes.")
