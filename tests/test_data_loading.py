@@ -40,7 +40,7 @@ def test_custom_fields_ids_and_number_answers(tmp_path):
     assert stats.warnings == []  # integers convert exactly
     f = write_lines(tmp_path / "e.jsonl", [{"prompt": "a", "answer": 0.5}, {"prompt": "b", "answer": 2}])
     recs, stats = load_records(str(f))
-    assert [r.answer for r in recs] == ["0.5", "2.0"]
+    assert [r.answer for r in recs] == ["0.5", "2"]  # each number as written (session 30: '2' was '2.0')
     assert stats.warnings == [f"{f}: column 'answer' has type float64; its values are converted to text with str() "
                               f"(1 written as 1.0 becomes '1.0'). Fix: write the values as strings to control the "
                               f"exact text."]

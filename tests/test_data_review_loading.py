@@ -55,11 +55,17 @@ def test_only_an_empty_json_array_says_no_records(tmp_path):
 
 def test_integer_past_int64_is_not_silently_rounded(tmp_path):
     # pyarrow reads 12345678901234567890 as a float: the answer became '1.2345678901234567e+19', and the math reward
-    # scored the right answer 0.0; now the row is refused, naming the line and the fix
+    # scored the right answer 0.0; a JSON file's numbers are now read as written (session 30: every digit, and 3
+    # stays '3'), and a float that large from a parquet column, whose digits are lost, is refused
     path = tmp_path / "train.jsonl"
     path.write_text('{"prompt": "a", "answer": 3}\n{"prompt": "b", "answer": 12345678901234567890}\n')
-    with pytest.raises(ValueError, match=r"line 2: field 'answer': the number 1.2345678901234567e\+19 is a float too "
+    recs, stats = load_records(str(path))
+    assert [r.answer for r in recs] == ["3", "12345678901234567890"]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [3.0, 12345678901234567890.0]}), tmp_path / "t.parquet")
+    with pytest.raises(ValueError, match=r"row 2: field 'answer': the number 1.2345678901234567e\+19 is a float too "
                                          r"large.*Fix: write 'answer' values as strings"):
-        load_records(str(path))
-    recs, stats = load_records(str(path), on_bad_row="skip")
+        load_records(str(tmp_path / "t.parquet"))
+    recs, stats = load_records(str(tmp_path / "t.parquet"), on_bad_row="skip")
     assert [r.answer for r in recs] == ["3.0"] and stats.skipped_by_reason() == {"wrong type": 1}

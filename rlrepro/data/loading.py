@@ -32,8 +32,8 @@ from typing import Any, Iterator, Literal
 
 from .jsonlines import blank_lines, empty_array, kept_rows, scan_lines
 from .records import PromptRecord, records_digest
-from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_lone_surrogates, has_surrogate_escape,
-                   json_array_rows, row_to_record, utf8_encodable)
+from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_lone_surrogates, exact_json_numbers,
+                   has_surrogate_escape, json_array_rows, narrow_floats, row_to_record, utf8_encodable)
 from .sources import check_not_saved_dataset
 
 __all__ = ["load_records", "LoadStats", "SkippedRow", "DATA_FILE_FORMATS", "MAX_LINE_BYTES"]
@@ -283,6 +283,7 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
         import datasets  # imported here: it is slow to import and only loading needs it
 
         src, lone = file, False
+        loaded = src
         if lines is not None and lines.long:
             row, line_no, size = lines.long[0]
             problem = (f"the line is {size} bytes, over the limit of {max_line_bytes} bytes; it was not parsed")
@@ -295,8 +296,8 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
                                                 f"of {max_line_bytes} bytes; it was not parsed", f"line {line_no}"))
             stats.num_rows += len(lines.long)
             long_rows = [row for row, _, _ in lines.long]
-            src = blank_lines(file, Path(tmp) / ("short-" + file.name.rsplit(".", 1)[0] + ".jsonl"),
-                              {line_no for _, line_no, _ in lines.long})
+            src = loaded = blank_lines(file, Path(tmp) / ("short-" + file.name.rsplit(".", 1)[0] + ".jsonl"),
+                                       {line_no for _, line_no, _ in lines.long})
         try:
             if builder == "json" and (lone := _has_lone_surrogate(src)):
                 # datasets may drop such an escape silently (a mixed-type column, a JSON array): the scan names it
@@ -320,12 +321,13 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
             clean, row_map = _clean_copy(src, Path(tmp), bad_lines, stats, file, long_rows, lines.array)
             if lines.array:  # scan_lines counts no rows in an array
                 lines.num_rows = len(row_map) + len(bad_lines)
-            ds = None
+            ds, loaded = None, clean
             if row_map:
                 ds = datasets.load_dataset("json", data_files=str(clean), split="train", cache_dir=tmp + "/cache")
         if row_map is None and long_rows:
             row_map = kept_rows(long_rows, lines.num_rows - len(long_rows))
-        columns, rows = _rows_as_python(ds, spec, str(file), stats) if ds is not None else ([], [])
+        json_src = (loaded, bool(lines.array)) if lines is not None else None  # the file datasets read, if JSON
+        columns, rows = _rows_as_python(ds, spec, str(file), stats, json_src) if ds is not None else ([], [])
 
     stats.files[-1]["num_rows"] = len(rows) if row_map is None else lines.num_rows
     stats.num_rows += len(rows)
@@ -493,7 +495,8 @@ def _clean_copy(src: Path, tmp: Path, bad_lines: list[tuple[int, int, str, str]]
     return clean, row_map
 
 
-def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats) -> tuple[list[str], list[dict]]:
+def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats,
+                    json_src: tuple[Path, bool] | None = None) -> tuple[list[str], list[dict]]:
     """The data set's column names and rows as Python dicts, undoing datasets' lossy JSON typing where it can.
 
     ``datasets`` stores a JSON column whose values mix types (strings and numbers, say) as JSON text and
@@ -530,24 +533,14 @@ def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats) -> t
         elif isinstance(feat, datasets.Value) and feat.dtype in ("binary", "large_binary"):
             stats.warnings.append(f"{label}: column {col!r} holds bytes; they are decoded as UTF-8.")
         elif isinstance(feat, datasets.Value) and feat.dtype.startswith(("float", "double", "decimal")):
-            if feat.dtype in ("float16", "float32"):
-                _narrow_floats(rows, col, feat.dtype)
+            if json_src is not None:  # the numbers as written: 3 next to 0.5 stays '3', big integers exact
+                exact_json_numbers(json_src[0], rows, [col], json_src[1])
+            elif feat.dtype in ("float16", "float32"):
+                narrow_floats(rows, col, feat.dtype)
             stats.warnings.append(
                 f"{label}: column {col!r} has type {feat.dtype}; its values are converted to text with str() "
                 f"(1 written as 1.0 becomes '1.0'). Fix: write the values as strings to control the exact text.")
     return columns, rows
-
-
-def _narrow_floats(rows: list[dict], col: str, dtype: str) -> None:
-    """A float16/float32 column's values as the floats their shortest text in that type denotes: a float32 0.1
-    reaches Python as 0.10000000149011612, whose str() is not the 0.1 the file holds."""
-    import numpy as np
-
-    narrow = np.float16 if dtype == "float16" else np.float32
-    for row in rows:
-        value = row.get(col)
-        if isinstance(value, float):
-            row[col] = float(str(narrow(value)))
 
 
 def _column_to_pylist(column: Any) -> list[Any]:

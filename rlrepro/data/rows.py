@@ -95,6 +95,40 @@ def json_array_rows(file: Path) -> list[tuple[Any, str]]:
     return rows
 
 
+def exact_json_numbers(file: Path, rows: list[dict], columns: list[str], array: bool) -> None:
+    """Put back, in the text fields ``columns`` that pyarrow read as floats (a JSON column mixing ``3`` and ``0.5``,
+    or holding an integer past int64), each number as ``file`` writes it: ``3`` stays the int 3 (text ``'3'``, not
+    ``'3.0'``) and an integer of any size keeps every digit. ``rows`` are the rows ``datasets`` read from ``file``,
+    in order (a blank line is none); nothing changes if the file cannot be parsed here or the counts disagree."""
+    try:
+        if array:
+            objs = [obj for obj, _ in json_array_rows(file)]
+        else:
+            with open(file, "rb") as f:
+                objs = [_JSON_DECODER.decode(line.decode("utf-8").lstrip("\ufeff")) for line in f if line.strip()]
+    except ValueError:  # not UTF-8 or not JSON: the rows keep pyarrow's values (and its warning)
+        return
+    if len(objs) != len(rows) or not all(isinstance(obj, dict) for obj in objs):
+        return
+    for row, obj in zip(rows, objs):
+        for col in columns:
+            value = obj.get(col)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(row.get(col), float):
+                row[col] = value
+
+
+def narrow_floats(rows: list[dict], col: str, dtype: str) -> None:
+    """A float16/float32 column's values as the floats their shortest text in that type denotes: a float32 0.1
+    reaches Python as 0.10000000149011612, whose str() is not the 0.1 the file holds."""
+    import numpy as np
+
+    narrow = np.float16 if dtype == "float16" else np.float32
+    for row in rows:
+        value = row.get(col)
+        if isinstance(value, float):
+            row[col] = float(str(narrow(value)))
+
+
 def array_lone_surrogates(file: Path) -> list[tuple[int, int, str, str]]:
     """The rows of a JSON array file whose strings are not UTF-8 (a lone surrogate escape such as ``\\ud800``):
     (row index, 1-based row number, reason, problem naming the field), the form of ``loading._scan_json_lines``."""
