@@ -30,24 +30,24 @@ import glob
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from rlrepro._files import apply_default_mode, fsync_path
 from rlrepro.model import save_pretrained
 
+from .rng_state import capture_rng_state, check_rng_state, restore_rng_state
+
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "verify_checkpoint",
            "capture_rng_state",
            "restore_rng_state", "export_hf", "LoadedCheckpoint", "checkpoint_dir_name", "load_pt", "scan_checkpoints",
-           "write_error", "commit_checkpoint_dir", "restore_set_aside", "CheckpointVersionError",
+           "write_error", "commit_checkpoint_dir", "check_rng_state", "restore_set_aside", "CheckpointVersionError",
            "other_version", "load_extra_state"]
 
 FORMAT = "rlrepro-checkpoint"
@@ -81,89 +81,9 @@ def other_version(path: str | os.PathLike):
     return None
 
 
-# ---------------------------------------------------------------------------------------------------- RNG state
-
-def _np_to_plain(obj):
-    """numpy state -> torch-loadable plain objects (ndarrays become tagged int64 tensors)."""
-    if isinstance(obj, np.ndarray):
-        return {"__ndarray__": torch.from_numpy(obj.astype(np.int64)), "dtype": str(obj.dtype)}
-    if isinstance(obj, dict):
-        return {k: _np_to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, tuple | list):
-        return type(obj)(_np_to_plain(v) for v in obj)
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
-
-
-def _plain_to_np(obj):
-    if isinstance(obj, dict) and "__ndarray__" in obj:
-        return obj["__ndarray__"].numpy().astype(obj["dtype"])
-    if isinstance(obj, dict):
-        return {k: _plain_to_np(v) for k, v in obj.items()}
-    if isinstance(obj, tuple | list):
-        return type(obj)(_plain_to_np(v) for v in obj)
-    return obj
-
-
-def _generator_state(gen):
-    if isinstance(gen, torch.Generator):
-        return {"kind": "torch", "state": gen.get_state()}
-    if isinstance(gen, np.random.Generator):
-        return {"kind": "numpy", "state": _np_to_plain(gen.bit_generator.state)}
-    if isinstance(gen, random.Random):
-        return {"kind": "python", "state": gen.getstate()}
-    raise TypeError(f"cannot capture the state of {type(gen).__name__}; register a torch.Generator, "
-                    "numpy.random.Generator or random.Random")
-
-
-def capture_rng_state(generators: Mapping[str, object] | None = None) -> dict:
-    """Every RNG a resumed run must continue from: Python ``random``, numpy's global state, torch CPU, every CUDA
-    device (when CUDA is available), and the caller's named generators (torch, numpy or ``random.Random``)."""
-    state = {
-        "python": random.getstate(),
-        "numpy": _np_to_plain(np.random.get_state()),
-        "torch_cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "generators": {name: _generator_state(g) for name, g in (generators or {}).items()},
-    }
-    return state
-
-
-def restore_rng_state(state: Mapping, generators: Mapping[str, object] | None = None) -> None:
-    """Put back what :func:`capture_rng_state` took; ``generators`` must name the same generators."""
-    random.setstate(state["python"])
-    np.random.set_state(_plain_to_np(state["numpy"]))
-    torch.set_rng_state(state["torch_cpu"])
-    cuda = list(state["cuda"])
-    if cuda:
-        if not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda):
-            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            raise ValueError(f"the checkpoint holds RNG states for {len(cuda)} CUDA devices but {have} are visible; "
-                             "resume with the same CUDA_VISIBLE_DEVICES as the saving run")
-        torch.cuda.set_rng_state_all(cuda)
-    saved = state.get("generators", {})
-    given = dict(generators or {})
-    if set(saved) != set(given):
-        raise ValueError(f"the checkpoint holds generators {sorted(saved)} but {sorted(given)} were passed; "
-                         "pass the same named generators to restore_rng_state/load_checkpoint as to capture")
-    for name, gen in given.items():
-        entry = saved[name]
-        if entry["kind"] == "torch" and isinstance(gen, torch.Generator):
-            gen.set_state(entry["state"])
-        elif entry["kind"] == "numpy" and isinstance(gen, np.random.Generator):
-            gen.bit_generator.state = _plain_to_np(entry["state"])
-        elif entry["kind"] == "python" and isinstance(gen, random.Random):
-            gen.setstate(entry["state"])
-        else:
-            raise TypeError(f"generator {name!r} was saved as a {entry['kind']} generator, "
-                            f"got a {type(gen).__name__}")
-
-
 # ------------------------------------------------------------------------------------------------------ writing
 
-def _fsync_dir(path: Path) -> None:
-    fsync_path(path)
+_fsync_dir = fsync_path
 
 
 def _file_digest(path: Path) -> dict:
@@ -571,6 +491,9 @@ def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, sche
                              f"it was saved without one — pass {what}=None")
         return path / name
 
+    rng_state = _load_pt(path / "rng.pt", "cpu")
+    if restore_rng:  # before anything is loaded: a refused restore leaves the model, optimizer and RNGs as they were
+        check_rng_state(rng_state, generators)
     if model is not None:
         f = need("model.safetensors", "model")
         state = load_file(str(f))
@@ -587,7 +510,6 @@ def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, sche
         optimizer.load_state_dict(_load_pt(need("optimizer.pt", "optimizer"), map_location))
     if scheduler is not None:
         scheduler.load_state_dict(_load_pt(need("scheduler.pt", "scheduler"), map_location))
-    rng_state = _load_pt(path / "rng.pt", "cpu")
     extra_state = _load_pt(path / "extra_state.pt", map_location)
     if restore_rng:
         restore_rng_state(rng_state, generators)

@@ -138,6 +138,9 @@ class TrainConfig:
         for name, why in policy_loss_problems(self.policy_loss, loss_agg=self.loss_agg, dual_clip=self.dual_clip):
             c.fail(name, why)
         c.choice("kl_estimator", KL_ESTIMATORS)
+        c.require(self.kl_estimator == "k3" or self.kl_coef > 0, "kl_estimator",
+                  f"changes nothing with train.kl_coef={self.kl_coef}: without a KL term the run builds no reference "
+                  "model and computes no KL; set train.kl_coef > 0 (e.g. 0.001) or leave train.kl_estimator=k3")
         c.choice("on_nonfinite", NONFINITE_POLICIES)
         c.choice("backend", BACKENDS)
         c.choice("grad_sync", GRAD_SYNCS)

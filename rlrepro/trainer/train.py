@@ -81,6 +81,9 @@ def _as_train_sample(sample, index: int) -> TrainSample:
     if len(s.rollout_logprobs) != len(s.completion_token_ids):
         raise ValueError(f"sample {index} has {len(s.completion_token_ids)} completion tokens but "
                          f"{len(s.rollout_logprobs)} rollout logprobs; they must be one per token")
+    if not s.prompt_token_ids and s.completion_token_ids:  # the packed forward named its index in the micro-batch
+        raise ValueError(f"sample {index} has an empty prompt: the first completion token has no position that "
+                         "predicts it; start every prompt with at least one token (e.g. BOS)")
     if not math.isfinite(s.advantage):
         raise ValueError(f"sample {index} has advantage {s.advantage}; advantages must be finite")
     s.loss_mask = _loss_mask(sample, index, len(s.completion_token_ids))
@@ -90,6 +93,16 @@ def _as_train_sample(sample, index: int) -> TrainSample:
                              "rollout's logprobs must be finite there (a placeholder belongs only at a loss_mask 0 "
                              "token)")
     return s
+
+
+def _check_vocab(batch: Sequence[TrainSample], vocab: int | None) -> None:
+    """Refuse a token id outside ``[0, vocab)`` naming the sample (the embedding's own error named none, and on CUDA
+    an out-of-range gather is a device-side assert)."""
+    for i, s in enumerate(batch if isinstance(vocab, int) else ()):
+        for ids in (s.prompt_token_ids, s.completion_token_ids):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):  # C-speed scans; the Python loop only for the message
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise ValueError(f"sample {i} has token id {bad}, outside the model's vocabulary [0, {vocab})")
 
 
 def _token_ids(values, index: int, what: str) -> list[int]:
@@ -381,6 +394,7 @@ class Trainer:
         batch = [_as_train_sample(s, i) for i, s in enumerate(samples)]
         if not batch:
             raise ValueError("train_step got an empty batch")
+        _check_vocab(batch, getattr(getattr(self.model, "config", None), "vocab_size", None))
         dp = self.data_parallel
         device = self.model.device
         every_chunk = self.micro_batches(batch)
