@@ -241,9 +241,9 @@ class CompactToolFormat(ToolCallFormat):
                     calls.append(MalformedCall(m.group(0), f"missing ':' after [{m.group(1)}"))
                 pos = m.end()
                 continue
-            end, nxt = text.find("]", m.end()), _COMPACT_OPEN.search(text, m.end())
-            if end == -1 or (nxt is not None and nxt.start() < end):
-                stop = len(text) if nxt is None else nxt.start()
+            end, nxt = self._close(text, m.end(), tools)
+            if end == -1:
+                stop = len(text) if nxt is None else nxt
                 calls.append(MalformedCall(text[m.start():stop], f"[{m.group(1)}: is not closed"))
                 pos = stop
                 continue
@@ -252,6 +252,24 @@ class CompactToolFormat(ToolCallFormat):
             key = required[0] if required else "input"
             calls.append(ToolCall(name, {key: text[m.end():end].strip()}, text[m.start():end + 1]))
             pos = end + 1
+
+    def _close(self, text: str, start: int, tools: Mapping[str, Tool]) -> tuple[int, int | None]:
+        """Where the call whose argument starts at ``start`` closes: the ``]`` that balances the brackets inside
+        the argument (``[py: print([1, 2])]`` passes ``[1, 2]`` whole), or -1 with where the next call opens when
+        one (a known name and ``:``) comes first or nothing closes it (None: nothing opens either)."""
+        depth = 0
+        for i in range(start, len(text)):
+            if text[i] == "[":
+                m = _COMPACT_OPEN.match(text, i)
+                if m is not None and m.group(2) and (self._tool_name(m.group(1)) in tools
+                                                     or m.group(1) in self.aliases):
+                    return -1, i
+                depth += 1
+            elif text[i] == "]":
+                if depth == 0:
+                    return i, None
+                depth -= 1
+        return -1, None
 
     def _clean(self, text: str) -> str:
         text = text.replace("\n", " ").replace("]", ")")
