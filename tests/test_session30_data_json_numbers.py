@@ -41,3 +41,20 @@ def test_all_float_column_is_unchanged(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text('{"prompt": "a", "answer": 0.1}\n{"prompt": "b", "answer": 2.0}\n')
     assert _answers(path) == ["0.1", "2.0"]
+
+
+def test_write_jsonl_names_the_record_and_key_json_cannot_hold(tmp_path):
+    """A parquet timestamp column becomes meta holding datetimes: write_jsonl's error names the record and key
+    (json's own TypeError named neither), and no file is made."""
+    import datetime
+
+    import pytest
+
+    from rlrepro.data import PromptRecord, write_jsonl
+    recs = [PromptRecord(uid="u1", prompt="p", answer="1", meta={"when": datetime.datetime(2020, 1, 1), "n": 1}),
+            PromptRecord(uid="u2", prompt="q", answer="2", meta={"x": float("nan")})]
+    with pytest.raises(ValueError, match=r"PromptRecord 'u1': 'when' cannot be written as JSON .*str\(\) of a"):
+        write_jsonl(recs[:1], tmp_path / "a.jsonl")
+    with pytest.raises(ValueError, match=r"PromptRecord 'u2': 'x' cannot be written as JSON"):
+        write_jsonl(recs[1:], tmp_path / "b.jsonl")
+    assert not list(tmp_path.iterdir())

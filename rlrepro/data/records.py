@@ -94,8 +94,26 @@ def records_digest(records: Iterable[PromptRecord]) -> str:
 
 def jsonl_bytes(records: Iterable[PromptRecord]) -> bytes:
     """The bytes :func:`write_jsonl` writes: one JSON line per record (UTF-8, ``\\n`` line ends)."""
-    return "".join(json.dumps(r.to_json_dict(), ensure_ascii=False, allow_nan=False) + "\n"
-                   for r in records).encode("utf-8")
+    return "".join(_json_line(r) for r in records).encode("utf-8")
+
+
+def _json_line(record: PromptRecord) -> str:
+    row = record.to_json_dict()
+    try:
+        return json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as e:  # json's own message names neither the record nor the key
+        bad = [k for k, v in row.items() if not _json_writable(v)]
+        raise ValueError(f"PromptRecord {record.uid!r}: {', '.join(map(repr, bad)) or 'a value'} cannot be written "
+                         f"as JSON ({e}); make meta values str, finite numbers, bools, None, lists or dicts (e.g. "
+                         "str() of a timestamp)") from None
+
+
+def _json_writable(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def write_jsonl(records: Iterable[PromptRecord], path: str | os.PathLike) -> Path:
