@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence as Seq
 from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
 
 from rlrepro import kernels
+from rlrepro.checks import plain_number
 
 from .block_manager import BlockManager
 from .params import RequestOutput, SamplingParams
@@ -45,8 +46,9 @@ def _is_bool(token: object) -> bool:
 
 
 def _is_index(token: object) -> bool:
-    """An integer token id (ints, numpy integers, 0-d integer tensors), not a bool."""
-    if _is_bool(token):
+    """An integer token id (ints, numpy integers, 0-d integer tensors), not a bool. A one-element 1-D tensor is a
+    one-token prompt, not a token id, though ``operator.index(torch.tensor([5]))`` is 5."""
+    if _is_bool(token) or getattr(token, "ndim", 0) != 0:
         return False
     try:
         operator.index(token)
@@ -57,7 +59,7 @@ def _is_index(token: object) -> bool:
 
 def _token_id(request: int, token: object, vocab: int) -> int:
     try:
-        if _is_bool(token):
+        if _is_bool(token) or getattr(token, "ndim", 0) != 0:  # tensor([5]) is a list of one id, not an id
             raise TypeError
         value = operator.index(token)  # ints, numpy integers, 0-d integer tensors
     except TypeError:
@@ -90,9 +92,20 @@ def _one_prompt(prompt: object) -> object:
 
 
 def _positive_int(name: str, value: object) -> int:
+    value = plain_number(value)  # a numpy integer is the int it holds, as for SamplingParams
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Engine {name} must be a positive integer, got {value!r}")
     return value
+
+
+def _weight_pair(item: object) -> tuple[str, torch.Tensor]:
+    """One ``(name, tensor)`` of ``load_weights``, or a ValueError that names what came instead."""
+    pair = isinstance(item, (tuple, list)) and len(item) == 2
+    if pair and isinstance(item[0], str) and isinstance(item[1], torch.Tensor):
+        return item[0], item[1]
+    what = f"the {type(item[1]).__name__} of {item[0]!r}" if pair else f"{type(item).__name__} {str(item)[:60]!r}"
+    raise ValueError(f"load_weights takes (name, tensor) pairs (e.g. model.named_parameters() or "
+                     f"state_dict.items()) or a dict of name -> tensor; got {what}")
 
 
 def _flag(name: str, value: object, optional: bool = False) -> bool | None:
@@ -137,6 +150,7 @@ class Engine:
             if dtype is not None and dtype != model.dtype:
                 raise ValueError(f"the model is {model.dtype} but dtype={dtype}; pass dtype=None or convert "
                                  "the model first (an Engine uses a model object as is)")
+        seed = plain_number(seed)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"Engine seed must be an integer, got {seed!r}")
         self.model = model
@@ -291,11 +305,11 @@ class Engine:
         """Stop a request from :meth:`add_request`: it is scheduled no more and the next :meth:`step` returns it
         with ``finish_reason="abort"`` and the tokens it had (plus one still in flight, if any). The other
         requests' outputs do not change (nothing a request gets depends on its batch)."""
-        # (a bool is no id: True == 1 would abort request 1)
-        seq = None if isinstance(request_id, bool) else self._added.get(request_id)
+        # (a bool or a float is no id: True == 1 would abort request 1, 0.0 == 0 request 0)
+        seq = self._added.get(operator.index(request_id)) if _is_index(request_id) else None
         if seq is None:
-            raise ValueError(f"abort: {request_id!r} is not an unfinished request from add_request() (finished "
-                             "requests were returned by step())")
+            raise ValueError(f"abort: {request_id!r} is not an unfinished request from add_request() (ids are the "
+                             "integers add_request() returned; finished requests were returned by step())")
         if seq.abort_requested or seq.is_finished:
             return  # aborted already, or finished: step() returns it
         if self.scheduler.abort(seq):
@@ -360,6 +374,11 @@ class Engine:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
+        elif (isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(sampling_params, Iterable)
+              or hasattr(sampling_params, "ndim")):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                             f"{type(sampling_params).__name__} {sampling_params!r}; build one with "
+                             "SamplingParams(temperature=..., max_tokens=...) or SamplingConfig(...).params(seed=...)")
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -406,7 +425,8 @@ class Engine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights into the model in place (CUDA graphs stay valid) and drop the prefix cache.
 
-        Names follow ``model.named_parameters()`` (transformers' names); ``lm_head.weight`` is skipped for a model
+        ``named_tensors``: ``(name, tensor)`` pairs or a dict of them (a state dict). Names follow
+        ``model.named_parameters()`` (transformers' names); ``lm_head.weight`` is skipped for a model
         with tied embeddings. Tensors are cast to the model dtype. A bad name or shape raises ValueError; tensors
         copied before it stay copied, so reload all weights after such an error.
         """
@@ -418,8 +438,11 @@ class Engine:
                                "step() until has_unfinished() is False first")
         params = dict(self.model.named_parameters())
         tied = getattr(self.config, "tie_word_embeddings", False)
+        if isinstance(named_tensors, Mapping):  # a state dict: iterating it would give names only
+            named_tensors = named_tensors.items()
         try:
-            for name, tensor in named_tensors:
+            for item in named_tensors:
+                name, tensor = _weight_pair(item)
                 if name == "lm_head.weight" and tied and name not in params:
                     continue
                 if name not in params:

@@ -68,7 +68,8 @@ class SamplingParams:
                              "rlrepro.rollout.request_seed(...) derives valid seeds")
         stops = self.stop_token_ids
         if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
-            raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids, got {stops!r}")
+            one = f"; wrap one id as stop_token_ids=({stops!r},)" if _token_int(stops) is not None else ""
+            raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids, got {stops!r}{one}")
         stops = tuple(stops)
         ids = tuple(_token_int(x) for x in stops)  # numpy integers become ints: the same request, record and hash
         bad = [x for x, i in zip(stops, ids) if i is None or i < 0]
