@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["ConfigError", "Checker"]
+__all__ = ["ConfigError", "Checker", "plain_number", "finite_number"]
 
 
 class ConfigError(ValueError):
@@ -37,7 +37,8 @@ def plain_number(value: Any) -> Any:
     return value
 
 
-def _is_number(value: Any) -> bool:
+def finite_number(value: Any) -> bool:
+    """An int or float (not a bool) that is finite."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -85,13 +86,14 @@ class Checker:
     def non_negative(self, *names: str) -> None:
         for name in names:
             v = self._value(name)
-            if not _is_number(v) or v < 0:
+            if not finite_number(v) or v < 0:
                 self.fail(name, "must be a finite number >= 0")
 
     def in_range(self, name: str, low: float, high: float, *, low_inclusive: bool = True,
                  high_inclusive: bool = True) -> None:
         v = self._value(name)
-        ok = _is_number(v) and (low <= v if low_inclusive else low < v) and (v <= high if high_inclusive else v < high)
+        ok = (finite_number(v) and (low <= v if low_inclusive else low < v)
+              and (v <= high if high_inclusive else v < high))
         if not ok:
             self.fail(name, f"must lie in {'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}")
 

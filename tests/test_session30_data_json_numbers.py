@@ -58,3 +58,11 @@ def test_write_jsonl_names_the_record_and_key_json_cannot_hold(tmp_path):
     with pytest.raises(ValueError, match=r"PromptRecord 'u2': 'x' cannot be written as JSON"):
         write_jsonl(recs[1:], tmp_path / "b.jsonl")
     assert not list(tmp_path.iterdir())
+
+
+def test_two_float_columns_are_both_as_written(tmp_path):
+    """The answer and the id column both read as floats: both keep their numbers' text (one parse of the file)."""
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"prompt": "a", "answer": 3, "id": 7}\n{"prompt": "b", "answer": 0.5, "id": 8.5}\n')
+    recs, _ = load_records(str(path), id_field="id")
+    assert [(r.uid, r.answer) for r in recs] == [("7", "3"), ("8.5", "0.5")]

@@ -519,6 +519,7 @@ def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats,
             decode = features[col].decode_example if isinstance(features.get(col), datasets.Json) else None
             for row, value in zip(rows, values):
                 row[col] = decode(value) if decode is not None and isinstance(value, str) else value
+    float_cols = []  # text fields pyarrow read as floats, whose numbers a JSON file holds as written
     for col in spec.text_fields():
         feat = features.get(col)
         if feat is None:
@@ -533,13 +534,15 @@ def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats,
         elif isinstance(feat, datasets.Value) and feat.dtype in ("binary", "large_binary"):
             stats.warnings.append(f"{label}: column {col!r} holds bytes; they are decoded as UTF-8.")
         elif isinstance(feat, datasets.Value) and feat.dtype.startswith(("float", "double", "decimal")):
-            if json_src is not None:  # the numbers as written: 3 next to 0.5 stays '3', big integers exact
-                exact_json_numbers(json_src[0], rows, [col], json_src[1])
+            if json_src is not None:
+                float_cols.append(col)
             elif feat.dtype in ("float16", "float32"):
                 narrow_floats(rows, col, feat.dtype)
             stats.warnings.append(
                 f"{label}: column {col!r} has type {feat.dtype}; its values are converted to text with str() "
                 f"(1 written as 1.0 becomes '1.0'). Fix: write the values as strings to control the exact text.")
+    if float_cols:  # the numbers as written: 3 next to 0.5 stays '3', big integers exact (one parse of the file)
+        exact_json_numbers(json_src[0], rows, float_cols, json_src[1])
     return columns, rows
 
 

@@ -123,13 +123,18 @@ def check_arguments(schema: Mapping[str, Any], arguments: Any) -> str | None:
         return f"unknown argument {extra[0]!r} (expected {', '.join(sorted(props)) or 'none'})"
     for key, value in arguments.items():
         spec = props[key]
-        kinds = spec.get("type")
-        kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+        kinds = _types(spec)
         if kinds and not any(_JSON_TYPES[k](value) for k in kinds if k in _JSON_TYPES):
             return f"argument {key!r} must be of type {' or '.join(kinds)}, got {type(value).__name__}"
         if "enum" in spec and not any(_same_json(value, e) for e in spec["enum"]):
             return f"argument {key!r} must be one of {list(spec['enum'])}"
     return None
+
+
+def _types(spec: Mapping[str, Any]) -> list[str]:
+    """A parameter's declared JSON types (``"type": "integer"`` or ``["integer", "null"]``) as a list."""
+    kinds = spec.get("type")
+    return [kinds] if isinstance(kinds, str) else list(kinds or ())
 
 
 def _same_json(a: Any, b: Any) -> bool:
@@ -144,8 +149,7 @@ def _as_declared(schema: Mapping[str, Any], arguments: dict) -> dict:
     as an int: the model wrote ``2.0``, the tool's ``range(n)`` gets ``2``."""
     out = dict(arguments)
     for key, value in arguments.items():
-        kinds = schema.get("properties", {})[key].get("type")
-        kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+        kinds = _types(schema.get("properties", {})[key])
         if isinstance(value, float) and "integer" in kinds and "number" not in kinds:
             out[key] = int(value)
     return out

@@ -342,8 +342,8 @@ if HAVE_GLUON:
             if n_tiles > 0:  # an empty slot has none, and must wait for none
                 m_i, l_i, acc = _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
                                                  pp_bars, pos, qk_scale, n_tiles, n_full, first_pos + q_len, tb,
-                                                 turn, CID, PP, NR,
-                                                 NSTAGE, BLOCK_KV_, qk_layout, o_layout, p_layout, KV2, FMA, NW)
+                                                 turn, CID, PP, NR, NSTAGE, BLOCK_KV_, qk_layout, o_layout,
+                                                 p_layout, KV2, FMA, NW)
                 turn += n_tiles + 1
             tb += _units(n_tiles, KV2)
             if seq >= 0:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from rlrepro.checks import finite_number
 
 from .weight_files import weight_files
 
@@ -36,8 +37,7 @@ def _stored_float_dtype(directory: Path) -> str | None:
 
 
 def _positive_real(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value > 0)
+    return finite_number(value) and value > 0
 
 
 @dataclass
