@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from rlrepro.checks import Checker
+from rlrepro.checks import Checker, finite_number
 
 from .synthetic import SYNTHETIC_KINDS
 
@@ -37,7 +37,9 @@ class SyntheticConfig:
         c = Checker(self)
         c.choice("task", SYNTHETIC_KINDS)
         c.positive_int("num")
-        c.integer("seed")
+        c.int_at_least("seed", 0)
+        c.require(isinstance(self.kwargs, dict), "kwargs", "must be a mapping of the task's options (e.g. "
+                  "data.synthetic.kwargs.max_len=8) or {}")
 
 
 @dataclass
@@ -71,6 +73,8 @@ class DataConfig:
         c.positive_int("max_prompt_tokens")
         c.positive_int("limit", optional=True)
         c.boolean("use_chat_template", "allow_hub", "shuffle")
+        _names(c, "split", "prompt_field", "answer_field")
+        _names(c, "id_field", "messages_field", optional=True)
 
 
 @dataclass
@@ -123,5 +127,17 @@ class EvalConfig:
         c.require(self.temperature is None or (isinstance(self.temperature, (int, float))
                                                and not isinstance(self.temperature, bool) and self.temperature >= 0),
                   "temperature", "must be >= 0 (0 = greedy) or null (rollout.temperature)")
-        c.require(isinstance(self.pass_threshold, (int, float)) and not isinstance(self.pass_threshold, bool),
-                  "pass_threshold", "must be a number (rewards are in [0, 1]; 1.0 = only a full score passes)")
+        # NaN, > 1 or <= 0 would make pass@k and greedy_acc a constant (nothing or everything passes), silently
+        c.require(finite_number(self.pass_threshold) and 0 < self.pass_threshold <= 1, "pass_threshold",
+                  "must be a number in (0, 1] (rewards are in [0, 1]; 1.0 = only a full score passes)")
+        _names(c, "split", "prompt_field", "answer_field", "id_field", "messages_field", optional=True)
+
+
+def _names(c: Checker, *keys: str, optional: bool = False) -> None:
+    """Split and column names: non-empty strings (or null where ``optional``)."""
+    for key in keys:
+        value = getattr(c.obj, key)
+        c.require((optional and value is None) or (isinstance(value, str) and bool(value)), key,
+                  "must be a non-empty string" + (" or null" if optional else "")
+                  + (f" (a name that looks like a number is quoted: {c.key(key)}='{value}')"
+                     if isinstance(value, (int, float)) and not isinstance(value, bool) else ""))

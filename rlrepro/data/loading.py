@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import numbers
-import re
 import tempfile
 import warnings
 from collections import Counter
@@ -34,15 +33,12 @@ from .jsonlines import blank_lines, empty_array, kept_rows, scan_lines
 from .records import PromptRecord, records_digest
 from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_lone_surrogates, exact_json_numbers,
                    has_surrogate_escape, json_array_rows, narrow_floats, row_to_record, utf8_encodable)
-from .sources import check_not_saved_dataset
+from .sources import DATA_FILE_FORMATS, local_files
 
 __all__ = ["load_records", "LoadStats", "SkippedRow", "DATA_FILE_FORMATS", "MAX_LINE_BYTES"]
 
 logger = logging.getLogger(__name__)
 
-# file suffix -> datasets builder
-DATA_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_KNOWN_SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")
 # the longest JSON line read: 16 MiB holds a prompt of 32,768 tokens at 64 characters of 4 UTF-8 bytes each, with
 # as much again for the answer and other columns. A longer line is refused before it is parsed (a 50 MB line took
 # 248 s and 19.4 GB through datasets and the tokenizer).
@@ -112,7 +108,8 @@ def load_records(
     ``source``: a local ``.jsonl`` / ``.json`` / ``.parquet`` file, or a directory of them (searched recursively,
     hidden entries ignored). In a directory, ``split`` picks the files under a folder named after it or whose
     name starts with it (``train.jsonl``, ``train-00000-of-00002.parquet``); a directory without split-named files
-    is the ``train`` split. A single file is the whole data set whatever ``split`` says.
+    is the ``train`` split. Each file is in one split, a split folder winning over its name (rule: ``sources``).
+    A single file is the whole data set whatever ``split`` says.
     With ``allow_hub=True`` a source that is not a local path is a hub dataset name (``hub_config``, ``revision``
     and ``split`` are passed on; pin ``revision`` for a reproducible run).
 
@@ -149,7 +146,7 @@ def load_records(
 
     path = Path(source)
     if path.exists():
-        for file, source_name in _local_files(path, split):
+        for file, source_name in local_files(path, split):
             if limit is not None and len(records) >= limit:
                 break
             _load_local_file(file, source_name, spec, on_bad_row, limit, stats, records, seen_uids, max_line_bytes)
@@ -180,44 +177,6 @@ def load_records(
 
 
 # ----------------------------------------------------------------------------------------------------- files
-
-
-def _local_files(path: Path, split: str) -> list[tuple[Path, str]]:
-    """(file, source_name) pairs in load order."""
-    check_not_saved_dataset(path, split)  # its .json files are metadata, not rows
-    if path.is_file():
-        if path.suffix.lower() not in DATA_FILE_FORMATS:
-            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; supported: {sorted(DATA_FILE_FORMATS)}. "
-                             f"Fix: convert it, or set data.source to a file or directory of those types.")
-        return [(path, path.name)]
-    root = path.resolve()
-    files = sorted(
-        (p for p in root.rglob("*")
-         if p.is_file() and p.suffix.lower() in DATA_FILE_FORMATS
-         and not any(part.startswith(".") for part in p.relative_to(root).parts)),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
-    if not files:
-        raise ValueError(f"{path}: no data files in this directory (looked for {sorted(DATA_FILE_FORMATS)}, "
-                         f"recursively). Fix: set data.source to a directory that holds them, or to one file.")
-    rels = [f.relative_to(root).as_posix() for f in files]
-    chosen = [f for f, rel in zip(files, rels) if _in_split(rel, split)]
-    if not chosen:
-        found = sorted({s for rel in rels for s in _KNOWN_SPLITS if _in_split(rel, s)})
-        if not found and split == "train":
-            chosen = files  # a directory without split names is one train split
-        else:
-            raise ValueError(
-                f"{path}: no files for split {split!r}; splits found: {found or ['train (no split names)']}; "
-                f"files: {rels[:10]}{' ...' if len(rels) > 10 else ''}. Fix: set data.split=<one of the splits "
-                f"found> (split=)."
-            )
-    return [(f, f"{root.name}/{f.relative_to(root).as_posix()}") for f in chosen]
-
-
-def _in_split(rel: str, split: str) -> bool:
-    parts = rel.split("/")
-    return split in parts[:-1] or re.match(rf"{re.escape(split)}([-_.]|$)", parts[-1]) is not None
 
 
 def _sha256_file(path: Path) -> str:

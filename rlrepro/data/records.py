@@ -82,30 +82,48 @@ def records_digest(records: Iterable[PromptRecord]) -> str:
     """sha256 hex digest of the records' uid, prompt/messages and answer, in order.
 
     Two loads that give the same digest feed the same prompts with the same ids (meta is not included:
-    it does not reach the model). Suitable for a run record / fingerprint.
+    it does not reach the model). Suitable for a run record / fingerprint. Text is hashed as UTF-8; a lone
+    surrogate (``"\\ud800"``, in a record built in Python) as its ``surrogatepass`` bytes.
     """
     h = hashlib.sha256()
     for r in records:
         item = [r.uid, r.prompt, r.messages, r.answer]
-        h.update(json.dumps(item, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+        h.update(json.dumps(item, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+                 .encode("utf-8", "surrogatepass"))  # a lone surrogate: a digest, not a UnicodeEncodeError
         h.update(b"\n")
     return h.hexdigest()
 
 
 def jsonl_bytes(records: Iterable[PromptRecord]) -> bytes:
     """The bytes :func:`write_jsonl` writes: one JSON line per record (UTF-8, ``\\n`` line ends)."""
-    return "".join(_json_line(r) for r in records).encode("utf-8")
+    return b"".join(_json_line(r) for r in records)
 
 
-def _json_line(record: PromptRecord) -> str:
+def _json_line(record: PromptRecord) -> bytes:
     row = record.to_json_dict()
     try:
-        return json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n"
+        line = json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n"
     except (TypeError, ValueError) as e:  # json's own message names neither the record nor the key
         bad = [k for k, v in row.items() if not _json_writable(v)]
         raise ValueError(f"PromptRecord {record.uid!r}: {', '.join(map(repr, bad)) or 'a value'} cannot be written "
                          f"as JSON ({e}); make meta values str, finite numbers, bools, None, lists or dicts (e.g. "
                          "str() of a timestamp)") from None
+    try:
+        return line.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: not UTF-8, and load_records refuses the row it would write
+        bad = [k for k, v in row.items() if not _utf8(json.dumps(v, ensure_ascii=False))]
+        where = ", ".join(map(repr, bad)) or "a column name"
+        raise ValueError(f"PromptRecord {record.uid!r}: {where} holds a lone surrogate (like '\\ud800'), which is "
+                         "not UTF-8, so the line cannot be written (load_records would refuse it). Fix: drop or "
+                         "replace it, e.g. text.encode('utf-8', 'replace').decode()") from None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _json_writable(value: Any) -> bool:

@@ -228,10 +228,11 @@ def math_reward(completion: str, record: PromptRecord) -> float:
 def hash_reward(completion: str, record: PromptRecord) -> float:
     """For systems tests on random weights only (``reward.fn=hash``): a deterministic pseudo-random value in
     [0, 1] from the prompt uid and the completion text (sha256), so advantages and gradients are non-zero and
-    every part of a step runs. It teaches nothing."""
+    every part of a step runs. It teaches nothing. A lone surrogate (``"\\ud800"``, which a decoder can leave in a
+    completion) is hashed as its surrogatepass bytes: other text keeps the UTF-8 bytes, and so the values, it had."""
     import hashlib
 
-    digest = hashlib.sha256(f"{record.uid}\x00{completion}".encode()).digest()
+    digest = hashlib.sha256(f"{record.uid}\x00{completion}".encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:4], "little") / 0xFFFFFFFF
 
 

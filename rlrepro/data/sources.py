@@ -1,6 +1,14 @@
-"""Local sources that look like data files but are not: a directory written by ``datasets``' ``save_to_disk``.
+"""Local sources: the data files of a directory and the split each belongs to, and sources that look like data
+files but are not (a directory written by ``datasets``' ``save_to_disk``). Internal to ``rlrepro.data.loading``.
 
-Internal to ``rlrepro.data.loading``. ``save_to_disk`` writes Arrow files (``data-00000-of-00001.arrow``) with JSON
+Split rule (closest to ``datasets``' own default patterns, which try split folder names before file-name prefixes):
+a file's split is the folder on its relative path named after a split (``train/``, ``test/``, ``validation/``,
+...) if there is one, else the split its file name starts with (``train.jsonl``, ``test-00000-of-00002.parquet``,
+``dev_hard.jsonl``; the longest such name). So ``train/test_cases.jsonl`` is in ``train`` only, never in ``test``
+too (before, it was in both: a train/test leak). A file under two split folders (``train/test/a.jsonl``) is
+refused, naming the file and the fix. Split names: ``KNOWN_SPLITS`` and the one asked for.
+
+``save_to_disk``: ``save_to_disk`` writes Arrow files (``data-00000-of-00001.arrow``) with JSON
 metadata beside them (``state.json``, ``dataset_info.json``, and ``dataset_dict.json`` for a ``DatasetDict``).
 ``load_records`` reads ``.jsonl`` / ``.json`` / ``.parquet`` only, so it used to take that metadata for rows and
 answer ``the prompt field 'prompt' is not in the data set; fields that exist: ['citation', 'description', ...].
@@ -8,8 +16,14 @@ Fix: set data.prompt_field=citation``: a wrong fix. Such a source is refused wit
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+__all__ = ["DATA_FILE_FORMATS", "KNOWN_SPLITS", "local_files", "split_of", "check_not_saved_dataset"]
+
+# file suffix -> datasets builder
+DATA_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+KNOWN_SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")
 _METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")
 
 
@@ -40,3 +54,58 @@ def check_not_saved_dataset(path: Path, split: str = "train") -> None:
         f"metadata), which data.source does not read: its .json files are metadata, not rows. Fix: export it once to "
         f"a file data.source reads, e.g. python -c \"import datasets; datasets.load_from_disk('{top}'){pick}"
         f".to_parquet('{split}.parquet')\" (a {kind}), then set data.source={split}.parquet.")
+
+
+def local_files(path: Path, split: str) -> list[tuple[Path, str]]:
+    """(file, source_name) pairs in load order: ``path`` itself, or the files of directory ``path`` in ``split``
+    sorted by relative path (code-point order: the same on every filesystem and locale)."""
+    if not isinstance(split, str) or not split or "/" in split:
+        raise ValueError(f"data.split (split) must be a split name such as train or test, got {split!r}. "
+                         f"Fix: set data.split=train (or the split to load)")
+    check_not_saved_dataset(path, split)  # its .json files are metadata, not rows
+    if path.is_file():
+        if path.suffix.lower() not in DATA_FILE_FORMATS:
+            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; supported: {sorted(DATA_FILE_FORMATS)}. "
+                             f"Fix: convert it, or set data.source to a file or directory of those types.")
+        return [(path, path.name)]
+    root = path.resolve()
+    files = sorted(
+        (p for p in root.rglob("*")
+         if p.is_file() and p.suffix.lower() in DATA_FILE_FORMATS
+         and not any(part.startswith(".") for part in p.relative_to(root).parts)),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    if not files:
+        raise ValueError(f"{path}: no data files in this directory (looked for {sorted(DATA_FILE_FORMATS)}, "
+                         f"recursively). Fix: set data.source to a directory that holds them, or to one file.")
+    rels = [f.relative_to(root).as_posix() for f in files]
+    splits = [split_of(rel, split, path) for rel in rels]
+    chosen = [f for f, s in zip(files, splits) if s == split]
+    if not chosen:
+        found = sorted({s for s in splits if s is not None})
+        if not found and split == "train":
+            chosen = files  # a directory without split names is one train split
+        else:
+            raise ValueError(
+                f"{path}: no files for split {split!r}; splits found: {found or ['train (no split names)']}; "
+                f"files: {rels[:10]}{' ...' if len(rels) > 10 else ''}. Fix: set data.split=<one of the splits "
+                f"found> (split=)."
+            )
+    return [(f, f"{root.name}/{f.relative_to(root).as_posix()}") for f in chosen]
+
+
+def split_of(rel: str, split: str, root: Path | str = ".") -> str | None:
+    """The split of the file at relative path ``rel`` (``/``-separated) under the rule of the module docstring,
+    among ``KNOWN_SPLITS`` and ``split``; None when neither a folder nor the file name names one."""
+    names = {*KNOWN_SPLITS, split}
+    parts = rel.split("/")
+    folders = sorted({p for p in parts[:-1] if p in names})
+    if len(folders) > 1:
+        raise ValueError(
+            f"{root}: the file {rel!r} lies under the split folders {folders}, so its split is ambiguous (it would "
+            f"be read into more than one split: a train/test leak). Fix: move it so that one folder on its path "
+            f"names its split (e.g. {folders[0]}/{parts[-1]}), or rename the other folders.")
+    if folders:
+        return folders[0]
+    prefixes = sorted(n for n in names if re.match(rf"{re.escape(n)}([-_.]|$)", parts[-1]))
+    return max(prefixes, key=len) if prefixes else None
