@@ -468,6 +468,21 @@ def load_pt(path: str | os.PathLike, map_location="cpu"):
 _load_pt = load_pt
 
 
+def _checked_model_state(f: Path, model) -> dict[str, torch.Tensor]:
+    """``f``'s tensors, refused (ValueError) unless they are exactly ``model``'s names, shapes and dtypes: then
+    ``load_state_dict`` copies each in place and cannot fail."""
+    state = load_file(str(f))
+    own = model.state_dict()
+    if set(state) != set(own):
+        raise ValueError(f"{f} holds tensors {sorted(set(state) - set(own))[:5]} the model lacks and lacks "
+                         f"{sorted(set(own) - set(state))[:5]}; load it into the same architecture")
+    for k, v in state.items():
+        if v.dtype != own[k].dtype or v.shape != own[k].shape:
+            raise ValueError(f"{f}: {k!r} is {v.dtype} {tuple(v.shape)}, the model has {own[k].dtype} "
+                             f"{tuple(own[k].shape)}; build the model with the saving run's dtype and config")
+    return state
+
+
 def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, scheduler=None,
                     restore_rng: bool = True, generators: Mapping[str, object] | None = None,
                     map_location: str | torch.device | None = "cpu") -> LoadedCheckpoint:
@@ -475,6 +490,16 @@ def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, sche
 
     ``model``: its state dict is loaded strictly (same names, shapes and dtypes). ``restore_rng``: put the RNG
     states back (Python, numpy, torch CPU and CUDA, and ``generators``). Returns step, extra_state and rng_state.
+
+    All or nothing: every file is read and every check that can refuse (RNG states, the model's names, shapes and
+    dtypes, the optimizer's and the scheduler's ``check_state_dict``/``prepare_state_dict`` where they have one)
+    runs before anything live changes, so a refused load (a ValueError naming the mismatch and the fix) leaves the
+    model, optimizer, scheduler and RNGs exactly as they were. What follows cannot fail on the checkpoint's
+    contents: in-place copies of checked shapes and dtypes, an optimizer state already placed on its device (the
+    allocation is done in the checks), plain values. Only a device fault or an interrupt can stop it midway (no
+    second copy of the weights is kept to undo that); the exception then says the trainer is partly loaded.
+    An optimizer without those methods (another trainer's view) checks in its own ``load_state_dict``, after the
+    model is loaded.
     """
     path = Path(path)
     manifest = verify_checkpoint(path, check_hashes=True)
@@ -491,28 +516,35 @@ def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, sche
                              f"it was saved without one — pass {what}=None")
         return path / name
 
+    # 1. read and check everything; nothing live changes here
     rng_state = _load_pt(path / "rng.pt", "cpu")
-    if restore_rng:  # before anything is loaded: a refused restore leaves the model, optimizer and RNGs as they were
-        check_rng_state(rng_state, generators)
-    if model is not None:
-        f = need("model.safetensors", "model")
-        state = load_file(str(f))
-        own = model.state_dict()
-        if set(state) != set(own):
-            raise ValueError(f"{f} holds tensors {sorted(set(state) - set(own))[:5]} the model lacks and lacks "
-                             f"{sorted(set(own) - set(state))[:5]}; load it into the same architecture")
-        for k, v in state.items():
-            if v.dtype != own[k].dtype or v.shape != own[k].shape:
-                raise ValueError(f"{f}: {k!r} is {v.dtype} {tuple(v.shape)}, the model has {own[k].dtype} "
-                                 f"{tuple(own[k].shape)}; build the model with the saving run's dtype and config")
-        model.load_state_dict(state, strict=True)
-    if optimizer is not None:
-        optimizer.load_state_dict(_load_pt(need("optimizer.pt", "optimizer"), map_location))
-    if scheduler is not None:
-        scheduler.load_state_dict(_load_pt(need("scheduler.pt", "scheduler"), map_location))
-    extra_state = _load_pt(path / "extra_state.pt", map_location)
     if restore_rng:
-        restore_rng_state(rng_state, generators)
+        check_rng_state(rng_state, generators)
+    model_state = _checked_model_state(need("model.safetensors", "model"), model) if model is not None else None
+    optim_state = sched_state = None
+    if optimizer is not None:
+        optim_state = _load_pt(need("optimizer.pt", "optimizer"), map_location)
+        if hasattr(optimizer, "prepare_state_dict"):
+            optim_state = optimizer.prepare_state_dict(optim_state)
+    if scheduler is not None:
+        sched_state = _load_pt(need("scheduler.pt", "scheduler"), map_location)
+        if hasattr(scheduler, "check_state_dict"):
+            scheduler.check_state_dict(sched_state)
+    extra_state = _load_pt(path / "extra_state.pt", map_location)
+    # 2. apply, in the order a load always had (the optimizer's masters are cast into the weights last)
+    try:
+        if model is not None:
+            model.load_state_dict(model_state, strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(optim_state)
+        if scheduler is not None:
+            scheduler.load_state_dict(sched_state)
+        if restore_rng:
+            restore_rng_state(rng_state, generators)
+    except Exception as e:
+        e.add_note(f"rlrepro: loading {path} stopped after it began changing the model/optimizer/scheduler/RNGs, "
+                   "which may now be partly loaded: build the trainer anew before loading or training again")
+        raise
     return LoadedCheckpoint(path=path, step=int(manifest["step"]), extra_state=extra_state, rng_state=rng_state)
 
 

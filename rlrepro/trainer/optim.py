@@ -33,6 +33,80 @@ __all__ = ["MasterWeightAdamW", "ShardedMasterWeightAdamW", "WarmupCosineLR", "l
            "grad_norm"]
 
 
+# AdamW's settings a saved state carries into the run it resumes (torch's load_state_dict takes the saved group's);
+# every other key of the group says how the update is computed (foreach, fused, amsgrad, ...) and must be the live one
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+_REBUILD = "load it into a trainer built with the same model, param_dtype and optimizer as the saving run"
+
+
+def _check_layout(state) -> None:  # a KeyError deep in a load would say less
+    if not isinstance(state, Mapping) or not {"names", "adamw", "master_weights"} <= set(state):
+        raise ValueError("optimizer state is not an rlrepro MasterWeightAdamW state (it needs 'names', 'adamw' and "
+                         "'master_weights'); resume from a checkpoint rlrepro wrote")
+
+
+def _check_masters(masters, names: list[str], shapes: list[tuple], need: Iterable[int], mine: Iterable[int]) -> None:
+    """Masters ``need`` named in ``masters``, those ``mine`` tensors of their parameter's shape (others may be None)."""
+    masters = masters if isinstance(masters, Mapping) else {}
+    for i in need:
+        if names[i] not in masters:
+            raise ValueError(f"optimizer state lacks the float32 master weight {names[i]!r}: it was saved by a "
+                             "trainer without master copies; use the same param_dtype as the saving run")
+    for i in mine:
+        t = masters[names[i]]
+        if not torch.is_tensor(t) or not t.is_floating_point() or tuple(t.shape) != shapes[i]:
+            what = f"{t.dtype} {tuple(t.shape)}" if torch.is_tensor(t) else type(t).__name__
+            raise ValueError(f"optimizer state's master weight {names[i]!r} is {what}, the parameter is "
+                             f"{shapes[i]}; {_REBUILD}")
+
+
+def _check_adamw(adamw, live: Mapping, names: list[str], shapes: list[tuple], complete: Iterable[int]) -> None:
+    """What torch's AdamW load would refuse, or take without a word and fail on (or compute otherwise with) later:
+    one group over parameters ``0..n-1``, AdamW's settings present and every other one the ``live`` group's, state
+    only for those indices with tensors of their parameter's shape, complete for the indices this rank loads."""
+    n = len(names)
+    groups = adamw.get("param_groups") if isinstance(adamw, Mapping) else None
+    if not isinstance(groups, list | tuple) or not isinstance(adamw.get("state"), Mapping):
+        raise ValueError("optimizer state's 'adamw' is not a torch.optim.AdamW state_dict (with 'state' and "
+                         "'param_groups'); resume from a checkpoint rlrepro wrote")
+    if len(groups) != 1 or not isinstance(groups[0], Mapping) or list(groups[0].get("params", ())) != list(range(n)):
+        sizes = [len(g.get("params", ())) if isinstance(g, Mapping) else None for g in groups]
+        raise ValueError(f"optimizer state has {len(groups)} parameter groups with {sizes} parameters; expected one "
+                         f"group of {n} (an rlrepro MasterWeightAdamW state); {_REBUILD}")
+    group = groups[0]
+    missing = [k for k in _HYPER if k not in group]
+    if missing:
+        raise ValueError(f"optimizer state's parameter group lacks AdamW's {missing}: it is another optimizer's "
+                         f"state; {_REBUILD}")
+    for key, value in group.items():
+        if key not in ("params", "param_names", *_HYPER) and key in live and value != live[key]:
+            raise ValueError(f"optimizer state was saved with AdamW {key}={value!r}, this trainer's AdamW has "
+                             f"{key}={live[key]!r}; {_REBUILD}")
+    for i, entry in adamw["state"].items():
+        if not isinstance(i, int) or not 0 <= i < n or not isinstance(entry, Mapping):
+            raise ValueError(f"optimizer state holds AdamW state under {i!r}, not for one of the {n} parameters; "
+                             f"{_REBUILD}")
+        for key, t in entry.items():
+            if key != "step" and torch.is_tensor(t) and tuple(t.shape) != shapes[i]:
+                raise ValueError(f"optimizer state's AdamW {key} of {names[i]!r} has shape {tuple(t.shape)}, the "
+                                 f"parameter {shapes[i]}; {_REBUILD}")
+        need = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+        lacking = [k for k in need if k not in entry] if i in complete else []
+        if lacking:
+            raise ValueError(f"optimizer state's AdamW state of {names[i]!r} lacks {lacking}; the optimizer.pt is "
+                             "damaged or not rlrepro's: resume from another checkpoint")
+
+
+def _placed(state: Mapping, where: Mapping[int, torch.Tensor]) -> dict:
+    """``state`` with the AdamW tensors of the indices in ``where`` moved to the device and floating dtype of
+    ``where[i]`` (torch's own cast in ``load_state_dict``, done ahead: it then allocates nothing); ``step`` stays."""
+    adamw = state["adamw"]
+    per = {i: {k: t if k == "step" or not torch.is_tensor(t) else
+               t.to(device=where[i].device, dtype=where[i].dtype if t.is_floating_point() else t.dtype)
+               for k, t in e.items()} if i in where else e for i, e in adamw["state"].items()}
+    return {**state, "adamw": {**adamw, "state": per}}
+
+
 class MasterWeightAdamW:
     """``torch.optim.AdamW`` (single-tensor path) over float32 masters of ``named_params``, taken in name order.
 
@@ -146,18 +220,34 @@ class MasterWeightAdamW:
             raise ValueError(f"optimizer state is for other parameters (missing {missing[:5]}, extra {extra[:5]}); "
                              "load it into a trainer built for the same model")
 
+    def _shapes(self) -> list[tuple]:
+        return [tuple(p.shape) for p in self.params]
+
+    def check_state_dict(self, state: Mapping) -> None:
+        """Raise (ValueError: the mismatch and the fix) what :meth:`load_state_dict` would refuse or load wrongly (other
+        names, shapes, groups, AdamW settings, a missing master or moment), changing nothing: a load checks first."""
+        _check_layout(state)
+        self._check_names(state)
+        copies, shapes = [i for i, (m, p) in enumerate(zip(self.masters, self.params)) if m is not p], self._shapes()
+        _check_masters(state["master_weights"], self.names, shapes, copies, copies)
+        _check_adamw(state["adamw"], self.inner.param_groups[0], self.names, shapes, range(len(self.names)))
+
+    def prepare_state_dict(self, state: Mapping) -> dict:
+        """``state`` checked, its AdamW tensors already where (and in the dtype) this optimizer keeps them: loading it
+        allocates nothing, so what may run out of memory in a checkpoint load happens before the model changes."""
+        self.check_state_dict(state)
+        return _placed(state, dict(enumerate(self.masters)))
+
     @torch.no_grad()
     def load_state_dict(self, state: Mapping) -> None:
-        self._check_names(state)
+        """All or nothing: checked first; torch's AdamW load builds the new state before it swaps it in, and the
+        masters (of checked shapes) are then copied in place."""
+        self.check_state_dict(state)
         masters = state["master_weights"]
-        for n, m, p in zip(self.names, self.masters, self.params):
-            if m is p:
-                continue
-            if n not in masters:
-                raise ValueError(f"optimizer state lacks the float32 master weight {n!r}: it was saved by a trainer "
-                                 "without master copies; use the same param_dtype as the saving run")
-            m.copy_(masters[n])
         self.inner.load_state_dict(state["adamw"])
+        for n, m, p in zip(self.names, self.masters, self.params):
+            if m is not p:
+                m.copy_(masters[n])
         self._copy_masters_to_params()
 
     # this rank's state, for snapshots within a train step (the same as state_dict() here; a sharded optimizer
@@ -395,28 +485,32 @@ class ShardedMasterWeightAdamW(MasterWeightAdamW):
     @torch.no_grad()
     def load_state_dict(self, state: Mapping) -> None:
         """Load the full (unsharded-format) state — from a sharded or an unsharded run — keeping this rank's share.
-        No collective: the weights are the model's (loaded from the same checkpoint on every rank)."""
-        self._check_names(state)
-        masters = state["master_weights"]
-        for i, name in enumerate(self.names):  # every rank checks every name: the same error everywhere
-            if self.has_copy[i] and name not in masters:
-                raise ValueError(f"optimizer state lacks the float32 master weight {name!r}: it was saved by a "
-                                 "trainer without master copies; use the same param_dtype as the saving run")
-        adamw = state["adamw"]
-        groups = adamw["param_groups"]
-        if len(groups) != 1 or len(groups[0]["params"]) != len(self.names):
-            raise ValueError(f"optimizer state has {len(groups)} parameter groups with "
-                             f"{[len(g['params']) for g in groups]} parameters; expected one group of "
-                             f"{len(self.names)} (an rlrepro MasterWeightAdamW state)")
-        for i in self._local:
-            if self.has_copy[i]:
-                self.masters[i].copy_(masters[self.names[i]])
-        full = adamw["state"]
+        No collective: the weights are the model's (loaded from the same checkpoint on every rank). All or nothing,
+        as :meth:`MasterWeightAdamW.load_state_dict`."""
+        self.check_state_dict(state)
+        masters, groups, full = state["master_weights"], state["adamw"]["param_groups"], state["adamw"]["state"]
         self.inner.load_state_dict({
             "state": {j: full[i] for j, i in enumerate(self._local) if i in full},
             "param_groups": [{**{k: v for k, v in groups[0].items() if k != "params"},
                               "params": list(range(len(self._local)))}]})
+        for i in self._local:
+            if self.has_copy[i]:
+                self.masters[i].copy_(masters[self.names[i]])
         self._copy_masters_to_params()
+
+    def check_state_dict(self, state: Mapping) -> None:
+        """As :meth:`MasterWeightAdamW.check_state_dict`; every rank checks every name, group and shape (the same error
+        everywhere), masters and moments only in its share (a dist checkpoint gives each rank its own)."""
+        _check_layout(state)
+        self._check_names(state)
+        copies, shapes = [i for i, c in enumerate(self.has_copy) if c], self._shapes()
+        _check_masters(state["master_weights"], self.names, shapes, copies, [i for i in copies if self.owned[i]])
+        _check_adamw(state["adamw"], self.inner.param_groups[0], self.names, shapes, self._local)
+
+    def prepare_state_dict(self, state: Mapping) -> dict:
+        """As :meth:`MasterWeightAdamW.prepare_state_dict`: this rank's share placed, the rest left as it is."""
+        self.check_state_dict(state)
+        return _placed(state, {i: self.masters[i] for i in self._local})
 
 
 def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
@@ -461,10 +555,19 @@ class WarmupCosineLR:
         return {"last_step": self.last_step, "base_lr": self.base_lr, "warmup_steps": self.warmup_steps,
                 "total_steps": self.total_steps, "min_lr_ratio": self.min_lr_ratio}
 
+    def check_state_dict(self, state: Mapping) -> tuple:
+        """The values :meth:`load_state_dict` sets, or the ValueError it raises; changes nothing."""
+        try:
+            return (int(state["last_step"]), float(state["base_lr"]), int(state["warmup_steps"]),
+                    int(state["total_steps"]), float(state["min_lr_ratio"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"scheduler state is not a WarmupCosineLR state ({type(e).__name__}: {e}); resume from "
+                             "a checkpoint rlrepro wrote") from None
+
     def load_state_dict(self, state: Mapping) -> None:
-        self.last_step = int(state["last_step"])
-        self.base_lr, self.warmup_steps = float(state["base_lr"]), int(state["warmup_steps"])
-        self.total_steps, self.min_lr_ratio = int(state["total_steps"]), float(state["min_lr_ratio"])
+        """All or nothing: every value is read before any is set."""
+        self.last_step, self.base_lr, self.warmup_steps, self.total_steps, self.min_lr_ratio = \
+            self.check_state_dict(state)
         self._apply()
 
 

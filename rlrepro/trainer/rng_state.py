@@ -63,9 +63,28 @@ def capture_rng_state(generators: Mapping[str, object] | None = None) -> dict:
 _GEN_KINDS = {"torch": torch.Generator, "numpy": np.random.Generator, "python": random.Random}
 
 
+def _trial(what: str, restore) -> None:
+    """``restore()`` (a restore into a scratch generator); what it raises becomes a ValueError naming ``what``."""
+    try:
+        restore()
+    except (TypeError, ValueError, RuntimeError, KeyError, IndexError, AttributeError) as e:
+        raise ValueError(f"the checkpoint's {what} RNG state cannot be restored ({type(e).__name__}: {e}); rng.pt is "
+                         "damaged or not rlrepro's: resume from an earlier checkpoint") from None
+
+
+def _scratch(kind: str, gen, value) -> None:
+    if kind == "torch":
+        torch.Generator(device=gen.device).set_state(value)
+    elif kind == "numpy":
+        type(gen.bit_generator)().state = _plain_to_np(value)
+    else:
+        random.Random().setstate(value)
+
+
 def check_rng_state(state: Mapping, generators: Mapping[str, object] | None = None) -> None:
-    """Raise what :func:`restore_rng_state` would (CUDA device count, generator names and kinds) without changing
-    any RNG: :func:`load_checkpoint` runs it before it loads anything, so a refused load leaves everything as it was."""
+    """Raise what :func:`restore_rng_state` would (CUDA device count, generator names and kinds, a state a setter
+    refuses: each is tried on a scratch generator) without changing any RNG: :func:`load_checkpoint` runs it before
+    it loads anything, so a refused load leaves everything as it was and the restore it ends with cannot fail."""
     cuda = list(state["cuda"])
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cuda and have != len(cuda):
@@ -75,10 +94,19 @@ def check_rng_state(state: Mapping, generators: Mapping[str, object] | None = No
     if set(saved) != set(given):
         raise ValueError(f"the checkpoint holds generators {sorted(saved)} but {sorted(given)} were passed; "
                          "pass the same named generators to restore_rng_state/load_checkpoint as to capture")
+    _trial("Python random", lambda: random.Random().setstate(state["python"]))
+    _trial("numpy", lambda: np.random.RandomState().set_state(_plain_to_np(state["numpy"])))
+    _trial("torch CPU", lambda: torch.Generator().set_state(state["torch_cpu"]))
+    for i, one in enumerate(cuda):
+        _trial(f"CUDA device {i}", lambda i=i, one=one: torch.Generator(device=f"cuda:{i}").set_state(one))
     for name, gen in given.items():
-        if not isinstance(gen, _GEN_KINDS.get(saved[name]["kind"], ())):
-            raise TypeError(f"generator {name!r} was saved as a {saved[name]['kind']} generator, "
+        if not isinstance(saved[name], Mapping) or "state" not in saved[name]:
+            raise ValueError(f"the checkpoint's generator {name!r} has no saved state; rng.pt is damaged or not "
+                             "rlrepro's: resume from an earlier checkpoint")
+        if not isinstance(gen, _GEN_KINDS.get(saved[name].get("kind"), ())):
+            raise TypeError(f"generator {name!r} was saved as a {saved[name].get('kind')} generator, "
                             f"got a {type(gen).__name__}")
+        _trial(f"generator {name!r}", lambda g=gen, e=saved[name]: _scratch(e["kind"], g, e["state"]))
 
 
 def restore_rng_state(state: Mapping, generators: Mapping[str, object] | None = None) -> None:

@@ -286,6 +286,7 @@ class Trainer:
 
     def load_checkpoint(self, path, *, generators: Mapping | None = None, restore_rng: bool = True) -> dict:
         """Verify and load a checkpoint written by :meth:`save_checkpoint`, restore the RNGs, return its extra_state.
+        All or nothing: a refused load (ValueError) leaves the weights, optimizer, schedule and RNGs as they were.
         With ``distributed_optimizer`` every rank reads the full optimizer state and keeps its share."""
         return load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                restore_rng=restore_rng, generators=generators).extra_state
