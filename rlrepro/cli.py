@@ -300,10 +300,11 @@ def cmd_train(args: list[str]) -> int:
         print("rlrepro train: interrupted before the run started; nothing was recorded", file=sys.stderr)
         return 130
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        # Bad input found while preparing the run (a data row, a model directory): the message names it.
+        # Bad input found while preparing the run (a data row, a model directory): the message names it, in one
+        # line as a composition error prints (no class name: it is the user's input, not a crash)
         if os.environ.get("RLREPRO_DEBUG"):
             raise
-        print(f"rlrepro train: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"rlrepro train: {str(e) or type(e).__name__}", file=sys.stderr)
         return 2
     except OSError as e:
         # The machine refused something while preparing the run (a folder it cannot write, a cluster it cannot

@@ -28,6 +28,7 @@ from .config import ConfigError, RunSchema, to_schema, uses_episodes, validate, 
 from .episodes import turn_stop_token_ids
 from .generation import GenerationSteps, PhaseTimer, shaped_penalties
 from .pipeline import PipelineSteps, pending_from_state, pending_to_state, test_delay
+from .ray_start import restore_sigterm, sigterm_as_interrupt
 from .errors import RunFailed, RunInterrupted, dead_actor_class, describe, is_actor_death, unwrap
 from .run_lock import LOCK_FILE, RunLock
 from .runlog import RunLog, perf_memory_metrics, step_metrics
@@ -304,20 +305,35 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         from the latest complete checkpoint when run.resume is true, else from scratch. Ctrl-C or SIGTERM stops
         it with :class:`RunInterrupted` (exit 130 from the CLI), naming the checkpoint left. The run directory
         is locked for the whole run (:class:`~.run_lock.RunLock`): a second run into it is refused first."""
-        lock = RunLock(self.run_dir).acquire()  # before anything is read, written or deleted
-        before = None
+        # SIGTERM is an interrupt from the start, as Ctrl-C is: one that comes while the run directory is being
+        # prepared or Ray starts is cleaned up like a refusal (below), not a kill that leaves a half-made run
+        previous_sigterm = sigterm_as_interrupt()
+        lock, before = None, None
         try:
+            lock = RunLock(self.run_dir).acquire()  # before anything is read, written or deleted
             before = set(os.listdir(self.run_dir))  # under the lock: nothing another run made is taken as ours
             return self._run_locked(start_checkpoint, last_step)
-        except (ConfigError, ValueError, FileNotFoundError, ReproError) as e:
-            # refused in set-up: what this start made goes again, while the lock is still held (released last)
-            if before is not None and getattr(self, "_start_step", None) is None:
+        except (ConfigError, ValueError, FileNotFoundError, ReproError, KeyboardInterrupt, RunInterrupted) as e:
+            # refused or interrupted in set-up: what this start made goes again, while the lock is still held
+            # (released last)
+            if getattr(self, "_start_step", None) is not None:
+                raise
+            if before is not None:
                 self._remove_created(before)
-                if isinstance(e, ReproError):  # a damaged record (a step log, inputs.json): bad input, exit 2
-                    raise ConfigError(str(e)) from None
+            if isinstance(e, ReproError):  # a damaged record (a step log, inputs.json): bad input, exit 2
+                raise ConfigError(str(e)) from None
+            if isinstance(e, KeyboardInterrupt) or (isinstance(e, RunInterrupted)
+                                                    and self._fresh_start(start_checkpoint)):
+                raise RunInterrupted("interrupted before the run started; nothing was recorded", step=0,
+                                     checkpoint=None, cause=e) from None
             raise
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
+            restore_sigterm(previous_sigterm)
+
+    def _fresh_start(self, start_checkpoint: str | None) -> bool:
+        return start_checkpoint is None and not self.cfg.run.resume
 
     def _remove_created(self, before: set[str]) -> None:
         """A start refused before its first step writes nothing: the entries it created in the run directory
@@ -325,12 +341,21 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         removed, so that two processes can never hold two lock files of one directory)."""
         import shutil
 
-        for name in sorted(set(os.listdir(self.run_dir)) - before - {LOCK_FILE}):
-            path = self.run_dir / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+        try:  # a second Ctrl-C or SIGTERM must not stop the removal half-way
+            previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread
+            previous = {}
+        try:
+            for name in sorted(set(os.listdir(self.run_dir)) - before - {LOCK_FILE}):
+                path = self.run_dir / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+        finally:
+            for s, handler in previous.items():
+                if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                    signal.signal(s, handler)
 
     def _run_locked(self, start_checkpoint: str | None, last_step: int | None) -> list[dict]:
         resume_from, t_run = None, time.perf_counter()
@@ -343,12 +368,11 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         self._done_step, self._done_order, self._trainer_step, self._saving = 0, None, 0, False
         self._start_step = None
         self._in_warm_start = False  # the supervised warm start (before step 1) is running
-        previous_sigterm = None
         # the checkpoint a resume continues from: setup checks its data order against the data before Ray starts
         self._resume_ckpt = start_checkpoint if start_checkpoint is not None else resume_from
         try:
             self.setup()
-            previous_sigterm = _sigterm_as_interrupt()  # after Ray started: it installs a SIGTERM handler of its own
+            sigterm_as_interrupt()  # again after Ray started (it installs a SIGTERM handler of its own); run() restores
             preflight.remove_partial_checkpoints(self.checkpoint_root(), self.log.line)
             ckpt = self._resume_ckpt
             if cfg.train.warmup_steps > cfg.train.steps:
@@ -382,7 +406,6 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             self._summary_of_failure(failure, t_run)
             raise
         finally:
-            _restore_sigterm(previous_sigterm)
             self.close()
 
     def _reconcile_resume(self) -> None:
@@ -565,24 +588,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             self.actors = None
 
 
-def _sigterm_as_interrupt():
-    """SIGTERM ends the run as Ctrl-C does (a clean message naming the checkpoint); returns the old handler."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    try:
-        return signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread (a test calling the driver from a thread)
-        return signal.getsignal(signal.SIGTERM)
-
-
-def _restore_sigterm(handler) -> None:
-    if handler is None:
-        return
-    try:
-        signal.signal(signal.SIGTERM, handler)
-    except (ValueError, TypeError):  # not the main thread, or no handler to put back
-        pass
+_sigterm_as_interrupt, _restore_sigterm = sigterm_as_interrupt, restore_sigterm  # the older private names
 
 
 def run_training(cfg: Any, *, override_keys: list[str] | None = None) -> list[dict]:

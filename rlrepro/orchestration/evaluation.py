@@ -410,16 +410,17 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
 def _logged(run_dir: Path, step: int) -> dict | None:
     """The ``eval/*`` metrics the run logged at ``step`` and its ``repro/eval_fingerprint`` (runs recorded before
     it existed have none), or None."""
-    from rlrepro.repro.records import EVAL_FINGERPRINT_KEY
+    from rlrepro.repro.records import EVAL_FINGERPRINT_KEY, read_step_records
 
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line) if line.strip() else {}
-        if rec.get("step") == step:
-            return {k: v for k, v in rec.items() if k.startswith("eval/") or k == EVAL_FINGERPRINT_KEY} or None
-    return None
+    # as every reader of a step log: a torn last line (a crashed run) is dropped, a malformed one before it is a
+    # ReproError naming the file and line (it was a raw JSONDecodeError traceback)
+    rec = read_step_records(path).get(step)
+    if rec is None:
+        return None
+    return {k: v for k, v in rec.items() if k.startswith("eval/") or k == EVAL_FINGERPRINT_KEY} or None
 
 
 def main_eval(argv: list[str]) -> int:
@@ -445,7 +446,7 @@ def main_eval(argv: list[str]) -> int:
               "create it or name a file in an existing folder", file=sys.stderr)
         return 2
     from rlrepro.repro.inputs import in_launch_dir
-    from rlrepro.repro.records import EVAL_FINGERPRINT_KEY, ReproError
+    from rlrepro.repro.records import EVAL_FINGERPRINT_KEY, ReproError, atomic_write_bytes
 
     # the user's paths are resolved where the user is, before moving to the run's launch directory
     ns.records = None if ns.records is None else str(Path(ns.records).resolve())
@@ -454,15 +455,14 @@ def main_eval(argv: list[str]) -> int:
     try:
         with in_launch_dir(ns.run) as ns.run:
             step, metrics = evaluate_checkpoint(ns.run, ns.step, ns.source, records, fingerprint=True)
-        if records is not None:
-            Path(ns.records).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records),
-                                        encoding="utf-8")
+        if records is not None:  # complete or absent: a crash while writing leaves the previous file, not a part
+            atomic_write_bytes(ns.records, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode())
+        logged = _logged(Path(ns.run), step) if ns.source is None else None
     except (ConfigError, ValueError, OSError, ReproError) as e:  # ReproError: a damaged or missing record
         print(f"rlrepro eval: {e}", file=sys.stderr)
         return 2
 
     digest = metrics.pop(EVAL_FINGERPRINT_KEY)  # compared with the run's (where it logged one), not printed
-    logged = _logged(Path(ns.run), step) if ns.source is None else None
     same = None if logged is None else logged == (dict(metrics, **{EVAL_FINGERPRINT_KEY: digest})
                                                   if EVAL_FINGERPRINT_KEY in logged else metrics)
     if ns.json:

@@ -16,6 +16,10 @@ kind                        what happens
                             ``after_files`` (default 2) of its files.
 ``crash_in_checkpoint``     while writing the checkpoint of that step, after ``after_files`` (default 2) files, the
                             driver process and the trainer are killed with SIGKILL (a partial checkpoint is left).
+``sigterm``                 ``step`` 0 (set-up): the driver sends itself SIGTERM ``at`` ``"before_ray"`` (as the
+                            actors are about to be made, before Ray starts), ``"ray_init"`` (inside ``ray.init``,
+                            right after Ray installed its own SIGTERM handler) or ``"after_ray"`` (Ray is up, no
+                            actor made yet).
 ==========================  =========================================================================================
 """
 from __future__ import annotations
@@ -31,7 +35,7 @@ from .actors import ActorGroup
 from .workers import TrainerWorker
 
 FAULTS_ENV = "RLREPRO_FAULTS"
-KINDS = ("kill_worker", "nan_grad", "checkpoint_enospc", "crash_in_checkpoint")
+KINDS = ("kill_worker", "nan_grad", "checkpoint_enospc", "crash_in_checkpoint", "sigterm")
 TRAINER_KINDS = ("nan_grad", "checkpoint_enospc", "crash_in_checkpoint")
 
 
@@ -158,7 +162,35 @@ class FaultInjectingActorGroup(ActorGroup):
     def __init__(self, cfg, model_dir: str, fault_plan: FaultPlan) -> None:
         self.fault_plan = fault_plan
         self._active_kills: list[dict] = []
-        super().__init__(cfg, model_dir)
+        self._sigterm_at("before_ray")
+        if self.fault_plan.take("sigterm", 0, at="ray_init") is None:
+            super().__init__(cfg, model_dir)
+            return
+        from .ray_start import prepare_ray_env
+
+        prepare_ray_env(cfg.ray.address)  # what start_ray sets before its import of ray, so nothing differs
+        import ray._private.utils as ray_utils
+
+        original = ray_utils.set_sigterm_handler
+
+        def then_sigterm(handler) -> None:  # ray.init installs its handler first thing: the signal comes next
+            ray_utils.set_sigterm_handler = original
+            original(handler)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        ray_utils.set_sigterm_handler = then_sigterm
+        try:
+            super().__init__(cfg, model_dir)
+        finally:
+            ray_utils.set_sigterm_handler = original
+
+    def _sigterm_at(self, at: str) -> None:
+        if self.fault_plan.take("sigterm", 0, at=at) is not None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _start(self, cfg, model_dir: str) -> None:
+        self._sigterm_at("after_ray")
+        super()._start(cfg, model_dir)
 
     def _trainer_actor(self):
         extra = {"fault_plan": self.fault_plan} if self.fault_plan.has_trainer_faults() else {}

@@ -18,11 +18,20 @@ that it did. Local mode sets ``RAY_AUTH_MODE=token`` (Ray's documented setting; 
 minus the warning) unless the user set it; authentication errors still raise. A ray imported before start_ray
 has read its mode already: it then enables token authentication itself and says so once. Joining a cluster, the
 mode is the user's to set (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN_PATH``), as Ray documents.
+
+SIGTERM: ``rlrepro train`` turns SIGTERM into an interrupt (:func:`sigterm_as_interrupt`, installed before the run
+directory is touched). ``ray.init`` installs a handler of its own (``sys.exit(15)``) at its start; while the
+interrupt handler is the one in place, :func:`start_ray` puts it back once ``ray.init`` returns, and a SIGTERM that
+Ray's handler caught meanwhile (its ``SystemExit(15)``) is raised as the interrupt it would have been. A
+``ray.init`` that raises (an interrupt, a refused join) is shut down before the error goes on: nothing of a
+half-started Ray is left.
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
+import signal
 import sys
 
 from .import_path import job_config_without_driver_paths
@@ -54,6 +63,66 @@ def is_loopback_address(address: str) -> bool:
         return False
 
 
+def sigterm_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt from now on, as Ctrl-C does (a run then ends with a clean message naming its
+    checkpoint); returns the handler it replaced (the current one when this is not the main thread)."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    handler.rlrepro_interrupt = True
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (a test calling the driver from a thread)
+        return signal.getsignal(signal.SIGTERM)
+
+
+def restore_sigterm(handler) -> None:
+    """Put back the SIGTERM handler that :func:`sigterm_as_interrupt` returned."""
+    if handler is None:
+        return
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except (ValueError, TypeError):  # not the main thread, or no handler to put back
+        pass
+
+
+@contextlib.contextmanager
+def _ray_init_guard(ray):
+    """Around ``ray.init``: when SIGTERM is an interrupt (:func:`sigterm_as_interrupt`), it stays one (Ray's own
+    handler, installed inside ``ray.init``, is replaced again; a SIGTERM it caught is re-raised as
+    KeyboardInterrupt). Whatever ``ray.init`` raises, the part of Ray it started is shut down first."""
+    try:
+        ours = getattr(signal.getsignal(signal.SIGTERM), "rlrepro_interrupt", False)
+    except ValueError:
+        ours = False
+    try:
+        yield
+    except BaseException as e:
+        try:
+            ray.shutdown()  # a half-started local node (GCS, raylet) goes too; nothing after a refused join
+        except BaseException:  # noqa: BLE001 - best effort, the first error is the one to report
+            pass
+        if ours and isinstance(e, SystemExit) and e.code == signal.SIGTERM:
+            raise KeyboardInterrupt(f"signal {signal.SIGTERM.value}") from None
+        raise
+    finally:
+        if ours:
+            sigterm_as_interrupt()
+
+
+def prepare_ray_env(address: str | None) -> tuple[bool, bool]:
+    """The environment :func:`start_ray` sets before its ``import ray``; returns (local, loopback)."""
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    local = is_local(address)
+    loopback = local or is_loopback_address(address)
+    imported_before = "ray" in sys.modules
+    if loopback:
+        os.environ.update(LOCAL_ONLY_ENV)
+    if local and not imported_before:  # an imported ray has read its auth mode already: then Ray decides (and
+        os.environ.setdefault(AUTH_MODE_ENV, "token")  # says so); joining, the cluster's mode is the user's to set
+    return local, loopback
+
+
 def start_ray(address: str | None, num_cpus: int | None) -> bool:
     """Start a local Ray (``address`` unset) or join the cluster at ``address``; nothing if Ray is up already.
     Returns whether this call started (or joined) it: a Ray that the caller had initialised before is the
@@ -65,14 +134,7 @@ def start_ray(address: str | None, num_cpus: int | None) -> bool:
     (otherwise Ray would turn the address into the machine's outward one and never reach it). Give any other
     cluster by its own address (or ``auto``).
     """
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    local = is_local(address)
-    loopback = local or is_loopback_address(address)
-    imported_before = "ray" in sys.modules
-    if loopback:
-        os.environ.update(LOCAL_ONLY_ENV)
-    if local and not imported_before:  # an imported ray has read its auth mode already: then Ray decides (and
-        os.environ.setdefault(AUTH_MODE_ENV, "token")  # says so); joining, the cluster's mode is the user's to set
+    local, loopback = prepare_ray_env(address)
     import ray
 
     if ray.is_initialized():
@@ -82,8 +144,9 @@ def start_ray(address: str | None, num_cpus: int | None) -> bool:
     if not local:
         _check_reachable(str(address).strip())
         try:
-            ray.init(address=str(address).strip(), include_dashboard=False, log_to_driver=True,
-                     job_config=job_config_without_driver_paths())
+            with _ray_init_guard(ray):
+                ray.init(address=str(address).strip(), include_dashboard=False, log_to_driver=True,
+                         job_config=job_config_without_driver_paths())
         except ConnectionError as e:
             raise ConnectionError(join_failure_hint(str(address).strip(), e, loopback)) from e
         return True
@@ -94,9 +157,10 @@ def start_ray(address: str | None, num_cpus: int | None) -> bool:
     import torch
 
     # Name the GPUs: a stripped Ray may not detect them, and actors asking for one would wait forever.
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), num_gpus=torch.cuda.device_count(),
-             include_dashboard=False, _node_ip_address=LOOPBACK, job_config=job_config_without_driver_paths(),
-             log_to_driver=True, configure_logging=True, logging_level="WARNING")
+    with _ray_init_guard(ray):
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), num_gpus=torch.cuda.device_count(),
+                 include_dashboard=False, _node_ip_address=LOOPBACK, job_config=job_config_without_driver_paths(),
+                 log_to_driver=True, configure_logging=True, logging_level="WARNING")
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:
         ray.shutdown()
