@@ -249,7 +249,12 @@ def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, step: int
         raise ReproError(f"{a}: no rollouts for step {step}; bisect needs run.save_rollouts=true")
     samples_b = read_rollouts(b, step) or []
     i = sample_index or 0
-    sample = samples[min(i, len(samples) - 1)]
+    if i >= len(samples) or (samples_b and i >= len(samples_b)):  # never replay another sample in its place
+        return BisectResult(step, origin, "inputs", note=f"sample {i} is in run {'B' if i >= len(samples) else 'A'} "
+                            f"only (A has {len(samples)} sample(s) at step {step}, B {len(samples_b)}): the runs "
+                            "drew or kept different numbers of samples (data, dynamic sampling or rollout.* keys: "
+                            "see the config diff)", field=field)
+    sample = samples[i]
     if samples_b and i < len(samples_b) and samples_b[i]["prompt_token_ids"] != sample["prompt_token_ids"]:
         return BisectResult(step, origin, "inputs", note=f"sample {i} has different prompts (data order or "
                             "templates differ: see the config diff)", field=field)

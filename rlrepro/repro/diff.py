@@ -2,7 +2,9 @@
 
 Exit codes: 0 identical, 1 diverged, 2 error (missing directory, missing or corrupt fingerprints.jsonl, ...).
 When both runs have ``inputs.json`` (:mod:`.inputs`) it is compared first and its differences are printed before
-the records', as the likely cause of a divergence; they do not change the verdict, which is the records' alone.
+the records', as the likely cause of a divergence; they do not change the verdict, which is the records' alone
+(an inputs.json that cannot be read, damaged or of another version, is a note and "not compared", not an error).
+Fingerprint fields this version does not know (a newer rlrepro's) are compared exactly where both runs have them.
 ``--strict`` also exits 1 when the runs recorded different sets of steps (in fingerprints.jsonl or metrics.jsonl, or
 one run has no metrics.jsonl); ``--strict-inputs`` also exits 1 when an input that can change bits differs (data,
 tokenizer, starting weights, versions, rlrepro's code, GPU, bit-relevant environment) or cannot be compared (a run
@@ -60,6 +62,10 @@ TURN_SAMPLE_FIELDS = {"loss_masks": "sample_loss_masks", "turns": "sample_turns"
 STATE_FIELDS = ("optimizer_state",)
 COMPARED_FIELDS = FIELDS[:3] + tuple(TURN_SAMPLE_FIELDS) + FIELDS[3:] + STATE_FIELDS  # the order diff reports them
 KNOWN_FORMATS = ("rlrepro.fingerprint.v1",)
+# every key this version writes in a fingerprint record; any other (a newer rlrepro's field) is compared exactly
+# where both runs have it, and said in a note (never silently left out)
+KNOWN_KEYS = frozenset(("step", "format", "num_samples", *COMPARED_FIELDS, *SAMPLE_FIELDS.values(),
+                        *TURN_SAMPLE_FIELDS.values()))
 DEFAULT_IGNORED_CONFIG_KEYS = ("run.dir", "run.resume", "logger.*", "repro.ignore_keys")
 IGNORED_METRIC_PREFIXES = ("perf/",)
 # held-out evaluation (eval.every): compared where both runs logged it, not a difference where one run did not
@@ -132,7 +138,7 @@ def diff_configs(cfg_a: dict, cfg_b: dict, ignore: Iterable[str] = ()) -> list[C
         if _ignored(key, patterns):
             continue
         a, b = fa.get(key, _ABSENT), fb.get(key, _ABSENT)
-        if type(a) is not type(b) or a != b:
+        if not float_bits_equal(a, b):  # NaN equals NaN (an identical config), 0.0 is not -0.0
             out.append(ConfigDiff(key, a, b))
     return out
 
@@ -145,12 +151,14 @@ def read_fingerprints(run_dir: str | os.PathLike, notes: list[str] | None = None
     ``notes`` when given. ReproError for a missing or malformed file."""
     path = Path(run_dir) / FINGERPRINTS_FILE
     if not path.exists():
-        raise ReproError(f"{path}: file not found")
+        raise ReproError(f"{path}: file not found; {_no_fingerprints_hint(Path(run_dir))}")
     recs = read_step_records(path, required=FIELDS, notes=notes)
     for step, rec in recs.items():
         fmt = rec.get("format", KNOWN_FORMATS[0])
         if fmt not in KNOWN_FORMATS:
-            raise ReproError(f"{path}: step {step}: unknown fingerprint format {fmt!r}")
+            raise ReproError(f"{path}: step {step}: unknown fingerprint format {fmt!r} (this rlrepro reads "
+                             f"{', '.join(map(repr, KNOWN_FORMATS))}): written by another rlrepro version; "
+                             "compare the runs with that version")
         for f in FIELDS:
             if rec[f] is not None and not isinstance(rec[f], str):
                 raise ReproError(f"{path}: step {step}: field {f!r} must be a hex string or null")
@@ -161,6 +169,17 @@ def read_fingerprints(run_dir: str | os.PathLike, notes: list[str] | None = None
             if key in rec and not isinstance(rec[key], list):
                 raise ReproError(f"{path}: step {step}: field {key!r} must be a list")
     return recs
+
+
+def _no_fingerprints_hint(run: Path) -> str:
+    """Why a directory has no fingerprints.jsonl, and what to give instead."""
+    owner = next((p for p in run.resolve().parents if (p / FINGERPRINTS_FILE).is_file()), None)
+    if owner is not None:
+        return f"{run} is inside the run directory {owner}: give that"
+    if (run / METRICS_FILE).exists() or (run / CONFIG_FILE).exists():
+        return "the run has not finished a step yet: wait for its first step"
+    return (f"{run} is not a run directory (no {FINGERPRINTS_FILE}, {METRICS_FILE} or {CONFIG_FILE}); give the "
+            "run.dir of a run")
 
 
 def _first_mismatch(a: Sequence[Any], b: Sequence[Any]) -> int | None:
@@ -242,9 +261,16 @@ def _sample_detail(dv: Divergence, run_a: Path, run_b: Path) -> None:
     dv.token = t
 
 
+def _unknown_keys(fa: dict, fb: dict) -> tuple[list[str], list[str]]:
+    """(keys unknown to this version that both records have, those only one has), sorted."""
+    ua, ub = set(fa) - KNOWN_KEYS, set(fb) - KNOWN_KEYS
+    return sorted(ua & ub), sorted(ua ^ ub)
+
+
 def _compare_step(step: int, fa: dict, fb: dict) -> Divergence | None:
     differing = [f for f in COMPARED_FIELDS if fa.get(f) != fb.get(f)
                  and (f not in STATE_FIELDS or (fa.get(f) is not None and fb.get(f) is not None))]
+    differing += [k for k in _unknown_keys(fa, fb)[0] if not float_bits_equal(fa[k], fb[k])]
     na, nb = fa.get("num_samples"), fb.get("num_samples")
     if not differing and na == nb:
         return None
@@ -270,6 +296,24 @@ def _note_uncompared_state(rep: DiffReport, fps_a: dict, fps_b: dict, steps: Seq
                 rep.notes.append(f"{f} not compared at step(s) {_ranges(missing)}: run {run} has no {f} digest "
                                  "(recorded before the optimizer's state was fingerprinted, or a megatron run); "
                                  "its weights are compared alone")
+
+
+def _note_unknown_keys(rep: DiffReport, fps_a: dict, fps_b: dict, steps: Sequence[int]) -> None:
+    """Notes for fingerprint keys this version does not know (a newer rlrepro's): compared exactly where both runs
+    have them, not compared where one run has them."""
+    both: dict[str, None] = {}
+    one: dict[str, list[int]] = {}
+    for s in steps:
+        shared, lone = _unknown_keys(fps_a[s], fps_b[s])
+        both.update(dict.fromkeys(shared))
+        for k in lone:
+            one.setdefault(k, []).append(s)
+    if both:
+        rep.notes.append(f"fingerprint field(s) unknown to this rlrepro, compared exactly: {', '.join(sorted(both))}")
+    for k in sorted(one):
+        run = "A" if k in fps_a[one[k][0]] else "B"
+        rep.notes.append(f"fingerprint field {k!r} not compared at step(s) {_ranges(one[k])}: only run {run} has it "
+                         "(recorded by another rlrepro version); compare with the version that wrote it")
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -328,6 +372,14 @@ def _compare_evals(rep: DiffReport, met_a: dict[int, dict], met_b: dict[int, dic
 # ------------------------------------------------------------------------------------------------- driver
 
 
+def _inputs(run: Path) -> tuple[dict | None, str | None]:
+    """(inputs.json or None, None) or (None, why it cannot be read)."""
+    try:
+        return read_inputs(run), None
+    except ReproError as e:
+        return None, str(e)
+
+
 def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iterable[int] | None = None,
               detail: bool = True, ignore_config_keys: Iterable[str] = ()) -> DiffReport:
     """Compare two run directories. ``steps`` restricts the comparison to those steps (``rlrepro verify`` uses it
@@ -343,8 +395,14 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
             raise ReproError(f"{p}: not a directory")
     rep = DiffReport(run_a=str(a), run_b=str(b))
 
-    inp_a, inp_b = read_inputs(a), read_inputs(b)  # first: when the records diverge, this is the likely cause
-    if inp_a is not None and inp_b is not None:
+    # first: when the records diverge, this is the likely cause; an unreadable one (damaged, or of another rlrepro
+    # version) cannot decide the verdict either, so it is said and the records are compared
+    (inp_a, err_a), (inp_b, err_b) = _inputs(a), _inputs(b)
+    unread = [f"run {r}: {e}" for r, e in (("A", err_a), ("B", err_b)) if e is not None]
+    if unread:
+        rep.notes.extend(f"inputs not compared: {u}" for u in unread)
+        rep.inputs_not_compared = [f"{INPUTS_FILE} unreadable in {u}" for u in unread]
+    elif inp_a is not None and inp_b is not None:
         rep.inputs_compared = True
         # and what a resume of either run (or verify --from-step) recorded of its own inputs
         rep.input_diffs = (input_differences(inp_a, inp_b) + resumed_differences(inp_a, "A")
@@ -374,8 +432,11 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
     rep.steps_only_a = sorted(set(fps_a) - set(fps_b))
     rep.steps_only_b = sorted(set(fps_b) - set(fps_a))
     if not common:
-        raise ReproError(f"no common fingerprinted steps to compare ({a / FINGERPRINTS_FILE}: {len(fps_a)} step(s), "
-                         f"{b / FINGERPRINTS_FILE}: {len(fps_b)} step(s))")
+        which = "" if want is None else f" among the steps asked for ({_ranges(sorted(want)) or 'none'})"
+        have = ", ".join(f"{p / FINGERPRINTS_FILE}: {len(f)} step(s)" + (f" ({_ranges(list(f))})" if f else "")
+                         for p, f in ((a, fps_a), (b, fps_b)))
+        raise ReproError(f"no common fingerprinted steps to compare{which} ({have}); a run with 0 steps has not "
+                         "finished one yet: wait for it, or check that the paths name the runs meant")
 
     for step in common:
         dv = _compare_step(step, fps_a[step], fps_b[step])
@@ -384,7 +445,12 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
         rep.diverged_steps.append(step)
         if rep.divergence is None:
             if detail:
-                _sample_detail(dv, a, b)
+                try:
+                    _sample_detail(dv, a, b)
+                except (KeyError, TypeError, AttributeError, ValueError) as e:  # a malformed rollout record
+                    dv.token = None
+                    dv.detail_note = (f"rollout detail unavailable: a malformed record in the rollout files of step "
+                                      f"{step} ({type(e).__name__}: {e}); compare with --no-detail")
             rep.divergence = dv
     for s in common:
         fw = [f for f in FIELDS if fps_a[s].get(f) is None and fps_b[s].get(f) is None]
@@ -392,6 +458,7 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
             rep.notes.append(f"fields not fingerprinted in either run (null): {', '.join(fw)}")
             break
     _note_uncompared_state(rep, fps_a, fps_b, common)
+    _note_unknown_keys(rep, fps_a, fps_b, common)
 
     if met_a is None or met_b is None:
         missing = [str(p / METRICS_FILE) for p, m in ((a, met_a), (b, met_b)) if m is None]

@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Union
 
@@ -358,8 +359,10 @@ def read_rollouts(run_dir: str | os.PathLike, step: int) -> list[dict] | None:
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             out.extend(obj for _, obj in _json_objects(path, f))
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise ReproError(f"{path}: unreadable ({e})") from None
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:  # zlib.error: damaged compressed data
+        what = f"zlib: {e}" if isinstance(e, zlib.error) else str(e)
+        raise ReproError(f"{path}: unreadable ({what}): the file is damaged; restore it from a "
+                         "copy (rlrepro diff --no-detail compares the runs without it)") from None
     return out
 
 
@@ -387,9 +390,16 @@ def read_rollout_samples(run_dir: str | os.PathLike, step: int) -> list[Sample] 
         if missing:
             raise ReproError(f"{rollouts_path(run_dir, step)}: sample {i}: missing key(s) {', '.join(missing)}")
         try:
-            out.append(Sample.from_record(rec))
+            sample = Sample.from_record(rec)
+            texts = [("prompt_text", sample.prompt_text), ("completion_text", sample.completion_text)]
+            texts += [(f"turns[{k}].text", t.text) for k, t in enumerate(sample.turns or ())]
+            bad = next((f"{name} is {type(v).__name__}, not a string" for name, v in texts
+                        if v is not None and not isinstance(v, str)), None)
+            if bad is not None:
+                raise ValueError(bad)
         except (TypeError, ValueError, KeyError) as e:
             raise ReproError(f"{rollouts_path(run_dir, step)}: sample {i}: malformed record ({e})") from None
+        out.append(sample)
     return out
 
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from .inputs import INPUTS_FILE, InputDiff
+from .records import float_bits_equal
 from .turns import TurnPosition, kind_text, num_turns_text, structure_text, where_text
 
 __all__ = ["ConfigDiff", "TokenDiff", "Divergence", "MetricDiff", "DiffReport", "json_safe", "TurnPosition"]
@@ -188,7 +189,7 @@ class DiffReport:
             L.append(f"config: {len(self.config_diffs)} key(s) differ (ignored: run.dir, run.resume, logger.*, "
                      "keys in repro.ignore_keys)")
             for c in self.config_diffs[:max_config_diffs]:
-                L.append(f"  {c.key}: A={_short(c.a)}  B={_short(c.b)}")
+                L.append(f"  {c.key}: A={_short(c.a)}  B={_short(c.b)}" + _hidden_difference(c.a, c.b))
             if len(self.config_diffs) > max_config_diffs:
                 L.append(f"  ... {len(self.config_diffs) - max_config_diffs} more")
         else:
@@ -279,6 +280,33 @@ class DiffReport:
 def _short(v: Any, n: int = 80) -> str:
     s = v if v == _ABSENT else repr(v)
     return s if len(s) <= n else s[:n - 3] + "..."
+
+
+def _first_difference(a: Any, b: Any, where: str = "") -> tuple[str, Any, Any]:
+    """(where, value in A, value in B) of the first place two values differ: a list index or dict key path, or
+    ``[i:]`` for the rest of a string from its first differing character."""
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if not float_bits_equal(x, y):
+                return _first_difference(x, y, f"{where}[{i}]")
+        n = min(len(a), len(b))
+        return f"{where}[{n}:]", a[n:], b[n:]
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b or not float_bits_equal(a[k], b[k]):
+                return _first_difference(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{where}.{k}" if where else str(k))
+    if isinstance(a, str) and isinstance(b, str) and a != _ABSENT and b != _ABSENT:
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return f"{where}[{i}:]", a[i:], b[i:]
+    return where, a, b
+
+
+def _hidden_difference(a: Any, b: Any) -> str:
+    """Where two values differ, when their shortened texts agree (a long list or template differing past the cut)."""
+    if _short(a) != _short(b):
+        return ""
+    where, x, y = _first_difference(a, b)
+    return f"  (first difference at {where or 'the value'}: A={_short(x, 40)}  B={_short(y, 40)})"
 
 
 def _ranges(steps: Sequence[int]) -> str:
