@@ -9,7 +9,7 @@ First the hang reduced (``gluon_attention_fwd.probe_tma_wait``): one partition l
 on its barrier and copies the tile out, with the producer as the default partition and as a worker, each in its own
 child under 30 s. Then the kernel itself (unless ``--minimal-only``).
 
-``GLW_VARIANT`` (``one``/``two``) passes through to the kernel; ``--variants pp0ps0,pp1ps1,...`` checks the bits of
+``--variants pp0ps0,pp1ps1,...`` checks the bits of
 each ping-pong (``GLW_PP``) / persistent (``GLW_PERSIST``) variant in a child of its own, then times those whose bits
 held, in one child.
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -106,15 +107,19 @@ def tflops(batch: int, length: int, ms: float) -> float:
 
 
 def set_variant(spec: str) -> str:
-    """``spec`` like ``pp1ps0kv1`` or ``pp0ps0kv0o128f``: GLW_PP, GLW_PERSIST, GLW_KV2 and the reduction order
-    (``RLREPRO_ATTENTION_ORDER``, for the Triton reference too) for the kernels' next calls (``-``: leave the env;
-    a missing ``kv`` part: 0; a missing ``o`` part: the default order)."""
+    """``spec`` like ``pp1ps0kv1``, ``pp1ps1q0`` or ``pp0ps0kv0o128f``: GLW_PP, GLW_PERSIST, GLW_KV2, GLW_QTMA and
+    the reduction order (``RLREPRO_ATTENTION_ORDER``, for the Triton reference too) for the kernels' next calls
+    (``-``: leave the env; a missing ``kv`` part: 0; a missing ``q`` part: 0, Q loaded by the consumers; a missing
+    ``o`` part: the default order)."""
     if spec != "-":
-        os.environ["GLW_PP"], os.environ["GLW_PERSIST"] = spec[2], spec[5]
-        os.environ["GLW_KV2"] = spec[8] if len(spec) > 8 else "0"
-        order = spec.split("o", 1)[1] if "o" in spec[9:] else ""
-        os.environ["RLREPRO_ATTENTION_ORDER"] = order
+        m = re.fullmatch(r"pp([01])ps([01])(?:kv([01]))?(?:q([01]))?(?:o(\w+))?", spec)
+        if m is None:
+            raise SystemExit(f"--variants: {spec!r} is not like pp0ps1kv0q1o128f")
+        pp, ps, kv, qt, order = m.groups()
+        os.environ.update(GLW_PP=pp, GLW_PERSIST=ps, GLW_KV2=kv or "0", GLW_QTMA=qt or "0",
+                          RLREPRO_ATTENTION_ORDER=order or "")
     name = "pp{}ps{}kv{}".format(*(os.environ.get(f"GLW_{k}", "0") for k in ("PP", "PERSIST", "KV2")))
+    name += "q" + os.environ.get("GLW_QTMA", "0")
     order = os.environ.get("RLREPRO_ATTENTION_ORDER", "")
     return name + (f"o{order}" if order else "")
 
@@ -153,7 +158,7 @@ def child(args) -> int:
         fi = None
     gen = torch.Generator(device="cuda").manual_seed(0)
     emit(f"### Gluon forward vs Triton ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
-         f"flashinfer {'absent' if fi is None else fi.__version__}, GLW_VARIANT={os.environ.get('GLW_VARIANT', 'two')}"
+         f"flashinfer {'absent' if fi is None else fi.__version__}"
          ")")
     variants = [v for v in args.variants.split(",") if v]
     for spec in variants:
@@ -214,8 +219,9 @@ def main() -> int:
         print(f"case {lens} (Hkv {hkv}): finished, {'equal' if same else 'DIFFERS'} to the Triton kernel", flush=True)
         return 0
     if args.child_minimal:
+        import gluon_hang_probes as P
         x = torch.randn(64 * 264, 128, device="cuda", dtype=torch.bfloat16)
-        got = G.probe_tma_wait(x, args.child_minimal == "default")
+        got = P.probe_tma_wait(x, args.child_minimal == "default")
         torch.cuda.synchronize()
         print(f"minimal TMA wait, producer as the {args.child_minimal} partition: "
               f"{'copy equal' if torch.equal(got, x) else 'COPY DIFFERS'}", flush=True)

@@ -119,3 +119,49 @@ CASES = {
     "all, 4-warp producer": dict(two=True, mma=True, pw=4),
     "all, 8 warps, 4-warp producer, maxnreg 168": dict(two=True, mma=True, pw=4, num_warps=8, maxnreg=168),
 }
+
+
+@gluon.jit
+def _probe_load(desc, bufs, ready):
+    """The minimal producer: one TMA load of the tile at row 64 * program into ``bufs``, on ``ready``."""
+    row = (gl.program_id(0) * desc.block_type.shape[0]).to(gl.int32)
+    mbarrier.expect(ready.index(0), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, 0], ready.index(0), bufs.index(0))
+
+@gluon.jit
+def _probe_copy(out_ptr, bufs, ready, ROWS_: gl.constexpr, COLS: gl.constexpr, NW_: gl.constexpr):
+    """The minimal consumer: wait for the tile, copy it from shared memory to ``out``."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // COLS, COLS // 8], [NW_, 1], [1, 0])
+    mbarrier.wait(ready.index(0), 0)
+    tile = bufs.index(0).load(layout)
+    r = gl.program_id(0) * ROWS_ + gl.arange(0, ROWS_, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    gl.store(out_ptr + r.to(gl.int64)[:, None] * COLS + c[None, :], tile)
+
+@gluon.jit
+def _probe_kernel(desc, out_ptr, PRODUCER_DEFAULT: gl.constexpr):
+    """Issue #27's hang, reduced: one partition loads one [64, COLS] tile by TMA, another waits on its barrier
+    and copies the tile out. ``PRODUCER_DEFAULT``: the producer is the default partition (else a worker)."""
+    ROWS_: gl.constexpr = desc.block_type.shape[0]
+    COLS: gl.constexpr = desc.block_type.shape[1]
+    bufs = gl.allocate_shared_memory(desc.dtype, [1, ROWS_, COLS], desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(ready.index(0), count=1)
+    if PRODUCER_DEFAULT:
+        gl.warp_specialize([(_probe_load, (desc, bufs, ready)),
+                            (_probe_copy, (out_ptr, bufs, ready, ROWS_, COLS, 4))], [4], [120])
+    else:
+        gl.warp_specialize([(_probe_copy, (out_ptr, bufs, ready, ROWS_, COLS, 4)),
+                            (_probe_load, (desc, bufs, ready))], [1], [24])
+
+
+def probe_tma_wait(x: torch.Tensor, producer_default: bool) -> torch.Tensor:
+    """The reduced hang (``_probe_kernel``) on a [64 * programs, 128] 16-bit tensor: returns the copy, which must
+    equal ``x`` (``benchmarks/bench_attention_gluon.py --minimal``)."""
+    rows, cols = 64, x.shape[1]
+    dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [rows, cols],
+                            gl.NVMMASharedLayout.get_default_for([rows, cols], dt))
+    out = torch.empty_like(x)
+    _probe_kernel[(x.shape[0] // rows,)](desc, out, producer_default, num_warps=4)
+    return out

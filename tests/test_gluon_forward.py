@@ -2,8 +2,8 @@
 packed call, the output and the log-sum-exp are the Triton kernel's bits (``torch.equal``), at every GQA group the
 dispatch admits, head sizes 64 and 128, ragged lengths around the 64-position KV tiles and the query tiles, and a
 sequence alone, in both reduction orders (``RLREPRO_ATTENTION_ORDER``); ``RLREPRO_ATTENTION_GLUON=0`` and a forced
-config keep the Triton kernel. The CPU tests check the layout rule and the switches, and (Triton interpreter) the
-persistent variant's slot order.
+config keep the Triton kernel; so do the variants (Q by TMA, persistent, ping-pong). The CPU tests check the layout
+rule and the switches, and (Triton interpreter) the persistent variant's slot order.
 """
 from __future__ import annotations
 
@@ -58,6 +58,23 @@ def test_use_gluon_switches(monkeypatch):
     monkeypatch.delenv("RLREPRO_ATTENTION_CONFIG")
     A.use_gluon(q, q, q, 4)
     assert calls
+
+
+def test_q_tma_rule(monkeypatch):
+    """``GLW_QTMA=1`` (off by default) has the producer load Q by TMA where its boxes can: 16-byte aligned rows of
+    whole heads (a view of the fused q|k|v row is) and an unpadded GQA group; elsewhere the consumers load Q."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
+    monkeypatch.delenv("GLW_QTMA", raising=False)
+    assert not G.q_tma(q, 4, 4, 32)
+    monkeypatch.setenv("GLW_QTMA", "1")
+    assert G.q_tma(q, 4, 4, 32) and G.q_tma(q, 1, 1, 128) and G.q_tma(q, 8, 8, 16)
+    fused = torch.zeros(64, 48 * 128, dtype=torch.bfloat16)
+    assert G.q_tma(fused[:, :32 * 128].view(64, 32, 128), 4, 4, 32)
+    assert not G.q_tma(q, 3, 4, 32)  # a padded group: its padding rows are no head of Q
+    odd = torch.zeros(64 * 32 * 128 + 1, dtype=torch.bfloat16)[1:].view(64, 32, 128)
+    assert not G.q_tma(odd, 4, 4, 32)  # a 2-byte aligned base
+    assert not G.q_tma(torch.zeros(64, 128, 32, dtype=torch.bfloat16).transpose(1, 2), 4, 4, 32)
 
 
 def _case(lens, h, hkv, d, gen):
@@ -136,6 +153,43 @@ def test_gpu_gluon_forward_ignores_a_nonfinite_neighbour(order, monkeypatch):
         alone = A.attention_fwd(q[sl], k[sl], v[sl], AttentionMetadata.packed([lens[i]], device="cuda"), 0.09)
         assert torch.isfinite(out[sl]).all(), f"sequence {i} took a neighbour's non-finite values (seed {seed})"
         assert torch.equal(out[sl], alone), f"sequence {i} differs from its bits alone (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_with_gluon(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
+@pytest.mark.parametrize("order", ["64", "128f"])
+@pytest.mark.parametrize("qtma,persist,pp", [(1, 0, 0), (0, 0, 0), (1, 1, 0), (1, 1, 1), (0, 1, 1)],
+                         ids=["qtma", "qregs", "qtma-persist", "qtma-persist-pp", "qregs-persist-pp"])
+def test_gpu_gluon_forward_q_loads_and_schedules_keep_the_bits(order, qtma, persist, pp, monkeypatch):
+    """Q loaded by the producer's TMA (head-major rows, ``GLW_QTMA=1``) or by the consumers (``GLW_QTMA=0``), one
+    program a work or persistent (``GLW_PERSIST``), with or without ping-pong (``GLW_PP``): the Triton bits, for Q
+    as a strided view of the fused q|k|v projection (the trainer's layout) and for short sequences (16 x 1024
+    and ragged ones around the 32-query boxes), in each reduction order."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", order)
+    monkeypatch.setenv("GLW_QTMA", str(qtma))
+    monkeypatch.setenv("GLW_PERSIST", str(persist))
+    monkeypatch.setenv("GLW_PP", str(pp))
+    seed = fresh_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    h, hkv, d = 32, 8, 128
+    calls = []
+    real = G.attention_fwd_gluon
+    monkeypatch.setattr(G, "attention_fwd_gluon", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    for lens in ([1024] * 16, [31, 33, 1, 64, 95, 2000, 97, 4100, 32]):
+        n = sum(lens)
+        qkv = torch.randn(n, (h + 2 * hkv) * d, device="cuda", generator=gen).to(torch.bfloat16)
+        q = qkv[:, :h * d].view(n, h, d)
+        k = qkv[:, h * d:(h + hkv) * d].view(n, hkv, d)
+        v = qkv[:, (h + hkv) * d:].view(n, hkv, d)
+        meta = AttentionMetadata.packed(lens, device="cuda")
+        assert G.q_tma(q, 4, 4, 32) == bool(qtma)
+        calls.clear()
+        og, lg = A.attention_fwd(q, k, v, meta, d ** -0.5, return_lse=True)
+        assert calls, f"{lens[:3]}...: the packed call did not run the Gluon kernel"
+        ot, lt = A.attention_fwd(q, k, v, meta, d ** -0.5, config=A.ATTENTION_CONFIGS["large"], return_lse=True)
+        assert torch.equal(og, ot), f"out differs from the Triton 'large' tile ({lens[:3]}..., seed {seed})"
+        assert torch.equal(lg, lt), f"lse differs from the Triton 'large' tile ({lens[:3]}..., seed {seed})"
 
 
 INTERP_CHECKS: dict = {}

@@ -28,11 +28,13 @@ before ``P @ V`` (:func:`_zero_past`), so a neighbour's non-finite values cannot
 Variants, each with the same bits (the battery of ``benchmarks/bench_attention_gluon.py``, H100, 2026-12-06) and
 none of them a clear gain there (docs/BENCHMARKS.md), so off by default: ``GLW_PP=1`` ping-pongs the two consumer
 warpgroups (:func:`_turn`); ``GLW_PERSIST=1`` runs one program per SM over the works sorted longest first
-(:func:`persistent_order`); ``GLW_KV2=1`` puts two KV tiles in a ring stage (half the barrier waits).
-``GLW_VARIANT=one``: one 8-warp consumer partition and a ``GLW_PW``-warp producer (slower).
+(:func:`persistent_order`); ``GLW_KV2=1`` puts two KV tiles in a ring stage (half the barrier waits);
+``GLW_QTMA=1`` has the producer load each work's Q by TMA into a ring of Q buffers, the tile's rows head-major
+(:func:`_load_q`, :func:`_row_query`; 0.98-1.02x, measured 2026-12-06).
 
 History: the kernel hung on the H100 until the twenty-seventh session found why (an empty schedule slot's consumers
-waited for a tile its producer never loaded, see ``_program``); ``probe_tma_wait`` is the hang's reduced probe.
+waited for a tile its producer never loaded, see ``_program``); ``benchmarks/gluon_hang_probes.probe_tma_wait`` is
+the hang's reduced probe.
 """
 from __future__ import annotations
 
@@ -117,14 +119,23 @@ if HAVE_GLUON:
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr, cu_ptr,
                   seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr,
-                  D: gl.constexpr, NSTAGE: gl.constexpr, PERSIST: gl.constexpr, KV2: gl.constexpr = 0):
+                  D: gl.constexpr, NSTAGE: gl.constexpr, PERSIST: gl.constexpr, KV2: gl.constexpr = 0,
+                  q_desc=None, q_bufs=None, q_ready=None, q_empty=None, GROUP: gl.constexpr = 1,
+                  QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1):
         """Each work's KV tiles 0, 1, ... by TMA into the ring; the ring's count ``i`` runs on across works. With
-        ``KV2`` a ring stage holds two tiles (two loads on one barrier; the last stage of an odd count one)."""
+        ``KV2`` a ring stage holds two tiles (two loads on one barrier; the last stage of an odd count one). With
+        ``QTMA`` each work's Q tile first (:func:`_load_q`), into the next of ``NQ`` Q buffers."""
         tb = gl.program_id(0) * 0
+        qc = gl.program_id(0) * 0
         for r in range(_rounds(n_work, PERSIST)):
             slot, hk, valid = _work(r, order_ptr, n_work, hkv, PERSIST)
             seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
                                                                        cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+            if QTMA:
+                if n_tiles > 0:
+                    _load_q(q_desc, q_bufs, q_ready, q_empty, qc, (cu0 + q0).to(gl.int32), hk * GROUP, BLOCK_Q, D,
+                            NQ)
+                    qc += 1
             col = (hk * D).to(gl.int32)
             n_units = _units(n_tiles, KV2)
             for t in range(n_units):
@@ -143,6 +154,38 @@ if HAVE_GLUON:
                     mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(st), v_bufs.index(st))
             tb += n_units
+
+    @gluon.jit
+    def _load_q(q_desc, q_bufs, q_ready, q_empty, qc, row, head0, BLOCK_Q: gl.constexpr, D: gl.constexpr,
+                NQ: gl.constexpr):
+        """The producer's Q load of a work (``QTMA``): the program's 128 rows head-major (:func:`_row_query`), as
+        ``[BQB, D]`` boxes of consecutive queries of one head (packed row ``row``, head ``head0`` on), into Q buffer
+        ``qc % NQ`` (its two consumers' halves) once both consumers released it."""
+        BQB: gl.constexpr = q_desc.block_type.shape[0]
+        NR_: gl.constexpr = q_bufs.shape[1]
+        QPB: gl.constexpr = BLOCK_Q // BQB
+        qb = qc % NQ
+        mbarrier.wait(q_empty.index(qb), ((qc // NQ) & 1) ^ 1)  # a fresh barrier passes phase 1
+        mbarrier.expect(q_ready.index(qb), 2 * (NR_ // BQB) * q_desc.block_type.nbytes)
+        for j in gl.static_range(2 * NR_ // BQB):
+            dst = q_bufs.index(2 * qb + j * BQB // NR_).slice((j * BQB) % NR_, BQB)
+            coord_q = row + (j % QPB) * BQB
+            coord_d = ((head0 + j // QPB) * D).to(gl.int32)
+            tma.async_copy_global_to_shared(q_desc, [coord_q, coord_d], q_ready.index(qb), dst)
+
+    @gluon.jit
+    def _row_query(r, GROUP_P: gl.constexpr, BLOCK_Q: gl.constexpr, BQB: gl.constexpr, QTMA: gl.constexpr):
+        """Tile row ``r``'s (query offset, head of the GQA group): query-major (``r // GROUP_P``, ``r % GROUP_P``,
+        the Triton kernel's rows) or, with ``QTMA``, head-major in boxes of ``BQB`` queries (:func:`_load_q`). A
+        row's arithmetic does not depend on where in the tile it sits, so both give the same bits."""
+        if QTMA:
+            j = r // BQB
+            qo = (j % (BLOCK_Q // BQB)) * BQB + r % BQB
+            g = j // (BLOCK_Q // BQB)
+        else:
+            qo = r // GROUP_P
+            g = r % GROUP_P
+        return qo, g
 
     @gluon.jit
     def _units(n_tiles, KV2: gl.constexpr):
@@ -248,13 +291,14 @@ if HAVE_GLUON:
                          n_tiles, n_full, kv_end, tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr,
                          NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
                          o_layout: gl.constexpr, p_layout: gl.constexpr, KV2: gl.constexpr, FMA: gl.constexpr,
-                         NW: gl.constexpr):
+                         NW: gl.constexpr, q_rel, QTMA: gl.constexpr):
         """One work's KV tiles (``n_tiles`` > 0, the ring's tiles ``tb``, ``tb + 1``, ...), software-pipelined as
         FlashAttention-3 overlaps within a warpgroup: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` are issued together, and
         tile ``t + 1``'s softmax runs while ``P_t @ V_t`` is on the tensor cores. Every value is computed by the
         Triton kernel's operations in its order (``acc = P_t @ V_t + acc * alpha_t``), so the bits are its bits.
         With ``PP`` each issue is one turn of the ping-pong (``turn``, ``turn + 1``, ..., ``n_tiles + 1`` turns);
-        with ``KV2`` a ring stage holds two tiles: half the barrier waits and releases."""
+        with ``KV2`` a ring stage holds two tiles: half the barrier waits and releases. With ``QTMA`` the Q buffer is
+        released (``q_rel``) once its last ``Q @ K^T`` is done, so the producer can load the next work's Q."""
         st, ph, b, new, last = _ring(tb, 0, n_tiles, NSTAGE, KV2)
         mbarrier.wait(k_ready.index(st), ph)
         _turn(pp_bars, turn, CID, PP)
@@ -281,6 +325,8 @@ if HAVE_GLUON:
             acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
             if last:
                 mbarrier.arrive(kv_empty.index(st), count=1)
+        if QTMA:  # every Q @ K^T of the work is done
+            mbarrier.arrive(q_rel, count=1)
         st, ph, b, new, last = _ring(tb, n_tiles - 1, n_tiles, NSTAGE, KV2)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
@@ -301,7 +347,8 @@ if HAVE_GLUON:
                   stride_oh, stride_ln, qk_scale, CID: gl.constexpr, NR: gl.constexpr, GROUP: gl.constexpr,
                   GROUP_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr, D: gl.constexpr,
                   NSTAGE: gl.constexpr, WRITE_LSE: gl.constexpr, NW: gl.constexpr, PP: gl.constexpr,
-                  PERSIST: gl.constexpr, KV2: gl.constexpr = 0, FMA: gl.constexpr = 0):
+                  PERSIST: gl.constexpr, KV2: gl.constexpr = 0, FMA: gl.constexpr = 0, q_ready=None, q_empty=None,
+                  QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, BQB: gl.constexpr = 1):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -310,32 +357,41 @@ if HAVE_GLUON:
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [NW, 1], [1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        q_smem = q_bufs.index(CID)
-        # this warpgroup's query rows: row r of the program's tile is query q0 + r // GROUP_P, head g = r % GROUP_P
+        # this warpgroup's rows of the program's tile: (query q0 + offset, head g of the GQA group), _row_query
         r = CID * NR + gl.arange(0, NR, layout=gl.SliceLayout(1, ld_layout))
-        rs = CID * NR + gl.arange(0, NR, layout=row_s)
-        ro = CID * NR + gl.arange(0, NR, layout=row_o)
+        q_off_s, g_s = _row_query(CID * NR + gl.arange(0, NR, layout=row_s), GROUP_P, BLOCK_Q, BQB, QTMA)
+        q_off_o, g_o = _row_query(CID * NR + gl.arange(0, NR, layout=row_o), GROUP_P, BLOCK_Q, BQB, QTMA)
         d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
         do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         tb = gl.program_id(0) * 0
         turn = gl.program_id(0) * 0
+        qc = gl.program_id(0) * 0
         for rnd in range(_rounds(n_work, PERSIST)):
             slot, hk, valid = _work(rnd, order_ptr, n_work, hkv, PERSIST)
             seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
                                                                        cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
-            qi = q0 + r // GROUP_P
-            g = r % GROUP_P
-            row_ok = (qi < q_len) & (g < GROUP)
-            tok = (cu0 + qi).to(gl.int64)
-            head = (hk * GROUP + g).to(gl.int64)
-            q = gl.load(q_ptr + tok[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            if PERSIST:
-                gl.thread_barrier()  # every warp is past the last work's products, which read the old Q
-            q_smem.store(q)
-            fence_async_shared()
-            gl.thread_barrier()
-            pos = first_pos + gl.minimum(q0 + rs // GROUP_P, q_len - 1)  # padding rows borrow a real position
+            if QTMA:  # the producer loaded this work's Q (if it has tiles) into buffer qc % NQ
+                q_smem = q_bufs.index(2 * (qc % NQ) + CID)
+                q_rel = q_empty.index(qc % NQ)
+                if n_tiles > 0:
+                    mbarrier.wait(q_ready.index(qc % NQ), (qc // NQ) & 1)
+                    qc += 1
+            else:
+                q_smem = q_bufs.index(CID)
+                q_rel = kv_empty.index(0)  # unused
+                qi = q0 + r // GROUP_P
+                g = r % GROUP_P
+                row_ok = (qi < q_len) & (g < GROUP)
+                tok = (cu0 + qi).to(gl.int64)
+                head = (hk * GROUP + g).to(gl.int64)
+                q = gl.load(q_ptr + tok[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                            mask=row_ok[:, None], other=0.0)
+                if PERSIST:
+                    gl.thread_barrier()  # every warp is past the last work's products, which read the old Q
+                q_smem.store(q)
+                fence_async_shared()
+                gl.thread_barrier()
+            pos = first_pos + gl.minimum(q0 + q_off_s, q_len - 1)  # padding rows borrow a real position
             m_i = gl.full([NR], float("-inf"), gl.float32, row_s)
             l_i = gl.zeros([NR], gl.float32, row_s)
             acc = gl.zeros([NR, D], gl.float32, o_layout)
@@ -343,22 +399,20 @@ if HAVE_GLUON:
                 m_i, l_i, acc = _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
                                                  pp_bars, pos, qk_scale, n_tiles, n_full, first_pos + q_len, tb,
                                                  turn, CID, PP, NR, NSTAGE, BLOCK_KV_, qk_layout, o_layout,
-                                                 p_layout, KV2, FMA, NW)
+                                                 p_layout, KV2, FMA, NW, q_rel, QTMA)
                 turn += n_tiles + 1
             tb += _units(n_tiles, KV2)
             if seq >= 0:
                 out = acc / gl.convert_layout(l_i, row_o)[:, None]
-                qo = q0 + ro // GROUP_P
-                go = ro % GROUP_P
-                ok_o = (qo < q_len) & (go < GROUP)
+                qo = q0 + q_off_o
+                ok_o = (qo < q_len) & (g_o < GROUP)
                 o_off = ((cu0 + qo).to(gl.int64)[:, None] * stride_on
-                         + (hk * GROUP + go).to(gl.int64)[:, None] * stride_oh)
+                         + (hk * GROUP + g_o).to(gl.int64)[:, None] * stride_oh)
                 gl.store(o_ptr + o_off + do[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
                 if WRITE_LSE:
-                    qs = q0 + rs // GROUP_P
-                    gs = rs % GROUP_P
-                    ok_s = (qs < q_len) & (gs < GROUP)
-                    l_off = (cu0 + qs).to(gl.int64) * stride_ln + (hk * GROUP + gs).to(gl.int64)
+                    qs = q0 + q_off_s
+                    ok_s = (qs < q_len) & (g_s < GROUP)
+                    l_off = (cu0 + qs).to(gl.int64) * stride_ln + (hk * GROUP + g_s).to(gl.int64)
                     if FMA:
                         m_i = m_i * qk_scale
                     gl.store(lse_ptr + l_off, m_i + gl.log2(l_i), mask=ok_s)
@@ -366,7 +420,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _stages(k_desc, v_desc, NSTAGE: gl.constexpr, N_CONSUMERS: gl.constexpr, KV2: gl.constexpr = 0):
         """The K/V ring (``NSTAGE`` tiles of each) and its barriers: K and V "ready" (one TMA arrival each) and
-        "empty" (one arrival per consumer partition), and the two ping-pong barriers, initialised."""
+        "empty" (one arrival per consumer partition), the two ping-pong barriers, and the Q buffers' "ready" (the
+        producer's TMA) and "empty" (one arrival per consumer) barriers, initialised."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE * (1 + KV2), BKV, D], k_desc.layout)
@@ -375,92 +430,46 @@ if HAVE_GLUON:
         v_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         pp_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NSTAGE):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=N_CONSUMERS)
         for i in gl.static_range(2):
             mbarrier.init(pp_bars.index(i), count=1)
-        return k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=N_CONSUMERS)
+        return k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, q_ready, q_empty
 
     @gluon.jit
-    def _attn_fwd_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
-                            order_ptr, n_work, hkv, stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
-                            q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
-                            BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
+    def _attn_fwd_ws_kernel(q_ptr, q_desc, k_desc, v_desc, o_ptr, lse_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr,
+                            seq_lens_ptr, order_ptr, n_work, hkv, stride_qn, stride_qh, stride_on, stride_oh,
+                            stride_ln, qk_scale, q_smem_layout: gl.constexpr, GROUP: gl.constexpr,
+                            GROUP_P: gl.constexpr, BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, CREGS: gl.constexpr,
                             PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0,
-                            FMA: gl.constexpr = 0):
-        """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer."""
+                            FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1):
+        """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer (of
+        Q too, with ``QTMA``: ``q_desc`` loads ``[BQB, D]`` boxes of it into ``NQ`` buffers)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
-        q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, NR, D], q_smem_layout)
-        k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars = _stages(k_desc, v_desc, NSTAGE, 2, KV2)
+        BQB: gl.constexpr = BLOCK_Q if BLOCK_Q < NR else NR
+        q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2 * NQ, NR, D], q_smem_layout)
+        k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, q_ready, q_empty = _stages(k_desc, v_desc, NSTAGE, 2,
+                                                                                        KV2)
         gl.warp_specialize([
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
-                         cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2)),
+                         cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2,
+                         q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA)),
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA)),
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB)),
         ], [4, 4], [CREGS, CREGS])
-
-    @gluon.jit
-    def _attn_fwd_ws1_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
-                             order_ptr, n_work, hkv, stride_qn, stride_qh, stride_on, stride_oh, stride_ln, qk_scale,
-                             q_smem_layout: gl.constexpr, GROUP: gl.constexpr, GROUP_P: gl.constexpr,
-                             BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
-                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, PREGS: gl.constexpr, PW: gl.constexpr):
-        """One consumer partition (the default one, all ``num_warps`` warps: NR rows) and a ``PW``-warp producer
-        (no ping-pong, one work a program)."""
-        BKV: gl.constexpr = k_desc.block_type.shape[0]
-        q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [1, NR, D], q_smem_layout)
-        k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars = _stages(k_desc, v_desc, NSTAGE, 1)
-        gl.warp_specialize([
-            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
-                         prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
-                         stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, gl.num_warps(), 0, 0)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
-                         cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, 0)),
-        ], [PW], [PREGS])
-
-
-    @gluon.jit
-    def _probe_load(desc, bufs, ready):
-        """The minimal producer: one TMA load of the tile at row 64 * program into ``bufs``, on ``ready``."""
-        row = (gl.program_id(0) * desc.block_type.shape[0]).to(gl.int32)
-        mbarrier.expect(ready.index(0), desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [row, 0], ready.index(0), bufs.index(0))
-
-    @gluon.jit
-    def _probe_copy(out_ptr, bufs, ready, ROWS_: gl.constexpr, COLS: gl.constexpr, NW_: gl.constexpr):
-        """The minimal consumer: wait for the tile, copy it from shared memory to ``out``."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // COLS, COLS // 8], [NW_, 1], [1, 0])
-        mbarrier.wait(ready.index(0), 0)
-        tile = bufs.index(0).load(layout)
-        r = gl.program_id(0) * ROWS_ + gl.arange(0, ROWS_, layout=gl.SliceLayout(1, layout))
-        c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        gl.store(out_ptr + r.to(gl.int64)[:, None] * COLS + c[None, :], tile)
-
-    @gluon.jit
-    def _probe_kernel(desc, out_ptr, PRODUCER_DEFAULT: gl.constexpr):
-        """Issue #27's hang, reduced: one partition loads one [64, COLS] tile by TMA, another waits on its barrier
-        and copies the tile out. ``PRODUCER_DEFAULT``: the producer is the default partition (else a worker)."""
-        ROWS_: gl.constexpr = desc.block_type.shape[0]
-        COLS: gl.constexpr = desc.block_type.shape[1]
-        bufs = gl.allocate_shared_memory(desc.dtype, [1, ROWS_, COLS], desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(ready.index(0), count=1)
-        if PRODUCER_DEFAULT:
-            gl.warp_specialize([(_probe_load, (desc, bufs, ready)),
-                                (_probe_copy, (out_ptr, bufs, ready, ROWS_, COLS, 4))], [4], [120])
-        else:
-            gl.warp_specialize([(_probe_copy, (out_ptr, bufs, ready, ROWS_, COLS, 4)),
-                                (_probe_load, (desc, bufs, ready))], [1], [24])
 
 
 def _descriptor(t: torch.Tensor, rows: int):
@@ -511,22 +520,33 @@ def persistent_order(schedule, cu: torch.Tensor, seq_lens: torch.Tensor, block_q
     return order
 
 
+def q_tma(q: torch.Tensor, group: int, group_p: int, block_q: int) -> bool:
+    """Whether the producer loads Q by TMA (``GLW_QTMA=1``; off by default: no gain measured): Q's rows are whole
+    heads of 16-byte aligned rows, and the GQA group is not padded (head-major boxes of one head each,
+    :func:`_load_q`)."""
+    if os.environ.get("GLW_QTMA", "0") != "1" or group != group_p:
+        return False
+    n, h, d = q.shape
+    return (q.stride(2) == 1 and q.stride(1) == d and (q.stride(0) * q.element_size()) % 16 == 0
+            and q.data_ptr() % 16 == 0 and block_q * group_p % ROWS == 0 and min(block_q, ROWS) % 8 == 0)
+
+
 def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, cu: torch.Tensor,
                         seq_lens: torch.Tensor, schedule, scale: float, group: int, group_p: int, block_q: int,
                         out: torch.Tensor, lse: torch.Tensor | None, order: torch.Tensor | None = None,
                         block_kv: int = BLOCK_KV, fma: bool = False) -> None:
     """Run the warp-specialised forward into ``out`` (and ``lse``), given ``_device_schedule``'s slot table for
-    tiles of ``block_q`` queries (``block_q * group_p == CONSUMERS * ROWS``). ``GLW_PERSIST=1`` (variant ``two``)
-    runs one program per SM over the slots in ``order`` (:func:`persistent_order`, computed here if not given);
-    ``GLW_PP=1`` ping-pongs its two consumer warpgroups. Neither changes a bit (the battery checks it)."""
+    tiles of ``block_q`` queries (``block_q * group_p == CONSUMERS * ROWS``). ``GLW_PERSIST=1`` runs one program
+    per SM over the slots in ``order`` (:func:`persistent_order`, computed here if not given); ``GLW_PP=1``
+    ping-pongs its two consumer warpgroups; ``GLW_QTMA=1`` has the producer load Q by TMA (:func:`q_tma`). None of them
+    changes a bit (the battery checks it)."""
     n, h, d = q.shape
     hkv = k_flat.shape[1]
     if block_q * group_p != CONSUMERS * ROWS:
         raise ValueError(f"gluon attention: a tile of {block_q} x {group_p} rows is not {CONSUMERS} x {ROWS}")
     g_slots, prog_seq, prog_q0 = schedule
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    variant = os.environ.get("GLW_VARIANT", "two")
-    persist = variant == "two" and os.environ.get("GLW_PERSIST", "0") == "1"
+    persist = os.environ.get("GLW_PERSIST", "0") == "1"
     if persist and order is None:
         order = persistent_order(schedule, cu, seq_lens, block_q, block_kv)
     n_work = g_slots * hkv
@@ -534,33 +554,23 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
         grid = (min(n_work, torch.cuda.get_device_properties(q.device).multi_processor_count),)
     else:
         grid = (g_slots, hkv)
-    args = (q, _descriptor(k_flat, block_kv), _descriptor(v_flat, block_kv), out, lse if lse is not None else out,
-            prog_seq, prog_q0, cu, seq_lens, order if persist else prog_seq, n_work, hkv, q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), h if lse is not None else 0, float(scale) * LOG2E)
+    k_desc, v_desc = _descriptor(k_flat, block_kv), _descriptor(v_flat, block_kv)
+    qtma = q_tma(q, group, group_p, block_q)
+    if qtma:
+        bqb = min(block_q, ROWS)
+        q_layout = gl.NVMMASharedLayout.get_default_for([bqb, d], dt)
+        q_desc = TensorDescriptor(q, [n, h * d], [q.stride(0), 1], [bqb, d], q_layout)
+    else:
+        q_layout, q_desc = gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), k_desc
+    # two Q buffers where shared memory holds them beside the ring (the 64-position order), else one
+    ring = STAGES * 2 * block_kv * d * q.element_size()
+    nq = 2 if qtma and ring + 4 * ROWS * d * q.element_size() <= 200 * 1024 else 1
+    args = (q, q_desc, k_desc, v_desc, out, lse if lse is not None else out, prog_seq, prog_q0, cu, seq_lens,
+            order if persist else prog_seq, n_work, hkv, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            h if lse is not None else 0, float(scale) * LOG2E)
     maxnreg = int(os.environ.get("GLW_MAXNREG", "0")) or \
         (CONSUMERS * 4 * CONSUMER_REGS + 4 * PRODUCER_REGS) // (4 * (CONSUMERS + 1))
-    if variant == "one":
-        if fma or block_kv != BLOCK_KV:
-            raise ValueError("gluon attention: GLW_VARIANT=one has only the 64-position order; unset GLW_VARIANT")
-        _attn_fwd_ws1_kernel[grid](
-            *args, gl.NVMMASharedLayout.get_default_for([CONSUMERS * ROWS, d], dt), group, group_p, block_q, d,
-            STAGES, lse is not None, CONSUMERS * ROWS, PRODUCER_REGS, int(os.environ.get("GLW_PW", "4")),
-            num_warps=4 * CONSUMERS, maxnreg=maxnreg, enable_fp_fusion=False)
-        return
     _attn_fwd_ws_kernel[grid](
-        *args, gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), group, group_p, block_q, d, STAGES,
-        lse is not None, ROWS, CONSUMER_REGS, int(os.environ.get("GLW_PP", "0")), int(persist),
-        int(os.environ.get("GLW_KV2", "0")), int(fma),
-        num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
-
-
-def probe_tma_wait(x: torch.Tensor, producer_default: bool) -> torch.Tensor:
-    """The reduced hang (``_probe_kernel``) on a [64 * programs, 128] 16-bit tensor: returns the copy, which must
-    equal ``x`` (``benchmarks/bench_attention_gluon.py --minimal``)."""
-    rows, cols = 64, x.shape[1]
-    dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [rows, cols],
-                            gl.NVMMASharedLayout.get_default_for([rows, cols], dt))
-    out = torch.empty_like(x)
-    _probe_kernel[(x.shape[0] // rows,)](desc, out, producer_default, num_warps=4)
-    return out
+        *args, q_layout, group, group_p, block_q, d, STAGES, lse is not None, ROWS, CONSUMER_REGS,
+        int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
+        nq, num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
