@@ -39,13 +39,13 @@ _HYPER = ("lr", "betas", "eps", "weight_decay")
 _REBUILD = "load it into a trainer built with the same model, param_dtype and optimizer as the saving run"
 
 
-def _check_layout(state) -> None:  # a KeyError deep in a load would say less
+def check_layout(state) -> None:  # a KeyError deep in a load would say less
     if not isinstance(state, Mapping) or not {"names", "adamw", "master_weights"} <= set(state):
         raise ValueError("optimizer state is not an rlrepro MasterWeightAdamW state (it needs 'names', 'adamw' and "
                          "'master_weights'); resume from a checkpoint rlrepro wrote")
 
 
-def _check_masters(masters, names: list[str], shapes: list[tuple], need: Iterable[int], mine: Iterable[int]) -> None:
+def check_masters(masters, names: list[str], shapes: list[tuple], need: Iterable[int], mine: Iterable[int]) -> None:
     """Masters ``need`` named in ``masters``, those ``mine`` tensors of their parameter's shape (others may be None)."""
     masters = masters if isinstance(masters, Mapping) else {}
     for i in need:
@@ -60,7 +60,7 @@ def _check_masters(masters, names: list[str], shapes: list[tuple], need: Iterabl
                              f"{shapes[i]}; {_REBUILD}")
 
 
-def _check_adamw(adamw, live: Mapping, names: list[str], shapes: list[tuple], complete: Iterable[int]) -> None:
+def check_adamw(adamw, live: Mapping, names: list[str], shapes: list[tuple], complete: Iterable[int]) -> None:
     """What torch's AdamW load would refuse, or take without a word and fail on (or compute otherwise with) later:
     one group over parameters ``0..n-1``, AdamW's settings present and every other one the ``live`` group's, state
     only for those indices with tensors of their parameter's shape, complete for the indices this rank loads."""
@@ -226,11 +226,11 @@ class MasterWeightAdamW:
     def check_state_dict(self, state: Mapping) -> None:
         """Raise (ValueError: the mismatch and the fix) what :meth:`load_state_dict` would refuse or load wrongly (other
         names, shapes, groups, AdamW settings, a missing master or moment), changing nothing: a load checks first."""
-        _check_layout(state)
+        check_layout(state)
         self._check_names(state)
         copies, shapes = [i for i, (m, p) in enumerate(zip(self.masters, self.params)) if m is not p], self._shapes()
-        _check_masters(state["master_weights"], self.names, shapes, copies, copies)
-        _check_adamw(state["adamw"], self.inner.param_groups[0], self.names, shapes, range(len(self.names)))
+        check_masters(state["master_weights"], self.names, shapes, copies, copies)
+        check_adamw(state["adamw"], self.inner.param_groups[0], self.names, shapes, range(len(self.names)))
 
     def prepare_state_dict(self, state: Mapping) -> dict:
         """``state`` checked, its AdamW tensors already where (and in the dtype) this optimizer keeps them: loading it
@@ -501,11 +501,11 @@ class ShardedMasterWeightAdamW(MasterWeightAdamW):
     def check_state_dict(self, state: Mapping) -> None:
         """As :meth:`MasterWeightAdamW.check_state_dict`; every rank checks every name, group and shape (the same error
         everywhere), masters and moments only in its share (a dist checkpoint gives each rank its own)."""
-        _check_layout(state)
+        check_layout(state)
         self._check_names(state)
         copies, shapes = [i for i, c in enumerate(self.has_copy) if c], self._shapes()
-        _check_masters(state["master_weights"], self.names, shapes, copies, [i for i in copies if self.owned[i]])
-        _check_adamw(state["adamw"], self.inner.param_groups[0], self.names, shapes, self._local)
+        check_masters(state["master_weights"], self.names, shapes, copies, [i for i in copies if self.owned[i]])
+        check_adamw(state["adamw"], self.inner.param_groups[0], self.names, shapes, self._local)
 
     def prepare_state_dict(self, state: Mapping) -> dict:
         """As :meth:`MasterWeightAdamW.prepare_state_dict`: this rank's share placed, the rest left as it is."""

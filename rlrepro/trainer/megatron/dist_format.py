@@ -20,7 +20,7 @@ import torch.distributed as dist
 from rlrepro._files import fsync_path
 
 from .. import checkpoint as ckpt
-from ..checkpoint import capture_rng_state, checkpoint_dir_name, load_pt, restore_rng_state
+from ..checkpoint import capture_rng_state, check_rng_state, checkpoint_dir_name, load_pt, restore_rng_state
 from .mcore import cuda_calls_on_cpu, merged_over
 
 __all__ = ["LAYOUT", "DIST_DIR", "META", "is_dist_checkpoint", "read_dist_meta", "save_dist_checkpoint",
@@ -330,11 +330,50 @@ def _verify_collectively(path: Path, rank: int) -> dict:
     return manifest
 
 
+def _read_optimizer_state(trainer, path: Path, targets: dict, loaded: dict, owned, mcore: bool) -> tuple[dict, dict]:
+    """From what ``dc.load`` read (``loaded``) and ``optimizer.pt``: this rank's weights (name -> tensor, not yet
+    copied into the model) and its optimizer state in rlrepro's unsharded layout; changes nothing live."""
+    opt = trainer.optimizer
+    common = load_pt(path / "optimizer.pt")
+    if not isinstance(common, Mapping) or not {"names", "param_groups", "scalars"} <= set(common):
+        raise ValueError(f"dist checkpoint {path}: optimizer.pt is not rlrepro's (it needs 'names', 'param_groups' "
+                         "and 'scalars'); resume from another checkpoint")
+    if list(common["names"]) != list(opt.names):
+        raise ValueError(f"dist checkpoint {path} holds optimizer state for other parameters; load it into a "
+                         "trainer built for the same model")
+    index = {n: i for i, n in enumerate(opt.names)}
+    weights, state, masters = {}, {}, {}
+    for key, (info, _) in targets.items():
+        t = loaded[key]
+        if info["kind"] == "model":
+            weights[info["name"]] = t
+        elif info["kind"] == "master":
+            masters[info["name"]] = t
+        else:
+            state.setdefault(index[info["name"]], {})[info["state_key"]] = t
+    scalars = common["scalars"]
+    unknown = sorted(set(scalars) - set(index)) if isinstance(scalars, Mapping) else ["(not a mapping)"]
+    if unknown:
+        raise ValueError(f"dist checkpoint {path}: optimizer.pt holds AdamW step counts for {unknown[:5]}, not "
+                         "parameters of this model; resume from another checkpoint")
+    for name, per in scalars.items():
+        state.setdefault(index[name], {}).update(per)
+    if owned is not None and not mcore:  # others' masters: not read (ShardedMasterWeightAdamW keeps its own only)
+        masters.update({n: None for n in opt.names if n not in owned})
+    return weights, {"names": list(opt.names), "adamw": {"state": state, "param_groups": common["param_groups"]},
+                     "master_weights": masters}
+
+
 def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, restore_rng: bool = True) -> dict:
     """Verify ``path`` (megatron-dist layout), check it holds this trainer's model, and load this rank's shards of
     weights, masters and AdamW moments (resharded when the saving TP differs), the schedule and the RNG states:
     each rank its own when the world size is the saving run's, else rank 0's on every rank (as a full checkpoint
-    does). A collective. Returns ``extra_state``."""
+    does). A collective. Returns ``extra_state``.
+
+    All or nothing, as :func:`rlrepro.trainer.checkpoint.load_checkpoint`: every rank reads its shards into new
+    tensors and runs every check (weights, the optimizer's ``prepare_state_dict``, the schedule, the RNG states), and
+    the ranks agree, before any rank changes its weights, optimizer, schedule or RNGs; a refusal raises on every rank
+    (the ValueError names the mismatch and the fix) and leaves every trainer as it was."""
     from megatron.core import dist_checkpointing as dc
 
     rank, world = _require_dist("load_checkpoint")
@@ -376,34 +415,36 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
     with cuda_calls_on_cpu(trainer.model.device):
         loaded = dc.load(sharded, str(path / DIST_DIR))
 
-    common = load_pt(path / "optimizer.pt")
-    if list(common["names"]) != list(opt.names):
-        raise ValueError(f"dist checkpoint {path} holds optimizer state for other parameters; load it into a "
-                         "trainer built for the same model")
-    index = {n: i for i, n in enumerate(opt.names)}
-    state: dict[int, dict] = {}
-    masters = {}
-    with torch.no_grad():
-        for key, (info, _) in targets.items():
-            t = loaded[key]
-            if info["kind"] == "model":
-                params[info["name"]].copy_(t)
-            elif info["kind"] == "master":
-                masters[info["name"]] = t
-            else:
-                state.setdefault(index[info["name"]], {})[info["state_key"]] = t
-    for name, scalars in common["scalars"].items():
-        state.setdefault(index[name], {}).update(scalars)
-    if owned is not None and not mcore:  # others' masters: not read (ShardedMasterWeightAdamW keeps its own only)
-        masters.update({n: None for n in opt.names if n not in owned})
-    opt.load_state_dict({"names": list(opt.names), "adamw": {"state": state, "param_groups": common["param_groups"]},
-                         "master_weights": masters})
-    trainer.scheduler.load_state_dict(load_pt(path / "scheduler.pt"))
-    extra_state = load_pt(path / "extra_state.pt")
-    if restore_rng:
-        own = path / "rng" / f"rank_{rank:05d}.pt"
-        src = own if meta["world_size"] == world else path / "rng" / "rank_00000.pt"
-        restore_rng_state(load_pt(src), generators)
+    # 1. read and check everything on every rank (all agree before any rank changes anything live)
+    error = weights = optim_state = sched_state = extra_state = rng_state = None
+    try:
+        weights, optim_state = _read_optimizer_state(trainer, path, targets, loaded, owned, mcore)
+        if hasattr(opt, "prepare_state_dict"):
+            optim_state = opt.prepare_state_dict(optim_state)
+        sched_state = load_pt(path / "scheduler.pt")
+        if hasattr(trainer.scheduler, "check_state_dict"):
+            trainer.scheduler.check_state_dict(sched_state)
+        extra_state = load_pt(path / "extra_state.pt")
+        if restore_rng:
+            own = path / "rng" / f"rank_{rank:05d}.pt"
+            rng_state = load_pt(own if meta["world_size"] == world else path / "rng" / "rank_00000.pt")
+            check_rng_state(rng_state, generators)
+    except BaseException as e:
+        error = e
+    _agree(error, f"checking {path}")
+    # 2. apply: in-place copies of checked shapes, a prepared optimizer state, plain values
+    try:
+        with torch.no_grad():
+            for name, t in weights.items():
+                params[name].copy_(t)
+        opt.load_state_dict(optim_state)
+        trainer.scheduler.load_state_dict(sched_state)
+        if restore_rng:
+            restore_rng_state(rng_state, generators)
+    except Exception as e:
+        e.add_note(f"rlrepro: loading {path} stopped after it began changing the model/optimizer/scheduler/RNGs, "
+                   "which may now be partly loaded: build the trainer anew before loading or training again")
+        raise
     dist.barrier()
     return extra_state
 

@@ -111,6 +111,14 @@ def merged_over(group, size: int, part: dict) -> dict:
     return {k: v for one in parts for k, v in one.items()}
 
 
+class _PreparedLoad:
+    """A checked optimizer state, ready to set (:meth:`MegatronCoreOptimizer.prepare_state_dict`): per parameter
+    range ``(sub-optimizer, main param, param, start, end, master source or None, AdamW state or None)``, and lr."""
+
+    def __init__(self, plan: list, lr) -> None:
+        self.plan, self.lr = plan, lr
+
+
 def _sub_optimizers(mopt) -> list:
     return [o for o in getattr(mopt, "chained_optimizers", [mopt]) if getattr(o, "optimizer", None) is not None]
 
@@ -385,37 +393,69 @@ class MegatronCoreOptimizer:
         return {"names": list(self.names), "adamw": {"state": state, "param_groups": self.adamw_param_groups()},
                 "master_weights": masters}
 
-    @torch.no_grad()
-    def load_state_dict(self, state: Mapping) -> None:
-        """Load rlrepro's unsharded layout (from this path, the order-fixed path or a plain ``Trainer``): each rank
-        keeps its ranges of the masters and moments."""
+    def check_state_dict(self, state: Mapping) -> None:
+        """Raise (ValueError: the mismatch and the fix) what :meth:`load_state_dict` would refuse or fail on midway
+        (other names, groups or AdamW settings, a master or moment of another shape, a moment entry missing a key),
+        changing nothing. Masters may be absent (a float32 run's state: the loaded weights are taken); every rank
+        checks every name and shape (the same error everywhere), moments complete for those it holds a range of."""
+        from ..optim import check_adamw, check_layout, check_masters
+
         _require_torch_adam(self.mopt)
-        names = list(state["names"])
+        check_layout(state)
+        names = list(state["names"]) if isinstance(state["names"], list | tuple) else []
         if names != self.names:
             missing = sorted(set(self.names) - set(names))
             extra = sorted(set(names) - set(self.names))
             raise ValueError(f"optimizer state is for other parameters (missing {missing[:5]}, extra {extra[:5]}); "
                              "load it into a trainer built for the same model")
         masters = state["master_weights"]
-        per_param = state["adamw"]["state"]
+        shapes = [tuple(p.shape) for p in self.params]
+        given = [i for i, (n, p) in enumerate(zip(self.names, self.params))
+                 if p.dtype != torch.float32 and isinstance(masters, Mapping) and n in masters]
+        check_masters(masters, self.names, shapes, [], given)
+        held = set(self.names_with_ranges())
+        check_adamw(state["adamw"], self._adamw_group, self.names, shapes,
+                     [i for i, n in enumerate(self.names) if n in held])
+
+    def prepare_state_dict(self, state: Mapping) -> "_PreparedLoad":
+        """``state`` checked (:meth:`check_state_dict`) and turned into what :meth:`load_state_dict` sets: each range's
+        moments already cut and placed on its device, so the load allocates nothing and cannot fail on the state."""
+        self.check_state_dict(state)
+        masters, per_param = state["master_weights"], state["adamw"]["state"]
+        plan = []
         for i, (name, p) in enumerate(zip(self.names, self.params)):
             if p not in self._main:
                 continue
             sub, m, a, b = self._main[p]
-            if m is not p and name in masters:
-                m.copy_(masters[name].reshape(-1)[a:b].view_as(m))
-            elif m is not p:  # saved without masters (float32 run): start from the loaded weights
-                m.copy_(p.detach().reshape(-1)[a:b].view_as(m))
-            saved = per_param.get(i)
-            inner = sub.optimizer.state
+            src = masters[name].reshape(-1)[a:b].view_as(m) if m is not p and name in masters else None
+            saved, inner = per_param.get(i), None
             if saved and "exp_avg" in saved:
-                inner[m] = {"step": torch.tensor(float(saved["step"])), **{
-                    k: saved[k].reshape(-1)[a:b].view_as(m).to(device=m.device, dtype=m.dtype, copy=True)
-                    for k in ("exp_avg", "exp_avg_sq")}}
+                try:
+                    step = torch.tensor(float(saved["step"]))
+                except (TypeError, ValueError, RuntimeError) as e:
+                    raise ValueError(f"optimizer state's AdamW step of {name!r} is not a number ({e}); the optimizer"
+                                     ".pt is damaged or not rlrepro's: resume from another checkpoint") from None
+                inner = {"step": step, **{k: saved[k].reshape(-1)[a:b].view_as(m).to(device=m.device, dtype=m.dtype,
+                                                                                      copy=True)
+                                          for k in ("exp_avg", "exp_avg_sq")}}
+            plan.append((sub, m, p, a, b, src, inner))
+        return _PreparedLoad(plan, state["adamw"]["param_groups"][0]["lr"])
+
+    @torch.no_grad()
+    def load_state_dict(self, state) -> None:
+        """Load rlrepro's unsharded layout (from this path, the order-fixed path or a plain ``Trainer``), or what
+        :meth:`prepare_state_dict` made of it: each rank keeps its ranges of the masters and moments. All or nothing:
+        everything is checked and prepared before the first master is written."""
+        prepared = state if isinstance(state, _PreparedLoad) else self.prepare_state_dict(state)
+        for sub, m, p, a, b, src, inner in prepared.plan:
+            if m is not p:  # saved without masters (float32 run): start from the loaded weights
+                m.copy_(src if src is not None else p.detach().reshape(-1)[a:b].view_as(m))
+            if inner is not None:
+                sub.optimizer.state[m] = inner
             else:
-                inner.pop(m, None)
+                sub.optimizer.state.pop(m, None)
         for group in self.param_groups:
-            group["lr"] = state["adamw"]["param_groups"][0]["lr"]
+            group["lr"] = prepared.lr
 
     def local_state_dict(self) -> dict:
         """This rank's masters and Adam state, copied (a snapshot within a train step; no collective)."""

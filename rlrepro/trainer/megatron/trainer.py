@@ -46,7 +46,7 @@ from .dist_format import is_dist_checkpoint, load_dist_checkpoint, save_dist_che
 from .mcore import GRAD_SYNCS, MegatronCoreOptimizer
 from ..data_parallel import DataParallel
 from rlrepro.kernels.tp import ordered_sum
-from ..optim import grad_norm
+from ..optim import _check_layout, grad_norm
 from ..train import Trainer, TrainConfig
 from .model import TPQwen3ForCausalLM, gather_param, shard_spec, shard_tensor
 
@@ -85,15 +85,32 @@ class _FullModelView:
         self.model.load_full_state_dict(dict(state))
 
 
+class _ShardPrepared:
+    """This rank's shard of a full optimizer state, checked and prepared by the optimizer (``.state``)."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+
+
 class _FullOptimizerView:
+    """What ``save_checkpoint`` / ``load_checkpoint`` need of an optimizer, in the full (unsharded) layout. A load
+    is all or nothing: ``prepare_state_dict`` (run by ``load_checkpoint`` before the weights change) cuts this rank's
+    shards and has the optimizer check and prepare them; ``load_state_dict`` then only sets them."""
+
     def __init__(self, trainer: "MegatronTrainer", state: dict | None = None) -> None:
         self.trainer, self.state = trainer, state
 
     def state_dict(self) -> dict:
         return self.state
 
-    def load_state_dict(self, state: Mapping) -> None:
-        self.trainer._load_full_optimizer_state(state)
+    def prepare_state_dict(self, state: Mapping) -> _ShardPrepared:
+        return _ShardPrepared(self.trainer._prepare_full_optimizer_state(state))
+
+    def load_state_dict(self, state) -> None:
+        if isinstance(state, _ShardPrepared):
+            self.trainer.optimizer.load_state_dict(state.state)
+        else:
+            self.trainer._load_full_optimizer_state(state)
 
 
 class MegatronTrainer(Trainer):
@@ -235,17 +252,40 @@ class MegatronTrainer(Trainer):
                 out[name] = t.to("cpu")
         return out if keep else None
 
-    def _load_full_optimizer_state(self, full: Mapping) -> None:
+    def _shard_full_optimizer_state(self, full: Mapping) -> dict:
+        """This rank's TP shards of a full optimizer state (copies), changing nothing live. A tensor whose shape is
+        not its parameter's full shape (or under a name the model lacks) is passed on uncut: the optimizer's check
+        then refuses it, naming the parameter."""
+        check_layout(full)
         g = self.groups
+        shapes = {n: tuple(t.shape) for n, t in _FullModelView(self.model).state_dict().items()}
 
         def shard(name, t):
-            return shard_tensor(name, t, g.tp_rank, g.tp_size).clone() if torch.is_tensor(t) and t.dim() > 0 else t
+            if torch.is_tensor(t) and t.dim() > 0 and shapes.get(name) == tuple(t.shape):
+                return shard_tensor(name, t, g.tp_rank, g.tp_size).clone()
+            return t
 
-        names = list(full["names"])
-        state = {i: {k: shard(names[i], v) for k, v in per.items()} for i, per in full["adamw"]["state"].items()}
-        self.optimizer.load_state_dict({
-            "names": names, "adamw": {"state": state, "param_groups": full["adamw"]["param_groups"]},
-            "master_weights": {n: shard(n, t) for n, t in full["master_weights"].items()}})
+        names = list(full["names"]) if isinstance(full["names"], list | tuple) else []
+        adamw, masters = full["adamw"], full["master_weights"]
+        if not isinstance(adamw, Mapping) or not isinstance(adamw.get("state"), Mapping) or \
+                not isinstance(masters, Mapping):
+            return dict(full)  # the optimizer's check names what is missing
+        state = {i: ({k: shard(names[i] if isinstance(i, int) and 0 <= i < len(names) else None, v)
+                      for k, v in per.items()} if isinstance(per, Mapping) else per)
+                 for i, per in adamw["state"].items()}
+        return {"names": names, "adamw": {**adamw, "state": state},
+                "master_weights": {n: shard(n, t) for n, t in masters.items()}}
+
+    def _prepare_full_optimizer_state(self, full: Mapping):
+        """This rank's shards of ``full``, checked and prepared by the optimizer (all its checks run: nothing live
+        changes); what its ``load_state_dict`` then takes."""
+        local = self._shard_full_optimizer_state(full)
+        if hasattr(self.optimizer, "prepare_state_dict"):
+            return self.optimizer.prepare_state_dict(local)
+        return local
+
+    def _load_full_optimizer_state(self, full: Mapping) -> None:
+        self.optimizer.load_state_dict(self._prepare_full_optimizer_state(full))
 
     def _barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
