@@ -46,7 +46,7 @@ from .dist_format import is_dist_checkpoint, load_dist_checkpoint, save_dist_che
 from .mcore import GRAD_SYNCS, MegatronCoreOptimizer
 from ..data_parallel import DataParallel
 from rlrepro.kernels.tp import ordered_sum
-from ..optim import _check_layout, grad_norm
+from ..optim import check_layout, grad_norm
 from ..train import Trainer, TrainConfig
 from .model import TPQwen3ForCausalLM, gather_param, shard_spec, shard_tensor
 
