@@ -33,7 +33,6 @@ import torch
 
 from . import fa3_variants as _variants
 from . import flashinfer_attention as _fi
-from . import triton_fa3_decode as _tdec
 
 __all__ = ["requested", "serves", "usable", "packed", "paged", "GraphDecode", "triton_decode"]
 
@@ -157,6 +156,8 @@ def paged(q: torch.Tensor, meta, scale: float, kv_cache: tuple[torch.Tensor, tor
     h, hkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     decode = q.shape[0] == meta.num_seqs
     if decode and q.is_cuda and triton_decode(d, h, hkv):
+        from . import triton_fa3_decode as _tdec  # here: a CPU install without triton imports this module
+
         return _tdec.decode(_dense(q), kv_cache, meta.seq_lens, meta.block_table, scale)
     if graph is not None:
         return _unfold(graph.wrapper.run(_fold(_dense(q), hkv), kv_cache), h)
