@@ -77,9 +77,9 @@ def compose_config(overrides: list[str]):
             rest.append(migrate_override(item))
     available = list_recipes()
     if recipe is None:
-        raise ConfigError(f"name a recipe: rlrepro train recipe=NAME ...; available: {', '.join(available)}")
+        raise ConfigError(_no_recipe_message(overrides, available))
     if recipe not in available:
-        close = difflib.get_close_matches(recipe, available, n=1)
+        close = difflib.get_close_matches(recipe.lower(), available, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ConfigError(f"unknown recipe {recipe!r}{hint}; available: {', '.join(available)}")
     schema = OmegaConf.structured(RunSchema)
@@ -119,6 +119,20 @@ def compose_config(overrides: list[str]):
         raise ConfigError(f"{tiny_keys[0]} is not used with model.init={cfg.model.get('init')} (the weights come from "
                           "model.path); drop it, or set model.init=tiny to build a tiny random model")
     return cfg
+
+
+def _no_recipe_message(overrides: list[str], available: list[str]) -> str:
+    """No ``recipe=NAME``: when the recipe was named in another form (``grpo_tiny``, ``recipe grpo_tiny``,
+    ``--recipe grpo_tiny``, ``--recipe=grpo_tiny``), say which one and the form to use."""
+    words = [o.lstrip("-") for o in overrides]
+    named = [w.split("=", 1)[1] if w.startswith("recipe=") else w for w in words
+             if w.startswith("recipe=") or ("=" not in w and w != "recipe")]
+    for name in named:
+        close = difflib.get_close_matches(name.lower(), available, n=1)
+        if close:
+            return (f"name the recipe as recipe=NAME, not {' '.join(overrides)!r}: "
+                    f"rlrepro train recipe={close[0]} ...; available: {', '.join(available)}")
+    return f"name a recipe: rlrepro train recipe=NAME ...; available: {', '.join(available)}"
 
 
 def _check_override_grammar(overrides: list[str], recipe: str) -> None:
