@@ -110,12 +110,16 @@ class RunLog:
         self.wandb_run = None
         self.wandb_dir: str | None = None  # this run's wandb directory (RUN/wandb/offline-run-...), for the summary
         self._last_samples: list[Sample] = []
+        self._wandb_skipped: list[int] = []  # steps a resumed wandb run already held (not logged twice)
+        # logger.wandb: opened now (the driver makes the RunLog in set-up, before Ray starts and before any work),
+        # so that wandb missing or wandb.init failing refuses the run at once (ConfigError, exit 2)
+        self._init_wandb()
 
     def start(self, done: int) -> None:
-        """Drop the records of steps after ``done`` (a resumed run rewrites them) and open wandb."""
+        """Drop the records of steps after ``done`` (a resumed run rewrites them); wandb is open already."""
         for writer in (self.metrics, self.fingerprints, self.rollouts):
             writer.truncate_from(done + 1)
-        self._init_wandb()
+        self._init_wandb()  # a RunLog closed and started again
 
     def record_step(self, step: int, samples: list[Sample], metrics: dict, train_metrics: dict,
                     weights_digest: str, *, optimizer_state: str | None = None) -> None:
@@ -148,25 +152,55 @@ class RunLog:
 
     # ------------------------------------------------------------------------------------------ wandb
     def _init_wandb(self) -> None:
+        """Open the wandb run (``logger.wandb``). wandb not importable, or ``wandb.init`` failing (online without
+        network or key, a bad project), raises ConfigError, one line naming the fix: the dashboards are part of
+        what the run was asked for, so it is refused rather than run without them."""
         lc = self.cfg.logger
         if not lc.wandb or self.wandb_run is not None:
             return
-        os.environ.setdefault("WANDB_MODE", lc.mode)
-        import wandb
+        from rlrepro.checks import ConfigError
 
+        fix = "Fix: pip install wandb, or set logger.wandb=false (metrics.jsonl is written either way)"
+        os.environ.setdefault("WANDB_MODE", lc.mode)
+        try:
+            import wandb
+        except Exception as e:  # noqa: BLE001 - ImportError, or a broken install failing at import
+            raise ConfigError(f"logger.wandb=true but wandb cannot be imported ({_one_line(e)}). {fix}") from None
         # a resumed run continues its wandb run (the id recorded in RUN/wandb), a fresh one starts a new one
         run_id = wandb_run_id(self.run_dir, bool(self.cfg.run.resume))
-        self.wandb_run = wandb.init(project=lc.project, dir=str(self.run_dir), mode=lc.mode, id=run_id,
-                                    resume="allow", name=self.run_dir.name, group=self.cfg.recipe,
-                                    config=_plain(self.cfg))
-        for group in ("rollout", "train", "repro", "perf", "eval", "episodes"):
-            wandb.define_metric(f"{group}/*", step_metric="step")
+        try:
+            self.wandb_run = wandb.init(project=lc.project, dir=str(self.run_dir), mode=lc.mode, id=run_id,
+                                        resume="allow", name=self.run_dir.name, group=self.cfg.recipe,
+                                        config=_plain(self.cfg))
+            for group in ("rollout", "train", "repro", "perf", "eval", "episodes"):
+                wandb.define_metric(f"{group}/*", step_metric="step")
+        except Exception as e:  # noqa: BLE001 - wandb raises its own errors (CommError, UsageError, ...)
+            if self.wandb_run is not None:
+                self._finish_quietly()
+            fixes = [] if lc.mode == "offline" else ["logger.mode=offline (no network; `wandb sync` uploads later)"]
+            fixes += ["`wandb login` (online)"] if lc.mode == "online" else []
+            fixes.append("logger.wandb=false (metrics.jsonl is written either way)")
+            raise ConfigError(f"logger.wandb=true but wandb.init failed (logger.mode={lc.mode}, project "
+                              f"{lc.project!r}): {type(e).__name__}: {_one_line(e)}. Fix: set "
+                              f"{', or '.join(fixes)}") from None
 
     def log_wandb(self, step: int, metrics: dict) -> None:
+        """Log the step's metrics (its ``metrics.jsonl`` values but the strings: digests, fingerprints) at wandb
+        step ``step`` (the training step, also after a resume), plus ``logger.num_table_samples`` samples as a
+        table. A step the wandb run already holds (an online run resumed from a checkpoint before its last logged
+        step re-executes steps it logged; they are the same values bit for bit) is not logged twice."""
         if self.wandb_run is None:
             return
         import wandb
 
+        held = getattr(self.wandb_run, "step", 0)
+        if isinstance(held, int) and step < held:
+            if not self._wandb_skipped:
+                self.line(f"rlrepro: wandb run already holds steps up to {held - 1} (logged before the resume): "
+                          f"step {step} and those after it up to {held - 1} are not logged to wandb again "
+                          "(metrics.jsonl has them)")
+            self._wandb_skipped.append(step)
+            return
         payload = {k: v for k, v in metrics.items() if not isinstance(v, str)}
         n = self.cfg.logger.num_table_samples
         if n:
@@ -174,7 +208,14 @@ class RunLog:
             for s in self._last_samples[:n]:
                 table.add_data(step, s.prompt_uid, s.prompt_text or "", s.completion_text or "", s.reward)
             payload["rollout/samples"] = table
-        self.wandb_run.log(payload)
+        self.wandb_run.log(payload, step=step)
+
+    def _finish_quietly(self) -> None:
+        try:
+            self.wandb_run.finish(exit_code=1)
+        except Exception:  # noqa: BLE001 - the run is being refused for wandb's own failure already
+            pass
+        self.wandb_run = None
 
     def close(self) -> None:
         if self.wandb_run is not None:
@@ -187,3 +228,7 @@ class RunLog:
 
 def _plain(cfg: Any) -> dict:
     return asdict(cfg)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

@@ -12,7 +12,7 @@ in ``metrics.jsonl``), not only the steps of its last invocation:
 * ``status``: ``complete``, or ``failed`` / ``interrupted`` with the error's message and the resume command (a run
   that stops early writes its summary too);
 * ``files``: where the records, plots, checkpoints, exported HF model and wandb files are, and the
-  ``wandb sync DIR`` command of an offline wandb run.
+  ``wandb sync DIR ...`` command of an offline wandb run (every directory of its wandb id: one per invocation).
 
 The summary is informational (``perf``-like): ``rlrepro diff`` does not read it.
 """
@@ -47,6 +47,18 @@ def _wandb_runs(run_dir: Path, wandb_dir: str | None) -> tuple[list[str], str | 
     return runs, wandb_dir
 
 
+def _wandb_sync_command(wandb_runs: list[str], this_wandb: str | None) -> str | None:
+    """``wandb sync DIR ...`` of an offline run: every offline directory of this run's wandb id (a resumed run
+    writes one per invocation, all of one wandb run; ``wandb sync`` uploads them in order of start time), not only
+    the last invocation's; None without one."""
+    if not this_wandb:
+        return None
+    run_id = Path(this_wandb).name.rsplit("-", 1)[-1]
+    same = [d for d in wandb_runs if Path(d).name.startswith("offline-run-") and Path(d).name.endswith(f"-{run_id}")]
+    dirs = sorted(set(same) | {this_wandb}, key=lambda d: Path(d).name)
+    return "wandb sync " + " ".join(dirs)
+
+
 def run_summary(run_dir: str | Path, cfg, *, wall_s: float, steps_this_run: int,
                 wandb_dir: str | None = None, failure: BaseException | None = None) -> dict:
     """The summary of the run in ``run_dir`` from its records (see the module docstring). ``failure``: the
@@ -76,7 +88,7 @@ def run_summary(run_dir: str | Path, cfg, *, wall_s: float, steps_this_run: int,
     plots = run_dir / "plots"
     wandb_runs, this_wandb = _wandb_runs(run_dir, wandb_dir)
     offline = bool(cfg.logger.wandb) and cfg.logger.mode == "offline"
-    sync = f"wandb sync {this_wandb}" if offline and this_wandb else None
+    sync = _wandb_sync_command(wandb_runs, this_wandb) if offline else None
     if failure is None:
         status, error, resume = "complete", None, None
     else:
