@@ -27,7 +27,11 @@ def _token_int(value: object) -> int | None:
 class SamplingParams:
     """How one request samples.
 
-    ``temperature=0`` is greedy decoding (the first maximal logit; top-k/top-p are then irrelevant).
+    ``temperature=0`` is greedy decoding (the first maximal logit; top-k/top-p are then irrelevant); ``0 < T <
+    1e-5`` is refused (vLLM silently makes it greedy). ``top_k=-1`` (or any ``k >= vocab``) and ``top_p=1.0`` are
+    off; ``top_k=0`` is refused (vLLM reads it as off). top-k keeps exactly ``k`` tokens (ties toward the lower
+    id), then top-p the smallest prefix of the survivors whose mass reaches ``top_p``. The reported logprob is that
+    of ``log_softmax(logits / T)`` before top-k/top-p (``T = 1`` when greedy): what the trainer recomputes.
     ``seed=None`` lets the engine derive one from its own seed and the request's submission index
     (see :func:`rlrepro.rollout.seeds.derive_seed`). ``stop_token_ids`` end a request with ``finish_reason
     "stop"`` and are kept in the output, as are EOS tokens (unless ``ignore_eos``).
@@ -79,7 +83,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
-        object.__setattr__(self, "temperature", float(t))
+        # + 0.0 turns -0.0 (accepted: it is not < 0) into 0.0: the same greedy request gets one record and repr
+        object.__setattr__(self, "temperature", float(t) + 0.0)
         object.__setattr__(self, "top_p", float(p))
 
     @property

@@ -22,12 +22,14 @@ are broken toward the lower token id. top-k keeps the first ``k`` of that order 
 value is tied with later ones). top-p then gives each top-k survivor ``j`` (in sorted order) the integer mass
 ``m_j = floor(exp(x_j - x_0) * 2**32)`` (float32 ``exp``; tokens outside the top-k get 0) and keeps it while
 ``M_before_j / M_total < top_p`` in float64, ``M`` being integer sums (the first token is always kept). Integer
-sums are exact in any order, so no reduction order enters the mask. (A float32 softmax + cumsum, the rule
-before 2026-11-30, gave a row another mask alone than among 64 rows on the H200: near the ``top_p`` boundary one
-rounding flips a token.) The filtered rows of a step are sorted together, ``FILTER_ROWS`` at a time
-(``keep_masks``): the sort is a permutation and ``exp`` elementwise, so a row's mask does not depend on the other
-rows. Tests: batched masks == one-row masks == the rule written out with Python integers (``torch.equal``, CPU
-and CUDA).
+sums are exact in any order, so no reduction order enters the mask. The fixed point resolves ``2**-32`` of the
+top token's weight: a mass share is within ``V * 2**-32`` (plus float32 ``exp``'s ~1e-7 relative rounding) of
+the probability, and tokens below that weight are never kept when ``top_p < 1``. (A float32 softmax + cumsum,
+the rule before 2026-11-30, gave a row another mask alone than among 64 rows on the H200: near the ``top_p``
+boundary one rounding flips a token.) The filtered rows of a step are sorted together, ``FILTER_ROWS`` at a
+time (``keep_masks``): the sort is a permutation and ``exp`` elementwise, so a row's mask does not depend on the
+other rows. Tests: batched masks == one-row masks == the rule written out with Python integers (``torch.equal``,
+CPU and CUDA).
 
 On CUDA the noise, the sum and the argmax run as one fused Triton kernel (``sampler_triton``) that repeats
 this arithmetic operation for operation; it returns the same tokens as the eager path (tested on the GPU).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 
 
 def _seed_from_key(key: list) -> int:
@@ -15,13 +16,17 @@ def _seed_from_key(key: list) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def _check_key(name: str, value: object, allow_str: bool = False) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    if allow_str:
-        ok = ok or isinstance(value, str)
-    if not ok:
-        kinds = "an int or a str" if allow_str else "an int"
-        raise ValueError(f"{name} must be {kinds}, got {value!r} ({type(value).__name__})")
+def _check_key(name: str, value: object, allow_str: bool = False) -> int | str:
+    """The key as JSON encodes it: a Python int (numpy integer scalars too, as ``SamplingParams`` takes them, so
+    ``np.int64(5)`` and ``5`` give the same seed) or, where allowed, a str; bools and floats are refused."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value  # as before: JSON encodes it, so no accepted key changes its seed
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # numpy integers (np.bool_ is none)
+        return int(value)
+    if allow_str and isinstance(value, str):
+        return value
+    kinds = "an int or a str" if allow_str else "an int"
+    raise ValueError(f"{name} must be {kinds}, got {value!r} ({type(value).__name__})")
 
 
 def request_seed(run_seed: int, step: int, prompt_uid: int | str, sample_index: int) -> int:
@@ -30,28 +35,23 @@ def request_seed(run_seed: int, step: int, prompt_uid: int | str, sample_index: 
     63-bit, a pure function of its arguments: the same request re-run anywhere (another worker, after a restart)
     samples the same tokens.
     """
-    _check_key("run_seed", run_seed)
-    _check_key("step", step)
-    _check_key("prompt_uid", prompt_uid, allow_str=True)
-    _check_key("sample_index", sample_index)
-    return _seed_from_key(["rlrepro.request", run_seed, step, prompt_uid, sample_index])
+    key = [_check_key("run_seed", run_seed), _check_key("step", step),
+           _check_key("prompt_uid", prompt_uid, allow_str=True), _check_key("sample_index", sample_index)]
+    return _seed_from_key(["rlrepro.request", *key])
 
 
 def eval_seed(run_seed: int, step: int, prompt_uid: int | str, sample_index: int) -> int:
     """The sampling seed of evaluation sample ``sample_index`` of held-out prompt ``prompt_uid`` after GRPO step
     ``step``: a stream of its own (another salt than :func:`request_seed`), so evaluating draws no training seed
     and the two never coincide by construction of the key."""
-    _check_key("run_seed", run_seed)
-    _check_key("step", step)
-    _check_key("prompt_uid", prompt_uid, allow_str=True)
-    _check_key("sample_index", sample_index)
-    return _seed_from_key(["rlrepro.eval", run_seed, step, prompt_uid, sample_index])
+    key = [_check_key("run_seed", run_seed), _check_key("step", step),
+           _check_key("prompt_uid", prompt_uid, allow_str=True), _check_key("sample_index", sample_index)]
+    return _seed_from_key(["rlrepro.eval", *key])
 
 
 def derive_seed(engine_seed: int, request_index: int) -> int:
     """The seed of a request submitted without one: ``request_index`` counts every request this engine has
     accepted (0-based, in submission order across ``generate`` calls), so a fresh engine given the same seed
     and the same sequence of calls reproduces its samples, while repeated calls do not repeat them."""
-    _check_key("engine_seed", engine_seed)
-    _check_key("request_index", request_index)
-    return _seed_from_key(["rlrepro.engine", engine_seed, request_index])
+    return _seed_from_key(["rlrepro.engine", _check_key("engine_seed", engine_seed),
+                           _check_key("request_index", request_index)])
