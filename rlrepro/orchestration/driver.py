@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,8 @@ from .generation import GenerationSteps, PhaseTimer, shaped_penalties
 from .pipeline import PipelineSteps, pending_from_state, pending_to_state, test_delay
 from .ray_start import restore_sigterm, sigterm_as_interrupt
 from .errors import RunFailed, RunInterrupted, dead_actor_class, describe, is_actor_death, unwrap
-from .run_lock import LOCK_FILE, RunLock
+from .run_dirs import remove_created_entries, uninterruptible
+from .run_lock import RunLock
 from .runlog import RunLog, perf_memory_metrics, step_metrics
 
 __all__ = ["GRPODriver", "run_training", "shaped_penalties", "config_yaml"]
@@ -319,7 +319,9 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             if getattr(self, "_start_step", None) is not None:
                 raise
             if before is not None:
-                self._remove_created(before)
+                with uninterruptible():  # a second Ctrl-C or SIGTERM must not stop the removal half-way
+                    self._remove_created(before)
+                    lock.release(remove_created=True)  # and the directory, if this start made it (run_lock.py)
             if isinstance(e, ReproError):  # a damaged record (a step log, inputs.json): bad input, exit 2
                 raise ConfigError(str(e)) from None
             if isinstance(e, KeyboardInterrupt) or (isinstance(e, RunInterrupted)
@@ -337,25 +339,10 @@ class GRPODriver(GenerationSteps, PipelineSteps):
 
     def _remove_created(self, before: set[str]) -> None:
         """A start refused before its first step writes nothing: the entries it created in the run directory
-        (base_model/, a synthetic data set, config.yaml) are removed. The lock file stays (run_lock.py: it is never
-        removed, so that two processes can never hold two lock files of one directory)."""
-        import shutil
-
-        try:  # a second Ctrl-C or SIGTERM must not stop the removal half-way
-            previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-        except ValueError:  # not the main thread
-            previous = {}
-        try:
-            for name in sorted(set(os.listdir(self.run_dir)) - before - {LOCK_FILE}):
-                path = self.run_dir / name
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
-        finally:
-            for s, handler in previous.items():
-                if handler is not None:  # None: a handler not set from Python, which cannot be put back
-                    signal.signal(s, handler)
+        (base_model/, a synthetic data set, config.yaml) are removed (the lock file and a directory this start
+        created go when the lock is released: RunLock.release(remove_created=True))."""
+        with uninterruptible():
+            remove_created_entries(self.run_dir, before)
 
     def _run_locked(self, start_checkpoint: str | None, last_step: int | None) -> list[dict]:
         resume_from, t_run = None, time.perf_counter()
@@ -539,7 +526,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             return error
         interrupted = isinstance(error, KeyboardInterrupt)
         cause = unwrap(error)
-        notes = []
+        notes, saved = [], None
         done = self._done_step
         # rollout workers are replaced during generate and weight sync: a death that ends the run is the trainer's,
         # unless Ray names a RolloutWorker (one that died between phases)
@@ -547,8 +534,8 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         if (self.actors is not None and self._trainer_step == done and done > 0 and not self._saving
                 and not trainer_died and not (self.checkpoint_root() / checkpoint_dir_name(done)).is_dir()):
             try:
-                path = self.save_checkpoint(done, data_order=self._done_order, pending=self._done_pending)
-                notes.append(f"saved a checkpoint of the last completed step {done}: {path}")
+                saved = self.save_checkpoint(done, data_order=self._done_order, pending=self._done_pending)
+                notes.append(f"saved a checkpoint of the last completed step {done}: {saved}")
             except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
                 notes.append(f"a checkpoint of the last completed step {done} could not be saved ({describe(e)})")
         if self._saving:
@@ -572,11 +559,13 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             notes.append(f"the {code} raised: fix its code first (a resume runs the same episode again, bit for bit)")
         latest = latest_checkpoint(self.checkpoint_root())
         where = f"{latest}" if latest is not None else "none (a resumed run starts from step 1)"
+        if saved is not None and latest is not None and Path(saved) == Path(latest):  # named once, in its note
+            where = None
         during = "the warm start (warm_start.steps, before step 1)" if self._in_warm_start else f"step {step}"
         what = (f"interrupted during {during}" if interrupted else f"{during} failed: {describe(error)}")
         message = (what + ". " + "".join(n[0].upper() + n[1:] + ". " for n in notes)
-                   + f"The last complete checkpoint is {where}; rerun with run.resume=true to continue from it "
-                   "(the steps after it are repeated bit for bit).")
+                   + (f"The last complete checkpoint is {where}; rerun" if where else "Rerun")
+                   + " with run.resume=true to continue from it (the steps after it are repeated bit for bit).")
         kind = RunInterrupted if interrupted else RunFailed
         return kind(message, step=step, checkpoint=None if latest is None else str(latest), cause=cause)
 

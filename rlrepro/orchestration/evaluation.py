@@ -360,11 +360,13 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
     from .export import checkpoint_of
     from .preflight import check_end_of_turn
     from .resume import config_at_step, read_amendments
+    from .run_dirs import missing_run_dir
     from .workers import RolloutWorker
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
+    missing = missing_run_dir("eval", run_dir)  # "not found", or "no config.yaml" for a directory with no run
+    if missing is not None:
+        raise ValueError(missing)
     ckpt = checkpoint_of(run_dir, step)
     # eval.* as they were at that step (a resume may have amended them later: amendments.jsonl)
     latest = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)

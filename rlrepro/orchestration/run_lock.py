@@ -3,9 +3,12 @@
 ``RUN/.lock`` is locked with ``fcntl.flock(LOCK_EX | LOCK_NB)`` on an open descriptor, so the operating system
 releases it when the holder ends in any way (exit, exception, SIGKILL, OOM kill). The holder writes who it is
 into the file: ``{"format": "rlrepro-run-lock", "pid", "host", "command", "started", "run_dir"}``; a second run
-finds the lock taken and is refused before it writes anything, with that description. The file is never
-removed (removing it would let a third process lock a new file while the second still holds the old one); a
-holder that ends cleanly empties it.
+finds the lock taken and is refused before it writes anything, with that description. A holder that ends cleanly
+empties the file and leaves it. It is removed only with the directory, by a start that created the directory itself
+and was refused or interrupted before its first step (``release(remove_created=True)``: while still locked, and
+only when the lock file is all the directory holds). A process that locked the file's old inode meanwhile finds it
+no longer at ``RUN/.lock`` and starts again (``acquire`` compares the two), so two processes never hold two lock
+files of one directory.
 
 A lock file that still names a holder but is not locked was left by a process that ended without cleaning up
 (killed): it is taken over, and the log says whose it was. When the lock is held but the process it names is gone
@@ -135,6 +138,7 @@ class RunLock:
         self.path = self.run_dir / LOCK_FILE
         self.say = say
         self._fd: int | None = None
+        self.created = False  # acquire() made the run directory (it did not exist before)
 
     @property
     def held(self) -> bool:
@@ -143,10 +147,26 @@ class RunLock:
     def acquire(self) -> "RunLock":
         if self._fd is not None:
             return self
+        for _ in range(100):  # again only when the file locked was removed with its directory meanwhile
+            if self._try_acquire():
+                return self
+        raise ConfigError(f"cannot lock {self.path}: it was removed and made again 100 times while this process "
+                          "locked it; another process is starting and removing this run directory: wait for it")
+
+    def _make_dir(self) -> None:
+        """The run directory (and the folders above it); ``created``: whether this call made it."""
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(self.run_dir)
+                self.created = True
+            except FileExistsError:  # there already (a file there is refused when the lock file is opened)
+                self.created = False
         except OSError as e:  # a file where the directory (or a folder above it) should be, no permission, ...
             raise ConfigError(self._unusable(e)) from None
+
+    def _try_acquire(self) -> bool:
+        self._make_dir()
         try:  # 0o666 & ~umask, as a plain open() would; a symbolic link is refused, never followed
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
         except OSError as e:
@@ -165,13 +185,20 @@ class RunLock:
             raise ConfigError(f"cannot lock {self.path} ({e.strerror}): rlrepro needs a file system with flock "
                               "locks for its run directory, so that two runs never write into one; choose a "
                               "run.dir on a local disk") from None
+        try:  # the file locked is still RUN/.lock (not one a refused start removed with its directory meanwhile)
+            current = os.path.samestat(os.fstat(fd), os.stat(self.path, follow_symlinks=False))
+        except OSError:
+            current = False
+        if not current:
+            os.close(fd)
+            return False
         previous = _read_fd(fd)
         if previous:
             self.say(f"taking over the lock of {self.run_dir}: it still named {describe_holder(previous)}, "
                      f"{self._why_stale(previous)} (it ended without releasing the lock: killed?)")
         self._fd = fd
         self._write_holder()
-        return self
+        return True
 
     def _write_holder(self) -> None:
         me = {"format": FORMAT, "pid": os.getpid(), "host": socket.gethostname(), "command": _command(),
@@ -211,9 +238,20 @@ class RunLock:
                      f"its descriptor: {who} on this host has {self.path} open")
         return text
 
-    def release(self) -> None:
+    def release(self, *, remove_created: bool = False) -> None:
+        """Empty and unlock the file. ``remove_created``: when ``acquire`` created the run directory and the lock
+        file is all it holds now, the lock file is removed (still locked), then the directory (a refused start
+        leaves nothing behind); a directory that existed before, or holds anything else, stays."""
         if self._fd is None:
             return
+        remove = False
+        if remove_created and self.created:
+            try:
+                remove = os.listdir(self.run_dir) == [LOCK_FILE]
+                if remove:
+                    os.unlink(self.path)
+            except OSError:
+                remove = False
         fd, self._fd = self._fd, None
         try:
             os.ftruncate(fd, 0)  # a clean end leaves no holder named
@@ -223,6 +261,11 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+        if remove:
+            try:
+                os.rmdir(self.run_dir)  # only if still empty: another process may have made its own lock file there
+            except OSError:
+                pass
 
     def __enter__(self) -> "RunLock":
         return self.acquire()

@@ -57,14 +57,16 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
     from .config import validate
     from .driver import GRPODriver
     from .resume import EVAL_KEYS, config_at_step, read_amendments
+    from .run_dirs import missing_run_dir
     from .run_lock import RunLock
 
     run = Path(run_dir)
     if steps is not None and steps < 1:
         raise ReproError(f"--steps {steps}: give the number of steps to re-execute, at least 1 (or leave it out: "
                          "every recorded step from --from-step on)")
-    if not (run / "config.yaml").is_file():
-        raise ReproError(f"{run}: no config.yaml; is this a run directory?")
+    missing = missing_run_dir("verify", run)  # "not found", or "no config.yaml" for a directory that holds no run
+    if missing is not None:
+        raise ReproError(missing)
     recorded = read_fingerprints(run)
     if from_step not in recorded:
         raise ReproError(f"{run}: step {from_step} is not recorded (recorded steps: "
