@@ -9,33 +9,23 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _cli_run import run_cli
+
 from rlrepro.cli import cmd_train
 
-ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["train"]
 SMALL = ["recipe=grpo_tiny", "train.steps=1", "rollout.prompts_per_step=2", "logger.progress=false"]
 
 
-def _run_cli(args: list[str], cwd: Path, faults: list[dict] | None = None,
-             timeout: float = 180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", WANDB_MODE="offline",
-               RAY_USAGE_STATS_ENABLED="0", RLREPRO_NO_REEXEC="1")
-    env.pop("RLREPRO_DEBUG", None)
-    env.pop("RLREPRO_FAULTS", None)
-    if faults:
-        env["RLREPRO_FAULTS"] = json.dumps(faults)
-    code = "import sys; from rlrepro.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+def _run_cli(args: list[str], cwd: Path, faults: list[dict] | None = None, timeout: float = 180):
+    return run_cli(args, cwd, faults, timeout)
 
 
 def _entries(run: Path) -> set[str]:

@@ -32,7 +32,8 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -483,6 +484,18 @@ def _checked_model_state(f: Path, model) -> dict[str, torch.Tensor]:
     return state
 
 
+@contextmanager
+def applying_checkpoint(path: str | os.PathLike) -> Iterator[None]:
+    """The apply phase of an all-or-nothing load (every check done): an exception from inside (a device fault, an
+    interrupt) gets a note that the model/optimizer/scheduler/RNGs may be partly loaded."""
+    try:
+        yield
+    except BaseException as e:
+        e.add_note(f"rlrepro: loading {path} stopped after it began changing the model/optimizer/scheduler/RNGs, "
+                   "which may now be partly loaded: build the trainer anew before loading or training again")
+        raise
+
+
 def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, scheduler=None,
                     restore_rng: bool = True, generators: Mapping[str, object] | None = None,
                     map_location: str | torch.device | None = "cpu") -> LoadedCheckpoint:
@@ -532,7 +545,7 @@ def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, sche
             scheduler.check_state_dict(sched_state)
     extra_state = _load_pt(path / "extra_state.pt", map_location)
     # 2. apply, in the order a load always had (the optimizer's masters are cast into the weights last)
-    try:
+    with applying_checkpoint(path):
         if model is not None:
             model.load_state_dict(model_state, strict=True)
         if optimizer is not None:
@@ -541,10 +554,6 @@ def load_checkpoint(path: str | os.PathLike, *, model=None, optimizer=None, sche
             scheduler.load_state_dict(sched_state)
         if restore_rng:
             restore_rng_state(rng_state, generators)
-    except Exception as e:
-        e.add_note(f"rlrepro: loading {path} stopped after it began changing the model/optimizer/scheduler/RNGs, "
-                   "which may now be partly loaded: build the trainer anew before loading or training again")
-        raise
     return LoadedCheckpoint(path=path, step=int(manifest["step"]), extra_state=extra_state, rng_state=rng_state)
 
 

@@ -433,7 +433,7 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
         error = e
     _agree(error, f"checking {path}")
     # 2. apply: in-place copies of checked shapes, a prepared optimizer state, plain values
-    try:
+    with ckpt.applying_checkpoint(path):
         with torch.no_grad():
             for name, t in weights.items():
                 params[name].copy_(t)
@@ -441,10 +441,6 @@ def load_dist_checkpoint(trainer, path, *, generators: Mapping | None = None, re
         trainer.scheduler.load_state_dict(sched_state)
         if restore_rng:
             restore_rng_state(rng_state, generators)
-    except Exception as e:
-        e.add_note(f"rlrepro: loading {path} stopped after it began changing the model/optimizer/scheduler/RNGs, "
-                   "which may now be partly loaded: build the trainer anew before loading or training again")
-        raise
     dist.barrier()
     return extra_state
 
