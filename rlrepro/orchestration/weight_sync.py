@@ -35,7 +35,7 @@ import torch.distributed as dist
 from . import network
 
 __all__ = ["Rendezvous", "WeightBroadcaster", "ipc_handles", "open_ipc_handles", "WeightSync", "WEIGHT_SYNC_MODES",
-           "resolve_weight_sync", "SyncGroupAborted", "check_in", "abort_join"]
+           "resolve_weight_sync", "SyncGroupAborted", "WeightsRefused", "check_in", "abort_join"]
 
 JOINED_KEY, ABORT_KEY = "joined", "abort"  # in the group's store, under its generation's prefix
 CHECK_IN_POLL_S = 0.05  # how often a member waiting for the others looks at the store
@@ -45,6 +45,11 @@ ABORT_CONNECT_S = 10.0  # the driver's connection to a group's store, to abort i
 
 class SyncGroupAborted(RuntimeError):
     """The driver aborted a weight-sync group's join: another member failed to join (a rollout worker died)."""
+
+
+class WeightsRefused(ValueError):
+    """A rollout worker refused a weight update before writing any tensor (names, shapes or dtypes other than its
+    engine's): its weights are still those of its previous version."""
 
 
 def group_prefix(generation: int) -> str:
@@ -218,7 +223,7 @@ class WeightBroadcaster:
         header = self._broadcast_object(None)
         problem = self._check(header, params)
         if not self._all_accept(problem is None):  # every rank agrees before any tensor moves
-            raise ValueError(problem or "weight sync: another worker refused the weights (model mismatch)")
+            raise WeightsRefused(problem or "weight sync: another worker refused the weights (model mismatch)")
         with torch.no_grad():
             for name, shape, dtype in header["tensors"]:
                 target = params[name]

@@ -68,11 +68,13 @@ class RolloutWorker:
         self.engine = Engine.from_config(model, engine_config, device=device, dtype=_dtype(dtype),
                                          deterministic=deterministic, seed=seed)
         self.model_dir = model_dir
+        self._weights_broken: str | None = None  # why the weights are a mix of two versions (a failed update)
         self._tokenizer = None
         self._env_specs: dict = {}  # (env config, reward.fn) -> EnvSpec, built once
 
     def generate(self, requests: list[Request]) -> list["RequestOutput"]:
         """The engine's outputs, one per request, in the order of ``requests``."""
+        self._check_weights_whole()
         if not requests:
             return []
         return self.engine.generate([r.prompt_token_ids for r in requests], [r.params for r in requests])
@@ -91,6 +93,7 @@ class RolloutWorker:
         request's own). The requests' stop ids hold the end-of-turn token's (``episodes.turn_stop_token_ids``)."""
         from .episodes import run_episodes
 
+        self._check_weights_whole()
         if not requests:
             return []
         if self._tokenizer is None:
@@ -116,17 +119,75 @@ class RolloutWorker:
         results[0].metrics["reward_errors"] = spec.reward_fn.errors() - before
         return results
 
+    # ------------------------------------------------------------------------------------ weight updates
+    # An update is all or nothing for generation: a set of weights that does not match the engine's parameters
+    # (names, shapes, dtypes) is refused before any tensor is copied, and an update that fails once copying began
+    # leaves the weights a mix of two versions, so the worker refuses to generate until a complete update
+    # succeeds (the driver replaces or reloads it; it never samples silently from mixed weights).
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
-        self.engine.load_weights(weights.items(), version=version)
+        """Load a complete set of the trainer's weights (object store); returns ``version``."""
+        named = list(weights.items()) if hasattr(weights, "items") else list(weights)
+        self._update(lambda: self.engine.load_weights(self._checked(named, version), version=version), version)
         return version
 
     def load_weights_ipc(self, handles: list, version: int) -> int:
         """CUDA IPC: map the trainer's parameters (same GPU) and copy them device to device."""
         from .weight_sync import open_ipc_handles
 
-        self.engine.load_weights(open_ipc_handles(handles), version=version)
+        named = list(open_ipc_handles(handles))
+        self._update(lambda: self.engine.load_weights(self._checked(named, version), version=version), version)
         torch.cuda.current_stream().synchronize()  # done reading before the trainer may write again
         return version
+
+    def _checked(self, named: list, version: int) -> list:
+        """``named`` when it is exactly the engine's parameters (a tied ``lm_head.weight`` may come too) with their
+        shapes and dtypes; else :class:`~.weight_sync.WeightsRefused`, before any weight changed. A dtype cast
+        would run weights other than the trainer's (its logprobs would no longer be the sampler's), and a missing
+        tensor would keep a stale one under the new version."""
+        from .weight_sync import WeightsRefused
+
+        params = dict(self.engine.model.named_parameters())
+        tied = getattr(self.engine.model.config, "tie_word_embeddings", False)
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            raise WeightsRefused(f"weight sync to version {version}: duplicate tensor names in the update")
+        got = set(names) - ({"lm_head.weight"} if tied and "lm_head.weight" not in params else set())
+        if got != set(params):
+            missing, extra = sorted(set(params) - got), sorted(got - set(params))
+            raise WeightsRefused(f"weight sync to version {version}: the update lacks {missing[:4]} and/or has tensors "
+                             f"the engine does not ({extra[:4]}); every parameter must come, of the same model")
+        for name, t in named:
+            target = params.get(name)
+            if target is not None and (tuple(t.shape) != tuple(target.shape) or t.dtype != target.dtype):
+                raise WeightsRefused(f"weight sync to version {version}: {name} is {tuple(t.shape)} {t.dtype} on the "
+                                 f"trainer but {tuple(target.shape)} {target.dtype} in the engine (a cast would not "
+                                 "run the trainer's bits)")
+        return named
+
+    def _update(self, apply, version):
+        """Run a weight update; one that raises after it may have written a weight marks the worker broken."""
+        from .weight_sync import WeightsRefused
+
+        try:
+            out = apply()
+        except WeightsRefused:  # refused before any tensor was written: the weights are still one version
+            raise
+        except BaseException as e:
+            self._weights_broken = f"the update to version {version} failed part way ({type(e).__name__}: {e})"
+            raise
+        self._weights_broken = None
+        return out
+
+    def _check_weights_whole(self) -> None:
+        if self._weights_broken is not None:
+            raise RuntimeError(f"rollout worker refuses to generate: its weights are a mix of two versions, since "
+                               f"{self._weights_broken[:400]}; a complete weight load (load_weights) restores it")
+
+    def weights_digest(self) -> str:
+        """``weights_digest`` of the engine's parameters: equal to the trainer's after a sync (bit for bit)."""
+        from rlrepro.repro.fingerprint import weights_digest
+
+        return weights_digest((n, p.detach()) for n, p in self.engine.model.named_parameters())
 
     def sync_group_join(self, host: str, port: int, rank: int, world_size: int, backend: str,
                         generation: int) -> bool:
@@ -140,7 +201,7 @@ class RolloutWorker:
     def sync_receive(self) -> int:
         """Receive a collective broadcast straight into the engine's parameters (``Engine.receive_weights``: the
         unfinished-requests guard, the version, the prefix cache dropped)."""
-        return self.engine.receive_weights(self._sync.receive)
+        return self._update(lambda: self.engine.receive_weights(self._sync.receive), "the broadcast one")
 
     def memory_stats(self) -> dict:
         return _memory_stats()
