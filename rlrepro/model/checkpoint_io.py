@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlrepro._files import apply_default_mode
+from rlrepro._files import apply_default_mode, fsync_path
 
 from .config import Qwen3Config
 from .weight_files import weight_files
@@ -21,6 +21,9 @@ from .qwen3 import Qwen3ForCausalLM
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# the RoPE frequencies older transformers saved with the weights (``model.layers.N.self_attn.rotary_emb.inv_freq``,
+# ``model.rotary_emb.inv_freq``): a buffer derived from the config, which transformers skips on load too
+_ROTARY_BUFFER = "rotary_emb.inv_freq"
 
 
 def model_dir_config(path: str | os.PathLike) -> tuple[Path, Qwen3Config]:
@@ -34,7 +37,8 @@ def model_dir_config(path: str | os.PathLike) -> tuple[Path, Qwen3Config]:
 def iter_checkpoint_tensors(path: Path, config: Qwen3Config,
                             names: Collection[str]) -> Iterator[tuple[Path, str, object]]:
     """Walk every tensor of the model directory's safetensors files: yields (file, name, open safe_open handle)
-    for each tensor a Qwen3ForCausalLM of ``config`` has (``names``), skipping a stored LM head of a tied model.
+    for each tensor a Qwen3ForCausalLM of ``config`` has (``names``), skipping a stored LM head of a tied model and
+    stored RoPE ``inv_freq`` buffers.
     An unreadable file or an unknown tensor name raises ValueError naming the file and the fix."""
     for f in weight_files(path):
         try:
@@ -45,6 +49,8 @@ def iter_checkpoint_tensors(path: Path, config: Qwen3Config,
         with handle:
             for name in handle.keys():
                 if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                if name.endswith(_ROTARY_BUFFER):  # an older save's RoPE buffer: recomputed from rope_theta
                     continue
                 if name not in names:
                     raise ValueError(f"{f} holds tensor {name!r}, which a Qwen3ForCausalLM does not have")
@@ -90,6 +96,8 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
         if dtype.replace("torch.", "") not in _DTYPE_NAMES:
             raise ValueError(f"dtype={dtype!r} is not one of None, {', '.join(_DTYPE_NAMES)}")
         dtype = _DTYPE_NAMES[dtype.replace("torch.", "")]
+    if dtype is not None and dtype not in _DTYPE_NAMES.values():
+        raise ValueError(f"dtype={dtype!r} is not one of None, {', '.join(_DTYPE_NAMES)}")
     path, config = model_dir_config(path)
     model = fill_model(path, config, device, dtype or config.dtype)
     model.source_path = str(path)
@@ -143,7 +151,11 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
     path.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
     config["torch_dtype"] = str(model.dtype).replace("torch.", "")
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # config.json goes last: while the weights are written (over an earlier save's, say) the directory has none,
+    # so a save that fails or is killed half way leaves one no loader takes for a model, never old and new
+    # shards mixed under a config.json
+    (path / "config.json").unlink(missing_ok=True)
+    fsync_path(path)
     state = {k: _own_storage(v.detach().to("cpu").contiguous()) for k, v in model.state_dict().items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -175,4 +187,8 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
             if (Path(source) / fname).is_file():
                 shutil.copy2(Path(source) / fname, path / fname)
                 apply_default_mode(path / fname)  # not the source's mode (a read-only cache, say)
+    tmp = path / f".config.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    apply_default_mode(tmp)
+    os.replace(tmp, path / "config.json")
     return path

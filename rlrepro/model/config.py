@@ -139,7 +139,10 @@ class Qwen3Config:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"no config.json at {path}; a model directory needs config.json and *.safetensors")
+            unfinished = " (it holds weights: a save that did not finish? save it again)" \
+                if any(path.parent.glob("*.safetensors")) else ""
+            raise FileNotFoundError(f"no config.json at {path}{unfinished}; a model directory needs config.json and "
+                                    "*.safetensors")
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -169,7 +169,8 @@ def export_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike, *, ste
     ``out``: from a full checkpoint through ``rlrepro.model.resolve_model_dir`` / ``load_resolved`` (weights in the
     checkpoint's dtype, sha256 checked), from a ``checkpoint.format=dist`` one through
     ``rlrepro.trainer.megatron.dist_to_hf``. Tokenizer and config.json come from the run's model directory (or
-    ``base``). ``out`` must not exist or be empty; it is complete or absent."""
+    ``base``). ``out`` must not exist or be empty, nor lie inside the run's ``checkpoints/``; it is complete or
+    absent."""
     from rlrepro.model import load_resolved, resolve_model_dir, save_pretrained
     from rlrepro.model.model_dirs import checkpoint_base
     from rlrepro.trainer.checkpoint import verify_checkpoint
@@ -177,6 +178,11 @@ def export_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike, *, ste
     run_dir, out = Path(run_dir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} already exists and is not an empty directory; choose another OUT or remove it")
+    ckpts = (run_dir / "checkpoints").resolve()
+    if out.resolve() == ckpts or ckpts in out.resolve().parents:
+        raise ValueError(f"{out} is inside the run's checkpoints/ ({ckpts}): a checkpoint directory holds exactly "
+                         "what its manifest lists, and a step_NNNNNN there is the run's to replace; choose an OUT "
+                         "outside it")
     ckpt = checkpoint_of(run_dir, step)
     manifest = verify_checkpoint(ckpt, check_hashes=True)
     tmp = new_export_tmp(out.resolve())
