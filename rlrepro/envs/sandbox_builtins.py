@@ -136,11 +136,11 @@ def sort_values(interp: Any, items: list, key: Any, reverse: Any) -> list:
     stable sort on them (nested keys scanned first); n log n of bulk work charged."""
     meter = interp.meter
     keys = items if key is None else [interp.call(key, [x], {}) for x in items]
-    for k in keys:
-        meter.nesting(k)
+    # comparing keys costs their weight (strings by length, Fractions by limb products, nested ones too), and
+    # each key takes part in about log n comparisons
+    heavy = sum(meter.nesting(k) for k in keys)
     n = len(items)
-    text = sum(len(k) for k in keys if type(k) is str)  # comparing strings costs their length
-    meter.bulk((n + text) * max(n.bit_length(), 1))
+    meter.bulk((n + heavy) * max(n.bit_length(), 1))
     order = sorted(range(n), key=keys.__getitem__, reverse=bool(reverse))
     return [items[i] for i in order]
 
@@ -226,8 +226,7 @@ def _min_max(name: str) -> Callable:
         key = kwargs.get("key")
         keys = items if key is None else [interp.call(key, [x], {}) for x in items]
         for k in keys:
-            interp.meter.nesting(k)
-        interp.meter.bulk(sum(len(k) for k in keys if type(k) is str))
+            interp.meter.nesting(k)  # charges each key's weight (strings, big ints, Fractions) once
         pick = min if name == "min" else max
         return items[pick(range(len(items)), key=keys.__getitem__)]
     return fn

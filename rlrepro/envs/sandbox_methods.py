@@ -21,11 +21,21 @@ def _linear(name: str) -> Callable:
     """A str method whose work and result are linear in the string: charged by length, result checked."""
     def fn(interp: Any, obj: Any, args: list, kwargs: dict) -> Any:
         interp.meter.bulk(len(obj))
+        if name in _STRIPS and args and type(args[0]) is str:
+            # CPython strips a char at a time, finding it in `chars` linearly: s.strip(c) with two 1 MB strings
+            # is 10**12 char tests for one step per 64 characters
+            interp.meter.bulk(len(obj) * len(args[0]))
+        if name in ("startswith", "endswith") and args and type(args[0]) is tuple:
+            # each prefix of the tuple is compared in turn (a memcmp of up to len(obj) bytes)
+            interp.meter.bulk(sum(min(len(p), len(obj)) for p in args[0] if type(p) is str))
         result = getattr(obj, name)(*args, **kwargs)
         if type(result) in (list, tuple):
             interp.meter.alloc(56 * len(result))  # the parts are new string objects
         return interp.meter.value(result)
     return fn
+
+
+_STRIPS = ("strip", "lstrip", "rstrip")
 
 
 def _width(name: str) -> Callable:

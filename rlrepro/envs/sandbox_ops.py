@@ -110,7 +110,12 @@ def binop(meter: Meter, op: str, a: Any, b: Any) -> Any:
         raise Refused(f"the operator {op} is not supported")
     if op in _SET_OPS and (ta is SandboxSet or tb is SandboxSet) and ta is not tb:
         raise TypeError(f"unsupported operand type(s) for {_SYMBOL[op]}: '{_kind(a)}' and '{_kind(b)}'")
-    return meter.value(fn(a, b))
+    result = fn(a, b)
+    if type(result) is float and result != result and a == a and b == b:
+        # a NaN made from numbers (inf - inf, 0 * inf, divmod(inf, 1.0)) is the CPU's default NaN, negative on x86
+        # and positive on ARM: math.copysign(1, inf - inf) would differ between machines. Made positive here.
+        result = abs(result)
+    return meter.value(result)
 
 
 def unaryop(meter: Meter, op: str, a: Any) -> Any:

@@ -293,14 +293,20 @@ class Meter:
                              "which the sandbox does not support")
         return v
 
-    def nesting(self, v: Any) -> None:
+    def nesting(self, v: Any) -> int:
         """Refuse a value nested more than NESTING_LIMIT levels deep, or holding itself, before CPython compares
-        or hashes it in C (where deep nesting recurses without bound); charges one bulk unit per element."""
+        or hashes it in C (where deep nesting recurses without bound); charges one bulk unit per element, plus
+        the value's *weight* (see :func:`weight`: what comparing its strings, big ints and Fractions costs in C,
+        uncounted otherwise: ``t in [s] * 10**6`` with two equal 1 MB strings memcmps a terabyte). Returns the
+        weight, for callers that compare the value many times (a sort)."""
         if type(v) not in _CONTAINER_TYPES:
-            return
+            w = weight(v)
+            self.step(w // _BULK)  # a small scalar costs nothing extra: step counts of plain programs unchanged
+            return w
         stack: list[tuple[Any, int]] = [(v, 1)]
         on_path: set[int] = set()
         visited = 0
+        total = 0
         while stack:
             item, depth = stack.pop()
             if depth < 0:
@@ -317,12 +323,16 @@ class Meter:
                 children = list(item.keys()) + list(item.values())
             visited += len(item)
             # the element types in C first: a flat container (the common case) costs no Python-level loop
-            if _CONTAINER_TYPES.isdisjoint(set(map(type, children))):
+            kinds = set(map(type, children))
+            if not _HEAVY.isdisjoint(kinds):
+                total += sum(weight(c) for c in children if type(c) in _HEAVY)
+            if _CONTAINER_TYPES.isdisjoint(kinds):
                 continue
             on_path.add(id(item))
             stack.append((None, -id(item)))
             stack.extend((c, depth + 1) for c in children if type(c) in _CONTAINER_TYPES)
-        self.bulk(visited)
+        self.bulk(visited + total)
+        return visited + total
 
     # ---- arithmetic with prechecks
 
@@ -332,6 +342,22 @@ class Meter:
             if exp > self.limits.max_int_bits or low > self.limits.max_int_bits:
                 raise MemoryLimitExceeded(f"memory limit: {_short(base)} ** {exp} has more than "
                                           f"{self.limits.max_int_bits} bits (max_int_bits)")
+
+
+_HEAVY = frozenset({str, int, Fraction})
+
+
+def weight(v: Any) -> int:
+    """Bulk units (elements or bytes) that one comparison of the scalar ``v`` can cost in C: a string's length
+    (memcmp), an int's bytes, a Fraction's limb product (``<`` multiplies numerators by denominators)."""
+    t = type(v)
+    if t is str:
+        return len(v)
+    if t is int:
+        return v.bit_length() // 8
+    if t is Fraction:
+        return (v.numerator.bit_length() // 64 + 1) * (v.denominator.bit_length() // 64 + 1) * _BULK // _QUAD
+    return 0
 
 
 def _short(n: int) -> str:
@@ -413,12 +439,18 @@ class _Repr:
             return self._emit(empty[t])
         self.on_path.add(id(v))
         self.meter.bulk(len(v))
-        if t is dict or t.__name__ == "dict_items":
-            pairs = v.items() if t is dict else v
-            parts = [f"{self.repr(k, depth + 1)}: {self.repr(x, depth + 1)}" if t is dict else
-                     f"({self.repr(k, depth + 1)}, {self.repr(x, depth + 1)})" for k, x in pairs]
-        else:
-            parts = [self.repr(x, depth + 1) for x in v]
+        # a level of a nested value is a level of max_depth (two Python frames): printing a 100-deep list from a
+        # deep recursion meets max_depth, never CPython's recursion limit (a process-wide setting)
+        self.meter.enter()
+        try:
+            if t is dict or t.__name__ == "dict_items":
+                pairs = v.items() if t is dict else v
+                parts = [f"{self.repr(k, depth + 1)}: {self.repr(x, depth + 1)}" if t is dict else
+                         f"({self.repr(k, depth + 1)}, {self.repr(x, depth + 1)})" for k, x in pairs]
+            else:
+                parts = [self.repr(x, depth + 1) for x in v]
+        finally:
+            self.meter.depth -= 1
         self.on_path.discard(id(v))
         body = ", ".join(parts)
         self.size += 2 * len(parts) + 2
