@@ -149,12 +149,12 @@ def test_prompt_plus_max_tokens_beyond_the_context_fails_before_work(tmp_path):
 
 def test_a_refused_start_leaves_nothing_behind(tmp_path, capsys):
     # a bad data.source is found after the lock and the base model were written: the base model goes again (it
-    # stayed); the lock file stays, empty (run_lock.py: it is never removed, so two processes never hold two of them)
+    # stayed), and the directory the start created with it, its lock file too (run_lock.py: removed while locked)
     missing = tmp_path / "no_such.jsonl"
     run = tmp_path / "new_run"
     assert main(["train", "recipe=grpo_tiny", *COMMON, f"run.dir={run}", f"data.source={missing}"]) == 2
     assert "no_such.jsonl" in capsys.readouterr().err
-    assert sorted(p.name for p in run.iterdir()) == [".lock"] and (run / ".lock").read_bytes() == b""
+    assert not run.exists()
     # a directory that was there keeps exactly what it held
     kept = tmp_path / "kept"
     kept.mkdir()
