@@ -141,27 +141,22 @@ class RolloutWorker:
 
     def _checked(self, named: list, version: int) -> list:
         """``named`` when it is exactly the engine's parameters (a tied ``lm_head.weight`` may come too) with their
-        shapes and dtypes; else :class:`~.weight_sync.WeightsRefused`, before any weight changed. A dtype cast
-        would run weights other than the trainer's (its logprobs would no longer be the sampler's), and a missing
-        tensor would keep a stale one under the new version."""
-        from .weight_sync import WeightsRefused
+        shapes and dtypes (the collective path's check, ``WeightBroadcaster._check``); else
+        :class:`~.weight_sync.WeightsRefused`, before any weight changed. A dtype cast would run weights other than
+        the trainer's (its logprobs would no longer be the sampler's), and a missing tensor would keep a stale one
+        under the new version."""
+        from .weight_sync import WeightBroadcaster, WeightsRefused
 
         params = dict(self.engine.model.named_parameters())
         tied = getattr(self.engine.model.config, "tie_word_embeddings", False)
-        names = [n for n, _ in named]
-        if len(set(names)) != len(names):
+        sent = [(n, t) for n, t in named if not (n == "lm_head.weight" and tied and n not in params)]
+        if len({n for n, _ in sent}) != len(sent):
             raise WeightsRefused(f"weight sync to version {version}: duplicate tensor names in the update")
-        got = set(names) - ({"lm_head.weight"} if tied and "lm_head.weight" not in params else set())
-        if got != set(params):
-            missing, extra = sorted(set(params) - got), sorted(got - set(params))
-            raise WeightsRefused(f"weight sync to version {version}: the update lacks {missing[:4]} and/or has tensors "
-                             f"the engine does not ({extra[:4]}); every parameter must come, of the same model")
-        for name, t in named:
-            target = params.get(name)
-            if target is not None and (tuple(t.shape) != tuple(target.shape) or t.dtype != target.dtype):
-                raise WeightsRefused(f"weight sync to version {version}: {name} is {tuple(t.shape)} {t.dtype} on the "
-                                 f"trainer but {tuple(target.shape)} {target.dtype} in the engine (a cast would not "
-                                 "run the trainer's bits)")
+        header = {"tensors": sorted((n, tuple(t.shape), str(t.dtype)) for n, t in sent)}
+        problem = WeightBroadcaster._check(header, params)
+        if problem is not None:
+            raise WeightsRefused(f"weight sync to version {version}: {problem} (a cast would not run the trainer's "
+                                 "bits; every parameter must come)")
         return named
 
     def _update(self, apply, version):
