@@ -14,11 +14,15 @@ from .errors import RolloutWorkerLost, describe, is_actor_death, log
 from .placement import (NODE_ID_LABEL, Layout, Placement, PlacementError, check_capacity,  # noqa: F401
                         nodes_from_ray, plan_layout, plan_placement, shown_resource, uses_placement_groups)
 from .ray_start import is_local, start_ray
-from .weight_sync import WEIGHT_SYNC_MODES, resolve_weight_sync
+from .weight_sync import GROUP_TIMEOUT_S, WEIGHT_SYNC_MODES, resolve_weight_sync
 from .workers import Request, RolloutWorker, TrainerWorker
 
 
 NODE_CHECK_S = 2.0  # while waiting on rollout workers: how often the nodes of the run are looked at
+# after a collective weight sync broke: how long the driver waits for every member's call to end. A member's
+# receive or send fails by the group's timeout at the latest (its peer gone); one that has not answered a minute
+# after that is hung (a stopped process, a node cut off), and the driver stops instead of waiting for ever
+BROKEN_SYNC_WAIT_S = GROUP_TIMEOUT_S + 60.0
 
 
 def actor_env_vars(cfg) -> dict[str, str]:
@@ -388,7 +392,8 @@ class ActorGroup:
         ray = self._ray
         self.sync.worker_replaced()  # the group is closed on one side at least
         refs = [trainer_ref, *calls.values()]
-        ray.wait(refs, num_returns=len(refs))
+        self._wait_all_or_name_the_hung(refs, {trainer_ref: "the trainer (rank 0)", **{
+            ref: f"rollout worker {i}" for i, ref in calls.items()}}, version)
         errors = []
         for ref in refs:
             try:
@@ -403,6 +408,30 @@ class ActorGroup:
         ref = self.trainer.weights_of_version.remote(version)
         loads = {i: self._call(i, "load_weights", ref, version) for i in range(len(self.workers))}
         return self._gather(loads, lambda i: None, "weight sync", version, ref)
+
+    def _wait_all_or_name_the_hung(self, refs: list, names: dict, version: int) -> None:
+        """Wait for every call of ``refs`` to end, at most ``BROKEN_SYNC_WAIT_S`` (looking at the run's nodes on
+        the way); a TimeoutError naming the members (``names``: ref -> words) that did not answer."""
+        import time
+
+        ray = self._ray
+        deadline = time.monotonic() + BROKEN_SYNC_WAIT_S
+        pending = list(refs)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, NODE_CHECK_S))
+            if pending:
+                self.check_nodes("the broken collective weight sync")
+        if pending:
+            hung = ", ".join(names.get(ref, "a member") for ref in pending)
+            raise TimeoutError(
+                f"weight sync to version {version}: the collective broadcast broke, and {hung} did not answer "
+                f"within {BROKEN_SYNC_WAIT_S:.0f} s (the group's {GROUP_TIMEOUT_S:.0f} s timeout plus a margin): "
+                "the process is hung (stopped, or its node cut off), not dead. Look at its stack (py-spy dump, "
+                "or RLREPRO_STACK_DUMP_S=60 for every actor's), end it, and resume the run from its last "
+                "checkpoint (run.resume=true); rollout.weight_sync=object_store avoids the collective group")
 
     def optimizer_state_digest(self) -> str | None:
         """``optimizer_state_digest`` of the trainer's optimizer state (float32 masters, AdamW moments): rank 0's,

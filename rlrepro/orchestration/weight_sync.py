@@ -41,6 +41,7 @@ JOINED_KEY, ABORT_KEY = "joined", "abort"  # in the group's store, under its gen
 CHECK_IN_POLL_S = 0.05  # how often a member waiting for the others looks at the store
 FORM_TIMEOUT_S = 60.0  # gloo's connections once every member has checked in (then the group's timeout applies)
 ABORT_CONNECT_S = 10.0  # the driver's connection to a group's store, to abort its join
+GROUP_TIMEOUT_S = 300.0  # a broadcast (and a receive waiting on a member that hung) fails after this long
 
 
 class SyncGroupAborted(RuntimeError):
@@ -133,13 +134,14 @@ class WeightBroadcaster:
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                 generation: int = 0, timeout_s: float = 300.0, rendezvous: Rendezvous | None = None,
+                 generation: int = 0, timeout_s: float = GROUP_TIMEOUT_S, rendezvous: Rendezvous | None = None,
                  form_timeout_s: float = FORM_TIMEOUT_S) -> None:
         if world_size < 2:
             raise ValueError(f"a weight-sync group needs the trainer and at least one worker; world_size={world_size}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight-sync backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
         self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.held_version: int | None = None  # a receiver's weight version: an older broadcast is refused
         timeout = datetime.timedelta(seconds=timeout_s)
         if (rank == 0) != (rendezvous is not None):
             raise ValueError("rank 0 of a weight-sync group hosts its store: pass rendezvous= on rank 0 only")
@@ -210,7 +212,9 @@ class WeightBroadcaster:
 
     def receive(self, params: dict[str, torch.Tensor]) -> int:
         """Receive into ``params`` (name -> tensor, e.g. ``dict(model.named_parameters())``); returns the version.
-        A tensor already on this group's device is written in place; others go through one staging buffer."""
+        A tensor already on this group's device is written in place; others go through one staging buffer.
+        A version older than ``held_version`` (the receiver's, set by its holder) is refused
+        (:class:`WeightsRefused`) as a model mismatch is, before any tensor moves."""
         if self.rank == 0:
             raise RuntimeError("rank 0 sends; receivers have rank >= 1")
         try:
@@ -221,7 +225,8 @@ class WeightBroadcaster:
 
     def _receive(self, params: dict[str, torch.Tensor]) -> int:
         header = self._broadcast_object(None)
-        problem = self._check(header, params)
+        stale = version_problem(header.get("version"), getattr(self, "held_version", None))
+        problem = self._check(header, params) or (f"weight sync: {stale}" if stale else None)
         if not self._all_accept(problem is None):  # every rank agrees before any tensor moves
             raise WeightsRefused(problem or "weight sync: another worker refused the weights (model mismatch)")
         with torch.no_grad():
@@ -239,17 +244,12 @@ class WeightBroadcaster:
 
     @staticmethod
     def _check(header: dict, params: dict[str, torch.Tensor]) -> str | None:
-        names = [n for n, _, _ in header["tensors"]]
-        if sorted(params) != names:
-            missing, extra = sorted(set(names) - set(params)), sorted(set(params) - set(names))
-            return (f"weight sync: the trainer sends tensors this engine lacks ({missing[:4]}) or the engine has "
-                    f"tensors the trainer does not send ({extra[:4]}); are both the same model?")
-        for name, shape, dtype in header["tensors"]:
-            target = params[name]
-            if tuple(target.shape) != tuple(shape) or str(target.dtype) != dtype:
-                return (f"weight sync: {name} is {tuple(target.shape)} {target.dtype} here but {tuple(shape)} "
-                        f"{dtype} on the trainer")
-        return None
+        """The header's tensors against this engine's parameters: all of them, once each, same shapes and
+        dtypes (``rollout.engine.weight_problem``, the check of ``Engine.load_weights`` too)."""
+        from rlrepro.rollout.engine import weight_problem
+
+        problem = weight_problem(header["tensors"], params, complete=True, sender="the trainer's weights")
+        return None if problem is None else f"weight sync: {problem}"
 
     def close(self) -> None:
         """Drop the group (its communicator is freed with the object)."""
@@ -261,6 +261,17 @@ class WeightBroadcaster:
                 pass
         self.pg = None
         self._tcp = None
+
+
+def version_problem(version, held: int | None) -> str | None:
+    """Why weights of ``version`` may not replace those of version ``held`` (None: they may): not an integer, or
+    older (a late or repeated update would silently run a stale policy under a newer one's samples)."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        return f"the weight version {version!r} is not an integer"
+    if held is not None and version < held:
+        return (f"the update is version {version} but this engine holds version {held}, which is "
+                "newer; a weight version never goes backwards (a fresh worker may start from any version)")
+    return None
 
 
 def ipc_handles(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple]]:

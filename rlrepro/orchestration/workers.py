@@ -140,23 +140,22 @@ class RolloutWorker:
         return version
 
     def _checked(self, named: list, version: int) -> list:
-        """``named`` when it is exactly the engine's parameters (a tied ``lm_head.weight`` may come too) with their
-        shapes and dtypes (the collective path's check, ``WeightBroadcaster._check``); else
+        """``named`` when it is exactly the engine's parameters (a tied ``lm_head.weight`` may come too when it is
+        the embedding) with their shapes and dtypes (``Engine.check_weights``, the check the collective path's
+        ``WeightBroadcaster._check`` makes too), and ``version`` is not older than the engine's; else
         :class:`~.weight_sync.WeightsRefused`, before any weight changed. A dtype cast would run weights other than
-        the trainer's (its logprobs would no longer be the sampler's), and a missing tensor would keep a stale one
-        under the new version."""
-        from .weight_sync import WeightBroadcaster, WeightsRefused
+        the trainer's (its logprobs would no longer be the sampler's), a missing tensor would keep a stale one under
+        the new version, and an older version would run a stale policy under a newer one's name."""
+        from .weight_sync import WeightsRefused, version_problem
 
-        params = dict(self.engine.model.named_parameters())
-        tied = getattr(self.engine.model.config, "tie_word_embeddings", False)
-        sent = [(n, t) for n, t in named if not (n == "lm_head.weight" and tied and n not in params)]
-        if len({n for n, _ in sent}) != len(sent):
-            raise WeightsRefused(f"weight sync to version {version}: duplicate tensor names in the update")
-        header = {"tensors": sorted((n, tuple(t.shape), str(t.dtype)) for n, t in sent)}
-        problem = WeightBroadcaster._check(header, params)
+        problem = version_problem(version, self.engine.weight_version)
+        if problem is None:
+            try:
+                named = self.engine.check_weights(named, complete=True)
+            except ValueError as e:
+                problem = f"{e} (every parameter must come, as the trainer holds it)"
         if problem is not None:
-            raise WeightsRefused(f"weight sync to version {version}: {problem} (a cast would not run the trainer's "
-                                 "bits; every parameter must come)")
+            raise WeightsRefused(f"weight sync to version {version}: {problem}")
         return named
 
     def _update(self, apply, version):
@@ -196,6 +195,7 @@ class RolloutWorker:
     def sync_receive(self) -> int:
         """Receive a collective broadcast straight into the engine's parameters (``Engine.receive_weights``: the
         unfinished-requests guard, the version, the prefix cache dropped)."""
+        self._sync.held_version = self.engine.weight_version  # an older broadcast is refused before any copy
         return self._update(lambda: self.engine.receive_weights(self._sync.receive), "the broadcast one")
 
     def memory_stats(self) -> dict:

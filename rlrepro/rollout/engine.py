@@ -108,6 +108,53 @@ def _weight_pair(item: object) -> tuple[str, torch.Tensor]:
                      f"state_dict.items()) or a dict of name -> tensor; got {what}")
 
 
+def weight_problem(specs: Iterable[tuple[str, tuple, str]], params: Mapping[str, torch.Tensor], *,
+                   complete: bool = False, sender: str = "the update") -> str | None:
+    """What is wrong with an update of tensors ``specs`` = ``(name, shape, dtype name)`` for the parameters
+    ``params``, or None: a name given twice, a name that is no parameter, a shape or dtype other than the
+    parameter's, and with ``complete`` a parameter that does not come. Shared by :meth:`Engine.load_weights` and the
+    weight sync's checks (a collective's header, a rollout worker's update), so that each path refuses alike."""
+    specs = list(specs)
+    names, seen = [n for n, _, _ in specs], set()
+    twice = sorted({n for n in names if n in seen or seen.add(n)})
+    if twice:
+        return f"{sender} gives {twice[:4]} more than once"
+    unknown = [n for n in names if n not in params]
+    if unknown:
+        more = f" (nor {unknown[1:4]})" if len(unknown) > 1 else ""
+        return (f"the model has no parameter {unknown[0]!r}{more} that {sender} gives; expected names like "
+                f"{next(iter(params))!r} (transformers' Qwen3 naming): are both the same model?")
+    missing = sorted(set(params) - seen) if complete else []
+    if missing:
+        return f"{sender} lacks parameters of the model ({missing[:4]}); every parameter must come"
+    for name, shape, dtype in specs:
+        target = params[name]
+        if tuple(shape) != tuple(target.shape) or dtype != str(target.dtype):
+            return (f"{name!r} has shape {tuple(shape)} and dtype {dtype} in {sender}, expected shape "
+                    f"{tuple(target.shape)} and dtype {target.dtype} (the model's parameter; a cast would not run "
+                    "the sender's bits)")
+    return None
+
+
+def _without_tied_head(pairs: list[tuple[str, torch.Tensor]], params: Mapping[str, torch.Tensor]):
+    """A tied model's update without its ``lm_head.weight``, which must equal the embedding the model holds after
+    the update (the one sent, else the current one): ``(pairs, None)`` or ``(pairs, problem)``."""
+    heads = [t for n, t in pairs if n == "lm_head.weight"]
+    if not heads:
+        return pairs, None
+    if len(heads) > 1:
+        return pairs, "the update gives ['lm_head.weight'] more than once"
+    embed = [t for n, t in pairs if n == "model.embed_tokens.weight"]
+    embed = embed[-1] if embed else params.get("model.embed_tokens.weight")
+    head = heads[0]
+    same = (embed is not None and head.shape == embed.shape and head.dtype == embed.dtype
+            and torch.equal(head.detach(), embed.detach().to(head.device)))
+    if not same:
+        return pairs, ("'lm_head.weight' differs from 'model.embed_tokens.weight', but this model ties its head to "
+                       "the embedding (tie_word_embeddings): the sender's model is untied, not this one")
+    return [(n, t) for n, t in pairs if n != "lm_head.weight"], None
+
+
 def _flag(name: str, value: object, optional: bool = False) -> bool | None:
     """A boolean argument: True or False (or None for a default), never a truthy string such as "false"."""
     if (value is None and optional) or isinstance(value, bool):
@@ -425,10 +472,12 @@ class Engine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights into the model in place (CUDA graphs stay valid) and drop the prefix cache.
 
-        ``named_tensors``: ``(name, tensor)`` pairs or a dict of them (a state dict). Names follow
-        ``model.named_parameters()`` (transformers' names); ``lm_head.weight`` is skipped for a model
-        with tied embeddings. Tensors are cast to the model dtype. A bad name or shape raises ValueError; tensors
-        copied before it stay copied, so reload all weights after such an error.
+        ``named_tensors``: ``(name, tensor)`` pairs or a dict of them (a state dict), all of the parameters or some.
+        Names follow ``model.named_parameters()`` (transformers' names); with tied embeddings ``lm_head.weight`` may
+        come when it equals the embedding (the head *is* the embedding here). All or nothing: every tensor is
+        checked first (:meth:`check_weights`: names, duplicates, shapes and dtypes equal to the parameters'; no
+        cast, which would run other bits than the sender's) and a ValueError naming the first offending tensor and
+        what was expected leaves every weight and the version as they were.
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"load_weights version must be an integer, got {version!r}")
@@ -437,25 +486,33 @@ class Engine:
                                "come from the old weights, so their logprobs would match neither policy; call "
                                "step() until has_unfinished() is False first")
         params = dict(self.model.named_parameters())
-        tied = getattr(self.config, "tie_word_embeddings", False)
-        if isinstance(named_tensors, Mapping):  # a state dict: iterating it would give names only
-            named_tensors = named_tensors.items()
         try:
-            for item in named_tensors:
-                name, tensor = _weight_pair(item)
-                if name == "lm_head.weight" and tied and name not in params:
-                    continue
-                if name not in params:
-                    raise ValueError(f"load_weights: the model has no parameter {name!r}; expected names like "
-                                     f"{next(iter(params))!r} (transformers' Qwen3 naming)")
-                target = params[name]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is "
-                                     f"{tuple(target.shape)}")
-                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
-        finally:  # even after an error: tensors copied before it changed the weights the cached K/V came from
+            pairs = self.check_weights(named_tensors)
+            for name, tensor in pairs:
+                params[name].copy_(tensor.detach())
+        finally:  # a copy that fails part way (a device error) leaves a mix: the cached K/V's weights may be gone
             self.reset_prefix_cache()
         self.weight_version = version
+
+    def check_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                      complete: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """The ``(name, tensor)`` pairs of an update (pairs or a dict) that :meth:`load_weights` would copy, checked
+        whole before anything is written: each a (name, tensor) pair of a parameter of the model, once, with its
+        shape and dtype (:func:`weight_problem`); ``complete``: every parameter must come. A tied model's
+        ``lm_head.weight`` is left out when it equals the embedding that the update leaves (else refused: the
+        sender's head is not this model's). ValueError naming the offending tensor and what was expected."""
+        params = dict(self.model.named_parameters())
+        if isinstance(named_tensors, Mapping):  # a state dict: iterating it would give names only
+            named_tensors = named_tensors.items()
+        pairs = [_weight_pair(item) for item in named_tensors]
+        if getattr(self.config, "tie_word_embeddings", False) and "lm_head.weight" not in params:
+            pairs, problem = _without_tied_head(pairs, params)
+            if problem is not None:
+                raise ValueError(f"load_weights: {problem}")
+        problem = weight_problem([(n, tuple(t.shape), str(t.dtype)) for n, t in pairs], params, complete=complete)
+        if problem is not None:
+            raise ValueError(f"load_weights: {problem}")
+        return pairs
 
     def receive_weights(self, fill: Callable[[dict[str, torch.Tensor]], int]) -> int:
         """Let ``fill`` write new weights straight into the model's parameters (e.g. a collective broadcast
