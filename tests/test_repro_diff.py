@@ -211,7 +211,7 @@ def test_corrupt_fingerprints_exit_2_with_file_and_line(tmp_path, capsys):
     assert main_diff([str(a), str(b)]) == 2
     assert "fingerprints.jsonl: file not found" in capsys.readouterr().err
     assert main_diff([str(a), str(tmp_path / "nope")]) == 2
-    assert "run directory not found" in capsys.readouterr().err
+    assert f"run directory {tmp_path / 'nope'} not found" in capsys.readouterr().err
     assert main_diff([str(a)]) == 2          # usage error
 
 

@@ -120,7 +120,7 @@ def test_main_plot_single_run_default_out_and_errors(tmp_path, capsys):
     assert (a / "plots" / "overview.png").exists()
     assert str(a / "plots" / "loss.png") in capsys.readouterr().out
     assert main_plot([str(tmp_path / "missing")]) == 2
-    assert "run directory not found" in capsys.readouterr().err
+    assert f"run directory {tmp_path / 'missing'} not found" in capsys.readouterr().err
     (tmp_path / "afile").write_text("")  # --out naming a file: a message and exit 2, not a traceback
     assert main_plot([str(a), "--out", str(tmp_path / "afile")]) == 2
     assert f"rlrepro plot: error: --out {tmp_path / 'afile'}: " in capsys.readouterr().err
@@ -178,7 +178,8 @@ def test_plot_skips_a_run_it_cannot_read_and_draws_the_others(tmp_path, capsys):
     figs = build_figures([a, bad, tmp_path / "missing", torn])
     err = capsys.readouterr().err
     assert f"rlrepro plot: skipping a run that cannot be read: {bad / 'metrics.jsonl'}:2: invalid JSON" in err
-    assert f"rlrepro plot: skipping a run that cannot be read: {tmp_path / 'missing'}: run directory not found" in err
+    assert (f"rlrepro plot: skipping a run that cannot be read: run directory {tmp_path / 'missing'} not found; "
+            "give the directory a training wrote") in err
     assert f"rlrepro plot: note: {torn / 'metrics.jsonl'}:5: torn last line dropped" in err
     (line_a, line_torn) = [ln for ln in figs["loss"].axes[0].get_lines() if ln.get_label() in ("a", "torn")]
     assert list(line_torn.get_xdata()) == [1, 2, 3, 4] == list(line_a.get_xdata())

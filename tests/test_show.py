@@ -79,7 +79,8 @@ def test_show_turns_and_control_characters(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["missing"], "run directory {tmp}/missing not found; run directories in {tmp}: a, norollouts"),
+    (["missing"], "run directory {tmp}/missing not found; give the directory a training wrote (its run.dir, e.g. "
+                  "`rlrepro show runs/NAME`); run directories in {tmp}: a, norollouts"),
     (["a", "--step", "7"], "{tmp}/a has no rollout file for step 7; steps with rollouts: 1-3, 5"),
     (["norollouts"], "{tmp}/norollouts has no rollout files (rollouts/step_NNNNNN.jsonl.gz): it was run with "
                      "run.save_rollouts=false"),
@@ -107,4 +108,5 @@ def test_show_given_a_file_of_the_run_names_the_run_directory(tmp_path, capsys):
     assert f"its run directory is {run}" in capsys.readouterr().err
     (tmp_path / "loose.txt").write_text("x")
     assert main(["show", str(tmp_path / "loose.txt")]) == 2
-    assert capsys.readouterr().err == f"rlrepro show: error: {tmp_path / 'loose.txt'} is a file, not a run directory\n"
+    assert capsys.readouterr().err == (f"rlrepro show: error: {tmp_path / 'loose.txt'} is a file, not a run "
+                                       "directory; give the directory a training wrote (its run.dir)\n")

@@ -9,8 +9,9 @@ vLLM and SGLang load it.
 
 Exports live beside ``checkpoints/``, never inside a checkpoint directory, so a checkpoint stays exactly what its
 manifest lists. An export directory is complete or absent, as a checkpoint is: it is written into
-``NAME.tmp-<pid>/``, every file fsynced, then renamed into place (an existing one is moved aside first, put back if that
-rename fails, deleted after it). ``checkpoint.keep_last`` applies to the exports as it does to the checkpoints.
+``NAME.tmp-<pid>/``, every file fsynced, ``config.json`` (the mark of a complete model) written last and atomically,
+then renamed into place (an existing one is moved aside first, put back if that rename fails, deleted after it).
+``checkpoint.keep_last`` applies to the exports as it does to the checkpoints.
 
 Exporting reads the weights and writes files; it draws no random number and changes no state, so a run with
 ``checkpoint.export_hf=true`` has the same fingerprints as one without (``tests/test_export.py``).
@@ -25,7 +26,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from rlrepro._files import apply_default_mode, fsync_path
+from rlrepro._files import apply_default_mode, atomic_write_bytes, fsync_path
+
+from .run_dirs import missing_run_dir
 
 __all__ = ["EXPORT_DIR", "export_path", "list_exports", "finish_export", "new_export_tmp", "prune_exports",
            "export_checkpoint", "main_export", "checkpoint_of"]
@@ -82,12 +85,23 @@ def _generation_config(config: dict) -> dict:
     return out
 
 
-def finish_export(tmp: Path, final: Path, tokenizer_from: str | os.PathLike | None) -> Path:
+def finish_export(tmp: Path, final: Path, tokenizer_from: str | os.PathLike | None,
+                  replace_empty: bool = False) -> Path:
     """Complete the HF directory written into ``tmp`` (the tokenizer files save_pretrained does not copy, a
-    ``generation_config.json`` when the model directory has none), fsync it and rename it to ``final``."""
+    ``generation_config.json`` when the model directory has none), fsync it and rename it to ``final``.
+
+    ``config.json`` is what makes a directory a model (and an export complete, :func:`list_exports`), so it is
+    written last: taken out, every other file and the directory fsynced, then written back atomically (a temporary
+    file, fsynced, renamed, the directory fsynced), and only then is ``tmp`` renamed into place. A power loss
+    can leave no config.json beside weights that are not on disk. ``replace_empty``: ``final`` is an empty directory
+    (the user's, given as OUT) that the export replaces; it is removed only now (refused if something appeared in
+    it meanwhile) and made again if the rename fails."""
     tmp, final = Path(tmp), Path(final)
     if not (tmp / "config.json").is_file():
         raise FileNotFoundError(f"the export in {tmp} has no config.json: the trainer did not write it")
+    config_bytes = (tmp / "config.json").read_bytes()
+    (tmp / "config.json").unlink()  # back below, once everything else is on disk
+    _fsync(tmp)  # its removal too, before the data (a crash in between leaves no config.json)
     if tokenizer_from is not None and Path(tokenizer_from).resolve() != tmp.resolve():
         for name in _EXTRA_TOKENIZER_FILES:
             src = Path(tokenizer_from) / name
@@ -96,16 +110,27 @@ def finish_export(tmp: Path, final: Path, tokenizer_from: str | os.PathLike | No
                 apply_default_mode(tmp / name)
     gen = tmp / "generation_config.json"
     if not gen.is_file():
-        config = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
+        config = json.loads(config_bytes.decode("utf-8"))
         gen.write_text(json.dumps(_generation_config(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")
         apply_default_mode(gen)
-    for f in tmp.iterdir():
-        if f.is_file():
+    for f in sorted(tmp.iterdir()):
+        if f.is_file() and not f.is_symlink():
             _fsync(f)
     _fsync(tmp)
+    atomic_write_bytes(tmp / "config.json", config_bytes)  # fsynced, renamed, tmp fsynced: the marker goes last
     from rlrepro.trainer.checkpoint import commit_checkpoint_dir
 
-    commit_checkpoint_dir(tmp, final)  # an existing export is set aside, put back if the rename fails
+    mode = None
+    if replace_empty and final.is_dir() and not final.is_symlink():
+        mode = final.stat().st_mode & 0o7777
+        final.rmdir()  # OSError if it is no longer empty: nothing of the user's is replaced
+    try:
+        commit_checkpoint_dir(tmp, final)  # an existing export is set aside, put back if the rename fails
+    except BaseException:
+        if mode is not None and not final.exists():
+            final.mkdir()  # the user's empty directory, as it was
+            os.chmod(final, mode)
+        raise
     return final
 
 
@@ -145,8 +170,9 @@ def checkpoint_of(run_dir: Path, step: int | None) -> Path:
     from rlrepro.trainer import list_checkpoints
     from rlrepro.trainer.checkpoint import checkpoint_dir_name, scan_checkpoints
 
-    if not Path(run_dir).is_dir():
-        raise ValueError(f"run directory {run_dir} not found (give the run directory a training wrote, e.g. runs/NAME)")
+    missing = missing_run_dir("export", Path(run_dir), need_config=False)  # the one wording of every command
+    if missing is not None:
+        raise ValueError(missing)
     root = run_dir / "checkpoints"
     complete = list_checkpoints(root)
     if step is None:
@@ -170,7 +196,7 @@ def export_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike, *, ste
     checkpoint's dtype, sha256 checked), from a ``checkpoint.format=dist`` one through
     ``rlrepro.trainer.megatron.dist_to_hf``. Tokenizer and config.json come from the run's model directory (or
     ``base``). ``out`` must not exist or be empty, nor lie inside the run's ``checkpoints/``; it is complete or
-    absent."""
+    absent, and a failed export removes only what it made (an empty ``out`` that was there stays)."""
     from rlrepro.model import load_resolved, resolve_model_dir, save_pretrained
     from rlrepro.model.model_dirs import checkpoint_base
     from rlrepro.trainer.checkpoint import verify_checkpoint
@@ -185,9 +211,10 @@ def export_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike, *, ste
                          "outside it")
     ckpt = checkpoint_of(run_dir, step)
     manifest = verify_checkpoint(ckpt, check_hashes=True)
-    tmp = new_export_tmp(out.resolve())
-    if out.is_dir():
-        out.rmdir()  # empty: replaced by the complete export
+    final = out.resolve()
+    made = _missing_parents(final)  # what a failed export removes besides its own temporary directory
+    tmp = new_export_tmp(final)
+    empty = final.is_dir()  # the user's empty OUT: kept until the export is complete (finish_export)
     try:
         if manifest.get("layout") not in (None, "full"):
             from rlrepro.trainer.megatron import dist_to_hf
@@ -198,10 +225,25 @@ def export_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike, *, ste
             resolved = resolve_model_dir(ckpt, base=base)
             tok = resolved.tokenizer_dir
             save_pretrained(load_resolved(resolved), tmp, tokenizer_from=tok)
-        return finish_export(tmp, out.resolve(), tok)
+        return finish_export(tmp, final, tok, replace_empty=empty)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:  # the folders the export made for OUT, deepest first, if nothing else went into them
+            try:
+                d.rmdir()
+            except OSError:
+                break
         raise
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The ancestors of ``path`` that do not exist yet (which writing it creates), deepest first."""
+    out = []
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            break
+        out.append(parent)
+    return out
 
 
 def main_export(argv: list[str]) -> int:

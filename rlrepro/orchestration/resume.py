@@ -55,6 +55,10 @@ BIT_NEUTRAL_KEYS: tuple[str, ...] = (
     # where actors are placed (docs/CLUSTER.md): the same kernels on the same device type give the same bits on any
     # node (tests/test_cluster.py: trainer and engines on two nodes == one process)
     "ray.placement", "ray.num_nodes", "ray.trainer_node", "ray.rollout_node",
+    # whether engines share the trainer ranks' GPUs (docs/CLUSTER.md): it picks placement, the weight-sync path of
+    # rollout.weight_sync=auto (CUDA IPC or NCCL broadcast: exact copies either way) and each engine's share of
+    # gpu_memory_fraction (the KV-cache size), all bit-neutral keys above and below (orchestration.actors)
+    "ray.colocate",
     "rollout.num_workers", "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.prefix_cache",
     "rollout.num_kv_blocks", "rollout.gpu_memory_fraction", "rollout.weight_sync", "rollout.max_restarts",
     "env.tool_threads",  # environment steps per worker at once: results are put back by key

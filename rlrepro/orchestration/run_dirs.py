@@ -1,7 +1,8 @@
 """What `rlrepro train` leaves in, and says about, a run directory around the steps themselves: a refused or
 interrupted start removes what it made (:func:`remove_created_entries`, under :func:`uninterruptible`; the
 directory too when the start created it, :meth:`.run_lock.RunLock.release`), and the commands that read a run
-name a missing one the same way (:func:`missing_run_dir`).
+name a missing one the same way (:func:`missing_run_dir`, which lives in ``rlrepro.repro.records`` so that the
+record readers, which must not import orchestration, say it in the same words).
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import shutil
 import signal
 from pathlib import Path
 from typing import Iterator
+
+from rlrepro.repro.records import missing_run_dir  # the one wording; show, diff, plot and export use it too
 
 from .run_lock import LOCK_FILE
 
@@ -42,17 +45,3 @@ def remove_created_entries(run_dir: Path, before: set[str]) -> None:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-
-
-def missing_run_dir(command: str, run: Path) -> str | None:
-    """The error of ``rlrepro COMMAND RUN`` when ``RUN`` is not a run directory (None when it is one, as far as a
-    config.yaml says): "not found" for a path that does not exist, as `rlrepro show`, `diff`, `export` and `plot`
-    say it, and "no config.yaml" for a directory that holds no run."""
-    if (run / "config.yaml").is_file():
-        return None
-    if not run.exists():
-        return (f"run directory {run} not found; give the directory a training wrote (its run.dir, e.g. "
-                f"`rlrepro {command} runs/NAME`)")
-    if not run.is_dir():
-        return f"{run} is a file, not a run directory; give the directory a training wrote (its run.dir)"
-    return f"{run} is not a run directory (no config.yaml); give the directory a training wrote (its run.dir)"

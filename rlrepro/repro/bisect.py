@@ -11,9 +11,10 @@ sample's tokens (from run A's rollout file) are replayed through both policies, 
 and tensor-parallel reduction order (``trainer.backend=megatron`` runs replay with
 ``set_tensor_parallel_emulation(trainer.tensor_parallel)``, as their engines sampled; their ``checkpoint.format=dist``
 checkpoints are read into full tensors), with a forward hook on every module; the first module in execution order
-whose output differs (bit for bit) is reported. Identical activations mean the forward pass is not the cause; the
-diverging field says where to look: sampling or scheduling for the rollout's tokens and logprobs, the reward or
-advantage computation for those, the environment for loss masks and turns, and the trainer side
+whose output differs (bit for bit) is reported, outputs paired by module name (a module that ran in one run only
+is named as such, never compared with another module's output). Identical activations mean the forward pass is not
+the cause; the diverging field says where to look: sampling or scheduling for the rollout's tokens and logprobs,
+the reward or advantage computation for those, the environment for loss masks and turns, and the trainer side
 (backward/optimizer) for the loss, gradient norm, weights and the train step's metrics.
 """
 from __future__ import annotations
@@ -75,7 +76,7 @@ class BisectResult:
             return head + f"weights already differ; first tensor {self.where} (max |diff| {self.max_abs_diff:.3e})"
         if self.kind == "activation":
             return head + (f"first differing activation: {self.where} ({self.op}), max |diff| "
-                           f"{self.max_abs_diff:.3e}")
+                           f"{self.max_abs_diff:.3e}" + (f"; {self.note}" if self.note else ""))
         if self.kind == "inputs":
             return head + f"the sample's inputs differ: {self.note}"
         return head + f"forward passes are identical; {self.note}"
@@ -210,6 +211,52 @@ def _trace(model, tokens: list[int], mode: str) -> list[tuple[str, str, Any]]:
     return records
 
 
+def _keyed(trace: Sequence[tuple[str, str, Any]]) -> list[tuple[tuple[str, int], str, Any]]:
+    """Each output keyed by (module name, how many times that module ran before): a module called more than once
+    in a forward pass (a shared one) is paired call by call."""
+    seen: dict[str, int] = {}
+    out = []
+    for name, op, t in trace:
+        out.append(((name, seen.get(name, 0)), op, t))
+        seen[name] = seen.get(name, 0) + 1
+    return out
+
+
+def _label(key: tuple[str, int]) -> str:
+    return key[0] if key[1] == 0 else f"{key[0]} (call {key[1] + 1})"
+
+
+def first_activation_difference(trace_a: Sequence[tuple[str, str, Any]], trace_b: Sequence[tuple[str, str, Any]]
+                                ) -> tuple[tuple[str, str, float] | None, list[str], list[str]]:
+    """The two runs' module outputs (``_trace``: ``(module name, module class, tensor)`` in execution order) paired
+    by module name, never by position, so a module one run has and the other lacks cannot shift the pairs and
+    misname the first difference. Returns ((name, op, max |diff|) of the first output, in run A's execution order,
+    whose bits differ, or None), and the names of the outputs of run A only and of run B only."""
+    keyed_a, keyed_b = _keyed(trace_a), _keyed(trace_b)
+    by_key_b = {key: (op, t) for key, op, t in keyed_b}
+    keys_a = {key for key, _, _ in keyed_a}
+    only_a = [_label(key) for key, _, _ in keyed_a if key not in by_key_b]
+    only_b = [_label(key) for key, _, _ in keyed_b if key not in keys_a]
+    for key, op, ta in keyed_a:
+        if key not in by_key_b:
+            continue
+        op_b, tb = by_key_b[key]
+        if not _same_bits(ta, tb):
+            diff = (float((ta.float() - tb.float()).abs().max()) if tuple(ta.shape) == tuple(tb.shape)
+                    else float("nan"))  # shapes differ: no elementwise difference to give
+            return (_label(key), op if op == op_b else f"{op} in A, {op_b} in B", diff), only_a, only_b
+    return None, only_a, only_b
+
+
+def _unpaired_note(only_a: Sequence[str], only_b: Sequence[str]) -> str | None:
+    """The sentence naming the module outputs of one run only (not compared), or None."""
+    if not only_a and not only_b:
+        return None
+    parts = [f"{r}: {', '.join(x[:5])}{', ...' if len(x) > 5 else ''}" for r, x in (("A", only_a), ("B", only_b))
+             if x]
+    return "modules that ran in one run only (not compared): " + "; ".join(parts)
+
+
 def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, step: int, sample_index: int | None = None,
                 config_a: dict | None = None, config_b: dict | None = None, field: str | None = None,
                 input_diffs: Sequence[str] = (), inputs_not_compared: Sequence[str] = ()) -> BisectResult:
@@ -260,10 +307,14 @@ def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, step: int
                             "templates differ: see the config diff)", field=field)
     tokens = list(sample["prompt_token_ids"]) + list(sample["token_ids"])
     trace_a, trace_b = _trace(model_a, tokens, _kernel_mode(cfg_a)), _trace(model_b, tokens, _kernel_mode(cfg_b))
-    for (name, op, ta), (_, _, tb) in zip(trace_a, trace_b):
-        if not _same_bits(ta, tb):
-            return BisectResult(step, origin, "activation", name, op,
-                                float((ta.float() - tb.float()).abs().max()), field=field)
+    first, only_a, only_b = first_activation_difference(trace_a, trace_b)
+    unpaired = _unpaired_note(only_a, only_b)
+    if first is not None:
+        name, op, diff = first
+        return BisectResult(step, origin, "activation", name, op, diff, note=unpaired, field=field)
+    if unpaired is not None:
+        return BisectResult(step, origin, "model", (only_a or only_b)[0], "module",
+                            note="the module outputs that both runs have agree, but " + unpaired, field=field)
     note = conclusion(field)
     if inputs_not_compared:
         note += "; but inputs not compared: " + "; ".join(inputs_not_compared)

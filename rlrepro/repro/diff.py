@@ -5,11 +5,14 @@ When both runs have ``inputs.json`` (:mod:`.inputs`) it is compared first and it
 the records', as the likely cause of a divergence; they do not change the verdict, which is the records' alone
 (an inputs.json that cannot be read, damaged or of another version, is a note and "not compared", not an error).
 Fingerprint fields this version does not know (a newer rlrepro's) are compared exactly where both runs have them.
-``--strict`` also exits 1 when the runs recorded different sets of steps (in fingerprints.jsonl or metrics.jsonl, or
-one run has no metrics.jsonl); ``--strict-inputs`` also exits 1 when an input that can change bits differs (data,
-tokenizer, starting weights, versions, rlrepro's code, GPU, bit-relevant environment) or cannot be compared (a run
-without inputs.json, or recorded before it held the code digest). A torn last line of a step log (a crashed run,
-or one still writing) is dropped with a note. ``--bisect`` failures are printed after the report, exit 2.
+A fingerprint field that is null in both runs (not fingerprinted) was not compared: the report lists it as "not
+recorded in either run" and the verdict says the runs are identical in the recorded fields only (exit 0: nothing
+differs); ``--strict`` also exits 1 for it, and when the runs recorded different sets of steps (in
+fingerprints.jsonl or metrics.jsonl, or one run has no metrics.jsonl); ``--strict-inputs`` also exits 1 when an
+input that can change bits differs (data, tokenizer, starting weights, versions, rlrepro's code, GPU, bit-relevant
+environment) or cannot be compared (a run without inputs.json, or recorded before it held the code digest). A torn
+last line of a step log (a crashed run, or one still writing) is dropped with a note. ``--bisect`` failures are
+printed after the report, exit 2.
 The report itself (``DiffReport``) lives in :mod:`.report`; ``--json`` writes non-finite floats as strings.
 Imports neither torch nor anything of rlrepro outside this package.
 """
@@ -31,6 +34,7 @@ from .records import (
     METRICS_FILE,
     ReproError,
     float_bits_equal,
+    missing_run_dir,
     read_rollouts,
     read_step_records,
 )
@@ -389,10 +393,9 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
     config.yaml."""
     a, b = Path(run_a), Path(run_b)
     for p in (a, b):
-        if not p.exists():
-            raise ReproError(f"{p}: run directory not found")
-        if not p.is_dir():
-            raise ReproError(f"{p}: not a directory")
+        missing = missing_run_dir("diff", p, need_config=False)  # the one wording of every command
+        if missing is not None:
+            raise ReproError(missing)
     rep = DiffReport(run_a=str(a), run_b=str(b))
 
     # first: when the records diverge, this is the likely cause; an unreadable one (damaged, or of another rlrepro
@@ -452,11 +455,10 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
                     dv.detail_note = (f"rollout detail unavailable: a malformed record in the rollout files of step "
                                       f"{step} ({type(e).__name__}: {e}); compare with --no-detail")
             rep.divergence = dv
-    for s in common:
-        fw = [f for f in FIELDS if fps_a[s].get(f) is None and fps_b[s].get(f) is None]
-        if fw:
-            rep.notes.append(f"fields not fingerprinted in either run (null): {', '.join(fw)}")
-            break
+    for f in FIELDS:  # null in both runs: nothing was compared, which is not "identical" (DiffReport.format)
+        unrecorded = [s for s in common if fps_a[s].get(f) is None and fps_b[s].get(f) is None]
+        if unrecorded:
+            rep.fields_not_recorded[f] = unrecorded
     _note_uncompared_state(rep, fps_a, fps_b, common)
     _note_unknown_keys(rep, fps_a, fps_b, common)
 
@@ -495,7 +497,8 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--strict", action="store_true",
                         help="also exit 1 when the runs recorded different sets of steps (fingerprints.jsonl or "
-                        "metrics.jsonl, or one run has no metrics.jsonl)")
+                        "metrics.jsonl, or one run has no metrics.jsonl), or a fingerprint field neither run "
+                        "recorded (null in both)")
     parser.add_argument("--strict-inputs", action="store_true",
                         help=f"also exit 1 when an input that can change bits differs ({INPUTS_FILE}) or cannot "
                         "be compared (a run without it, or without the rlrepro code digest)")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .diff import ReproError, diff_runs, load_config, read_metrics
+from .records import missing_run_dir
 
 __all__ = ["PLOT_METRICS", "plot_runs", "build_figures", "plot_panels", "kl_is_off", "main_plot",
            "log_comparison_to_wandb", "first_divergences", "readable_runs"]
@@ -184,8 +185,9 @@ def readable_runs(run_dirs: Sequence[str | os.PathLike]) -> tuple[list[Path], li
     for p in dirs:
         notes: list[str] = []
         try:
-            if not p.is_dir():
-                raise ReproError(f"{p}: run directory not found")
+            missing = missing_run_dir("plot", p, need_config=False)  # the one wording of every command
+            if missing is not None:
+                raise ReproError(missing)
             m = read_metrics(p, notes)
         except ReproError as e:
             skipped.append(str(e))

@@ -45,6 +45,38 @@ class ReproError(Exception):
     """A run directory is missing, unreadable or malformed (``rlrepro diff`` exits 2)."""
 
 
+def _holds_run(p: Path) -> bool:
+    return p.is_dir() and any((p / n).exists() for n in (CONFIG_FILE, METRICS_FILE, FINGERPRINTS_FILE, ROLLOUTS_DIR))
+
+
+def missing_run_dir(command: str, run: str | os.PathLike, *, need_config: bool = True) -> str | None:
+    """The one wording of ``rlrepro COMMAND RUN``'s error when ``RUN`` is not a run directory; None when it is one.
+    "not found" for a path that does not exist (with the run directories beside it, if any), "is a file" for a file
+    (naming the run directory it lies in, if any), and, when ``need_config`` (the commands that rebuild the run:
+    verify, eval), "no config.yaml" for a directory that holds no run. The commands that only read records
+    (show, diff, plot, export) pass ``need_config=False`` and say themselves what a directory lacks.
+    ``rlrepro.orchestration.run_dirs.missing_run_dir`` is this function."""
+    run = Path(run)
+    hint = f"give the directory a training wrote (its run.dir, e.g. `rlrepro {command} runs/NAME`)"
+    if not run.exists():
+        parent = run.parent if str(run.parent) else Path(".")
+        try:
+            runs = sorted(p.name for p in parent.iterdir() if _holds_run(p)) if parent.is_dir() else []
+        except OSError:
+            runs = []
+        beside = f"; run directories in {parent}: {', '.join(runs)}" if runs else ""
+        return f"run directory {run} not found; {hint}{beside}"
+    if not run.is_dir():
+        owner = next((p for p in run.parents if _holds_run(p)), None)
+        where = (f"its run directory is {owner}: rlrepro {command} {owner}" if owner is not None
+                 else "give the directory a training wrote (its run.dir)")
+        return f"{run} is a file, not a run directory; {where}"
+    if need_config and not (run / CONFIG_FILE).is_file():
+        return (f"{run} is not a run directory (no {CONFIG_FILE}); give the directory a training wrote (its "
+                "run.dir)")
+    return None
+
+
 def step_dirname(step: int) -> str:
     return f"step_{int(step):06d}"
 

@@ -105,6 +105,9 @@ class DiffReport:
     # evaluations (metrics.jsonl repro/eval_fingerprint): the steps both runs fingerprinted, those that differ
     eval_steps_compared: list[int] = field(default_factory=list)
     eval_diverged_steps: list[int] = field(default_factory=list)
+    # fingerprint fields null in both runs (not fingerprinted), with the common steps where they are: not compared,
+    # so not "identical" either (the verdict says so; --strict fails)
+    fields_not_recorded: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def identical(self) -> bool:
@@ -149,6 +152,9 @@ class DiffReport:
                                + "; ".join(f"{r}: {_ranges(x)}" for r, x in (("A", a), ("B", b)) if x))
             if len(self.metrics_missing) == 1:
                 out.append(f"--strict: run {self.metrics_missing[0]} has no metrics.jsonl")
+            if self.fields_not_recorded:
+                out.append("--strict: fingerprint field(s) not recorded in either run: "
+                           + ", ".join(self.fields_not_recorded))
         if strict_inputs:
             bits = [d for d in self.input_diffs if d.bits]
             if bits:
@@ -200,6 +206,9 @@ class DiffReport:
             L.append(f"  only in A: {len(self.steps_only_a)} step(s) ({_ranges(self.steps_only_a)})")
         if self.steps_only_b:
             L.append(f"  only in B: {len(self.steps_only_b)} step(s) ({_ranges(self.steps_only_b)})")
+        for f, steps in self.fields_not_recorded.items():
+            L.append(f"  {f}: not recorded in either run (null) at {len(steps)} step(s) ({_ranges(steps)}): "
+                     "not compared")
         dv = self.divergence
         metrics_first = bool(self.metric_diffs) and (dv is None or self.metric_diffs[0].step < dv.step)
         if metrics_first:  # the report's head is the first divergent step overall, wherever it was found
@@ -265,6 +274,9 @@ class DiffReport:
         for n in self.notes:
             L.append(f"note: {n}")
         verdict = self.verdict.upper()
+        if self.identical and self.fields_not_recorded:
+            verdict += (" in the recorded fields; not recorded in either run, so not compared: "
+                        + ", ".join(self.fields_not_recorded))
         if self.identical and not self.complete:
             verdict += " on the common steps (step counts differ)"
         if self.identical and self.inputs_differ_in_bits:

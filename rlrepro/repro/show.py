@@ -24,6 +24,7 @@ from .records import (
     METRICS_FILE,
     ROLLOUTS_DIR,
     ReproError,
+    missing_run_dir,
     read_rollout_samples,
     read_step_records,
     rollout_steps,
@@ -54,15 +55,6 @@ def _ranges(steps: Sequence[int]) -> str:
 
 def _is_run_dir(p: Path) -> bool:
     return p.is_dir() and any((p / n).exists() for n in (METRICS_FILE, FINGERPRINTS_FILE, ROLLOUTS_DIR))
-
-
-def _missing_run_message(run: Path) -> str:
-    parent = run.parent if str(run.parent) else Path(".")
-    if not parent.is_dir():
-        return f"run directory {run} not found (neither is {parent})"
-    runs = sorted(p.name for p in parent.iterdir() if _is_run_dir(p))
-    where = f"run directories in {parent}: {', '.join(runs)}" if runs else f"no run directories in {parent}"
-    return f"run directory {run} not found; {where}"
 
 
 def _config_model_path(run: Path) -> Optional[Path]:
@@ -201,12 +193,9 @@ def format_step(run_dir: str | Path, step: int, samples: Sequence[Sample], n: in
 def show_step(run_dir: str | Path, step: Optional[int] = None, n: int = 8) -> str:
     """Load the step (default: the last with a rollout file) and return its text; ReproError naming what exists."""
     run = Path(run_dir)
-    if run.exists() and not run.is_dir():
-        owner = next((p for p in run.parents if _is_run_dir(p)), None)
-        raise ReproError(f"{run} is a file, not a run directory" + (f"; its run directory is {owner}: rlrepro show "
-                                                                    f"{owner}" if owner is not None else ""))
-    if not run.is_dir():
-        raise ReproError(_missing_run_message(run))
+    missing = missing_run_dir("show", run, need_config=False)  # the one wording: "not found", "is a file"
+    if missing is not None:
+        raise ReproError(missing)
     steps = rollout_steps(run)
     if not steps:
         if not _is_run_dir(run):
