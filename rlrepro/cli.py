@@ -68,6 +68,7 @@ def compose_config(overrides: list[str]):
 
     from rlrepro.orchestration.config import ConfigError, RunSchema, migrate_override, validate
 
+    _refuse_flag_forms(overrides)
     recipe = None
     rest = []
     for item in overrides:
@@ -119,6 +120,54 @@ def compose_config(overrides: list[str]):
         raise ConfigError(f"{tiny_keys[0]} is not used with model.init={cfg.model.get('init')} (the weights come from "
                           "model.path); drop it, or set model.init=tiny to build a tiny random model")
     return cfg
+
+
+def _refuse_flag_forms(args: list[str]) -> None:
+    """Overrides written as another CLI's options: ``--steps 3``, ``--train.steps=3``, ``train.steps 3``,
+    ``train.steps = 3``. hydra's grammar refuses each with a lexer message (``token recognition error at: '-'``) and
+    the quoting advice of :func:`_check_override_grammar` would be wrong for them: name the ``KEY=VALUE`` form
+    instead, with the schema's key when the name is close to one (``--steps`` -> ``train.steps``)."""
+    from omegaconf import OmegaConf
+
+    from rlrepro.orchestration.config import ConfigError, RunSchema
+
+    known = None
+    recipe = next((a.split("=", 1)[1] for a in args if a.startswith("recipe=")), None) or "NAME"
+    for i, item in enumerate(args):
+        nxt = args[i + 1] if i + 1 < len(args) else None
+        key = None
+        if item.startswith("-"):
+            name = item.lstrip("-")
+            if not name:
+                continue
+            if name.split("=", 1)[0] in ("config", "print-config", "print_config", "show-config", "show_config"):
+                raise ConfigError(f"{item!r} is not an option of rlrepro train; --cfg prints the composed config")
+            if name.startswith("recipe"):  # --recipe NAME: _no_recipe_message names the form
+                continue
+            key, _, value = name.partition("=")
+            if not value and nxt is not None and "=" not in nxt and not nxt.startswith("-"):
+                value = nxt
+        elif "=" not in item and nxt == "=":  # train.steps = 3 (three shell words)
+            key, value = item, (args[i + 2] if i + 2 < len(args) else "")
+        elif "=" in item and item.split("=", 1)[0] != item.split("=", 1)[0].rstrip():  # 'train.steps = 3'
+            key, value = item.split("=", 1)[0].strip(), item.split("=", 1)[1].strip()
+        elif "=" not in item and "." in item and nxt is not None and "=" not in nxt and not nxt.startswith("-"):
+            key, value = item, nxt  # train.steps 3
+        if key is None:
+            continue
+        if known is None:
+            known = _all_keys(OmegaConf.structured(RunSchema))
+        if key not in known:
+            close = [k for k in known if k.endswith("." + key)][:1] or difflib.get_close_matches(key, known, n=1)
+            if not close:
+                raise ConfigError(f"{item!r} is not an option of rlrepro train (its only options are --cfg and --help) "
+                                  "nor a config key; set config keys as one KEY=VALUE word each, e.g. train.steps=3. "
+                                  f"`rlrepro train recipe={recipe} --cfg` prints every key")
+            key = close[0]
+        value = value or "VALUE"
+        raise ConfigError(f"{item!r}: rlrepro train takes config keys as one KEY=VALUE word each, no dashes and no "
+                          f"spaces around '=' (its only options are --cfg and --help): {key}={value}. "
+                          f"`rlrepro train recipe={recipe} --cfg` prints every key")
 
 
 def _no_recipe_message(overrides: list[str], available: list[str]) -> str:
@@ -485,8 +534,11 @@ def main(argv: list[str] | None = None) -> int:
         from rlrepro.orchestration.evaluation import main_eval
 
         return main_eval(rest)
-    commands = "train, diff, verify, show, plot, generate, export, eval, recipes"
-    print(f"rlrepro: unknown command {cmd!r}; commands: {commands} (rlrepro --help)", file=sys.stderr)
+    commands = ["train", "diff", "verify", "show", "plot", "generate", "export", "eval", "recipes"]
+    close = difflib.get_close_matches(cmd.lower(), commands, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    print(f"rlrepro: unknown command {cmd!r}{hint}; commands: {', '.join(commands)} (rlrepro --help)",
+          file=sys.stderr)
     return 2
 
 
