@@ -142,6 +142,9 @@ def _refuse_flag_forms(args: list[str]) -> None:
                 continue
             if name.split("=", 1)[0] in ("config", "print-config", "print_config", "show-config", "show_config"):
                 raise ConfigError(f"{item!r} is not an option of rlrepro train; --cfg prints the composed config")
+            if name.split("=", 1)[0] == "cfg":  # --cfg=job: hydra's form, not this command's
+                raise ConfigError(f"{item!r}: --cfg takes no value here; `rlrepro train recipe={recipe} --cfg` prints "
+                                  "the composed config (every key)")
             if name.startswith("recipe"):  # --recipe NAME: _no_recipe_message names the form
                 continue
             key, _, value = name.partition("=")
@@ -156,18 +159,29 @@ def _refuse_flag_forms(args: list[str]) -> None:
         if key is None:
             continue
         if known is None:
-            known = _all_keys(OmegaConf.structured(RunSchema))
-        if key not in known:
-            close = [k for k in known if k.endswith("." + key)][:1] or difflib.get_close_matches(key, known, n=1)
-            if not close:
+            schema = OmegaConf.structured(RunSchema)
+            known = _all_keys(schema)
+        keys = [key]
+        if key not in known:  # every key of that last name (train.* and rollout.* first), else the closest name
+            first = ("train.", "rollout.", "run.", "data.")
+            keys = sorted((k for k in known if k.endswith("." + key)),
+                          key=lambda k: (next((i for i, f in enumerate(first) if k.startswith(f)), 9), k)) or difflib.get_close_matches(key, known, n=1)
+            if not keys:
                 raise ConfigError(f"{item!r} is not an option of rlrepro train (its only options are --cfg and --help) "
                                   "nor a config key; set config keys as one KEY=VALUE word each, e.g. train.steps=3. "
                                   f"`rlrepro train recipe={recipe} --cfg` prints every key")
-            key = close[0]
-        value = value or "VALUE"
+        forms = [f"{k}={value or _flag_value(schema, k)}" for k in keys]
+        which = forms[0] if len(forms) == 1 else "one of " + ", ".join(forms)
         raise ConfigError(f"{item!r}: rlrepro train takes config keys as one KEY=VALUE word each, no dashes and no "
-                          f"spaces around '=' (its only options are --cfg and --help): {key}={value}. "
+                          f"spaces around '=' (its only options are --cfg and --help): {which}. "
                           f"`rlrepro train recipe={recipe} --cfg` prints every key")
+
+
+def _flag_value(schema, key: str) -> str:
+    """The value a bare ``--KEY`` most likely meant: ``true`` for a boolean key, else ``VALUE``."""
+    from omegaconf import OmegaConf
+
+    return "true" if isinstance(OmegaConf.select(schema, key), bool) else "VALUE"
 
 
 def _no_recipe_message(overrides: list[str], available: list[str]) -> str:

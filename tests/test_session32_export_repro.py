@@ -92,14 +92,34 @@ def test_a_failed_export_keeps_the_users_empty_out_directory(tmp_path, monkeypat
     assert out.is_dir() and list(out.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "run"]  # nor any temporary directory
     monkeypatch.undo()
-    # the rename into place fails: the empty directory is made again, with its mode
-    import rlrepro.trainer.checkpoint as ckpt_mod
+    # the rename into place fails: OUT was never removed (one rename replaces it), so it is there, as it was
+    real_rename = os.rename
 
-    monkeypatch.setattr(ckpt_mod, "commit_checkpoint_dir", _fail)
+    def rename(src, dst):
+        if Path(dst) == out:
+            raise OSError("disk full")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
     with pytest.raises(OSError, match="disk full"):
         export_checkpoint(run, out)
     assert out.is_dir() and list(out.iterdir()) == [] and (out.stat().st_mode & 0o777) == 0o750
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "run"]
+    monkeypatch.undo()
+    # something of the user's appears in OUT while the export runs: the rename is refused, the file stays
+    import rlrepro.model
+
+    real_save = rlrepro.model.save_pretrained
+
+    def save_then_user_writes(*a, **kw):
+        (out / "notes.txt").write_text("mine")
+        return real_save(*a, **kw)
+
+    monkeypatch.setattr(rlrepro.model, "save_pretrained", save_then_user_writes)
+    with pytest.raises(OSError):
+        export_checkpoint(run, out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
     monkeypatch.undo()
     assert main(["export", str(run), str(out)]) == 0  # and the export into it still works
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
@@ -225,7 +245,15 @@ def test_the_wording_names_the_runs_beside_a_missing_one_and_the_run_of_a_file(t
     (tmp_path / "a" / "config.yaml").write_text("run: {}\n")
     (tmp_path / "plain").mkdir()
     msg = missing_run_dir("show", tmp_path / "nope")
-    assert msg.endswith(f"; run directories in {tmp_path}: a"), msg
+    assert msg.endswith("(its run.dir, e.g. `rlrepro show runs/NAME`)"), msg  # no name close to "nope"
+    msg = missing_run_dir("show", tmp_path / "ax")
+    assert msg.endswith(f"; did you mean {tmp_path / 'a'}?"), msg  # a typo: the run beside it, not "plain"
+    sweep = tmp_path / "sweep"
+    for i in range(300):  # a sweep's runs: the close names only, at most five
+        (sweep / f"lr_{i:03d}").mkdir(parents=True)
+        (sweep / f"lr_{i:03d}" / "config.yaml").write_text("run: {}\n")
+    msg = missing_run_dir("show", sweep / "lr_1000")
+    assert 0 < msg.count(str(sweep)) <= 6 and len(msg) < 600, msg
     assert missing_run_dir("diff", tmp_path / "a" / "config.yaml") == (
         f"{tmp_path / 'a' / 'config.yaml'} is a file, not a run directory; its run directory is {tmp_path / 'a'}: "
         f"rlrepro diff {tmp_path / 'a'}")

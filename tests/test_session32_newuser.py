@@ -25,7 +25,19 @@ def _train_error(capsys, *args: str) -> str:
 ])
 def test_train_option_forms_name_the_key_value_form(capsys, args, fix):
     err = _train_error(capsys, *args)
-    assert f": {fix}." in err and "KEY=VALUE" in err and "token recognition" not in err, err
+    assert (f": {fix}." in err or f": one of {fix}, " in err) and "KEY=VALUE" in err, err  # train.* first
+    assert "token recognition" not in err, err
+
+
+@pytest.mark.parametrize("args, fix", [
+    (["--temperature", "0.7"], "one of rollout.temperature=0.7, eval.temperature=0.7."),  # not eval's alone
+    (["--seed", "1"], "one of run.seed=1, data.synthetic.seed=1, warm_start.seed=1."),
+    (["--resume"], "run.resume=true."),                     # a bare flag of a boolean key
+    (["--cfg=job"], "--cfg takes no value here"),            # hydra's form
+])
+def test_train_option_hints_name_every_key_of_that_name(capsys, args, fix):
+    err = _train_error(capsys, *args)
+    assert fix in err, err
 
 
 def test_train_config_flag_points_to_cfg(capsys):

@@ -105,6 +105,39 @@ def test_tied_engine_refuses_a_head_that_is_not_the_embedding(new_weights):
     _assert_unchanged(engine, new_weights)
 
 
+def test_tied_head_is_compared_by_bits_and_the_same_tensor_is_accepted_as_is(new_weights):
+    """The review's cases: the head that *is* the embedding (transformers' tied state dict) is accepted even when
+    the embedding holds a NaN, and a head differing from it only in the sign of a zero is refused (bits, not
+    values)."""
+    engine = _engine()
+    with_nan = {n: t.clone() for n, t in new_weights.items()}
+    embed = with_nan["model.embed_tokens.weight"]
+    embed[0, 0] = float("nan")
+    engine.load_weights({**with_nan, "lm_head.weight": embed}, version=1)  # the same tensor: no comparison at all
+    assert torch.equal(dict(engine.model.named_parameters())["model.embed_tokens.weight"].isnan(), embed.isnan())
+    engine.load_weights({**with_nan, "lm_head.weight": embed.clone()}, version=2)  # a copy: the same bits
+    engine.load_weights(new_weights, version=3)  # no NaN left (torch.equal below compares values)
+    before = _snapshot(engine)
+    zeros = {n: t.clone() for n, t in new_weights.items()}
+    zeros["model.embed_tokens.weight"][0, 0] = 0.0
+    head = zeros["model.embed_tokens.weight"].clone()
+    head[0, 0] = -0.0  # == 0.0 as a value, other bits
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        engine.load_weights({**zeros, "lm_head.weight": head}, version=4)
+    _assert_unchanged(engine, before)
+
+
+def test_a_broken_collective_raises_the_workers_refusal_not_the_trainers_summary(monkeypatch):
+    """When no worker died, the error that stands is a worker's ``WeightsRefused`` (it says why: an older version,
+    a shape) rather than the trainer's "a worker refused", which came first in the list."""
+    group = _group(monkeypatch)
+    why = WeightsRefused("weight sync: the update is version 2 but this engine holds version 3, which is newer")
+    calls = {0: _Ref("w0", why), 1: _Ref("w1", why), 2: _Ref("w2", 4)}
+    trainer = _Ref("trainer", ValueError("weight sync to version 2: a worker refused the weights"))
+    with pytest.raises(WeightsRefused, match="which is newer"):
+        group._after_broken_collective(calls, trainer, 2)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")

@@ -80,7 +80,9 @@ def test_show_turns_and_control_characters(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["missing"], "run directory {tmp}/missing not found; give the directory a training wrote (its run.dir, e.g. "
-                  "`rlrepro show runs/NAME`); run directories in {tmp}: a, norollouts"),
+                  "`rlrepro show runs/NAME`)"),
+    (["norollout"], "run directory {tmp}/norollout not found; give the directory a training wrote (its run.dir, "
+                    "e.g. `rlrepro show runs/NAME`); did you mean {tmp}/norollouts?"),
     (["a", "--step", "7"], "{tmp}/a has no rollout file for step 7; steps with rollouts: 1-3, 5"),
     (["norollouts"], "{tmp}/norollouts has no rollout files (rollouts/step_NNNNNN.jsonl.gz): it was run with "
                      "run.save_rollouts=false"),

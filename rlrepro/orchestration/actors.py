@@ -401,8 +401,10 @@ class ActorGroup:
             except Exception as e:  # noqa: BLE001
                 errors.append((ref, e))
         died = [e for ref, e in errors if ref is not trainer_ref and is_actor_death(e)]
-        if not died:
-            raise errors[0][1] if errors else RuntimeError(f"weight sync to version {version} failed")
+        if not died:  # a worker's refusal says why (the trainer's error only that a worker refused)
+            from .weight_sync import WeightsRefused
+            refused = [e for ref, e in errors if ref is not trainer_ref and isinstance(e, WeightsRefused)]
+            raise (refused or [e for _, e in errors] or [RuntimeError(f"weight sync to version {version} failed")])[0]
         log(f"a rollout worker died during the collective weight sync to version {version} "
             f"({describe(died[0], 200)}); every worker loads it from the object store instead")
         ref = self.trainer.weights_of_version.remote(version)

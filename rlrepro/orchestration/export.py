@@ -93,9 +93,9 @@ def finish_export(tmp: Path, final: Path, tokenizer_from: str | os.PathLike | No
     ``config.json`` is what makes a directory a model (and an export complete, :func:`list_exports`), so it is
     written last: taken out, every other file and the directory fsynced, then written back atomically (a temporary
     file, fsynced, renamed, the directory fsynced), and only then is ``tmp`` renamed into place. A power loss
-    can leave no config.json beside weights that are not on disk. ``replace_empty``: ``final`` is an empty directory
-    (the user's, given as OUT) that the export replaces; it is removed only now (refused if something appeared in
-    it meanwhile) and made again if the rename fails."""
+    cannot leave a config.json beside weights that are not on disk. ``replace_empty``: ``final`` is an empty directory
+    (the user's, given as OUT) that the export replaces by one rename (refused if something appeared in it
+    meanwhile), so that no crash leaves no OUT."""
     tmp, final = Path(tmp), Path(final)
     if not (tmp / "config.json").is_file():
         raise FileNotFoundError(f"the export in {tmp} has no config.json: the trainer did not write it")
@@ -120,17 +120,13 @@ def finish_export(tmp: Path, final: Path, tokenizer_from: str | os.PathLike | No
     atomic_write_bytes(tmp / "config.json", config_bytes)  # fsynced, renamed, tmp fsynced: the marker goes last
     from rlrepro.trainer.checkpoint import commit_checkpoint_dir
 
-    mode = None
     if replace_empty and final.is_dir() and not final.is_symlink():
-        mode = final.stat().st_mode & 0o7777
-        final.rmdir()  # OSError if it is no longer empty: nothing of the user's is replaced
-    try:
-        commit_checkpoint_dir(tmp, final)  # an existing export is set aside, put back if the rename fails
-    except BaseException:
-        if mode is not None and not final.exists():
-            final.mkdir()  # the user's empty directory, as it was
-            os.chmod(final, mode)
-        raise
+        # rename(2) onto an empty directory replaces it in one step (ENOTEMPTY if something appeared in it
+        # meanwhile: nothing of the user's is replaced); no moment without OUT, whatever kills the process
+        os.rename(tmp, final)
+        _fsync(final.parent)
+        return final
+    commit_checkpoint_dir(tmp, final)  # an existing export is set aside, put back if the rename fails
     return final
 
 

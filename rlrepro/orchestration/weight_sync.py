@@ -152,7 +152,11 @@ class WeightBroadcaster:
         if backend == "nccl":  # the hostname resolves to nor on NCCL's first non-loopback interface
             network.pin_socket_interfaces(own)
             self.device = torch.device("cuda", torch.cuda.current_device())
-            self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
+            # the group's timeout for its collectives too (torch's NCCL default is 10 minutes, longer than the
+            # driver waits for a broken sync's members: ActorGroup._wait_all_or_name_the_hung)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         else:
             self.device = torch.device("cpu")
             # gloo's connections under the form timeout, the broadcasts under the group's (a torch whose gloo
@@ -203,8 +207,8 @@ class WeightBroadcaster:
         header = {"version": version, "tensors": [(n, tuple(t.shape), str(t.dtype)) for n, t in items]}
         self._broadcast_object(header)
         if not self._all_accept(True):
-            raise ValueError(f"weight sync to version {version}: a worker refused the weights (model mismatch; "
-                             "see the worker's error)")
+            raise ValueError(f"weight sync to version {version}: a worker refused the weights (a model mismatch "
+                             "or an older version; the worker's error says which)")
         for _, t in items:
             self._broadcast(t.detach().to(self.device).contiguous())
         if self.backend == "nccl":
@@ -228,7 +232,7 @@ class WeightBroadcaster:
         stale = version_problem(header.get("version"), getattr(self, "held_version", None))
         problem = self._check(header, params) or (f"weight sync: {stale}" if stale else None)
         if not self._all_accept(problem is None):  # every rank agrees before any tensor moves
-            raise WeightsRefused(problem or "weight sync: another worker refused the weights (model mismatch)")
+            raise WeightsRefused(problem or "weight sync: another worker refused the weights (its error says why)")
         with torch.no_grad():
             for name, shape, dtype in header["tensors"]:
                 target = params[name]

@@ -12,6 +12,7 @@ Layout (see docs/RUN_DIRECTORY.md)::
 """
 from __future__ import annotations
 
+import difflib
 import gzip
 import io
 import json
@@ -51,7 +52,7 @@ def _holds_run(p: Path) -> bool:
 
 def missing_run_dir(command: str, run: str | os.PathLike, *, need_config: bool = True) -> str | None:
     """The one wording of ``rlrepro COMMAND RUN``'s error when ``RUN`` is not a run directory; None when it is one.
-    "not found" for a path that does not exist (with the run directories beside it, if any), "is a file" for a file
+    "not found" for a path that does not exist (with the run directories beside it whose names are close to it), "is a file" for a file
     (naming the run directory it lies in, if any), and, when ``need_config`` (the commands that rebuild the run:
     verify, eval), "no config.yaml" for a directory that holds no run. The commands that only read records
     (show, diff, plot, export) pass ``need_config=False`` and say themselves what a directory lacks.
@@ -60,11 +61,13 @@ def missing_run_dir(command: str, run: str | os.PathLike, *, need_config: bool =
     hint = f"give the directory a training wrote (its run.dir, e.g. `rlrepro {command} runs/NAME`)"
     if not run.exists():
         parent = run.parent if str(run.parent) else Path(".")
-        try:
-            runs = sorted(p.name for p in parent.iterdir() if _holds_run(p)) if parent.is_dir() else []
+        try:  # the names close to the one given (a typo), not every run of a sweep
+            names = [e.name for e in os.scandir(parent)] if parent.is_dir() else []
         except OSError:
-            runs = []
-        beside = f"; run directories in {parent}: {', '.join(runs)}" if runs else ""
+            names = []
+        close = difflib.get_close_matches(run.name, names, n=5, cutoff=0.6)
+        runs = [n for n in close if _holds_run(parent / n)]
+        beside = f"; did you mean {' or '.join(str(parent / n) for n in runs)}?" if runs else ""
         return f"run directory {run} not found; {hint}{beside}"
     if not run.is_dir():
         owner = next((p for p in run.parents if _holds_run(p)), None)

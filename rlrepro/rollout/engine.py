@@ -147,12 +147,24 @@ def _without_tied_head(pairs: list[tuple[str, torch.Tensor]], params: Mapping[st
     embed = [t for n, t in pairs if n == "model.embed_tokens.weight"]
     embed = embed[-1] if embed else params.get("model.embed_tokens.weight")
     head = heads[0]
-    same = (embed is not None and head.shape == embed.shape and head.dtype == embed.dtype
-            and torch.equal(head.detach(), embed.detach().to(head.device)))
+    same = embed is not None and head.shape == embed.shape and head.dtype == embed.dtype and (
+        _same_storage(head, embed) or torch.equal(_bits(head), _bits(embed.detach().to(head.device))))
     if not same:
         return pairs, ("'lm_head.weight' differs from 'model.embed_tokens.weight', but this model ties its head to "
                        "the embedding (tie_word_embeddings): the sender's model is untied, not this one")
     return [(n, t) for n, t in pairs if n != "lm_head.weight"], None
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of the same memory (a tied model's head *is* its embedding)."""
+    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+            and a.shape == b.shape and a.dtype == b.dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers, so that equality is of bits (NaN equals its own bits, -0.0 is not 0.0)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().contiguous().view(ints[t.element_size()]) if t.is_floating_point() else t.detach()
 
 
 def _flag(name: str, value: object, optional: bool = False) -> bool | None:
