@@ -165,7 +165,8 @@ def _refuse_flag_forms(args: list[str]) -> None:
         if key not in known:  # every key of that last name (train.* and rollout.* first), else the closest name
             first = ("train.", "rollout.", "run.", "data.")
             keys = sorted((k for k in known if k.endswith("." + key)),
-                          key=lambda k: (next((i for i, f in enumerate(first) if k.startswith(f)), 9), k)) or difflib.get_close_matches(key, known, n=1)
+                          key=lambda k: (next((i for i, f in enumerate(first) if k.startswith(f)), 9), k))
+            keys = keys or difflib.get_close_matches(key, known, n=1)
             if not keys:
                 raise ConfigError(f"{item!r} is not an option of rlrepro train (its only options are --cfg and --help) "
                                   "nor a config key; set config keys as one KEY=VALUE word each, e.g. train.steps=3. "

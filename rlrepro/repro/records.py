@@ -52,9 +52,9 @@ def _holds_run(p: Path) -> bool:
 
 def missing_run_dir(command: str, run: str | os.PathLike, *, need_config: bool = True) -> str | None:
     """The one wording of ``rlrepro COMMAND RUN``'s error when ``RUN`` is not a run directory; None when it is one.
-    "not found" for a path that does not exist (with the run directories beside it whose names are close to it), "is a file" for a file
-    (naming the run directory it lies in, if any), and, when ``need_config`` (the commands that rebuild the run:
-    verify, eval), "no config.yaml" for a directory that holds no run. The commands that only read records
+    "not found" for a path that does not exist (with the run directories beside it whose names are close to it),
+    "is a file" for a file (naming the run directory it lies in, if any), and, when ``need_config`` (the commands
+    that rebuild the run: verify, eval), "no config.yaml" for a directory that holds no run. The commands that only read records
     (show, diff, plot, export) pass ``need_config=False`` and say themselves what a directory lacks.
     ``rlrepro.orchestration.run_dirs.missing_run_dir`` is this function."""
     run = Path(run)
