@@ -10,7 +10,7 @@ Row order is file order (sorted relative paths in a directory) then row order wi
 ``"{dir}/{relative path}"`` for a file in a directory, with the 0-based row index counted within that file.
 
 Messages are written for the person who typed the command line: they name the config key of the fix
-(``data.on_bad_row=skip``, with the Python argument in parentheses) and place a row where that person finds it
+(``data.on_bad_row=skip``) and the ``key=value`` at fault, and place a row where that person finds it
 in the file: ``line N`` (1-based, blank lines counted) in a JSON-lines file, ``row N`` (1-based) in a parquet
 file, a JSON array or a hub data set.
 """
@@ -43,8 +43,7 @@ logger = logging.getLogger(__name__)
 # as much again for the answer and other columns. A longer line is refused before it is parsed (a 50 MB line took
 # 248 s and 19.4 GB through datasets and the tokenizer).
 MAX_LINE_BYTES = 16 << 20
-_SKIP_HINT = ("or set data.on_bad_row=skip (on_bad_row='skip') to leave such rows out (each is logged and listed "
-              "in LoadStats.skipped)")
+_SKIP_HINT = "or set data.on_bad_row=skip to leave such rows out (each one is logged)"
 
 
 _Seen = dict[str, tuple[str, RowPositions, int]]  # uid -> (label, positions, row index) of its first row
@@ -126,18 +125,20 @@ def load_records(
     is a bad row refused with its line number before anything parses it (skipped under ``on_bad_row="skip"``).
     """
     if on_bad_row not in ("error", "skip"):
-        raise ValueError(f"data.on_bad_row (on_bad_row) must be error or skip, got {on_bad_row!r}. "
-                         f"Fix: set data.on_bad_row=error or data.on_bad_row=skip")
+        raise ValueError(f"data.on_bad_row={on_bad_row!r} is not a choice: it must be error or skip. "
+                         f"Fix: set data.on_bad_row=error or data.on_bad_row=skip.")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"data.limit (limit) must be a positive integer or null, got {limit!r}")
+        raise ValueError(f"data.limit={limit!r} is not a positive integer. Fix: set data.limit=N (keep the first N "
+                         f"records) or data.limit=null (keep all).")
     if max_line_bytes is not None and (isinstance(max_line_bytes, bool) or not isinstance(max_line_bytes, int)
                                        or max_line_bytes < 1):
         raise ValueError(f"max_line_bytes must be a positive integer or None, got {max_line_bytes!r}")
     for name, value in (("prompt_field", prompt_field), ("answer_field", answer_field),
                         ("id_field", id_field), ("messages_field", messages_field)):
         if value is not None and (not isinstance(value, str) or not value):
-            optional = " or null" if name in ("id_field", "messages_field") else ""
-            raise ValueError(f"data.{name} ({name}) must be a non-empty column name{optional}, got {value!r}")
+            optional = f", or data.{name}=null" if name in ("id_field", "messages_field") else ""
+            raise ValueError(f"data.{name}={value!r} is not a column name (it must be a non-empty string). "
+                             f"Fix: set data.{name}=<a column of the data set>{optional}.")
 
     spec = FieldSpec(prompt_field, answer_field, id_field, messages_field)
     stats = LoadStats(source=str(source), split=split)
@@ -154,17 +155,18 @@ def load_records(
         _load_hub(str(source), split, hub_config, revision, spec, on_bad_row, limit, stats, records, seen_uids)
     else:
         raise FileNotFoundError(
-            f"data source {str(source)!r} does not exist locally (looked for {path.resolve()}). "
+            f"data.source={str(source)!r} does not exist locally (looked for {path.resolve()}). "
             f"Fix: set data.source to the path of a .jsonl/.json/.parquet file or a directory of them; to load a "
-            f"Hugging Face hub dataset by name set data.allow_hub=true (allow_hub=True; it needs network access or "
-            f"a populated HF cache)."
+            f"Hugging Face hub dataset by name, set data.allow_hub=true (it needs network access or a populated "
+            f"HF cache)."
         )
 
     if not records:
+        reasons = ", ".join(f"{n} {why}" for why, n in stats.skipped_by_reason().items())
         raise ValueError(
-            f"no records loaded from {str(source)!r} (split {split!r}): {stats.num_rows} rows read, "
-            f"{stats.num_skipped} skipped {stats.skipped_by_reason()}. Fix: check data.source, data.split and the "
-            f"field names (data.prompt_field, data.answer_field, data.messages_field)."
+            f"no records loaded from data.source={str(source)!r} (data.split={split}): {stats.num_rows} rows read, "
+            f"{stats.num_skipped} skipped{f' ({reasons})' if reasons else ''}. Fix: check data.source, data.split "
+            f"and the field names (data.prompt_field, data.answer_field, data.messages_field)."
         )
     stats.num_records = len(records)
     stats.records_digest = records_digest(records)
@@ -546,7 +548,7 @@ def _add_row(row: dict, row_index: int, label: str, where: RowPositions, source_
     previous = seen_uids.get(record.uid)
     if previous is not None:
         prev_label, prev_where, prev_index = previous
-        fix = (f"make the {spec.id_field!r} column unique, or set data.id_field=null (id_field=None) to use "
+        fix = (f"make the {spec.id_field!r} column unique, or set data.id_field=null to use "
                f"'<source>:<row index>' uids" if spec.id_field else "give the files distinct names")
         raise ValueError(
             f"duplicate uid {record.uid!r} at {label} {where(row_index)} and at {prev_label} {prev_where(prev_index)}"

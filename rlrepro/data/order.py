@@ -32,9 +32,10 @@ class EpochOrder:
             raise ValueError("num_items is 0: the data set is empty, there is nothing to order. "
                              "Fix: check that the data set (data.source) loaded records.")
         self.num_items = _check_int("num_items", num_items, 1)
-        self.seed = _check_int("seed (run.seed)", seed, 0)
+        self.seed = _check_int("run.seed", seed, 0)
         if not isinstance(shuffle, bool):
-            raise ValueError(f"shuffle (data.shuffle) must be a bool, got {shuffle!r}")
+            raise ValueError(f"data.shuffle={shuffle!r} is not a bool. Fix: set data.shuffle=true or "
+                             f"data.shuffle=false.")
         self.shuffle = shuffle
         self.epoch = 0    # epoch of the next item
         self.cursor = 0   # position of the next item within that epoch's order, always < num_items

@@ -100,15 +100,16 @@ def build_prompts(
     no prompt is left, for duplicate uids, and for unknown tokens under ``on_unknown_token="error"``.
     """
     if on_bad_row not in ("error", "skip"):
-        raise ValueError(f"data.on_bad_row (on_bad_row) must be error or skip, got {on_bad_row!r}")
+        raise ValueError(f"data.on_bad_row={on_bad_row!r} is not a choice: it must be error or skip. "
+                         f"Fix: set data.on_bad_row=error or data.on_bad_row=skip.")
     if on_unknown_token not in ON_UNKNOWN_TOKEN:
-        raise ValueError(f"data.on_unknown_token (on_unknown_token) must be warn or error, got {on_unknown_token!r}. "
-                         f"Fix: set data.on_unknown_token=warn or data.on_unknown_token=error")
+        raise ValueError(f"data.on_unknown_token={on_unknown_token!r} is not a choice: it must be warn or error. "
+                         f"Fix: set data.on_unknown_token=warn or data.on_unknown_token=error.")
     if max_prompt_tokens is not None and (isinstance(max_prompt_tokens, bool)
                                           or not isinstance(max_prompt_tokens, numbers.Integral)
                                           or max_prompt_tokens < 1):
-        raise ValueError(f"data.max_prompt_tokens (max_prompt_tokens) must be a positive integer, "
-                         f"got {max_prompt_tokens!r}")
+        raise ValueError(f"data.max_prompt_tokens={max_prompt_tokens!r} is not a positive integer. Fix: set "
+                         f"data.max_prompt_tokens=N (a number of tokens) or data.max_prompt_tokens=null (no limit).")
     unk = getattr(tokenizer, "unk_token_id", None)
     unk = int(unk) if isinstance(unk, numbers.Integral) and not isinstance(unk, bool) else None
     render = dict(template=template, system_prompt=system_prompt, use_chat_template=use_chat_template, tools=tools)

@@ -199,8 +199,8 @@ class FieldSpec:
                 free = [c for c in columns if c not in used]
                 guess = next((c for c in _FIELD_GUESSES[role] if c in free), free[0] if free else None)
                 example = f", e.g. data.{param}={guess}" if guess is not None else ""
-                raise ValueError(f"{label}: the {role} field {col!r} is not in the data set; fields that exist: "
-                                 f"{columns}. Fix: set data.{param}=<one of those>{example} ({param}=).")
+                raise ValueError(f"{label}: the {role} field {col!r} is not in the data set; "
+                                 f"fields that exist: {columns}. Fix: set data.{param}=<one of those>{example}.")
 
 
 def row_to_record(row: dict, row_index: int, source_name: str, spec: FieldSpec) -> PromptRecord:

@@ -13,9 +13,15 @@ metadata beside them (``state.json``, ``dataset_info.json``, and ``dataset_dict.
 ``load_records`` reads ``.jsonl`` / ``.json`` / ``.parquet`` only, so it used to take that metadata for rows and
 answer ``the prompt field 'prompt' is not in the data set; fields that exist: ['citation', 'description', ...].
 Fix: set data.prompt_field=citation``: a wrong fix. Such a source is refused with the way to export it instead.
+
+Run directories: what ``rlrepro train`` writes (``metrics.jsonl``, ``amendments.jsonl``, ``inputs.json``,
+``checkpoints/``, ...) is a run's record, never data. A source that is a run directory (or lies in one's records) is
+refused ("a run directory, not data"); in a directory that holds run directories (``data.source=runs``, or a project
+folder with ``runs/`` in it) their records are left out, and when nothing else is left the source is refused too.
 """
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -25,6 +31,35 @@ __all__ = ["DATA_FILE_FORMATS", "KNOWN_SPLITS", "local_files", "split_of", "chec
 DATA_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 KNOWN_SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")
 _METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")
+# what rlrepro writes in a run directory (rlrepro.repro.records, orchestration): a folder with config.yaml and one
+# of RUN_RECORDS is a run directory; those files and the folders RUN_FOLDERS in it are its records, not data
+RUN_RECORDS = ("metrics.jsonl", "fingerprints.jsonl", "amendments.jsonl", "inputs.json", "summary.json")
+RUN_FOLDERS = ("checkpoints", "rollouts", "plots", "wandb")  # verify/from_K is a run directory itself
+
+logger = logging.getLogger(__name__)
+
+
+def is_run_dir(folder: Path) -> bool:
+    """Whether ``folder`` is a run directory that ``rlrepro train`` wrote."""
+    return (folder / "config.yaml").is_file() and any((folder / n).is_file() for n in RUN_RECORDS)
+
+
+def _run_record_of(path: Path, root: Path, runs: dict[Path, bool]) -> Path | None:
+    """The run directory (``root`` or a folder under it) whose record ``path`` is or lies in, else None."""
+    parts = path.relative_to(root).parts
+    for i in range(len(parts)):
+        folder = root.joinpath(*parts[:i])
+        if folder not in runs:
+            runs[folder] = is_run_dir(folder)
+        rest = parts[i:]
+        if runs[folder] and (rest[0] in RUN_FOLDERS or (len(rest) == 1 and rest[0] in RUN_RECORDS)):
+            return folder
+    return None
+
+
+def _refuse_run_dir(path: Path, what: str) -> ValueError:
+    return ValueError(f"data.source={str(path)!r} {what}, not data. Fix: set data.source to your data set: a "
+                      f".jsonl/.json/.parquet file with a prompt and an answer per row, or a directory of them.")
 
 
 def _is_saved_dataset(folder: Path) -> bool:
@@ -60,9 +95,18 @@ def local_files(path: Path, split: str) -> list[tuple[Path, str]]:
     """(file, source_name) pairs in load order: ``path`` itself, or the files of directory ``path`` in ``split``
     sorted by relative path (code-point order: the same on every filesystem and locale)."""
     if not isinstance(split, str) or not split or "/" in split:
-        raise ValueError(f"data.split (split) must be a split name such as train or test, got {split!r}. "
-                         f"Fix: set data.split=train (or the split to load)")
+        raise ValueError(f"data.split={split!r} is not a split name (such as train or test). "
+                         f"Fix: set data.split=train (or the split to load).")
     check_not_saved_dataset(path, split)  # its .json files are metadata, not rows
+    resolved, runs = path.resolve(), {}
+    above = resolved.parents[min(7, len(resolved.parents) - 1)] if resolved.parents else resolved
+    run = _run_record_of(resolved, above, runs)
+    if run is not None:  # metrics.jsonl of a run, its checkpoints/ or rollouts/: a record, never data
+        raise _refuse_run_dir(path, f"is {'a file' if path.is_file() else 'a folder'} of the records of the "
+                              f"rlrepro run directory {run}")
+    if path.is_dir() and is_run_dir(resolved):
+        raise _refuse_run_dir(path, "is a run directory that rlrepro train wrote (config.yaml, metrics.jsonl, "
+                              "checkpoints/, ...): its files are the run's records")
     if path.is_file():
         if path.suffix.lower() not in DATA_FILE_FORMATS:
             raise ValueError(f"{path}: unsupported file type {path.suffix!r}; supported: {sorted(DATA_FILE_FORMATS)}. "
@@ -75,6 +119,16 @@ def local_files(path: Path, split: str) -> list[tuple[Path, str]]:
          and not any(part.startswith(".") for part in p.relative_to(root).parts)),
         key=lambda p: p.relative_to(root).as_posix(),
     )
+    of_run = {f: _run_record_of(f, root, runs) for f in files}
+    if any(of_run.values()):
+        names = sorted({(path / r.relative_to(root)).as_posix() for r in of_run.values() if r is not None})
+        shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+        files = [f for f in files if of_run[f] is None]
+        if not files:
+            raise _refuse_run_dir(path, f"is a folder of rlrepro run directories ({shown}) and holds no data "
+                                  f"files: their .jsonl/.json files are the runs' records")
+        logger.warning("data.source=%s: left out the records of %d run director%s in it (%s): they are not data",
+                       path, len(names), "ies" if len(names) > 1 else "y", shown)
     if not files:
         raise ValueError(f"{path}: no data files in this directory (looked for {sorted(DATA_FILE_FORMATS)}, "
                          f"recursively). Fix: set data.source to a directory that holds them, or to one file.")
@@ -89,7 +143,7 @@ def local_files(path: Path, split: str) -> list[tuple[Path, str]]:
             raise ValueError(
                 f"{path}: no files for split {split!r}; splits found: {found or ['train (no split names)']}; "
                 f"files: {rels[:10]}{' ...' if len(rels) > 10 else ''}. Fix: set data.split=<one of the splits "
-                f"found> (split=)."
+                f"found>."
             )
     return [(f, f"{root.name}/{f.relative_to(root).as_posix()}") for f in chosen]
 

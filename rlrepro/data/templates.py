@@ -72,20 +72,20 @@ def render_prompt(record: PromptRecord, tokenizer: Any = None, *, template: str 
     if not isinstance(record, PromptRecord):
         raise TypeError(f"record must be a PromptRecord, got {type(record).__name__}")
     if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ValueError(f"data.system_prompt (system_prompt) must be a string or null, got "
-                         f"{type(system_prompt).__name__}")
+        raise ValueError(f"data.system_prompt={system_prompt!r} is a {type(system_prompt).__name__}, not text. "
+                         f"Fix: set data.system_prompt to a string, or data.system_prompt=null.")
     tools = _check_tools(tools)
     if not use_chat_template:
         if tools:
-            raise ValueError("tools need the chat template, which renders their schemas (use_chat_template=True). "
-                             "Fix: set data.use_chat_template=true, or pass no tools.")
+            raise ValueError("data.use_chat_template=false, but tools need the chat template (it renders their "
+                             "schemas). Fix: set data.use_chat_template=true, or pass no tools.")
         if system_prompt is not None:
-            raise ValueError("data.system_prompt needs data.use_chat_template=true (use_chat_template=True). Fix: "
+            raise ValueError("data.system_prompt needs data.use_chat_template=true, and it is false. Fix: "
                              "set data.use_chat_template=true, or set data.system_prompt=null and put the text in "
                              "data.template (e.g. 'You are ...\\n{prompt}').")
         if record.messages is not None:
-            raise ValueError(f"record {record.uid!r} holds chat messages, which need data.use_chat_template=true "
-                             f"(use_chat_template=True). Fix: set data.use_chat_template=true, or load a text column "
+            raise ValueError(f"record {record.uid!r} holds chat messages, which need data.use_chat_template=true, "
+                             f"and it is false. Fix: set data.use_chat_template=true, or load a text column "
                              f"with data.messages_field=null and data.prompt_field=<column>.")
         return _fill(template, record.prompt)  # type: ignore[arg-type]
 
@@ -122,7 +122,7 @@ def _check_tools(tools: Any) -> list[dict] | None:
 def _apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict] | None = None) -> str:
     fn = getattr(tokenizer, "apply_chat_template", None)
     if fn is None:
-        raise ValueError(f"data.use_chat_template=true (use_chat_template=True) but the tokenizer "
+        raise ValueError(f"data.use_chat_template=true, but the tokenizer "
                          f"({type(tokenizer).__name__}) has no apply_chat_template. Fix: set "
                          f"data.use_chat_template=false and use data.template.")
     kwargs: dict[str, Any] = {"add_generation_prompt": True}

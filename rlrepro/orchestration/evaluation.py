@@ -91,20 +91,36 @@ def _field(cfg, name: str) -> Any:
     return getattr(cfg.data, name) if value is None else value
 
 
-def load_eval_prompts(cfg, tokenizer, model_config: Any = None) -> tuple[list, list[Path]]:
+def check_eval_source(cfg, run_dir: Any = None, flag: bool = False, command: bool = False) -> str:
+    """How messages name the held-out source: ``eval.source=...`` (training's config key), or ``--source ...``
+    when ``rlrepro eval``'s option set it (``flag``); ``command``: for ``rlrepro eval``, whose fix is ``--source``.
+    Raises ConfigError, in those words, when there is none or it does not exist; returns the name."""
+    from rlrepro.checks import ConfigError
+
+    source = cfg.eval.source
+    if not source and command:
+        raise ConfigError(f"the run {run_dir} has no eval.source (it evaluated nothing). Fix: give the held-out "
+                          "data: rlrepro eval RUN --source FILE (a .jsonl/.json/.parquet file or a directory of them)")
+    if not source:
+        raise ConfigError("the run has no eval.source: set eval.source=/path/to/held_out.jsonl (rlrepro eval: "
+                          "--source FILE)")
+    said = f"--source {source}" if flag else f"eval.source={source!r}" + (" (the run's)" if command else "")
+    if not Path(source).exists():
+        fix = "point --source" if flag else "give --source FILE" if command else "point eval.source"
+        raise ConfigError(f"{said} does not exist (looked for {Path(source).resolve()}). Fix: {fix} at a local "
+                          ".jsonl/.json/.parquet file or a directory of them (the hub is not read for evaluation)")
+    return said
+
+
+def load_eval_prompts(cfg, tokenizer, model_config: Any = None, flag: bool = False) -> tuple[list, list[Path]]:
     """The held-out prompts (rlrepro.data.load_records / build_prompts with the data.* keys, eval.* where set)
     and the files they came from. Raises ConfigError naming the eval key."""
     from rlrepro.checks import ConfigError
     from rlrepro.data import build_prompts, load_records
 
     e, d = cfg.eval, cfg.data
-    if not e.source:
-        raise ConfigError("the run has no eval.source: set eval.source=/path/to/held_out.jsonl (rlrepro eval: "
-                          "--source FILE)")
+    said = check_eval_source(cfg, flag=flag)
     path = Path(e.source)
-    if not path.exists():
-        raise ConfigError(f"eval.source={e.source!r} does not exist; point it at a local .jsonl/.parquet file or a "
-                          "directory of them (the hub is not read for evaluation)")
     fields = {name: _field(cfg, name) for name in ("prompt_field", "answer_field", "id_field", "messages_field")}
     try:
         records, _ = load_records(str(path), split=_field(cfg, "split"), on_bad_row=d.on_bad_row, allow_hub=False,
@@ -116,9 +132,9 @@ def load_eval_prompts(cfg, tokenizer, model_config: Any = None) -> tuple[list, l
     except ConfigError:
         raise
     except (ValueError, KeyError) as err:
-        raise ConfigError(f"eval.source={e.source!r}: {err}") from None
+        raise ConfigError(f"{said}: {err}") from None
     if not prompts:
-        raise ConfigError(f"eval.source={e.source!r} holds no usable prompt")
+        raise ConfigError(f"{said} holds no usable prompt")
     if model_config is not None:
         max_len = cfg.rollout.max_model_len or model_config.max_position_embeddings
         longest = max(prompts, key=lambda p: len(p.token_ids))
@@ -289,16 +305,17 @@ class Evaluator:
 
     def __init__(self, cfg, tokenizer, reward_fn, stop_token_ids, model_config: Any = None,
                  later: list[tuple[int, Any]] = (), load_prompts: bool = True, env_spec: Any = None,
-                 end_of_turn: str | None = None) -> None:
+                 end_of_turn: str | None = None, flag: bool = False) -> None:
         """``later``: ``(from_step, config)`` of each later eval setting, ascending (``rlrepro verify`` re-running
         steps over which a resume amended ``eval.*``: each step is evaluated as it was). ``load_prompts`` False:
         none (a setting with ``eval.every=0``, which evaluates no step). ``env_spec`` (a run with ``env.*``):
         the steps are evaluated on episodes (:func:`run_eval_episodes`, on ``actors.run_episodes``), their turns
-        ended by ``end_of_turn`` (``preflight.check_end_of_turn``); ``stop_token_ids`` then holds its id."""
+        ended by ``end_of_turn`` (``preflight.check_end_of_turn``); ``stop_token_ids`` then holds its id.
+        ``flag``: messages name ``--source`` (``rlrepro eval``), not ``eval.source``."""
         self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
         self.stop_token_ids = list(stop_token_ids)
         self.env_spec, self.end_of_turn = env_spec, end_of_turn
-        self.prompts, self.files = load_eval_prompts(cfg, tokenizer, model_config) if load_prompts else ([], [])
+        self.prompts, self.files = load_eval_prompts(cfg, tokenizer, model_config, flag) if load_prompts else ([], [])
         self.later = [(s, Evaluator(c, tokenizer, reward_fn, stop_token_ids, model_config,
                                     load_prompts=bool(c.eval.every), env_spec=env_spec, end_of_turn=end_of_turn))
                       for s, c in later]
@@ -364,9 +381,11 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
     from .workers import RolloutWorker
 
     run_dir = Path(run_dir)
+    from .verify import checkpoint_dir_hint
+
     missing = missing_run_dir("eval", run_dir)  # "not found", or "no config.yaml" for a directory with no run
-    if missing is not None:
-        raise ValueError(missing)
+    if missing is not None:  # a checkpoint directory (RUN/checkpoints/step_N): the run and --step N
+        raise ValueError(checkpoint_dir_hint("eval", run_dir, "--step {step}") or missing)
     ckpt = checkpoint_of(run_dir, step)
     # eval.* as they were at that step (a resume may have amended them later: amendments.jsonl)
     latest = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
@@ -374,12 +393,14 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
     cfg = validate(migrate_legacy_keys(at_step, warn=False))
     if source is not None:
         cfg.eval.source = source
+    check_eval_source(cfg, run_dir, flag=source is not None, command=True)  # before the model loads
     base = checkpoint_base(ckpt, run_dir)
     tokenizer = load_tokenizer(base)
     end_of_turn = check_end_of_turn(cfg, tokenizer, base)  # the turns end as the run's did
     stops = turn_stop_token_ids(tokenizer, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
                                 end_of_turn)
-    evaluator = Evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn), stops, check_pretrained(base))
+    evaluator = Evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn), stops, check_pretrained(base),
+                          flag=source is not None)
     env_spec = None
     if uses_episodes(cfg):  # the run's environment, built as the driver builds it (bad env.* fails before loading)
         from rlrepro.data import reward_with_policy
