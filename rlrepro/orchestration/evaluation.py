@@ -381,7 +381,7 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
     from .workers import RolloutWorker
 
     run_dir = Path(run_dir)
-    from .verify import checkpoint_dir_hint
+    from .run_dirs import checkpoint_dir_hint
 
     missing = missing_run_dir("eval", run_dir)  # "not found", or "no config.yaml" for a directory with no run
     if missing is not None:  # a checkpoint directory (RUN/checkpoints/step_N): the run and --step N

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -17,7 +18,7 @@ from rlrepro.repro.records import missing_run_dir  # the one wording; show, diff
 
 from .run_lock import LOCK_FILE
 
-__all__ = ["uninterruptible", "remove_created_entries", "missing_run_dir"]
+__all__ = ["uninterruptible", "remove_created_entries", "missing_run_dir", "checkpoint_dir_hint"]
 
 
 @contextlib.contextmanager
@@ -45,3 +46,22 @@ def remove_created_entries(run_dir: Path, before: set[str]) -> None:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+
+def checkpoint_dir_hint(command: str, path: str | os.PathLike, option: str) -> str | None:
+    """When ``path`` is a checkpoint directory of a run (``RUN/checkpoints/step_N``) or a run's ``checkpoints``
+    folder, the one-line message naming the run directory and the command's form (``option`` with ``{step}`` for N:
+    ``--step {step}``); else None."""
+    path = Path(path)
+    m = re.fullmatch(r"step_(\d+)", path.name)
+    ckpts = path.parent if m else path
+    run = ckpts.parent
+    if ckpts.name != "checkpoints" or not (run / "config.yaml").is_file():
+        return None
+    if m is None:
+        flag = option.split(" ")[0]
+        return (f"{path} is the checkpoints folder of the run directory {run}, not a run directory; give the run "
+                f"directory: rlrepro {command} {run} ({flag} picks the step)")
+    step = int(m.group(1))
+    return (f"{path} is a checkpoint of the run directory {run}, not a run directory; give the run directory with "
+            f"the step: rlrepro {command} {run} {option.format(step=step, next=step + 1)}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import sys
 from fnmatch import fnmatchcase
@@ -23,25 +22,6 @@ EXIT_REPRODUCED, EXIT_DIVERGED, EXIT_ERROR, EXIT_REEXECUTION_FAILED, EXIT_INTERR
 # what verify sets in the re-execution's config (bit-neutral: resume.BIT_NEUTRAL_KEYS), left out of its config diff
 VERIFY_SET_KEYS = ("checkpoint.every", "checkpoint.save_last", "checkpoint.export_hf")
 RAY_LOGS = "/tmp/ray/session_latest/logs"  # where Ray writes the actors' logs (stdout/stderr of each worker)
-
-
-def checkpoint_dir_hint(command: str, path: str | os.PathLike, option: str) -> str | None:
-    """When ``path`` is a checkpoint directory of a run (``RUN/checkpoints/step_N``) or a run's ``checkpoints``
-    folder, the one-line message naming the run directory and the command's form (``option`` with ``{step}`` for N:
-    ``--step {step}``); else None."""
-    path = Path(path)
-    m = re.fullmatch(r"step_(\d+)", path.name)
-    ckpts = path.parent if m else path
-    run = ckpts.parent
-    if ckpts.name != "checkpoints" or not (run / "config.yaml").is_file():
-        return None
-    if m is None:
-        flag = option.split(" ")[0]
-        return (f"{path} is the checkpoints folder of the run directory {run}, not a run directory; give the run "
-                f"directory: rlrepro {command} {run} ({flag} picks the step)")
-    step = int(m.group(1))
-    return (f"{path} is a checkpoint of the run directory {run}, not a run directory; give the run directory with "
-            f"the step: rlrepro {command} {run} {option.format(step=step, next=step + 1)}")
 
 
 def _checkpoint_before(ckpt_root: Path, step: int) -> tuple[int, Path | None]:
@@ -77,7 +57,7 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
     from .config import validate
     from .driver import GRPODriver
     from .resume import EVAL_KEYS, config_at_step, read_amendments
-    from .run_dirs import missing_run_dir
+    from .run_dirs import checkpoint_dir_hint, missing_run_dir
     from .run_lock import RunLock
 
     run = Path(run_dir)
