@@ -44,6 +44,8 @@ Pure functions over padded tensors ``[B, T]`` with a boolean ``mask`` (True at r
       k2 = log_r ** 2 / 2           biased, low variance
       k3 = exp(log_r) - 1 - log_r   unbiased, low variance, >= 0 (the estimator of DeepSeekMath eq. 4)
 
+  Their gradients through ``logp`` (the loss's), in expectation over samples of pi: k1 0 (noise only), k2 that of
+  ``KL(pi || pi_ref)``, k3 that of the reverse ``KL(pi_ref || pi)`` (docs/TRAINER.md, "Loss").
   The penalty is added to the loss (DeepSeekMath) rather than folded into the reward (InstructGPT). The estimators
   are unclamped (verl clamps k3 to [-10, 10]); outside ``mask`` ``log_r`` is taken as 0, so a loss-masked token
   whose k3 would overflow cannot put a NaN into the gradient.
