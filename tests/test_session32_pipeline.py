@@ -171,3 +171,40 @@ def test_a_reward_error_in_the_batch_generated_ahead(tmp_path, monkeypatch):
     monkeypatch.setattr(data_mod, "compute_rewards", real)
     _run(monkeypatch, LocalActors, [*args, f"run.dir={b}", "run.resume=true"])
     assert _bits(b) == _bits(a)
+
+
+def test_a_resume_with_another_reward_fn_records_the_batches_generated_ahead(tmp_path, monkeypatch, capsys):
+    """The reward function's code changes between the stop (K=2, after step 2) and the resume: the batches of steps
+    3 and 4 were scored by the old code before the stop and are reused, so the resume's record says so
+    (``generated_ahead``), as its warning and ``rlrepro diff``'s input note do, instead of only "from step 3"."""
+    import importlib
+    import sys
+
+    from rlrepro.repro.inputs import resumed_differences
+
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    src = "def reward(completion, record):\n    return {}\n"
+    (mods / "s32rew_ahead.py").write_text(src.format("0.0"))
+    monkeypatch.syspath_prepend(str(mods))
+    run = tmp_path / "run"
+    args = [a for a in BASE if not a.startswith("reward.fn")] + [
+        "reward.fn=s32rew_ahead:reward", "train.steps=5", "rollout.max_staleness=2", "checkpoint.every=1",
+        f"run.dir={run}"]
+    _run(monkeypatch, LocalActors, args, last_step=2)
+    (mods / "s32rew_ahead.py").write_text(src.format("1.0"))
+    sys.modules.pop("s32rew_ahead", None)
+    importlib.invalidate_caches()
+    capsys.readouterr()
+    _run(monkeypatch, LocalActors, args + ["run.resume=true"])
+    err = capsys.readouterr().err
+    rewards = {}
+    for p in sorted((run / "rollouts").iterdir()):
+        recs = [json.loads(x) for x in gzip.decompress(p.read_bytes()).decode().splitlines()]
+        rewards[p.name] = sorted({r["reward"] for r in recs})
+    assert list(rewards.values()) == [[0.0], [0.0], [0.0], [0.0], [1.0]]  # steps 3-4 scored before the stop
+    resumes = json.loads((run / "inputs.json").read_text())["resumes"]
+    assert resumes[-1]["from_step"] == 3 and resumes[-1]["generated_ahead"] == [3, 4]
+    assert "reaches the rollouts from step 5" in err, err
+    notes = [d.message for d in resumed_differences(json.loads((run / "inputs.json").read_text()), "B")]
+    assert notes and all("changed from step 5" in m for m in notes), notes

@@ -479,7 +479,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         if cluster is not None:
             now["cluster"] = cluster
         record_resumed_inputs(self.run_dir, recorded, dict(now, weights_digest=recorded.get("weights_digest")),
-                              from_step)
+                              from_step, generated_ahead=sorted(self.pending))
 
     def _loop(self, done: int, last_step: int) -> list[dict]:
         cfg = self.cfg

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .config import ConfigError
 from .errors import log
@@ -92,18 +92,27 @@ def check_inputs(run_dir: str | Path, now: dict) -> None:
 
 
 def record_resumed_inputs(run_dir: str | Path, recorded: dict, now: dict, from_step: int,
-                          say: Callable[[str], None] = log) -> list:
+                          say: Callable[[str], None] = log, generated_ahead: Sequence[int] = ()) -> list:
     """Say on stderr each difference between the record and ``now`` (this resume's inputs), and append them to
-    the record's ``resumes`` as the inputs of the steps from ``from_step`` on. Returns the differences."""
+    the record's ``resumes`` as the inputs of the steps from ``from_step`` on. ``generated_ahead``: the steps whose
+    batches the checkpoint holds, generated and scored before the stop (``rollout.max_staleness``) and reused, so
+    that what changes generation or scoring reaches the rollouts only after them (recorded in the entry and said
+    in the warning). Returns the differences."""
     from rlrepro.repro.inputs import input_differences, write_inputs
 
     diffs = input_differences(recorded, now)
+    ahead = sorted(int(s) for s in generated_ahead)
+    later = (f" (the batches of steps {ahead[0]}-{ahead[-1]} were generated and scored before the stop and are "
+             f"reused: a change to generation or scoring reaches the rollouts from step {ahead[-1] + 1})"
+             if ahead else "")
     for d in diffs:
         say(f"warning: resuming at step {from_step} with other inputs than the run recorded (recorded vs now): "
-            f"{d.message}")
+            f"{d.message}{later}")
     if diffs:
         out = dict(recorded)
-        out["resumes"] = list(recorded.get("resumes") or []) + [
-            {"from_step": from_step, "differences": [dataclasses.asdict(d) for d in diffs]}]
+        entry = {"from_step": from_step, "differences": [dataclasses.asdict(d) for d in diffs]}
+        if ahead:
+            entry["generated_ahead"] = ahead
+        out["resumes"] = list(recorded.get("resumes") or []) + [entry]
         write_inputs(run_dir, out)
     return diffs

@@ -369,10 +369,13 @@ def resumed_differences(record: Mapping, label: str) -> list[InputDiff]:
     out = []
     for entry in record.get("resumes") or []:
         step = entry.get("from_step")
+        ahead = entry.get("generated_ahead") or []
+        later = (f"; its rollouts of steps {ahead[0]}-{ahead[-1]} were generated before the resume (rollout."
+                 f"max_staleness), so generation and scoring changed from step {ahead[-1] + 1}" if ahead else "")
         for d in entry.get("differences") or []:
             out.append(InputDiff(d.get("what", "env"), d.get("key", ""), d.get("a"), d.get("b"), bool(d.get("bits")),
                                  f"run {label} resumed at step {step} with other inputs than its first start "
-                                 f"(first start vs resume): {d.get('message', '')}"))
+                                 f"(first start vs resume): {d.get('message', '')}{later}"))
     return out
 
 
