@@ -128,7 +128,15 @@ class EnvSpec:
             raise TypeError(f"record must be a PromptRecord, got {type(record).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
-        env = self.factory(record, seed, config=self.config, reward_fn=self.reward_fn)
+        try:
+            env = self.factory(record, seed, config=self.config, reward_fn=self.reward_fn)
+        except MemoryError:  # the machine's, not the factory's doing
+            raise
+        except ValueError as e:  # the built-in factories' refusals of env.kwargs: a configuration error
+            raise ValueError(f"environment factory {self.name!r} (record {record.uid!r}): {e}") from e
+        except Exception as e:  # the user's code: one line naming it, as a step() that raises
+            raise EnvError(f"environment factory {self.name!r} raised for record {record.uid!r} (seed {seed}): "
+                           f"{type(e).__name__}: {e}. Fix: the factory's code (env.name / env.fn)") from e
         if not isinstance(env, Environment):
             raise EnvError(f"environment factory {self.name!r} returned {type(env).__name__}, not an "
                            f"rlrepro.envs.Environment")

@@ -29,13 +29,26 @@ class SingleTurnEnv(Environment):
         return StepResult(done=True, reward=self.reward_fn(text, self.record))
 
 
+def _tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
+    """``{name: tool}``, or ValueError when two tools share a name (the model would be shown both schemas and
+    every call would reach the last one)."""
+    table: dict[str, Tool] = {}
+    for t in tools:
+        if not isinstance(t, Tool):
+            raise TypeError(f"tools must be rlrepro.envs.Tool objects, got {type(t).__name__}")
+        if t.name in table:
+            raise ValueError(f"two tools are named {t.name!r}. Fix: give each Tool of an environment its own name")
+        table[t.name] = t
+    return table
+
+
 def execute_calls(text: str, tools: Sequence[Tool], fmt: ToolCallFormat, *, max_calls: int,
                   max_observation_chars: int) -> tuple[list[dict[str, str]], int, list[dict[str, Any]]]:
     """Parse every call in an assistant turn and run it: (result messages in call order, number of malformed
     calls, per-call info for the records). Unknown tools and bad arguments are malformed; a call beyond
     ``max_calls`` is not run and gets an error result (not counted as malformed). Calls that cannot be read
     (:class:`MalformedCall`) are not calls of a tool and do not count towards ``max_calls``."""
-    table = {t.name: t for t in tools}
+    table = _tool_table(tools)
     messages, info = [], []
     malformed = calls = 0
     for call in fmt.parse(text, table):
@@ -76,6 +89,7 @@ class ToolEnv(Environment):
                  prompt: Optional[str] = None) -> None:
         if on_malformed not in ("observe", "end"):
             raise ValueError(f"env.on_malformed (on_malformed) must be observe or end, got {on_malformed!r}")
+        _tool_table(tools)
         self.record, self.tools, self.format, self.reward_fn = record, list(tools), tool_format, reward_fn
         self.max_calls, self.max_observation_chars = max_calls_per_turn, max_observation_chars
         self.on_malformed, self.malformed_penalty, self.prompt = on_malformed, float(malformed_penalty), prompt

@@ -9,6 +9,7 @@ ones, and an exception inside the tool all come back as a :class:`ToolResult` wi
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -54,6 +55,8 @@ class Tool:
             problem = f"its name must be a non-empty string, got {self.name!r}"
         elif not callable(self.fn):
             problem = f"fn must be callable, got {type(self.fn).__name__}"
+        elif problem is None:
+            problem = _signature_problem(self.fn, self.parameters)
         if problem is not None:
             raise ValueError(f"tool {self.name!r}: {problem}")
 
@@ -72,8 +75,13 @@ class Tool:
             raise
         except Exception as e:  # a raising tool is an observation, not a crash
             return ToolResult(_utf8(f"Error: {self.name} raised {type(e).__name__}: {e}"), ok=False)
-        if not isinstance(text, str):
-            return ToolResult(f"Error: {self.name} returned {type(text).__name__}, not text", ok=False)
+        if not isinstance(text, str):  # the tool's bug, whatever the model sent: loud, never an observation
+            if inspect.iscoroutine(text):
+                text.close()
+                raise TypeError(f"tool {self.name!r}: fn is async, which is not supported. Fix: make it a plain "
+                                f"function returning a str (tools run on the worker's thread pool)")
+            raise TypeError(f"tool {self.name!r} returned {type(text).__name__}, not a str. Fix: make its fn "
+                            f"return the observation text (e.g. return str(value) or json.dumps(value))")
         return ToolResult(_utf8(text), ok=not text.startswith("Error:"))
 
 
@@ -103,9 +111,30 @@ def _schema_problem(schema: Any) -> str | None:
         kinds = [kinds] if isinstance(kinds, str) else kinds
         if kinds is not None and (not isinstance(kinds, (list, tuple)) or not all(k in _JSON_TYPES for k in kinds)):
             return f"argument {key!r} has type {spec.get('type')!r}; JSON schema types are {sorted(_JSON_TYPES)}"
+        if "enum" in spec and not isinstance(spec["enum"], (list, tuple)):
+            return f"argument {key!r} has enum {spec['enum']!r}; an enum is a list of the allowed values"
     required = schema.get("required", ())
     if not isinstance(required, (list, tuple)) or any(k not in props for k in required):
         return f'parameters["required"]={required!r} must list names of parameters["properties"] ({sorted(props)})'
+    return None
+
+
+def _signature_problem(fn: Callable[..., Any], schema: Mapping[str, Any]) -> str | None:
+    """Why ``fn(**arguments)`` fails for some call that fits ``schema`` (every argument given, or only the
+    required ones): a user's bug that would otherwise reach the model as an ``Error:`` observation on every call.
+    None when it fits or the signature cannot be read."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    props = list(schema.get("properties", {}))
+    for names in (props, list(schema.get("required", ()))):
+        try:
+            sig.bind(**dict.fromkeys(names))
+        except TypeError as e:
+            return (f"fn{sig} cannot be called with the arguments {names} of its parameters schema ({e}). Fix: give "
+                    f"fn one keyword parameter per name in parameters['properties'] ({props}), with a default for "
+                    f"those not in 'required', or **kwargs")
     return None
 
 
