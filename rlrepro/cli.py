@@ -9,7 +9,7 @@ rlrepro: GRPO reinforcement learning for LLMs, bitwise reproducible. Commands:
   plot      RUN [RUN ...] [--out DIR]         PNG overlays of the runs' curves, first divergence marked
   generate  [--model DIR] [--prompt TEXT]     sample from a model, a run or a checkpoint (tiny model by default)
   export    RUN [--step K] OUT                write a run's checkpoint as an HF model directory (transformers, vLLM)
-  eval      RUN [--step K] [--json]           evaluate a checkpoint on eval.source: the eval/* numbers the run logs
+  eval      RUN [--step K] [--source FILE]    evaluate a checkpoint on eval.source (or FILE): the eval/* numbers
   recipes                                     list the shipped recipes, one line each
 
 rlrepro train|diff|verify|show|plot|generate|export|eval --help shows that command's options;
