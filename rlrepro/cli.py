@@ -162,7 +162,10 @@ def _refuse_flag_forms(args: list[str]) -> None:
             schema = OmegaConf.structured(RunSchema)
             known = _all_keys(schema)
         keys = [key]
-        if key not in known:  # every key of that last name (train.* and rollout.* first), else the closest name
+        alias = _FOREIGN_KEYS.get(key) or _FOREIGN_KEYS.get(key.rsplit(".", 1)[-1])  # verl's spelling, as below
+        if key not in known and alias in known:
+            keys = [alias]
+        elif key not in known:  # every key of that last name (train.* and rollout.* first), else the closest name
             first = ("train.", "rollout.", "run.", "data.")
             keys = sorted((k for k in known if k.endswith("." + key)),
                           key=lambda k: (next((i for i, f in enumerate(first) if k.startswith(f)), 9), k))

@@ -178,8 +178,10 @@ def test_a_tool_no_call_could_use_is_refused_when_made(params, fn, match):
 
 def test_tools_whose_signature_fits_are_accepted():
     opt = {"type": "object", "properties": {"x": {"type": "string"}, "y": {"type": "integer"}}, "required": ["x"]}
-    for fn in (lambda x, y=0: "", lambda **kw: "", lambda x, **kw: ""):
-        Tool("t", "d", opt, fn)
+    for fn in (lambda x, y=0: f"{x}{y}", lambda **kw: f"{kw['x']}{kw.get('y', 0)}",
+               lambda x, **kw: f"{x}{kw.get('y', 0)}"):
+        tool = Tool("t", "d", opt, fn)  # made without refusal, and callable with the schema's arguments
+        assert tool.run({"x": "a"}).text == "a0" and tool.run({"x": "a", "y": 2}).text == "a2"
 
 
 def _doc_example() -> str:

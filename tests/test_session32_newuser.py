@@ -34,6 +34,7 @@ def test_train_option_forms_name_the_key_value_form(capsys, args, fix):
     (["--seed", "1"], "one of run.seed=1, data.synthetic.seed=1, warm_start.seed=1."),
     (["--resume"], "run.resume=true."),                     # a bare flag of a boolean key
     (["--cfg=job"], "--cfg takes no value here"),            # hydra's form
+    (["--max_response_length", "64"], ": rollout.max_tokens=64."),  # verl's spelling: the CLI's alias table
 ])
 def test_train_option_hints_name_every_key_of_that_name(capsys, args, fix):
     err = _train_error(capsys, *args)

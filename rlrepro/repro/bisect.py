@@ -135,12 +135,10 @@ def _load_policy(run: Path, cfg: dict, ckpt_step: int, dtype: str | None = "floa
 
 
 def _same_bits(x, y) -> bool:
-    """Bit-for-bit equality (NaN == NaN, 0.0 != -0.0), dtype and shape included."""
-    import torch
+    """Bit-for-bit equality (NaN == NaN, 0.0 != -0.0), dtype and shape included: the engine's own test."""
+    from rlrepro.rollout.engine import same_bits
 
-    if x.dtype != y.dtype or x.shape != y.shape:
-        return False
-    return torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8))
+    return same_bits(x, y)
 
 
 def _structure_difference(params_a: dict, params_b: dict) -> tuple[str, str] | None:

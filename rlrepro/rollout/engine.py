@@ -147,8 +147,7 @@ def _without_tied_head(pairs: list[tuple[str, torch.Tensor]], params: Mapping[st
     embed = [t for n, t in pairs if n == "model.embed_tokens.weight"]
     embed = embed[-1] if embed else params.get("model.embed_tokens.weight")
     head = heads[0]
-    same = embed is not None and head.shape == embed.shape and head.dtype == embed.dtype and (
-        _same_storage(head, embed) or torch.equal(_bits(head), _bits(embed.detach().to(head.device))))
+    same = embed is not None and (_same_storage(head, embed) or same_bits(head, embed.detach().to(head.device)))
     if not same:
         return pairs, ("'lm_head.weight' differs from 'model.embed_tokens.weight', but this model ties its head to "
                        "the embedding (tie_word_embeddings): the sender's model is untied, not this one")
@@ -161,10 +160,13 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.shape == b.shape and a.dtype == b.dtype)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bits as integers, so that equality is of bits (NaN equals its own bits, -0.0 is not 0.0)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.detach().contiguous().view(ints[t.element_size()]) if t.is_floating_point() else t.detach()
+def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bit-for-bit equality of two tensors (NaN equals its own bits, 0.0 is not -0.0), dtype and shape included;
+    also ``repro.bisect``'s comparison of weights and activations."""
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    return torch.equal(x.detach().contiguous().reshape(-1).view(torch.uint8),
+                       y.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 def _flag(name: str, value: object, optional: bool = False) -> bool | None:
