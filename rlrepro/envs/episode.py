@@ -72,11 +72,13 @@ class Episode:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
-            raise ValueError(f"env.max_turns (max_turns) must be a positive integer, got {self.max_turns!r}")
+            raise ValueError(f"env.max_turns={self.max_turns!r} (Episode max_turns) must be a positive integer. "
+                             f"Fix: env.max_turns=N, the assistant turns per episode (1 or more)")
         budget = self.max_episode_tokens
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"env.max_episode_tokens (max_episode_tokens) must be a positive integer or null, "
-                             f"got {budget!r}")
+            raise ValueError(f"env.max_episode_tokens={budget!r} (Episode max_episode_tokens) must be a positive "
+                             f"integer or null. Fix: env.max_episode_tokens=N (transcript tokens per episode), or "
+                             f"null for no budget")
 
     @property
     def done(self) -> bool:

@@ -8,7 +8,9 @@ one block per call; results go back as ``{"role": "tool", "content": ...}`` mess
 
 ``compact`` (the tiny character-level model, whose vocabulary has no ``_ { } "``): ``[calc: 12*34]`` calls the
 tool named by the alias (``calc`` -> ``calculator``) with its one required argument, and the result reads
-``[= 408]`` (``[error: ...]`` on failure), in the model's own alphabet.
+``[= 408]`` (``[error: ...]`` on failure), in the model's own alphabet. A call carries one text argument, so a
+tool whose required arguments are not exactly one that takes a string is refused when the environment is made
+(:meth:`CompactToolFormat.check_tools`); such tools need ``qwen3``'s JSON arguments.
 
 Parsing never raises: bad JSON, a missing name, arguments that are not an object, an unclosed or stray tag become
 a :class:`MalformedCall` whose ``error`` the environment shows the model as the call's result.
@@ -21,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
-from .tools import Tool, ToolResult
+from .tools import Tool, ToolResult, _types, truncate_text, truncation_note
 
 __all__ = ["ToolCall", "MalformedCall", "ParsedCall", "ToolCallFormat", "Qwen3ToolFormat", "CompactToolFormat",
            "TOOL_FORMATS", "make_tool_format", "tool_message"]
@@ -55,15 +57,26 @@ def tool_message(content: str) -> Message:
 
 class ToolCallFormat:
     """How calls are written and results shown. ``parse`` finds every call in order; ``result_message`` turns a
-    :class:`ToolResult` into a message; ``observation_text`` is what a prompt without a chat template appends;
-    ``tool_schemas`` is what the chat template gets as ``tools``."""
+    :class:`ToolResult` into a message (``observation_message``: cut to ``env.max_observation_chars`` first, with
+    the note after the result); ``observation_text`` is what a prompt without a chat template appends;
+    ``tool_schemas`` is what the chat template gets as ``tools``; ``check_tools`` refuses tools the format cannot
+    call."""
     name = "base"
 
     def parse(self, text: str, tools: Mapping[str, Tool]) -> list[ParsedCall]:
         raise NotImplementedError
 
+    def check_tools(self, tools: Sequence[Tool]) -> None:
+        """Raise ValueError naming a tool no call in this format could call correctly (none by default)."""
+
     def result_message(self, result: ToolResult) -> Message:
         return tool_message(result.text)
+
+    def observation_message(self, result: ToolResult, max_chars: int) -> Message:
+        """The message of ``result`` with its text cut to ``max_chars`` characters and the truncation note after
+        it (``truncate_text``: ``"<first max_chars>\\n[truncated: N characters, the first M are shown]"``)."""
+        cut = truncate_text(result.text, max_chars)
+        return self.result_message(ToolResult(cut, ok=result.ok, malformed=result.malformed))
 
     def observation_text(self, messages: Sequence[Message]) -> str:
         raise NotImplementedError
@@ -213,7 +226,9 @@ class CompactToolFormat(ToolCallFormat):
     the argument goes to the tool's first required parameter. ``charset``: the characters results may use
     (others become ``?``, letters are lowercased, ``]`` becomes ``)``, newlines spaces), so the observation
     stays inside the tokenizer's vocabulary. A known name not followed by ``:`` (``[calc 1+2]``) and an
-    unclosed call are malformed."""
+    unclosed call are malformed. A call carries one text argument: :meth:`check_tools` refuses a tool without
+    exactly one required argument that takes a string. A result over ``max_chars`` is cut inside its brackets
+    and the note follows them: ``[= 1234][truncated: 9 characters, the first 4 are shown]``."""
     aliases: Mapping[str, str] = field(default_factory=lambda: {"calc": "calculator", "py": "python"})
     charset: str | None = None
     name = "compact"
@@ -221,11 +236,36 @@ class CompactToolFormat(ToolCallFormat):
     def _tool_name(self, written: str) -> str:
         return self.aliases.get(written, written)
 
+    def _alias(self, name: str) -> str:
+        return next((a for a, tool in self.aliases.items() if tool == name), name)
+
     def render_call(self, name: str, arguments: Mapping[str, Any]) -> str:
-        alias = next((a for a, tool in self.aliases.items() if tool == name), name)
+        alias = self._alias(name)
         if len(arguments) != 1:
-            raise ValueError(f"the compact format writes one argument per call, got {sorted(arguments)}")
+            raise ValueError(f"env.tool_format=compact writes one argument per call ([{alias}: text]); the call of "
+                             f"{name!r} has the arguments {sorted(arguments)}. Fix: env.tool_format=qwen3 (JSON "
+                             f"arguments), or a tool with one required string argument")
         return f"[{alias}: {next(iter(arguments.values()))}]"
+
+    def check_tools(self, tools: Sequence[Tool]) -> None:
+        """ValueError naming the first tool that a call ``[alias: text]`` cannot call: its one text argument goes
+        to the tool's one required argument, so a tool with two or more required arguments (or none), or whose
+        required argument does not take a string, would answer every call with "bad arguments"."""
+        for tool in tools:
+            props = tool.parameters.get("properties", {})
+            required = list(tool.parameters.get("required", ()))
+            typed = [f"{k}: {'|'.join(_types(props[k])) or 'any'}" for k in required]
+            how = (f"env.tool_format=compact passes one text argument per call ([{self._alias(tool.name)}: text] "
+                   f"-> the tool's one required argument), so the model could never call it correctly")
+            fix = ("Fix: env.tool_format=qwen3 (JSON arguments, any number of them), or give the tool exactly one "
+                   "required argument of type string (parse the parts in its fn), the others optional")
+            if len(required) != 1:
+                raise ValueError(f"tool {tool.name!r} has {len(required)} required arguments {required} "
+                                 f"({', '.join(typed) or 'none'}); {how}. {fix}")
+            kinds = _types(props[required[0]])
+            if kinds and "string" not in kinds:
+                raise ValueError(f"tool {tool.name!r} has the required argument {typed[0]}, which a text argument "
+                                 f"never fits; {how}. {fix}")
 
     def parse(self, text: str, tools: Mapping[str, Tool]) -> list[ParsedCall]:
         calls: list[ParsedCall] = []
@@ -278,11 +318,27 @@ class CompactToolFormat(ToolCallFormat):
         text = text.lower()
         return "".join(ch if ch in self.charset else "?" for ch in text)
 
-    def result_message(self, result: ToolResult) -> Message:
+    def _shown(self, result: ToolResult) -> tuple[str, str]:
+        """(the opening of the result's brackets, the text inside them)."""
         if result.ok:
-            return tool_message(f"[= {self._clean(result.text)}]")
-        why = result.text[len("Error:"):].strip() if result.text.startswith("Error:") else result.text
-        return tool_message(f"[error: {self._clean(why)}]")
+            return "[= ", result.text
+        return "[error: ", result.text[len("Error:"):].strip() if result.text.startswith("Error:") else result.text
+
+    def result_message(self, result: ToolResult) -> Message:
+        opening, text = self._shown(result)
+        return tool_message(f"{opening}{self._clean(text)}]")
+
+    def observation_message(self, result: ToolResult, max_chars: int) -> Message:
+        """The text inside the brackets cut to ``max_chars``, the note right after the closing ``]`` (where the
+        JSON format puts it: after the result, never inside an error's text), in the tool's alphabet."""
+        opening, text = self._shown(result)
+        if len(text) <= max_chars:
+            return tool_message(f"{opening}{self._clean(text)}]")
+        note = truncation_note(len(text), max_chars)
+        return tool_message(f"{opening}{self._clean(text[:max_chars])}]{self._clean_note(note)}")
+
+    def _clean_note(self, note: str) -> str:
+        return note if self.charset is None else "".join(ch if ch in self.charset else "?" for ch in note.lower())
 
     def observation_text(self, messages: Sequence[Message]) -> str:
         return "".join(m["content"] for m in messages)

@@ -9,7 +9,7 @@ from rlrepro.data import PromptRecord, RewardFn
 
 from .api import EnvReset, Environment, StepResult
 from .tool_calls import MalformedCall, ToolCallFormat
-from .tools import Tool, ToolResult, truncate_text
+from .tools import Tool, ToolResult
 
 __all__ = ["SingleTurnEnv", "ToolEnv", "execute_calls"]
 
@@ -29,9 +29,10 @@ class SingleTurnEnv(Environment):
         return StepResult(done=True, reward=self.reward_fn(text, self.record))
 
 
-def _tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
+def _tool_table(tools: Sequence[Tool], fmt: ToolCallFormat) -> dict[str, Tool]:
     """``{name: tool}``, or ValueError when two tools share a name (the model would be shown both schemas and
-    every call would reach the last one)."""
+    every call would reach the last one) or ``fmt`` cannot call one (``fmt.check_tools``: the compact format and
+    a tool with two required arguments)."""
     table: dict[str, Tool] = {}
     for t in tools:
         if not isinstance(t, Tool):
@@ -39,6 +40,7 @@ def _tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
         if t.name in table:
             raise ValueError(f"two tools are named {t.name!r}. Fix: give each Tool of an environment its own name")
         table[t.name] = t
+    fmt.check_tools(list(table.values()))
     return table
 
 
@@ -47,8 +49,9 @@ def execute_calls(text: str, tools: Sequence[Tool], fmt: ToolCallFormat, *, max_
     """Parse every call in an assistant turn and run it: (result messages in call order, number of malformed
     calls, per-call info for the records). Unknown tools and bad arguments are malformed; a call beyond
     ``max_calls`` is not run and gets an error result (not counted as malformed). Calls that cannot be read
-    (:class:`MalformedCall`) are not calls of a tool and do not count towards ``max_calls``."""
-    table = _tool_table(tools)
+    (:class:`MalformedCall`) are not calls of a tool and do not count towards ``max_calls``. A result longer than
+    ``max_observation_chars`` is cut with a note after it (``fmt.observation_message``)."""
+    table = _tool_table(tools, fmt)
     messages, info = [], []
     malformed = calls = 0
     for call in fmt.parse(text, table):
@@ -67,8 +70,7 @@ def execute_calls(text: str, tools: Sequence[Tool], fmt: ToolCallFormat, *, max_
             result = table[call.name].run(call.arguments)
             entry = {"tool": call.name, "malformed": result.malformed, "ok": result.ok}
         malformed += result.malformed
-        text_out = truncate_text(result.text, max_observation_chars)
-        messages.append(fmt.result_message(ToolResult(text_out, ok=result.ok, malformed=result.malformed)))
+        messages.append(fmt.observation_message(result, max_observation_chars))
         info.append(entry)
     return messages, malformed, info
 
@@ -88,8 +90,9 @@ class ToolEnv(Environment):
                  on_malformed: str = "observe", malformed_penalty: float = 0.0,
                  prompt: Optional[str] = None) -> None:
         if on_malformed not in ("observe", "end"):
-            raise ValueError(f"env.on_malformed (on_malformed) must be observe or end, got {on_malformed!r}")
-        _tool_table(tools)
+            raise ValueError(f"env.on_malformed={on_malformed!r} (ToolEnv on_malformed) is not allowed. Fix: "
+                             f"env.on_malformed=observe (the error is the call's result) or end (finish malformed)")
+        _tool_table(tools, tool_format)  # a tool the format cannot call is refused here, when the env is made
         self.record, self.tools, self.format, self.reward_fn = record, list(tools), tool_format, reward_fn
         self.max_calls, self.max_observation_chars = max_calls_per_turn, max_observation_chars
         self.on_malformed, self.malformed_penalty, self.prompt = on_malformed, float(malformed_penalty), prompt

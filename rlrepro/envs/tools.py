@@ -17,7 +17,7 @@ from .calculator import CalculatorLimits, calculate
 from .sandbox import SandboxLimits, run_python
 
 __all__ = ["Tool", "ToolResult", "check_arguments", "calculator_tool", "python_tool", "BUILTIN_TOOLS",
-           "make_tools", "truncate_text"]
+           "make_tools", "truncate_text", "truncation_note"]
 
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "string": lambda v: isinstance(v, str),
@@ -184,11 +184,17 @@ def _as_declared(schema: Mapping[str, Any], arguments: dict) -> dict:
     return out
 
 
+def truncation_note(length: int, max_chars: int) -> str:
+    """The note after a result of ``length`` characters cut to ``max_chars``: every tool format shows the same words
+    right after the result it cut (never inside it, nor inside an error's text)."""
+    return f"[truncated: {length} characters, the first {max_chars} are shown]"
+
+
 def truncate_text(text: str, max_chars: int) -> str:
     """``text`` cut to ``max_chars`` characters with a note saying how long it was (the same cut every run)."""
     if len(text) <= max_chars:
         return text
-    return text[:max_chars] + f"\n[truncated: {len(text)} characters, the first {max_chars} are shown]"
+    return text[:max_chars] + "\n" + truncation_note(len(text), max_chars)
 
 
 def calculator_tool(limits: CalculatorLimits | None = None) -> Tool:
