@@ -18,6 +18,7 @@ from rlrepro.data import EpochOrder
 from rlrepro.orchestration import driver as driver_mod
 from rlrepro.orchestration import preflight
 from rlrepro.orchestration.config import ConfigError
+from rlrepro.orchestration.errors import RunFailed
 from rlrepro.orchestration.resume import reconcile_resume
 from rlrepro.trainer import checkpoint as ckpt_mod
 from rlrepro.trainer.checkpoint import save_checkpoint, scan_checkpoints
@@ -84,10 +85,11 @@ def test_a_checkpoint_without_the_batches_generated_ahead_is_refused_before_ray(
 
 def test_an_accepted_resume_says_its_amendments(tmp_path, monkeypatch, capsys):
     run, args, order = recorded_run(tmp_path, monkeypatch)
-    small_checkpoint(run / "checkpoints", 3, order)
+    small_checkpoint(run / "checkpoints", 2, order)  # a step left to run (a finished run keeps its values)
     cfg = compose_config([*args, "run.resume=true", "logger.progress=true"])
-    driver_mod.GRPODriver(cfg, override_keys=["run.resume", "logger.progress"]).run()
-    assert "resume amends logger.progress: False -> True from step 4" in capsys.readouterr().err
+    with pytest.raises(RunFailed, match="step 3 failed"):  # the stub actors generate nothing: the amendment is
+        driver_mod.GRPODriver(cfg, override_keys=["run.resume", "logger.progress"]).run()  # said before the step
+    assert "resume amends logger.progress: False -> True from step 3" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------- inputs.json

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlrepro._files import apply_default_mode, fsync_path
+from rlrepro._files import apply_default_mode, atomic_write_bytes, fsync_path
 
 from .config import Qwen3Config
 from .weight_files import weight_files
@@ -142,7 +142,8 @@ def _remove_stale_weights(path: Path, num_shards: int) -> None:
 
 def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None,
                     tokenizer_from: str | os.PathLike | None = None) -> Path:
-    """Write config.json + safetensors (sharded with an index when ``max_shard_bytes`` is exceeded).
+    """Write config.json + safetensors (sharded with an index when ``max_shard_bytes`` is exceeded), config.json
+    last, once every other file is fsynced (:func:`write_config_last`).
 
     Tokenizer files are copied from ``tokenizer_from`` or, if unset, from the directory the model was loaded from.
     Every file gets the mode ``open()`` would give it (0o666 & ~umask), whatever safetensors or the source had.
@@ -187,8 +188,22 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
             if (Path(source) / fname).is_file():
                 shutil.copy2(Path(source) / fname, path / fname)
                 apply_default_mode(path / fname)  # not the source's mode (a read-only cache, say)
-    tmp = path / f".config.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    apply_default_mode(tmp)
-    os.replace(tmp, path / "config.json")
+    write_config_last(path, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    return path
+
+
+def write_config_last(path: str | os.PathLike, config: bytes) -> Path:
+    """Write ``config`` as ``path/config.json``, the mark of a complete HF model directory, once everything else
+    in it is on disk: every other file under ``path`` fsynced, then each directory (deepest first, its entries),
+    then config.json written atomically (a temporary file, fsynced, renamed, the directory fsynced). A power loss
+    cannot leave a config.json beside weights that are not on disk. Used by :func:`save_pretrained` and by
+    ``rlrepro export`` (``rlrepro.orchestration.export.finish_export``)."""
+    path = Path(path)
+    for root, dirs, files in os.walk(path, topdown=False):  # not into symlinked directories
+        for name in sorted(files):
+            f = Path(root) / name
+            if f.is_file() and not f.is_symlink() and f != path / "config.json":
+                fsync_path(f)
+        fsync_path(root)
+    atomic_write_bytes(path / "config.json", config)
     return path

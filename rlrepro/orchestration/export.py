@@ -26,7 +26,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from rlrepro._files import apply_default_mode, atomic_write_bytes, fsync_path
+from rlrepro._files import apply_default_mode, fsync_path
 
 from .run_dirs import missing_run_dir
 
@@ -113,12 +113,12 @@ def finish_export(tmp: Path, final: Path, tokenizer_from: str | os.PathLike | No
         config = json.loads(config_bytes.decode("utf-8"))
         gen.write_text(json.dumps(_generation_config(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")
         apply_default_mode(gen)
-    for f in sorted(tmp.iterdir()):
-        if f.is_file() and not f.is_symlink():
-            _fsync(f)
-    _fsync(tmp)
-    atomic_write_bytes(tmp / "config.json", config_bytes)  # fsynced, renamed, tmp fsynced: the marker goes last
+    from rlrepro.model import write_config_last
     from rlrepro.trainer.checkpoint import commit_checkpoint_dir
+
+    # every file and tmp fsynced, then config.json (fsynced, renamed, tmp fsynced): the marker goes last, as in
+    # save_pretrained (one helper for both)
+    write_config_last(tmp, config_bytes)
 
     if replace_empty and final.is_dir() and not final.is_symlink():
         # rename(2) onto an empty directory replaces it in one step (ENOTEMPTY if something appeared in it

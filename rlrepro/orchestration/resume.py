@@ -7,7 +7,9 @@ recorded config with the one the command line asks for (both plain nested dicts 
 * keys that cannot change a single bit of the run (:data:`BIT_NEUTRAL_KEYS`: logging, checkpoint cadence, the
   run's own switches and location, the Ray cluster, the engine's batching and memory settings and the weight-sync
   path, which docs/DETERMINISM.md proves do not change a number) take the requested value and are returned as
-  amendments ``{"key", "old", "new", "from_step"}`` (``from_step``: the first step run with the new value);
+  amendments ``{"key", "old", "new", "from_step"}`` (``from_step``: the first step run with the new value); a run
+  with no step left to run (resumed after its last step) runs no step with them, so it keeps its recorded values
+  and records nothing (but how it was started, :data:`START_KEYS`, and a ``train.steps`` cut to the steps done);
 * the layout keys (:data:`LAYOUT_KEYS`: ``train.num_gpus``, ``train.tensor_parallel`` and its legacy spelling
   ``trainer.tensor_parallel``) may change when the run is ``train.layout_invariant=true`` (recorded and requested):
   then the step's bits do not depend on them (docs/TRAINER.md, "Layout invariance"), and full checkpoints hold the
@@ -29,13 +31,14 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from fnmatch import fnmatchcase
 from typing import Any, Iterator
 
 from rlrepro.checks import ConfigError  # the class rlrepro.orchestration.config exports
 
 __all__ = ["reconcile_resume", "config_at_step", "read_amendments", "EVAL_KEYS", "BIT_NEUTRAL_KEYS", "STEPS_KEY",
-           "LAYOUT_KEYS", "LAYOUT_INVARIANT_KEY",
+           "LAYOUT_KEYS", "LAYOUT_INVARIANT_KEY", "START_KEYS",
            "steps_change_problem", "layout_change_problem", "one_rank_run", "flatten", "differences", "with_keys"]
 
 # fnmatch patterns of dotted keys whose value cannot change the run's numbers (rollout tokens, logprobs, rewards,
@@ -66,6 +69,9 @@ BIT_NEUTRAL_KEYS: tuple[str, ...] = (
     "eval.*",
 )
 STEPS_KEY = "train.steps"
+# how the command was started, not what the run is: never an amendment (the driver leaves them out of
+# amendments.jsonl), and applied even by a resume that has no step left to run
+START_KEYS: tuple[str, ...] = ("run.resume", "run.dir", "run.overwrite")
 # what the LR schedule (rlrepro.trainer.optim.WarmupCosineLR, built in rlrepro.trainer.train) is made of
 LR_KEY, WARMUP_KEY, MIN_LR_RATIO_KEY = "train.lr", "train.warmup_steps", "train.min_lr_ratio"
 # how many ranks hold the trainer: bit-neutral exactly when train.layout_invariant is true (rlrepro.trainer.grad_fold)
@@ -219,7 +225,9 @@ def reconcile_resume(recorded: dict, requested: dict, *, completed_step: int) ->
     line; ``completed_step``: the steps done by the checkpoint the run resumes from (0: none). Returns the
     recorded config with the allowed changes applied (a new dict; the inputs are not changed) and one amendment
     ``{"key", "old", "new", "from_step": completed_step + 1}`` per changed key (``old``/``new`` None where that
-    side lacks the key). Raises ConfigError listing every other difference as ``key: recorded -> requested``.
+    side lacks the key); a run with no step left to run (``completed_step`` >= its ``train.steps``) keeps its
+    recorded values and gets no amendment but ``train.steps`` and :data:`START_KEYS` (it changes nothing: said on
+    stderr). Raises ConfigError listing every other difference as ``key: recorded -> requested``.
     """
     if not isinstance(completed_step, int) or isinstance(completed_step, bool) or completed_step < 0:
         raise ValueError(f"completed_step must be an int >= 0, got {completed_step!r}")
@@ -251,11 +259,30 @@ def reconcile_resume(recorded: dict, requested: dict, *, completed_step: int) ->
             "(run.overwrite=true starts this one over, deleting its records).")
     config = copy.deepcopy(recorded)
     amendments = []
+    allowed = _changing(allowed, recorded, completed_step)
     for key, old, new in allowed:
         _set(config, key, new)
         amendments.append({"key": key, "old": None if old is ABSENT else copy.deepcopy(old),
                            "new": None if new is ABSENT else copy.deepcopy(new), "from_step": completed_step + 1})
     return config, amendments
+
+
+def _changing(allowed: list[tuple[str, Any, Any]], recorded: dict, completed_step: int) -> list[tuple[str, Any, Any]]:
+    """The accepted changes a resume makes. A run with no step left to run (``completed_step`` at its
+    ``train.steps``, the amended one where it is amended) runs no step with them: such a resume changes nothing of
+    the run, so it keeps the recorded values (no amendment, config.yaml as it was; said on stderr), except how the
+    command was started (:data:`START_KEYS`) and a ``train.steps`` cut to the steps done (the run ends there)."""
+    steps = next((new for key, _, new in allowed if key == STEPS_KEY), dict(flatten(recorded)).get(STEPS_KEY))
+    if not isinstance(steps, int) or isinstance(steps, bool) or completed_step < steps:
+        return allowed
+    kept = [c for c in allowed if c[0] in START_KEYS or c[0] == STEPS_KEY]
+    dropped = [c[0] for c in allowed if c[0] not in START_KEYS and c[0] != STEPS_KEY]
+    if dropped:
+        hint = ("; `rlrepro export RUN OUT` writes its last checkpoint as an HF directory"
+                if "checkpoint.export_hf" in dropped else "")
+        print(f"rlrepro: the run has no step left to run ({completed_step} of {steps} done): {', '.join(dropped)} "
+              f"not applied and not recorded (a resume records only what it changes){hint}", file=sys.stderr)
+    return kept
 
 
 # the amendable keys that decide what a step records (the eval/* metrics: which steps evaluate, on what, how):

@@ -7,12 +7,13 @@ the records', as the likely cause of a divergence; they do not change the verdic
 Fingerprint fields this version does not know (a newer rlrepro's) are compared exactly where both runs have them.
 A fingerprint field that is null in both runs (not fingerprinted) was not compared: the report lists it as "not
 recorded in either run" and the verdict says the runs are identical in the recorded fields only (exit 0: nothing
-differs); ``--strict`` also exits 1 for it, and when the runs recorded different sets of steps (in
-fingerprints.jsonl or metrics.jsonl, or one run has no metrics.jsonl); ``--strict-inputs`` also exits 1 when an
-input that can change bits differs (data, tokenizer, starting weights, versions, rlrepro's code, GPU, bit-relevant
-environment) or cannot be compared (a run without inputs.json, or recorded before it held the code digest). A torn
-last line of a step log (a crashed run, or one still writing) is dropped with a note. ``--bisect`` failures are
-printed after the report, exit 2.
+differs); so is one null in one run and a digest in the other ("recorded in only one run": a field one run did not
+fingerprint is no bit difference, nor is it equal); ``--strict`` also exits 1 for both, and when the runs recorded
+different sets of steps (in fingerprints.jsonl or metrics.jsonl, or one run has no metrics.jsonl);
+``--strict-inputs`` also exits 1 when an input that can change bits differs (data, tokenizer, starting weights,
+versions, rlrepro's code, GPU, bit-relevant environment) or cannot be compared (a run without inputs.json, or
+recorded before it held the code digest). A torn last line of a step log (a crashed run, or one still writing) is
+dropped with a note. ``--bisect`` failures are printed after the report, exit 2.
 The report itself (``DiffReport``) lives in :mod:`.report`; ``--json`` writes non-finite floats as strings.
 Imports neither torch nor anything of rlrepro outside this package.
 """
@@ -272,8 +273,10 @@ def _unknown_keys(fa: dict, fb: dict) -> tuple[list[str], list[str]]:
 
 
 def _compare_step(step: int, fa: dict, fb: dict) -> Divergence | None:
+    # a null in one run only (FIELDS, STATE_FIELDS) is a field that run did not record: not compared, never a bit
+    # difference (diff_runs lists FIELDS as recorded in only one run; STATE_FIELDS get a note)
     differing = [f for f in COMPARED_FIELDS if fa.get(f) != fb.get(f)
-                 and (f not in STATE_FIELDS or (fa.get(f) is not None and fb.get(f) is not None))]
+                 and (f in TURN_SAMPLE_FIELDS or (fa.get(f) is not None and fb.get(f) is not None))]
     differing += [k for k in _unknown_keys(fa, fb)[0] if not float_bits_equal(fa[k], fb[k])]
     na, nb = fa.get("num_samples"), fb.get("num_samples")
     if not differing and na == nb:
@@ -455,10 +458,14 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
                     dv.detail_note = (f"rollout detail unavailable: a malformed record in the rollout files of step "
                                       f"{step} ({type(e).__name__}: {e}); compare with --no-detail")
             rep.divergence = dv
-    for f in FIELDS:  # null in both runs: nothing was compared, which is not "identical" (DiffReport.format)
+    for f in FIELDS:  # null in both runs, or in one: nothing was compared, which is not "identical" (report)
         unrecorded = [s for s in common if fps_a[s].get(f) is None and fps_b[s].get(f) is None]
         if unrecorded:
             rep.fields_not_recorded[f] = unrecorded
+        lone = {r: [s for s in common if has[s].get(f) is not None and lacks[s].get(f) is None]
+                for r, has, lacks in (("A", fps_a, fps_b), ("B", fps_b, fps_a))}
+        if lone["A"] or lone["B"]:
+            rep.fields_recorded_in_one_run[f] = {r: steps for r, steps in lone.items() if steps}
     _note_uncompared_state(rep, fps_a, fps_b, common)
     _note_unknown_keys(rep, fps_a, fps_b, common)
 
@@ -497,8 +504,8 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--strict", action="store_true",
                         help="also exit 1 when the runs recorded different sets of steps (fingerprints.jsonl or "
-                        "metrics.jsonl, or one run has no metrics.jsonl), or a fingerprint field neither run "
-                        "recorded (null in both)")
+                        "metrics.jsonl, or one run has no metrics.jsonl), or a fingerprint field not recorded in "
+                        "both runs (null in either)")
     parser.add_argument("--strict-inputs", action="store_true",
                         help=f"also exit 1 when an input that can change bits differs ({INPUTS_FILE}) or cannot "
                         "be compared (a run without it, or without the rlrepro code digest)")

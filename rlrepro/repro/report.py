@@ -108,6 +108,9 @@ class DiffReport:
     # fingerprint fields null in both runs (not fingerprinted), with the common steps where they are: not compared,
     # so not "identical" either (the verdict says so; --strict fails)
     fields_not_recorded: dict[str, list[int]] = field(default_factory=dict)
+    # fingerprint fields null in one run and a digest in the other: {field: {"A"/"B": the common steps where only
+    # that run recorded it}}; not compared either (no bit difference, nor equal: the verdict says so; --strict fails)
+    fields_recorded_in_one_run: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
     @property
     def identical(self) -> bool:
@@ -155,6 +158,10 @@ class DiffReport:
             if self.fields_not_recorded:
                 out.append("--strict: fingerprint field(s) not recorded in either run: "
                            + ", ".join(self.fields_not_recorded))
+            if self.fields_recorded_in_one_run:
+                out.append("--strict: fingerprint field(s) recorded in only one run: "
+                           + ", ".join(f"{f} ({' and '.join(f'run {r}' for r in runs)} only)"
+                                       for f, runs in self.fields_recorded_in_one_run.items()))
         if strict_inputs:
             bits = [d for d in self.input_diffs if d.bits]
             if bits:
@@ -209,6 +216,10 @@ class DiffReport:
         for f, steps in self.fields_not_recorded.items():
             L.append(f"  {f}: not recorded in either run (null) at {len(steps)} step(s) ({_ranges(steps)}): "
                      "not compared")
+        for f, runs in self.fields_recorded_in_one_run.items():
+            for r, steps in runs.items():
+                L.append(f"  {f}: recorded in run {r} only (null in run {'B' if r == 'A' else 'A'}) at {len(steps)} "
+                         f"step(s) ({_ranges(steps)}): not compared")
         dv = self.divergence
         metrics_first = bool(self.metric_diffs) and (dv is None or self.metric_diffs[0].step < dv.step)
         if metrics_first:  # the report's head is the first divergent step overall, wherever it was found
@@ -274,9 +285,11 @@ class DiffReport:
         for n in self.notes:
             L.append(f"note: {n}")
         verdict = self.verdict.upper()
-        if self.identical and self.fields_not_recorded:
-            verdict += (" in the recorded fields; not recorded in either run, so not compared: "
-                        + ", ".join(self.fields_not_recorded))
+        uncompared = [f"{what}, so not compared: " + ", ".join(fields) for what, fields in (
+            ("not recorded in either run", self.fields_not_recorded),
+            ("recorded in only one run", self.fields_recorded_in_one_run)) if fields]
+        if self.identical and uncompared:
+            verdict += " in the recorded fields; " + "; ".join(uncompared)
         if self.identical and not self.complete:
             verdict += " on the common steps (step counts differ)"
         if self.identical and self.inputs_differ_in_bits:
