@@ -23,7 +23,10 @@ instructions (``ex2.approx.ftz.f32``, ``div.full.f32``, FMAs only inside ``log2`
 (``RLREPRO_ATTENTION_ORDER=128f``: ``block_kv=128, fma=True``) it takes 128-position tiles and folds the scale into
 one FMA, as the Triton kernel then does (the same bits again; 0.93-1.04x FlashAttention-3 at 8k-16k tokens).
 Where a sequence ends inside its last tile, the rows TMA loaded from the next sequence are zeroed in shared memory
-before ``P @ V`` (:func:`_zero_past`), so a neighbour's non-finite values cannot reach it.
+before ``P @ V`` (:func:`_zero_past`), so a neighbour's non-finite values cannot reach it. O leaves through the
+warpgroup's own Q buffer (free once its last ``Q @ K^T`` is done): written there in the wgmma layout, read back a
+row's 16 bytes to a thread and stored with 16-byte stores (``OSM``, the default; ``GLW_OSM=0``: straight from the
+wgmma layout, 4-byte stores, 1.07-1.12x slower at 1-2k-token sequences on the H100, 2026-12-06).
 
 Variants, each with the same bits (the battery of ``benchmarks/bench_attention_gluon.py``, H100, 2026-12-06) and
 none of them a clear gain there (docs/BENCHMARKS.md), so off by default: ``GLW_PP=1`` ping-pongs the two consumer
@@ -347,7 +350,8 @@ if HAVE_GLUON:
                   GROUP_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr, D: gl.constexpr,
                   NSTAGE: gl.constexpr, WRITE_LSE: gl.constexpr, NW: gl.constexpr, PP: gl.constexpr,
                   PERSIST: gl.constexpr, KV2: gl.constexpr = 0, FMA: gl.constexpr = 0, q_ready=None, q_empty=None,
-                  QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, BQB: gl.constexpr = 1):
+                  QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, BQB: gl.constexpr = 1,
+                  OSM: gl.constexpr = 1):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -403,11 +407,21 @@ if HAVE_GLUON:
             tb += _units(n_tiles, KV2)
             if seq >= 0:
                 out = acc / gl.convert_layout(l_i, row_o)[:, None]
-                qo = q0 + q_off_o
-                ok_o = (qo < q_len) & (g_o < GROUP)
-                o_off = ((cu0 + qo).to(gl.int64)[:, None] * stride_on
-                         + (hk * GROUP + g_o).to(gl.int64)[:, None] * stride_oh)
-                gl.store(o_ptr + o_off + do[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
+                if OSM:  # through this warpgroup's Q buffer (its last Q @ K^T is done), 16-byte row stores
+                    q_smem.store(out.to(q_smem.dtype))
+                    gl.thread_barrier()
+                    o_r = q_smem.load(ld_layout)
+                    qi = q0 + r // GROUP_P
+                    g = r % GROUP_P
+                    o_off = (cu0 + qi).to(gl.int64) * stride_on + (hk * GROUP + g).to(gl.int64) * stride_oh
+                    gl.store(o_ptr + o_off[:, None] + d[None, :], o_r.to(o_ptr.dtype.element_ty),
+                             mask=((qi < q_len) & (g < GROUP))[:, None])
+                else:
+                    qo = q0 + q_off_o
+                    ok_o = (qo < q_len) & (g_o < GROUP)
+                    o_off = ((cu0 + qo).to(gl.int64)[:, None] * stride_on
+                             + (hk * GROUP + g_o).to(gl.int64)[:, None] * stride_oh)
+                    gl.store(o_ptr + o_off + do[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
                 if WRITE_LSE:
                     qs = q0 + q_off_s
                     ok_s = (qs < q_len) & (g_s < GROUP)
@@ -448,7 +462,8 @@ if HAVE_GLUON:
                             GROUP_P: gl.constexpr, BLOCK_Q: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, CREGS: gl.constexpr,
                             PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0,
-                            FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1):
+                            FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1,
+                            OSM: gl.constexpr = 1):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer (of
         Q too, with ``QTMA``: ``q_desc`` loads ``[BQB, D]`` boxes of it into ``NQ`` buffers)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
@@ -463,11 +478,11 @@ if HAVE_GLUON:
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB)),
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB)),
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM)),
         ], [4, 4], [CREGS, CREGS])
 
 
@@ -572,4 +587,5 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     _attn_fwd_ws_kernel[grid](
         *args, q_layout, group, group_p, block_q, d, STAGES, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
-        nq, num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
+        nq, int(not qtma and os.environ.get("GLW_OSM", "1") == "1"), num_warps=4, maxnreg=maxnreg,
+        enable_fp_fusion=False)
