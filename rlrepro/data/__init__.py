@@ -10,6 +10,7 @@ See docs/DATA.md.
     prompts, prompt_stats = build_prompts(records, tok, max_prompt_tokens=512, on_unknown_token="warn")
     rewards, num_errors = compute_rewards(load_reward_fn("math"), completions, batch, policy="raise")
 """
+from .keys import EVAL_KEYS, eval_key_names, relabel_keys, relabeled_logs
 from .loading import DATA_FILE_FORMATS, LoadStats, SkippedRow, load_records
 from .order import EpochOrder
 from .prompts import ON_UNKNOWN_TOKEN, Prompt, PromptStats, build_prompts
@@ -37,6 +38,7 @@ __all__ = [
     "render_prompt", "tokenize_prompt", "check_template",
     "Prompt", "PromptStats", "build_prompts", "ON_UNKNOWN_TOKEN",
     "EpochOrder",
+    "EVAL_KEYS", "eval_key_names", "relabel_keys", "relabeled_logs",
     "make_synthetic_records", "SYNTHETIC_KINDS", "SYNTHETIC_CHARSET",
     "RewardFn", "RewardError", "exact_match_reward", "prefix_match_reward", "math_reward", "MathReward",
     "extract_last_boxed", "load_reward_fn", "compute_rewards", "BUILTIN_REWARDS", "overlong_penalty",

@@ -114,25 +114,30 @@ def check_eval_source(cfg, run_dir: Any = None, flag: bool = False, command: boo
 
 def load_eval_prompts(cfg, tokenizer, model_config: Any = None, flag: bool = False) -> tuple[list, list[Path]]:
     """The held-out prompts (rlrepro.data.load_records / build_prompts with the data.* keys, eval.* where set)
-    and the files they came from. Raises ConfigError naming the eval key."""
+    and the files they came from. Raises ConfigError naming the eval key: the data layer's messages (and its log
+    lines) name ``eval.<key>`` (``--source`` with ``flag``) where they name a ``data.*`` key eval has its own of
+    (rlrepro.data.keys), the fix text as it is."""
     from rlrepro.checks import ConfigError
-    from rlrepro.data import build_prompts, load_records
+    from rlrepro.data import build_prompts, eval_key_names, load_records, relabel_keys, relabeled_logs
 
     e, d = cfg.eval, cfg.data
     said = check_eval_source(cfg, flag=flag)
     path = Path(e.source)
     fields = {name: _field(cfg, name) for name in ("prompt_field", "answer_field", "id_field", "messages_field")}
+    keys = eval_key_names(option=flag)  # the data layer's messages name data.*: here eval.* / --source
     try:
-        records, _ = load_records(str(path), split=_field(cfg, "split"), on_bad_row=d.on_bad_row, allow_hub=False,
-                                  limit=e.limit, **fields)
-        prompts, _ = build_prompts(records, tokenizer, template=_field(cfg, "template"),
-                                   system_prompt=_field(cfg, "system_prompt"), use_chat_template=d.use_chat_template,
-                                   max_prompt_tokens=d.max_prompt_tokens, on_bad_row=d.on_bad_row,
-                                   on_unknown_token=d.on_unknown_token, source=str(path))
+        with relabeled_logs(keys):
+            records, _ = load_records(str(path), split=_field(cfg, "split"), on_bad_row=d.on_bad_row,
+                                      allow_hub=False, limit=e.limit, **fields)
+            prompts, _ = build_prompts(records, tokenizer, template=_field(cfg, "template"),
+                                       system_prompt=_field(cfg, "system_prompt"),
+                                       use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens,
+                                       on_bad_row=d.on_bad_row, on_unknown_token=d.on_unknown_token,
+                                       source=str(path))
     except ConfigError:
         raise
     except (ValueError, KeyError) as err:
-        raise ConfigError(f"{said}: {err}") from None
+        raise ConfigError(f"{said}: {relabel_keys(str(err), keys)}") from None
     if not prompts:
         raise ConfigError(f"{said} holds no usable prompt")
     if model_config is not None:
