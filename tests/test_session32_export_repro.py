@@ -16,6 +16,8 @@ from rlrepro.orchestration import export as export_mod
 from rlrepro.orchestration.export import export_checkpoint
 from rlrepro.trainer import save_checkpoint
 
+from _io_events import record_io
+
 
 def _fake_run(root: Path, steps=(2,)) -> Path:
     """A run directory as a model.init=tiny run leaves it (as tests/test_export.py makes it)."""
@@ -35,24 +37,7 @@ def _fake_run(root: Path, steps=(2,)) -> Path:
 def test_export_fsyncs_every_file_and_the_directory_before_config_json_is_written(tmp_path, monkeypatch):
     run = _fake_run(tmp_path)
     out = tmp_path / "models" / "policy"
-    events: list[tuple] = []
-    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
-
-    def fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        return real_fsync(fd)
-
-    def replace(src, dst, *a, **k):
-        events.append(("rename", os.fspath(src), os.fspath(dst)))
-        return real_replace(src, dst, *a, **k)
-
-    def rename(src, dst, *a, **k):
-        events.append(("rename", os.fspath(src), os.fspath(dst)))
-        return real_rename(src, dst, *a, **k)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    monkeypatch.setattr(os, "rename", rename)
+    events = record_io(monkeypatch, renames=True)
     final = export_checkpoint(run, out)
     tmp = str(final.parent / f"{final.name}.tmp-{os.getpid()}")
     # the write that left config.json in the export (the last rename onto TMP/config.json)

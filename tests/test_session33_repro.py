@@ -28,6 +28,8 @@ import torch
 from rlrepro.model import load_pretrained, save_pretrained, write_tiny_checkpoint
 from rlrepro.repro.diff import diff_runs, main_diff
 
+from _io_events import record_io
+
 
 # ------------------------------------------------------------------ 1. diff: a field null in one run only
 def _null(run: Path, field: str, steps) -> Path:
@@ -190,28 +192,11 @@ def test_a_finished_tiny_run_resumed_with_logger_changes_records_nothing(tmp_pat
 
 
 # ------------------------------------------------------------------ 3. save_pretrained: config.json last, fsynced
-def _record_io(monkeypatch) -> list[tuple]:
-    events: list[tuple] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        return real_fsync(fd)
-
-    def replace(src, dst, *a, **k):
-        events.append(("rename", os.fspath(src), os.fspath(dst)))
-        return real_replace(src, dst, *a, **k)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    return events
-
-
 @pytest.mark.parametrize("shard", [None, 4096])
 def test_save_pretrained_fsyncs_every_file_and_the_directory_before_config_json(tmp_path, monkeypatch, shard):
     model = load_pretrained(write_tiny_checkpoint(tmp_path / "base", seed=5, num_hidden_layers=1))
     out = (tmp_path / "out").resolve()
-    events = _record_io(monkeypatch)
+    events = record_io(monkeypatch)
     save_pretrained(model, out, max_shard_bytes=shard)
     cfg = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(out / "config.json")]
     assert len(cfg) == 1, events
