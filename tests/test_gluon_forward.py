@@ -192,6 +192,62 @@ def test_gpu_gluon_forward_q_loads_and_schedules_keep_the_bits(order, qtma, pers
         assert torch.equal(lg, lt), f"lse differs from the Triton 'large' tile ({lens[:3]}..., seed {seed})"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_with_gluon(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
+@pytest.mark.parametrize("order", ["64", "128f"])
+@pytest.mark.parametrize("half,tmax,pp", [(1, 0, 0), (0, 1, 0), (1, 1, 1), (1, 1, 0)],
+                         ids=["half", "tree-max", "half-tree-pp", "half-tree"])
+def test_gpu_gluon_forward_half_tile_and_tree_max_keep_the_bits(order, half, tmax, pp, monkeypatch):
+    """A work's last KV tile on its lower half alone where the upper half is past every query (``GLW_HALF``) and
+    the row max as a tree (``GLW_TMAX``): the Triton bits (out and lse), for ragged lengths whose last tiles end in
+    either half, 1-token and tile-sized sequences, and with two neighbours' K all inf and V all NaN (a sequence
+    that ends inside a half tile zeroes the rows past it there)."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", order)
+    for name, val in (("GLW_HALF", half), ("GLW_TMAX", tmax), ("GLW_PP", pp)):
+        monkeypatch.setenv(name, str(val))
+    assert G.half_tile(False) == half
+    seed = fresh_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    calls = []
+    real = G.attention_fwd_gluon
+    monkeypatch.setattr(G, "attention_fwd_gluon", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    for lens, bad in (([1024] * 4 + [31, 33, 1, 64, 95, 2000, 97, 4100, 32, 129, 191, 300], ()),
+                      ([300, 37, 2000, 100, 129, 45], (1, 3))):
+        q, k, v = _case(lens, 32, 8, 128, gen)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        for i in bad:
+            k[cu[i]:cu[i + 1]] = float("inf")
+            v[cu[i]:cu[i + 1]] = float("nan")
+        meta = AttentionMetadata.packed(lens, device="cuda")
+        calls.clear()
+        og, lg = A.attention_fwd(q, k, v, meta, 128 ** -0.5, return_lse=True)
+        assert calls, f"{lens[:3]}...: the packed call did not run the Gluon kernel"
+        ot, lt = A.attention_fwd(q, k, v, meta, 128 ** -0.5, config=A.ATTENTION_CONFIGS["large"], return_lse=True)
+        good = torch.ones(sum(lens), dtype=torch.bool, device="cuda")
+        for i in bad:
+            good[cu[i]:cu[i + 1]] = False
+        assert torch.isfinite(og[good]).all(), f"a neighbour's non-finite values leaked in (seed {seed})"
+        assert torch.equal(og[good], ot[good]), f"out differs from the Triton 'large' tile ({lens[:3]}..., seed {seed})"
+        assert torch.equal(lg[good], lt[good]), f"lse differs from the Triton 'large' tile ({lens[:3]}..., seed {seed})"
+
+
+def test_half_tile_rule(monkeypatch):
+    """``GLW_HALF=1`` turns the half-width last tile on, except with two tiles a ring stage or Q loaded by TMA."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    if not G.HAVE_GLUON:
+        pytest.skip("Triton without Gluon")
+    monkeypatch.delenv("GLW_HALF", raising=False)
+    monkeypatch.delenv("GLW_KV2", raising=False)
+    assert G.half_tile(False) == 0
+    monkeypatch.setenv("GLW_HALF", "1")
+    assert G.half_tile(False) == 1 and G.half_tile(True) == 0
+    monkeypatch.setenv("GLW_KV2", "1")
+    assert G.half_tile(False) == 0
+
+
 INTERP_CHECKS: dict = {}
 
 

@@ -23,7 +23,7 @@ instructions (``ex2.approx.ftz.f32``, ``div.full.f32``, FMAs only inside ``log2`
 (``RLREPRO_ATTENTION_ORDER=128f``: ``block_kv=128, fma=True``) it takes 128-position tiles and folds the scale into
 one FMA, as the Triton kernel then does (the same bits again; 0.93-1.04x FlashAttention-3 at 8k-16k tokens).
 Where a sequence ends inside its last tile, the rows TMA loaded from the next sequence are zeroed in shared memory
-before ``P @ V`` (:func:`_zero_past`), so a neighbour's non-finite values cannot reach it. O leaves through the
+before ``P @ V`` (:func:`.gluon_attention_parts.zero_past`), so a neighbour's non-finite values cannot reach it. O leaves through the
 warpgroup's own Q buffer (free once its last ``Q @ K^T`` is done): written there in the wgmma layout, read back a
 row's 16 bytes to a thread and stored with 16-byte stores (``OSM``, the default; ``GLW_OSM=0``: straight from the
 wgmma layout, 4-byte stores, 1.07-1.12x slower at 1-2k-token sequences on the H100, 2026-12-06).
@@ -33,7 +33,9 @@ none of them a clear gain there (docs/BENCHMARKS.md), so off by default: ``GLW_P
 warpgroups (:func:`_turn`); ``GLW_PERSIST=1`` runs one program per SM over the works sorted longest first
 (:func:`persistent_order`); ``GLW_KV2=1`` puts two KV tiles in a ring stage (half the barrier waits);
 ``GLW_QTMA=1`` has the producer load each work's Q by TMA into a ring of Q buffers, the tile's rows head-major
-(:func:`_load_q`, :func:`_row_query`; 0.98-1.02x, measured 2026-12-06).
+(:func:`_load_q`, :func:`_row_query`; 0.98-1.02x, measured 2026-12-06). Unmeasured (2026-12-07): ``GLW_HALF=1``
+runs a work's last tile on its lower half where the upper half is past every query (:func:`_half_tile`);
+``GLW_TMAX=1`` takes the row max as a tree (:func:`.gluon_attention_parts.row_max_tree`).
 
 History: the kernel hung on the H100 until the twenty-seventh session found why (an empty schedule slot's consumers
 waited for a tile its producer never loaded, see ``_program``); ``benchmarks/gluon_hang_probes.probe_tma_wait`` is
@@ -53,12 +55,13 @@ try:  # Gluon and its Hopper namespace (Triton >= 3.5)
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .gluon_attention_parts import row_max_tree, zero_past
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
+from .gluon_attention_parts import BLOCK_KV, persistent_order  # noqa: F401 (the persistent schedule's order)
 
 ROWS = 64  # query rows of a consumer warpgroup: wgmma's M
-BLOCK_KV = 64  # the KV positions of one online-softmax step (the fixed order; triton_attention_fwd.BLOCK_KV)
 CONSUMERS = 2
 STAGES = 3
 CONSUMER_REGS = 240
@@ -250,7 +253,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _softmax_part(t, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
-                      FMA: gl.constexpr):
+                      FMA: gl.constexpr, TMAX: gl.constexpr = 0):
         """The Triton kernel's online-softmax arithmetic (``_softmax_step``, in the order ``FMA`` names) on KV tile
         ``t``'s scores, up to ``p`` and ``alpha`` (the causal mask where ``t >= n_full``: a full tile's positions all
         pass it, so it is skipped there, as there)."""
@@ -261,7 +264,10 @@ if HAVE_GLUON:
         if t >= n_full:
             j = t * BLOCK_KV_ + gl.arange(0, BLOCK_KV_, layout=gl.SliceLayout(0, qk_layout))
             s = gl.where(j[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        if TMAX:  # the same maximum, as a tree
+            m_new = gl.maximum(m_i, row_max_tree(s, BLOCK_KV_))
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
         if FMA:
             p = gl.exp2(gl.fma(s, gl.full_like(s, qk_scale), -(m_new * qk_scale)[:, None]))
             alpha = gl.exp2((m_i - m_new) * qk_scale)
@@ -272,29 +278,11 @@ if HAVE_GLUON:
         return m_new, l_i, p, alpha
 
     @gluon.jit
-    def _zero_past(v_tile, n_valid, BLOCK_KV_: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
-        """Zero the rows of a V tile in shared memory from row ``n_valid`` on: the rows past the sequence's end in its
-        last tile, which TMA loads from the next sequence (or zero-fills past the tensor). Their scores are masked,
-        so ``p == 0`` there, but ``0 * inf`` or ``0 * nan`` in ``P @ V`` would carry a neighbour's non-finite values
-        into this sequence, which the Triton kernel's masked loads never read. Both consumer warpgroups zero the same
-        rows before their own product (they write what is there or zeros, so the order between them is moot)."""
-        CH: gl.constexpr = 32
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [NW, 1], [1, 0])
-        rows = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
-        for c in gl.static_range(BLOCK_KV_ // CH):
-            if (c + 1) * CH > n_valid:
-                part = v_tile.slice(c * CH, CH)
-                x = part.load(layout)
-                part.store(gl.where((c * CH + rows)[:, None] < n_valid, x, gl.zeros_like(x)))
-        fence_async_shared()
-        gl.thread_barrier()
-
-    @gluon.jit
     def _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, pos, qk_scale,
                          n_tiles, n_full, kv_end, tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr,
                          NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
                          o_layout: gl.constexpr, p_layout: gl.constexpr, KV2: gl.constexpr, FMA: gl.constexpr,
-                         NW: gl.constexpr, q_rel, QTMA: gl.constexpr):
+                         NW: gl.constexpr, q_rel, QTMA: gl.constexpr, TMAX: gl.constexpr = 0):
         """One work's KV tiles (``n_tiles`` > 0, the ring's tiles ``tb``, ``tb + 1``, ...), software-pipelined as
         FlashAttention-3 overlaps within a warpgroup: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` are issued together, and
         tile ``t + 1``'s softmax runs while ``P_t @ V_t`` is on the tensor cores. Every value is computed by the
@@ -311,7 +299,7 @@ if HAVE_GLUON:
         tok = _qk_issue(b, q_smem, k_bufs, NR, BLOCK_KV_, qk_layout)
         _pass(pp_bars, CID, PP)
         qk = warpgroup_mma_wait(0, deps=[tok])
-        m_i, l_i, p, alpha = _softmax_part(0, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout, FMA)
+        m_i, l_i, p, alpha = _softmax_part(0, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout, FMA, TMAX)
         for t in range(n_tiles - 1):
             st, ph, b, new, last = _ring(tb, t, n_tiles, NSTAGE, KV2)
             st1, ph1, b1, new1, last1 = _ring(tb, t + 1, n_tiles, NSTAGE, KV2)
@@ -325,7 +313,7 @@ if HAVE_GLUON:
             _pass(pp_bars, CID, PP)
             qk = warpgroup_mma_wait(1, deps=[tok])  # groups finish in order: Q @ K_{t+1}^T is done
             m_i, l_i, p, alpha = _softmax_part(t + 1, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout,
-                                               FMA)
+                                               FMA, TMAX)
             acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
             mbarrier.arrive(kv_empty.index(st), count=1, pred=last)
         if QTMA:  # every Q @ K^T of the work is done
@@ -335,13 +323,47 @@ if HAVE_GLUON:
         pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
         mbarrier.wait(v_ready.index(st), ph, pred=new)
         if kv_end < n_tiles * BLOCK_KV_:  # the sequence ends inside this tile
-            _zero_past(v_bufs.index(b), kv_end - (n_tiles - 1) * BLOCK_KV_, BLOCK_KV_, v_bufs.shape[2], NW)
+            zero_past(v_bufs.index(b), kv_end - (n_tiles - 1) * BLOCK_KV_, BLOCK_KV_, v_bufs.shape[2], NW)
         _turn(pp_bars, turn + n_tiles, CID, PP)
         acc_tok = warpgroup_mma(pb, v_bufs.index(b), acc, is_async=True)
         _pass(pp_bars, CID, PP)
         acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
         mbarrier.arrive(kv_empty.index(st), count=1)
         return m_i, l_i, acc
+
+    @gluon.jit
+    def _half_tile(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, pos, qk_scale, t, kv_end,
+                   tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr, NSTAGE: gl.constexpr,
+                   BLOCK_KV_: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, FMA: gl.constexpr,
+                   NW: gl.constexpr, TMAX: gl.constexpr):
+        """KV tile ``t``, the work's last, when its upper half lies past every row's position (``HALF``): ``Q @ K^T``
+        and ``P @ V`` on its lower ``BLOCK_KV_ / 2`` positions only, not pipelined. The same bits as the whole
+        tile: the upper half's scores are all masked, so its ``p`` are exact zeros, which leave the row max, the
+        row sum (a thread's chain of adds: ``x + 0 == x``) and ``P @ V`` (zero products) as they are."""
+        W: gl.constexpr = BLOCK_KV_ // 2
+        hl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, W, 16])
+        rows_h: gl.constexpr = gl.SliceLayout(1, hl)
+        st, ph, b, new, last = _ring(tb, t, t + 1, NSTAGE, 0)
+        mbarrier.wait(k_ready.index(st), ph)
+        _turn(pp_bars, turn, CID, PP)
+        tok = warpgroup_mma(q_smem, k_bufs.index(b).slice(0, W).permute((1, 0)), gl.zeros([NR, W], gl.float32, hl),
+                            use_acc=False, is_async=True)
+        _pass(pp_bars, CID, PP)
+        qk = warpgroup_mma_wait(0, deps=[tok])
+        m_h, l_h, p, alpha = _softmax_part(2 * t, qk, gl.convert_layout(m_i, rows_h), gl.convert_layout(l_i, rows_h),
+                                           gl.convert_layout(pos, rows_h), qk_scale, 0, W, hl, FMA, TMAX)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+        mbarrier.wait(v_ready.index(st), ph)
+        v_half = v_bufs.index(b).slice(0, W)
+        if kv_end < t * BLOCK_KV_ + W:  # the sequence ends inside this half
+            zero_past(v_half, kv_end - t * BLOCK_KV_, W, v_bufs.shape[2], NW)
+        _turn(pp_bars, turn + 1, CID, PP)
+        acc_tok = warpgroup_mma(pb, v_half, acc, is_async=True)
+        _pass(pp_bars, CID, PP)
+        acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
+        mbarrier.arrive(kv_empty.index(st), count=1)
+        return gl.convert_layout(m_h, m_i.type.layout), gl.convert_layout(l_h, m_i.type.layout), acc
 
     @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, prog_seq_ptr,
@@ -351,7 +373,7 @@ if HAVE_GLUON:
                   NSTAGE: gl.constexpr, WRITE_LSE: gl.constexpr, NW: gl.constexpr, PP: gl.constexpr,
                   PERSIST: gl.constexpr, KV2: gl.constexpr = 0, FMA: gl.constexpr = 0, q_ready=None, q_empty=None,
                   QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, BQB: gl.constexpr = 1,
-                  OSM: gl.constexpr = 1):
+                  OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -399,11 +421,21 @@ if HAVE_GLUON:
             l_i = gl.zeros([NR], gl.float32, row_s)
             acc = gl.zeros([NR, D], gl.float32, o_layout)
             if n_tiles > 0:  # an empty slot has none, and must wait for none
-                m_i, l_i, acc = _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                                 pp_bars, pos, qk_scale, n_tiles, n_full, first_pos + q_len, tb,
-                                                 turn, CID, PP, NR, NSTAGE, BLOCK_KV_, qk_layout, o_layout,
-                                                 p_layout, KV2, FMA, NW, q_rel, QTMA)
-                turn += n_tiles + 1
+                # HALF: the last tile's upper half is past the program's last query (_half_tile)
+                half = HALF and (first_pos + gl.minimum(q0 + BLOCK_Q, q_len) - 1 - (n_tiles - 1) * BLOCK_KV_
+                                 < BLOCK_KV_ // 2)
+                n_main = n_tiles - half.to(gl.int32)
+                if n_main > 0:
+                    m_i, l_i, acc = _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready,
+                                                     kv_empty, pp_bars, pos, qk_scale, n_main, n_full,
+                                                     first_pos + q_len, tb, turn, CID, PP, NR, NSTAGE, BLOCK_KV_,
+                                                     qk_layout, o_layout, p_layout, KV2, FMA, NW, q_rel, QTMA, TMAX)
+                    turn += n_main + 1
+                if half:
+                    m_i, l_i, acc = _half_tile(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                               pp_bars, pos, qk_scale, n_tiles - 1, first_pos + q_len, tb, turn, CID,
+                                               PP, NR, NSTAGE, BLOCK_KV_, o_layout, p_layout, FMA, NW, TMAX)
+                    turn += 2
             tb += _units(n_tiles, KV2)
             if seq >= 0:
                 out = acc / gl.convert_layout(l_i, row_o)[:, None]
@@ -463,7 +495,7 @@ if HAVE_GLUON:
                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, CREGS: gl.constexpr,
                             PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0,
                             FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1,
-                            OSM: gl.constexpr = 1):
+                            OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer (of
         Q too, with ``QTMA``: ``q_desc`` loads ``[BQB, D]`` boxes of it into ``NQ`` buffers)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
@@ -478,11 +510,13 @@ if HAVE_GLUON:
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM)),
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
+                         TMAX)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM)),
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
+                         TMAX)),
         ], [4, 4], [CREGS, CREGS])
 
 
@@ -491,47 +525,6 @@ def _descriptor(t: torch.Tensor, rows: int):
     dt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([rows, d], dt)
     return TensorDescriptor(t, [n, hkv * d], [t.stride(0), 1], [rows, d], layout)
-
-
-@triton.jit
-def _order_kernel(prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, G, BLOCK_Q: tl.constexpr,
-                  BLOCK_KV_: tl.constexpr, CHUNK: tl.constexpr):
-    """``order``: the schedule's slots sorted by their number of KV tiles, most first (ties by slot; empty slots
-    last), for the persistent kernel. Slot i goes to rank #(slots with more tiles) + #(as many, before i)."""
-    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    ci = _slot_tiles(i, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
-    rank = tl.zeros([CHUNK], tl.int32)
-    for j0 in range(0, G, CHUNK):
-        j = j0 + tl.arange(0, CHUNK)
-        cj = _slot_tiles(j, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
-        ahead = (cj[None, :] > ci[:, None]) | ((cj[None, :] == ci[:, None]) & (j[None, :] < i[:, None]))
-        rank += tl.sum((ahead & (j < G)[None, :]).to(tl.int32), axis=1)
-    tl.store(order_ptr + rank, i, mask=i < G)
-
-
-@triton.jit
-def _slot_tiles(i, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: tl.constexpr,
-                BLOCK_KV_: tl.constexpr):
-    ok = i < G
-    seq = tl.load(prog_seq_ptr + i, mask=ok, other=-1)
-    seq_c = tl.maximum(seq, 0)
-    q0 = tl.load(prog_q0_ptr + i, mask=ok, other=0)
-    cu0 = tl.load(cu_ptr + seq_c)
-    q_len = tl.load(cu_ptr + seq_c + 1) - cu0
-    first_pos = tl.load(seq_lens_ptr + seq_c) - q_len
-    n_tiles = (first_pos + tl.minimum(q0 + BLOCK_Q, q_len) - 1) // BLOCK_KV_ + 1
-    return tl.where(seq >= 0, n_tiles, 0).to(tl.int32)
-
-
-def persistent_order(schedule, cu: torch.Tensor, seq_lens: torch.Tensor, block_q: int,
-                     block_kv: int = BLOCK_KV) -> torch.Tensor:
-    """The persistent kernel's slot order (``_order_kernel``), on the device with no host wait."""
-    g_slots, prog_seq, prog_q0 = schedule
-    order = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
-    chunk = 128
-    _order_kernel[(triton.cdiv(g_slots, chunk),)](prog_seq, prog_q0, cu, seq_lens, order, g_slots, BLOCK_Q=block_q,
-                                                  BLOCK_KV_=block_kv, CHUNK=chunk, num_warps=4)
-    return order
 
 
 def q_tma(q: torch.Tensor, group: int, group_p: int, block_q: int) -> bool:
@@ -587,5 +580,16 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     _attn_fwd_ws_kernel[grid](
         *args, q_layout, group, group_p, block_q, d, STAGES, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
-        nq, int(not qtma and os.environ.get("GLW_OSM", "1") == "1"), num_warps=4, maxnreg=maxnreg,
-        enable_fp_fusion=False)
+        nq, int(not qtma and os.environ.get("GLW_OSM", "1") == "1"), half_tile(qtma), _env("GLW_TMAX", 0),
+        num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
+
+
+def _env(name: str, default: int) -> int:
+    return int(os.environ.get(name, str(default)))
+
+
+def half_tile(qtma: bool) -> int:
+    """Whether a work's last KV tile is computed on its lower half when its upper half is past every query
+    (``GLW_HALF``, :func:`_half_tile`): not with two tiles a ring stage (``GLW_KV2``) or Q by TMA (its buffer is
+    released after the last whole tile)."""
+    return int(_env("GLW_HALF", 0) == 1 and not qtma and _env("GLW_KV2", 0) == 0)
