@@ -37,9 +37,10 @@ the root as GRPO's. REINFORCE++'s per-token KL penalty in the reward is not fold
 """
 from __future__ import annotations
 
-import torch
-
+import math
 from collections.abc import Callable
+
+import torch
 
 __all__ = ["ADVANTAGE_MODES", "ADVANTAGE_STDS", "group_advantages", "compute_advantages", "register_advantage",
            "uses_std", "min_group_size", "zeroes_equal_groups"]
@@ -103,12 +104,35 @@ def _check_rewards(rewards: torch.Tensor) -> None:
                          "finite: fix the reward function (or map such outcomes to a number, e.g. 0.0)")
 
 
+def _check_eps(eps) -> None:
+    """``eps`` must be a finite number >= 0: a negative one flipped the sign of every advantage of a group whose
+    std is below ``|eps|``, NaN / inf made them NaN / 0, all silently."""
+    try:
+        ok = not isinstance(eps, bool) and math.isfinite(eps) and eps >= 0
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"eps={eps!r} must be a finite number >= 0 (added to the std before dividing, as verl's "
+                         f"epsilon); leave the default eps={1e-6!r}, or 0 for no smoothing")
+
+
+def _equal_rows(rewards: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1]`` bool: the rows whose rewards are all equal."""
+    return (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+
+
 def _zero_equal_groups(centered: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
     """``centered`` with the rows whose rewards are all equal set to exactly 0: in float32 the mean of rewards
     such as 0.1 is not exactly 0.1, and ``r - mean`` (~7e-9), divided by a std of ~0 + eps, gave a whole group of
     equal rewards an advantage of about -0.0075 (GRPO). Other rows keep their bits."""
-    equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(equal, torch.zeros((), dtype=centered.dtype, device=centered.device), centered)
+    return torch.where(_equal_rows(rewards), torch.zeros((), dtype=centered.dtype, device=centered.device),
+                       centered)
+
+
+def _divide(centered: torch.Tensor, std: torch.Tensor, eps: float, equal: torch.Tensor) -> torch.Tensor:
+    """``centered / (std + eps)``, where the rows ``equal`` (centred to exactly 0) divide by 1: with ``eps=0``
+    their ``0 / 0`` was NaN. The same bits as ``centered / (std + eps)`` wherever that was defined."""
+    return centered / torch.where(equal, torch.ones((), dtype=std.dtype, device=std.device), std + eps)
 
 
 def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6,
@@ -118,12 +142,13 @@ def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: 
     ``rewards``: ``[num_prompts, group_size]`` floating tensor. Returns the same shape and dtype.
     """
     _check_rewards(rewards)
+    _check_eps(eps)
     if unbiased and rewards.shape[1] < 2:
         raise ValueError("unbiased std needs group_size >= 2; use unbiased=False or larger groups")
     centered = _zero_equal_groups(rewards - rewards.mean(dim=1, keepdim=True), rewards)
     if not normalize_std:
         return centered
-    return centered / (rewards.std(dim=1, keepdim=True, unbiased=unbiased) + eps)
+    return _divide(centered, rewards.std(dim=1, keepdim=True, unbiased=unbiased), eps, _equal_rows(rewards))
 
 
 def compute_advantages(rewards: torch.Tensor, mode: str = "grpo", eps: float = 1e-6,
@@ -134,6 +159,7 @@ def compute_advantages(rewards: torch.Tensor, mode: str = "grpo", eps: float = 1
         raise ValueError(f"unknown advantage mode {mode!r}; choose one of {list(ADVANTAGE_MODES)}")
     if std not in ADVANTAGE_STDS:
         raise ValueError(f"unknown advantage std {std!r}; choose one of {list(ADVANTAGE_STDS)}")
+    _check_eps(eps)
     if uses_std(mode):
         return ADVANTAGE_MODES[mode](rewards, eps, std=std)
     if std != "population":
@@ -146,13 +172,18 @@ def _batch_normalize(x: torch.Tensor, eps: float, std: str) -> torch.Tensor:
     """``(x - mean(x)) / (std(x) + eps)`` over every element of ``x`` (the whole batch)."""
     if std == "sample" and x.numel() < 2:
         raise ValueError("the sample std of the batch needs at least 2 samples; use std='population'")
-    centered = _zero_equal_groups((x - x.mean()).reshape(1, -1), x.reshape(1, -1)).reshape(x.shape)
-    return centered / (x.std(unbiased=std == "sample") + eps)
+    flat = x.reshape(1, -1)
+    centered = _zero_equal_groups(flat - x.mean(), flat)
+    return _divide(centered, x.std(unbiased=std == "sample"), eps, _equal_rows(flat)).reshape(x.shape)
 
 
 @register_advantage("grpo", uses_std=True)
 def _grpo(rewards: torch.Tensor, eps: float, std: str = "population") -> torch.Tensor:
     """GRPO (DeepSeekMath §4.1.2): ``(r - mean_group) / (std_group + eps)``."""
+    if std == "sample" and rewards.dim() == 2 and rewards.shape[1] < 2:
+        raise ValueError(f"advantage 'grpo' with std='sample' (train.advantage_std=sample) needs group_size >= 2, "
+                         f"got group_size {rewards.shape[1]}: the sample std of one reward divides by 0; use "
+                         "std='population' (a group of one then gets advantage 0) or larger groups")
     return group_advantages(rewards, normalize_std=True, eps=eps, unbiased=std == "sample")
 
 

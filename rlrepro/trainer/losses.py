@@ -254,6 +254,29 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     return KL_ESTIMATORS[estimator](ref_logp - logp)
 
 
+def _finite_at_least_0(value) -> bool:
+    try:
+        return not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    except TypeError:
+        return False
+
+
+def _check_clip_range(clip_low, clip_high, *, low_may_be_one: bool = False, mode: str = "ppo_clip") -> None:
+    """The clip range must bound the ratio to ``[1 - clip_low, 1 + clip_high]`` with ``0 <= 1 - clip_low <= 1``:
+    ``clip_high < 0`` inverted the clamp (every on-policy token with A > 0 sat on a bound and got no gradient),
+    ``clip_low > 1`` gave a negative lower bound, NaN / inf reached the loss; all silently (TrainConfig refuses
+    them for ``train.clip_low`` / ``train.clip_high``; this is the same rule for the Python API)."""
+    if not (_finite_at_least_0(clip_low) and (clip_low < 1 or (clip_low == 1 and low_may_be_one))):
+        allowed = "[0, 1]" if low_may_be_one else "[0, 1)"
+        why = "" if low_may_be_one or clip_low != 1 else (
+            f"; 1 (no lower bound, MiniMax-M1's setting) is taken by mode='cispo' only, not {mode!r}")
+        raise ValueError(f"clip_low={clip_low!r} must be a number in {allowed}: the ratio's lower clip bound is "
+                         f"1 - clip_low{why} (train.clip_low; e.g. 0.2)")
+    if not _finite_at_least_0(clip_high):
+        raise ValueError(f"clip_high={clip_high!r} must be a finite number >= 0: the ratio's upper clip bound is "
+                         "1 + clip_high (train.clip_high; e.g. 0.28, DAPO's clip-higher, or 0.2 for PPO)")
+
+
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float = 0.2,
                       clip_high: float = 0.2, dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO loss ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` and where the clipped term won;
@@ -265,6 +288,7 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
     """
     if dual_clip and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be 0 (off) or > 1 (the bound -A * dual_clip for A < 0), got {dual_clip}")
+    _check_clip_range(clip_low, clip_high)
     adv = advantages.unsqueeze(-1) if advantages.dim() == logp.dim() - 1 else advantages
     ratio = torch.exp(_bounded(logp - old_logp))
     unclipped = -adv * ratio
@@ -366,6 +390,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     _check_mode(loss_agg, max_response_length)
     if mode not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {mode!r}; choose one of {list(POLICY_LOSSES)}")
+    _check_clip_range(clip_low, clip_high, low_may_be_one=mode == "cispo", mode=mode)
+    for name, value in (("kl_coef", kl_coef), ("entropy_coef", entropy_coef)):
+        if not _finite_at_least_0(value):
+            raise ValueError(f"{name}={value!r} must be a finite number >= 0 (train.{name}; 0 = off)")
     problems = policy_loss_problems(mode, loss_agg=loss_agg, dual_clip=dual_clip)
     if problems:
         name, why = problems[0]
@@ -436,7 +464,11 @@ def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
     if correction == "none":
         weight = rho
     elif correction == "tis":
-        weight = torch.clamp(rho, max=is_cap)  # exactly the cap where truncated
+        if not (_finite_at_least_0(is_cap) and is_cap > 0):  # a cap of -1 weighed every token -1: the loss negated
+            raise ValueError(f"is_cap={is_cap!r} must be a finite number > 0 (train.is_cap, the largest token weight "
+                             "is_correction='tis' keeps; verl uses 2)")
+        # exactly the cap where truncated; outside mask rho is exactly 1 and stays so (a cap < 1 made it the cap)
+        weight = torch.where(mask, torch.clamp(rho, max=is_cap), rho)
         truncated = mask & (rho > is_cap)
     else:
         if not 0 <= mis_low < 1 < mis_high:

@@ -209,9 +209,10 @@ class Trainer:
         if config.kl_coef > 0 and ref_model is None:
             raise ValueError(f"train.kl_coef={config.kl_coef} needs a reference model: pass ref_model= "
                              "(a frozen copy of the initial policy) or set kl_coef=0")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-            raise ValueError(f"Trainer temperature must be a number >= 0 (the rollout's, rollout.temperature), "
-                             f"got {temperature!r}")
+        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                or not (math.isfinite(temperature) and temperature >= 0)):  # inf passed ">= 0": logits / inf
+            raise ValueError(f"Trainer temperature must be a finite number >= 0 (the rollout's, rollout.temperature; "
+                             f"0: greedy, read as 1), got {temperature!r}")
         if max_response_length is not None and (isinstance(max_response_length, bool)
                                                 or not isinstance(max_response_length, int)
                                                 or max_response_length < 1):
