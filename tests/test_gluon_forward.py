@@ -158,11 +158,15 @@ def test_gpu_gluon_forward_ignores_a_nonfinite_neighbour(order, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper_with_gluon(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
 @pytest.mark.parametrize("order", ["64", "128f"])
-@pytest.mark.parametrize("qtma,persist,pp", [(1, 0, 0), (0, 0, 0), (1, 1, 0), (1, 1, 1), (0, 1, 1)],
-                         ids=["qtma", "qregs", "qtma-persist", "qtma-persist-pp", "qregs-persist-pp"])
-def test_gpu_gluon_forward_q_loads_and_schedules_keep_the_bits(order, qtma, persist, pp, monkeypatch):
+@pytest.mark.parametrize("qtma,persist,pp,meta,osm", [(1, 0, 0, 0, 1), (0, 0, 0, 0, 1), (1, 1, 0, 0, 1),
+                                                      (1, 1, 1, 0, 0), (0, 1, 1, 0, 1), (1, 1, 1, 1, 1),
+                                                      (1, 1, 0, 1, 0), (1, 0, 0, 1, 1)],
+                         ids=["qtma", "qregs", "qtma-persist", "qtma-persist-pp-o4", "qregs-persist-pp",
+                              "qtma-persist-pp-meta", "qtma-persist-meta-o4", "qtma-meta"])
+def test_gpu_gluon_forward_q_loads_and_schedules_keep_the_bits(order, qtma, persist, pp, meta, osm, monkeypatch):
     """Q loaded by the producer's TMA (head-major rows, ``GLW_QTMA=1``) or by the consumers (``GLW_QTMA=0``), one
-    program a work or persistent (``GLW_PERSIST``), with or without ping-pong (``GLW_PP``): the Triton bits, for Q
+    program a work or persistent (``GLW_PERSIST``), with or without ping-pong (``GLW_PP``), the slot rows handed over
+    by the producer (``GLW_META``), O through the Q buffer or not (``GLW_OSM``): the Triton bits, for Q
     as a strided view of the fused q|k|v projection (the trainer's layout) and for short sequences (16 x 1024
     and ragged ones around the 32-query boxes), in each reduction order."""
     from rlrepro.kernels import gluon_attention_fwd as G
@@ -170,6 +174,8 @@ def test_gpu_gluon_forward_q_loads_and_schedules_keep_the_bits(order, qtma, pers
     monkeypatch.setenv("GLW_QTMA", str(qtma))
     monkeypatch.setenv("GLW_PERSIST", str(persist))
     monkeypatch.setenv("GLW_PP", str(pp))
+    monkeypatch.setenv("GLW_META", str(meta))  # the producer hands each work's slot row to the consumers
+    monkeypatch.setenv("GLW_OSM", str(osm))  # O through the Q buffer (released after the epilogue) or not
     seed = fresh_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     h, hkv, d = 32, 8, 128
@@ -235,15 +241,19 @@ def test_gpu_gluon_forward_half_tile_and_tree_max_keep_the_bits(order, half, tma
 
 
 def test_half_tile_rule(monkeypatch):
-    """``GLW_HALF=1`` turns the half-width last tile on, except with two tiles a ring stage or Q loaded by TMA."""
+    """``GLW_HALF=1`` turns the half-width last tile on, except with two tiles a ring stage or with Q loaded by TMA
+    and released before the last tile (``GLW_OSM=0``)."""
     from rlrepro.kernels import gluon_attention_fwd as G
     if not G.HAVE_GLUON:
         pytest.skip("Triton without Gluon")
     monkeypatch.delenv("GLW_HALF", raising=False)
     monkeypatch.delenv("GLW_KV2", raising=False)
+    monkeypatch.delenv("GLW_OSM", raising=False)
     assert G.half_tile(False) == 0
     monkeypatch.setenv("GLW_HALF", "1")
-    assert G.half_tile(False) == 1 and G.half_tile(True) == 0
+    assert G.half_tile(False) == 1 and G.half_tile(True) == 1  # Q by TMA, released after O went through it
+    monkeypatch.setenv("GLW_OSM", "0")
+    assert G.half_tile(False) == 1 and G.half_tile(True) == 0  # Q by TMA released after the last whole tile
     monkeypatch.setenv("GLW_KV2", "1")
     assert G.half_tile(False) == 0
 

@@ -23,19 +23,22 @@ instructions (``ex2.approx.ftz.f32``, ``div.full.f32``, FMAs only inside ``log2`
 (``RLREPRO_ATTENTION_ORDER=128f``: ``block_kv=128, fma=True``) it takes 128-position tiles and folds the scale into
 one FMA, as the Triton kernel then does (the same bits again; 0.93-1.04x FlashAttention-3 at 8k-16k tokens).
 Where a sequence ends inside its last tile, the rows TMA loaded from the next sequence are zeroed in shared memory
-before ``P @ V`` (:func:`.gluon_attention_parts.zero_past`), so a neighbour's non-finite values cannot reach it. O leaves through the
-warpgroup's own Q buffer (free once its last ``Q @ K^T`` is done): written there in the wgmma layout, read back a
-row's 16 bytes to a thread and stored with 16-byte stores (``OSM``, the default; ``GLW_OSM=0``: straight from the
-wgmma layout, 4-byte stores, 1.07-1.12x slower at 1-2k-token sequences on the H100, 2026-12-06).
+before ``P @ V`` (:func:`.gluon_attention_parts.zero_past`), so a neighbour's non-finite values cannot reach it. O
+leaves through the warpgroup's own Q buffer (free once its last ``Q @ K^T`` is done; with Q by TMA released to the
+producer after that): written there in the wgmma layout, read back a row's 16 bytes to a thread and stored with
+16-byte stores (``OSM``, the default; ``GLW_OSM=0``: straight from the wgmma layout, 4-byte stores, 1.07-1.12x slower
+at 1-2k-token sequences on the H100, 2026-12-06).
 
 Variants, each with the same bits (the battery of ``benchmarks/bench_attention_gluon.py``, H100, 2026-12-06) and
 none of them a clear gain there (docs/BENCHMARKS.md), so off by default: ``GLW_PP=1`` ping-pongs the two consumer
 warpgroups (:func:`_turn`); ``GLW_PERSIST=1`` runs one program per SM over the works sorted longest first
 (:func:`persistent_order`); ``GLW_KV2=1`` puts two KV tiles in a ring stage (half the barrier waits);
 ``GLW_QTMA=1`` has the producer load each work's Q by TMA into a ring of Q buffers, the tile's rows head-major
-(:func:`_load_q`, :func:`_row_query`; 0.98-1.02x, measured 2026-12-06). Unmeasured (2026-12-07): ``GLW_HALF=1``
+(:func:`_load_q`, :func:`_row_query`; 0.98-1.02x, measured 2026-12-06). Unmeasured (2026-12-06): ``GLW_HALF=1``
 runs a work's last tile on its lower half where the upper half is past every query (:func:`_half_tile`);
-``GLW_TMAX=1`` takes the row max as a tree (:func:`.gluon_attention_parts.row_max_tree`).
+``GLW_TMAX=1`` takes the row max as a tree (:func:`.gluon_attention_parts.row_max_tree`); ``GLW_META=1`` (with
+``GLW_QTMA=1``) has the producer hand each work's slot row to the consumers in shared memory (:func:`_put_meta`), so
+a persistent consumer's next work starts without global loads.
 
 History: the kernel hung on the H100 until the twenty-seventh session found why (an empty schedule slot's consumers
 waited for a tile its producer never loaded, see ``_program``); ``benchmarks/gluon_hang_probes.probe_tma_wait`` is
@@ -55,7 +58,8 @@ try:  # Gluon and its Hopper namespace (Triton >= 3.5)
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_attention_parts import row_max_tree, zero_past
+    from .gluon_attention_parts import (_load_pair, _pass, _program, _ring, _rounds, _row_query, _turn, _units, _work,
+                                        row_max_tree, zero_past)
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -72,72 +76,26 @@ LOG2E = 1.4426950408889634
 if HAVE_GLUON:
 
     @gluon.jit
-    def _work(r, order_ptr, n_work, hkv, PERSIST: gl.constexpr):
-        """Round ``r``'s work of this program: (schedule slot, KV head, whether there is one). A persistent program
-        takes works ``r * P + lane`` of the slots sorted longest first (``order``), the lane snaking (``pid`` on
-        even rounds, ``P - 1 - pid`` on odd ones) so that the long works spread evenly; otherwise the grid is
-        (slots, KV heads) and a program has one work. Which program runs a work does not change its bits."""
-        if PERSIST:
-            n_prog = gl.num_programs(0)
-            pid = gl.program_id(0)
-            lane = gl.where(r % 2 == 0, pid, n_prog - 1 - pid)
-            idx = r * n_prog + lane
-            valid = idx < n_work
-            idx = gl.minimum(idx, n_work - 1)
-            slot = gl.load(order_ptr + idx // hkv)
-            hk = idx % hkv
-        else:
-            slot = gl.program_id(0)
-            hk = gl.program_id(1)
-            valid = slot >= 0
-        return slot, hk, valid
-
-    @gluon.jit
-    def _rounds(n_work, PERSIST: gl.constexpr):
-        if PERSIST:
-            n = gl.cdiv(n_work, gl.num_programs(0))
-        else:
-            n = gl.program_id(0) * 0 + 1
-        return n
-
-    @gluon.jit
-    def _program(slot, valid, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: gl.constexpr,
-                 BLOCK_KV_: gl.constexpr):
-        """Slot ``slot``'s sequence (-1: none), first query, packed row, query count, first position, and its
-        number of KV tiles and of tiles that need no causal mask (as in the Triton kernel)."""
-        seq = gl.where(valid, gl.load(prog_seq_ptr + slot), -1)
-        seq_c = gl.maximum(seq, 0)
-        q0 = gl.load(prog_q0_ptr + slot)
-        cu0 = gl.load(cu_ptr + seq_c)
-        q_len = gl.load(cu_ptr + seq_c + 1) - cu0
-        kv_len = gl.load(seq_lens_ptr + seq_c)
-        first_pos = kv_len - q_len
-        last_pos = first_pos + gl.minimum(q0 + BLOCK_Q, q_len) - 1
-        n_tiles = last_pos // BLOCK_KV_ + 1
-        n_full = gl.minimum((first_pos + q0 + 1) // BLOCK_KV_, n_tiles)
-        n_tiles = gl.where(seq >= 0, n_tiles, 0).to(gl.int32)  # stage indices must be int32 (seq_lens may be int64)
-        # an empty slot (seq -1) has no tiles at all: its producer loads none, so its consumers must wait on none
-        # (n_full was computed from sequence 0's length, with the slot's q0 past its end: 1 for a 64-token batch,
-        # and the consumers waited for a tile that never came: the hang of 2026-12-05)
-        n_full = gl.minimum(n_full, n_tiles).to(gl.int32)
-        return seq, q0, cu0, q_len, first_pos, n_tiles, n_full
-
-    @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr, cu_ptr,
                   seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr,
                   D: gl.constexpr, NSTAGE: gl.constexpr, PERSIST: gl.constexpr, KV2: gl.constexpr = 0,
                   q_desc=None, q_bufs=None, q_ready=None, q_empty=None, GROUP: gl.constexpr = 1,
-                  QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1):
+                  QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, meta_bufs=None, META: gl.constexpr = 0):
         """Each work's KV tiles 0, 1, ... by TMA into the ring; the ring's count ``i`` runs on across works. With
         ``KV2`` a ring stage holds two tiles (two loads on one barrier; the last stage of an odd count one). With
-        ``QTMA`` each work's Q tile first (:func:`_load_q`), into the next of ``NQ`` Q buffers."""
+        ``QTMA`` each work's Q tile first (:func:`_load_q`), into the next of ``NQ`` Q buffers; with ``META`` also
+        for a work without tiles, with its slot table row beside it (:func:`_put_meta`)."""
         tb = gl.program_id(0) * 0
         qc = gl.program_id(0) * 0
         for r in range(_rounds(n_work, PERSIST)):
             slot, hk, valid = _work(r, order_ptr, n_work, hkv, PERSIST)
             seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
                                                                        cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
-            if QTMA:
+            if META:
+                _load_q(q_desc, q_bufs, q_ready, q_empty, qc, (cu0 + q0).to(gl.int32), hk * GROUP, BLOCK_Q, D, NQ,
+                        n_tiles > 0, meta_bufs, (seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk))
+                qc += 1
+            elif QTMA:
                 if n_tiles > 0:
                     _load_q(q_desc, q_bufs, q_ready, q_empty, qc, (cu0 + q0).to(gl.int32), hk * GROUP, BLOCK_Q, D,
                             NQ)
@@ -163,7 +121,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_q(q_desc, q_bufs, q_ready, q_empty, qc, row, head0, BLOCK_Q: gl.constexpr, D: gl.constexpr,
-                NQ: gl.constexpr):
+                NQ: gl.constexpr, has_tiles=True, meta_bufs=None, meta=None):
         """The producer's Q load of a work (``QTMA``): the program's 128 rows head-major (:func:`_row_query`), as
         ``[BQB, D]`` boxes of consecutive queries of one head (packed row ``row``, head ``head0`` on), into Q buffer
         ``qc % NQ`` (its two consumers' halves) once both consumers released it."""
@@ -172,78 +130,39 @@ if HAVE_GLUON:
         QPB: gl.constexpr = BLOCK_Q // BQB
         qb = qc % NQ
         mbarrier.wait(q_empty.index(qb), ((qc // NQ) & 1) ^ 1)  # a fresh barrier passes phase 1
-        mbarrier.expect(q_ready.index(qb), 2 * (NR_ // BQB) * q_desc.block_type.nbytes)
+        if meta is not None:  # META: the work's slot table row for the consumers, before the barrier's arrival
+            _put_meta(meta_bufs.index(qb), meta)
+            if not has_tiles:  # nothing to load: the arrival alone
+                mbarrier.arrive(q_ready.index(qb), count=1)
+        mbarrier.expect(q_ready.index(qb), 2 * (NR_ // BQB) * q_desc.block_type.nbytes, pred=has_tiles)
         for j in gl.static_range(2 * NR_ // BQB):
             dst = q_bufs.index(2 * qb + j * BQB // NR_).slice((j * BQB) % NR_, BQB)
             coord_q = row + (j % QPB) * BQB
             coord_d = ((head0 + j // QPB) * D).to(gl.int32)
-            tma.async_copy_global_to_shared(q_desc, [coord_q, coord_d], q_ready.index(qb), dst)
+            tma.async_copy_global_to_shared(q_desc, [coord_q, coord_d], q_ready.index(qb), dst, pred=has_tiles)
 
     @gluon.jit
-    def _row_query(r, GROUP_P: gl.constexpr, BLOCK_Q: gl.constexpr, BQB: gl.constexpr, QTMA: gl.constexpr):
-        """Tile row ``r``'s (query offset, head of the GQA group): query-major (``r // GROUP_P``, ``r % GROUP_P``,
-        the Triton kernel's rows) or, with ``QTMA``, head-major in boxes of ``BQB`` queries (:func:`_load_q`). A
-        row's arithmetic does not depend on where in the tile it sits, so both give the same bits."""
-        if QTMA:
-            j = r // BQB
-            qo = (j % (BLOCK_Q // BQB)) * BQB + r % BQB
-            g = j // (BLOCK_Q // BQB)
-        else:
-            qo = r // GROUP_P
-            g = r % GROUP_P
-        return qo, g
+    def _put_meta(buf, meta):
+        """The producer writes a work's ``(seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk)`` into ``buf`` (8
+        int32), every thread of the partition before one of them arrives on the work's Q barrier."""
+        lay: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+        i = gl.arange(0, 8, layout=lay)
+        v = gl.zeros([8], gl.int32, lay)
+        for k in gl.static_range(8):
+            v = gl.where(i == k, meta[k].to(gl.int32), v)
+        buf.store(v)
+        gl.thread_barrier()
 
     @gluon.jit
-    def _units(n_tiles, KV2: gl.constexpr):
-        """Ring stages a work of ``n_tiles`` KV tiles takes."""
-        if KV2:
-            n = (n_tiles + 1) // 2
-        else:
-            n = n_tiles
-        return n
-
-    @gluon.jit
-    def _load_pair(desc, bar, bufs, b, row, col, two, BLOCK_KV_: gl.constexpr):
-        """Tiles at ``row`` (and ``row + BLOCK_KV_`` if ``two``) into buffers ``b`` (and ``b + 1``), on ``bar``."""
-        if two:
-            mbarrier.expect(bar, 2 * desc.block_type.nbytes)
-        else:
-            mbarrier.expect(bar, desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [row, col], bar, bufs.index(b))
-        tma.async_copy_global_to_shared(desc, [row + BLOCK_KV_, col], bar, bufs.index(b + 1), pred=two)
-
-    @gluon.jit
-    def _ring(tb, t, n_tiles, NSTAGE: gl.constexpr, KV2: gl.constexpr):
-        """Where a work's tile ``t`` is (the work's first stage ``tb``): (stage, phase, buffer, whether it starts
-        its stage: wait for it, whether it ends it: release the stage after it)."""
-        if KV2:
-            i = tb + t // 2
-            st = i % NSTAGE
-            b = 2 * st + t % 2
-            new = t % 2 == 0
-            last = (t % 2 == 1) | (t == n_tiles - 1)
-        else:
-            i = tb + t
-            st = i % NSTAGE
-            b = st
-            new = t >= 0
-            last = t >= 0
-        return st, (i // NSTAGE) & 1, b, new, last
-
-    @gluon.jit
-    def _turn(pp_bars, turn, CID: gl.constexpr, PP: gl.constexpr):
-        """Ping-pong (``PP``): wait until it is this warpgroup's turn ``turn`` to issue its products. Turns
-        alternate: warpgroup 0's turn ``k`` follows warpgroup 1's turn ``k - 1``, which follows warpgroup 0's turn
-        ``k - 1``, so one warpgroup's softmax runs while the other's products hold the tensor cores (a fresh
-        barrier passes parity 1: warpgroup 0's first turn is free)."""
-        if PP:
-            mbarrier.wait(pp_bars.index(CID), (turn & 1) ^ (1 - CID))
-
-    @gluon.jit
-    def _pass(pp_bars, CID: gl.constexpr, PP: gl.constexpr):
-        """Ping-pong: hand the turn to the other warpgroup, once this one's products are issued."""
-        if PP:
-            mbarrier.arrive(pp_bars.index(1 - CID), count=1)
+    def _get_meta(buf):
+        """A consumer's copy of a work's row written by :func:`_put_meta` (after waiting for the work's Q)."""
+        lay: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+        i = gl.arange(0, 8, layout=lay)
+        v = buf.load(lay)
+        return (gl.sum(gl.where(i == 0, v, 0), axis=0), gl.sum(gl.where(i == 1, v, 0), axis=0),
+                gl.sum(gl.where(i == 2, v, 0), axis=0), gl.sum(gl.where(i == 3, v, 0), axis=0),
+                gl.sum(gl.where(i == 4, v, 0), axis=0), gl.sum(gl.where(i == 5, v, 0), axis=0),
+                gl.sum(gl.where(i == 6, v, 0), axis=0), gl.sum(gl.where(i == 7, v, 0), axis=0))
 
     @gluon.jit
     def _qk_issue(b, q_smem, k_bufs, NR: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr):
@@ -373,7 +292,8 @@ if HAVE_GLUON:
                   NSTAGE: gl.constexpr, WRITE_LSE: gl.constexpr, NW: gl.constexpr, PP: gl.constexpr,
                   PERSIST: gl.constexpr, KV2: gl.constexpr = 0, FMA: gl.constexpr = 0, q_ready=None, q_empty=None,
                   QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, BQB: gl.constexpr = 1,
-                  OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0):
+                  OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0, meta_bufs=None,
+                  META: gl.constexpr = 0):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -392,15 +312,19 @@ if HAVE_GLUON:
         turn = gl.program_id(0) * 0
         qc = gl.program_id(0) * 0
         for rnd in range(_rounds(n_work, PERSIST)):
-            slot, hk, valid = _work(rnd, order_ptr, n_work, hkv, PERSIST)
-            seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
-                                                                       cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+            if META:  # the producer's row of the work, written before its Q barrier's arrival (_put_meta)
+                mbarrier.wait(q_ready.index(qc % NQ), (qc // NQ) & 1)
+                seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk = _get_meta(meta_bufs.index(qc % NQ))
+            else:
+                slot, hk, valid = _work(rnd, order_ptr, n_work, hkv, PERSIST)
+                seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
+                                                                           cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
             if QTMA:  # the producer loaded this work's Q (if it has tiles) into buffer qc % NQ
                 q_smem = q_bufs.index(2 * (qc % NQ) + CID)
                 q_rel = q_empty.index(qc % NQ)
-                if n_tiles > 0:
-                    mbarrier.wait(q_ready.index(qc % NQ), (qc // NQ) & 1)
-                    qc += 1
+                if not META:
+                    if n_tiles > 0:
+                        mbarrier.wait(q_ready.index(qc % NQ), (qc // NQ) & 1)
             else:
                 q_smem = q_bufs.index(CID)
                 q_rel = kv_empty.index(0)  # unused
@@ -429,7 +353,8 @@ if HAVE_GLUON:
                     m_i, l_i, acc = _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready,
                                                      kv_empty, pp_bars, pos, qk_scale, n_main, n_full,
                                                      first_pos + q_len, tb, turn, CID, PP, NR, NSTAGE, BLOCK_KV_,
-                                                     qk_layout, o_layout, p_layout, KV2, FMA, NW, q_rel, QTMA, TMAX)
+                                                     qk_layout, o_layout, p_layout, KV2, FMA, NW, q_rel,
+                                                     QTMA * (1 - OSM), TMAX)
                     turn += n_main + 1
                 if half:
                     m_i, l_i, acc = _half_tile(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
@@ -443,8 +368,8 @@ if HAVE_GLUON:
                     q_smem.store(out.to(q_smem.dtype))
                     gl.thread_barrier()
                     o_r = q_smem.load(ld_layout)
-                    qi = q0 + r // GROUP_P
-                    g = r % GROUP_P
+                    qi, g = _row_query(r, GROUP_P, BLOCK_Q, BQB, QTMA)
+                    qi += q0
                     o_off = (cu0 + qi).to(gl.int64) * stride_on + (hk * GROUP + g).to(gl.int64) * stride_oh
                     gl.store(o_ptr + o_off[:, None] + d[None, :], o_r.to(o_ptr.dtype.element_ty),
                              mask=((qi < q_len) & (g < GROUP))[:, None])
@@ -461,6 +386,14 @@ if HAVE_GLUON:
                     if FMA:
                         m_i = m_i * qk_scale
                     gl.store(lse_ptr + l_off, m_i + gl.log2(l_i), mask=ok_s)
+            if QTMA:  # with OSM the Q buffer is released here, after O went through it, else after the last Q @ K^T
+                if META or n_tiles > 0:
+                    if OSM:
+                        gl.thread_barrier()  # every warp has read its O rows back
+                        mbarrier.arrive(q_rel, count=1)
+                    elif n_tiles == 0:
+                        mbarrier.arrive(q_rel, count=1)
+                    qc += 1
 
     @gluon.jit
     def _stages(k_desc, v_desc, NSTAGE: gl.constexpr, N_CONSUMERS: gl.constexpr, KV2: gl.constexpr = 0):
@@ -495,7 +428,8 @@ if HAVE_GLUON:
                             WRITE_LSE: gl.constexpr, NR: gl.constexpr, CREGS: gl.constexpr,
                             PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0,
                             FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1,
-                            OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0):
+                            OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0,
+                            META: gl.constexpr = 0):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer (of
         Q too, with ``QTMA``: ``q_desc`` loads ``[BQB, D]`` boxes of it into ``NQ`` buffers)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
@@ -503,20 +437,21 @@ if HAVE_GLUON:
         q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2 * NQ, NR, D], q_smem_layout)
         k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, q_ready, q_empty = _stages(k_desc, v_desc, NSTAGE, 2,
                                                                                         KV2)
+        meta_bufs = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         gl.warp_specialize([
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
                          cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2,
-                         q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ)),
+                         q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX)),
+                         TMAX, meta_bufs, META)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX)),
+                         TMAX, meta_bufs, META)),
         ], [4, 4], [CREGS, CREGS])
 
 
@@ -580,7 +515,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     _attn_fwd_ws_kernel[grid](
         *args, q_layout, group, group_p, block_q, d, STAGES, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
-        nq, int(not qtma and os.environ.get("GLW_OSM", "1") == "1"), half_tile(qtma), _env("GLW_TMAX", 0),
+        nq, _env("GLW_OSM", 1), half_tile(qtma), _env("GLW_TMAX", 0), int(qtma and _env("GLW_META", 0) == 1),
         num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
 
 
@@ -590,6 +525,6 @@ def _env(name: str, default: int) -> int:
 
 def half_tile(qtma: bool) -> int:
     """Whether a work's last KV tile is computed on its lower half when its upper half is past every query
-    (``GLW_HALF``, :func:`_half_tile`): not with two tiles a ring stage (``GLW_KV2``) or Q by TMA (its buffer is
-    released after the last whole tile)."""
-    return int(_env("GLW_HALF", 0) == 1 and not qtma and _env("GLW_KV2", 0) == 0)
+    (``GLW_HALF``, :func:`_half_tile`): not with two tiles a ring stage (``GLW_KV2``), nor with Q by TMA released
+    after the last whole tile (``GLW_OSM=0``; with O through the Q buffer it is released after the epilogue)."""
+    return int(_env("GLW_HALF", 0) == 1 and not (qtma and _env("GLW_OSM", 1) == 0) and _env("GLW_KV2", 0) == 0)

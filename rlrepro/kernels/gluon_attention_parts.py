@@ -1,6 +1,6 @@
-"""Pieces of the Gluon attention forward (:mod:`.gluon_attention_fwd`) that stand on their own: the row max as a
-tree, the half-width last tile's test, the V rows zeroed past a sequence's end, and the persistent schedule's slot
-order (a Triton kernel)."""
+"""Pieces of the Gluon attention forward (:mod:`.gluon_attention_fwd`) that stand on their own: a program's works
+and their slot table rows, the ring's bookkeeping, the ping-pong turns, the row max as a tree, the V rows zeroed past
+a sequence's end, and the persistent schedule's slot order (a Triton kernel)."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +10,7 @@ import triton.language as tl
 try:  # Gluon and its Hopper namespace (Triton >= 3.5)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -19,6 +19,123 @@ BLOCK_KV = 64  # the KV positions of one online-softmax step (the fixed order; t
 
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def _work(r, order_ptr, n_work, hkv, PERSIST: gl.constexpr):
+        """Round ``r``'s work of this program: (schedule slot, KV head, whether there is one). A persistent program
+        takes works ``r * P + lane`` of the slots sorted longest first (``order``), the lane snaking (``pid`` on
+        even rounds, ``P - 1 - pid`` on odd ones) so that the long works spread evenly; otherwise the grid is
+        (slots, KV heads) and a program has one work. Which program runs a work does not change its bits."""
+        if PERSIST:
+            n_prog = gl.num_programs(0)
+            pid = gl.program_id(0)
+            lane = gl.where(r % 2 == 0, pid, n_prog - 1 - pid)
+            idx = r * n_prog + lane
+            valid = idx < n_work
+            idx = gl.minimum(idx, n_work - 1)
+            slot = gl.load(order_ptr + idx // hkv)
+            hk = idx % hkv
+        else:
+            slot = gl.program_id(0)
+            hk = gl.program_id(1)
+            valid = slot >= 0
+        return slot, hk, valid
+
+    @gluon.jit
+    def _rounds(n_work, PERSIST: gl.constexpr):
+        if PERSIST:
+            n = gl.cdiv(n_work, gl.num_programs(0))
+        else:
+            n = gl.program_id(0) * 0 + 1
+        return n
+
+    @gluon.jit
+    def _program(slot, valid, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: gl.constexpr,
+                 BLOCK_KV_: gl.constexpr):
+        """Slot ``slot``'s sequence (-1: none), first query, packed row, query count, first position, and its
+        number of KV tiles and of tiles that need no causal mask (as in the Triton kernel)."""
+        seq = gl.where(valid, gl.load(prog_seq_ptr + slot), -1)
+        seq_c = gl.maximum(seq, 0)
+        q0 = gl.load(prog_q0_ptr + slot)
+        cu0 = gl.load(cu_ptr + seq_c)
+        q_len = gl.load(cu_ptr + seq_c + 1) - cu0
+        kv_len = gl.load(seq_lens_ptr + seq_c)
+        first_pos = kv_len - q_len
+        last_pos = first_pos + gl.minimum(q0 + BLOCK_Q, q_len) - 1
+        n_tiles = last_pos // BLOCK_KV_ + 1
+        n_full = gl.minimum((first_pos + q0 + 1) // BLOCK_KV_, n_tiles)
+        n_tiles = gl.where(seq >= 0, n_tiles, 0).to(gl.int32)  # stage indices must be int32 (seq_lens may be int64)
+        # an empty slot (seq -1) has no tiles at all: its producer loads none, so its consumers must wait on none
+        # (n_full was computed from sequence 0's length, with the slot's q0 past its end: 1 for a 64-token batch,
+        # and the consumers waited for a tile that never came: the hang of 2026-12-05)
+        n_full = gl.minimum(n_full, n_tiles).to(gl.int32)
+        return seq, q0, cu0, q_len, first_pos, n_tiles, n_full
+
+    @gluon.jit
+    def _row_query(r, GROUP_P: gl.constexpr, BLOCK_Q: gl.constexpr, BQB: gl.constexpr, QTMA: gl.constexpr):
+        """Tile row ``r``'s (query offset, head of the GQA group): query-major (``r // GROUP_P``, ``r % GROUP_P``,
+        the Triton kernel's rows) or, with ``QTMA``, head-major in boxes of ``BQB`` queries (:func:`_load_q`). A
+        row's arithmetic does not depend on where in the tile it sits, so both give the same bits."""
+        if QTMA:
+            j = r // BQB
+            qo = (j % (BLOCK_Q // BQB)) * BQB + r % BQB
+            g = j // (BLOCK_Q // BQB)
+        else:
+            qo = r // GROUP_P
+            g = r % GROUP_P
+        return qo, g
+
+    @gluon.jit
+    def _units(n_tiles, KV2: gl.constexpr):
+        """Ring stages a work of ``n_tiles`` KV tiles takes."""
+        if KV2:
+            n = (n_tiles + 1) // 2
+        else:
+            n = n_tiles
+        return n
+
+    @gluon.jit
+    def _load_pair(desc, bar, bufs, b, row, col, two, BLOCK_KV_: gl.constexpr):
+        """Tiles at ``row`` (and ``row + BLOCK_KV_`` if ``two``) into buffers ``b`` (and ``b + 1``), on ``bar``."""
+        if two:
+            mbarrier.expect(bar, 2 * desc.block_type.nbytes)
+        else:
+            mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, bufs.index(b))
+        tma.async_copy_global_to_shared(desc, [row + BLOCK_KV_, col], bar, bufs.index(b + 1), pred=two)
+
+    @gluon.jit
+    def _ring(tb, t, n_tiles, NSTAGE: gl.constexpr, KV2: gl.constexpr):
+        """Where a work's tile ``t`` is (the work's first stage ``tb``): (stage, phase, buffer, whether it starts
+        its stage: wait for it, whether it ends it: release the stage after it)."""
+        if KV2:
+            i = tb + t // 2
+            st = i % NSTAGE
+            b = 2 * st + t % 2
+            new = t % 2 == 0
+            last = (t % 2 == 1) | (t == n_tiles - 1)
+        else:
+            i = tb + t
+            st = i % NSTAGE
+            b = st
+            new = t >= 0
+            last = t >= 0
+        return st, (i // NSTAGE) & 1, b, new, last
+
+    @gluon.jit
+    def _turn(pp_bars, turn, CID: gl.constexpr, PP: gl.constexpr):
+        """Ping-pong (``PP``): wait until it is this warpgroup's turn ``turn`` to issue its products. Turns
+        alternate: warpgroup 0's turn ``k`` follows warpgroup 1's turn ``k - 1``, which follows warpgroup 0's turn
+        ``k - 1``, so one warpgroup's softmax runs while the other's products hold the tensor cores (a fresh
+        barrier passes parity 1: warpgroup 0's first turn is free)."""
+        if PP:
+            mbarrier.wait(pp_bars.index(CID), (turn & 1) ^ (1 - CID))
+
+    @gluon.jit
+    def _pass(pp_bars, CID: gl.constexpr, PP: gl.constexpr):
+        """Ping-pong: hand the turn to the other warpgroup, once this one's products are issued."""
+        if PP:
+            mbarrier.arrive(pp_bars.index(1 - CID), count=1)
 
     @gluon.jit
     def _halve(x, W: gl.constexpr):
