@@ -237,6 +237,10 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
         stats.warnings.append(f"{file}: {'empty file' if lines.blank else 'an empty JSON array'}, no rows")
         stats.files[-1]["num_rows"] = 0
         return
+    if builder == "parquet" and _parquet_num_rows(file) == 0:  # datasets refuses one ("BatchSize must be > 0")
+        stats.warnings.append(f"{file}: a parquet file with no rows")
+        stats.files[-1]["num_rows"] = 0
+        return
 
     row_map: list[int] | None = None  # row index in the cleaned copy -> row index in the file
     long_rows: list[int] = []         # rows (of the file) whose line is over max_line_bytes, never parsed
@@ -302,6 +306,16 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
             break
         row_index = i if row_map is None else row_map[i]
         _add_row(row, row_index, str(file), where, source_name, spec, on_bad_row, stats, records, seen_uids)
+
+
+def _parquet_num_rows(file: Path) -> int | None:
+    """The number of rows in the footer of a parquet file; None when it cannot be read (datasets then says why)."""
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(file).metadata.num_rows
+    except Exception:  # a damaged file: the load that follows names it
+        return None
 
 
 def _has_lone_surrogate(file: Path) -> bool:

@@ -35,24 +35,40 @@ _METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")
 # of RUN_RECORDS is a run directory; those files and the folders RUN_FOLDERS in it are its records, not data
 RUN_RECORDS = ("metrics.jsonl", "fingerprints.jsonl", "amendments.jsonl", "inputs.json", "summary.json")
 RUN_FOLDERS = ("checkpoints", "rollouts", "plots", "wandb")  # verify/from_K is a run directory itself
+# the model directories a run writes (base_model/, its base_model.tmp-* left by a killed start, export/step_N/):
+# records too (an HF directory's config.json is no data set); a run's data/synthetic_<task>.jsonl is data the run
+# made for itself: read when data.source names it (or its data/ folder), left out of a folder that holds the run
+RUN_MODELS = ("base_model", "export")
 
 logger = logging.getLogger(__name__)
 
 
 def is_run_dir(folder: Path) -> bool:
-    """Whether ``folder`` is a run directory that ``rlrepro train`` wrote."""
-    return (folder / "config.yaml").is_file() and any((folder / n).is_file() for n in RUN_RECORDS)
+    """Whether ``folder`` is a run directory that ``rlrepro train`` wrote, or is writing: a run being started
+    (its run.dir inside the data folder: ``data.source=.``) loads its data holding its ``.lock`` and
+    ``base_model/`` before config.yaml or any record."""
+    if not (folder / ".lock").is_file():
+        return (folder / "config.yaml").is_file() and any((folder / n).is_file() for n in RUN_RECORDS)
+    return (folder / "config.yaml").is_file() or (folder / "base_model" / "manifest.json").is_file()
 
 
-def _run_record_of(path: Path, root: Path, runs: dict[Path, bool]) -> Path | None:
+def _is_record(rest: tuple[str, ...], scan: bool) -> bool:
+    """Whether the path ``rest`` (parts, relative to a run directory) is one of the run's records; ``scan``: met in
+    a folder that holds the run (then the run's synthetic data set is left out too)."""
+    head = rest[0]
+    if head in RUN_FOLDERS or (len(rest) == 1 and head in RUN_RECORDS) or head.split(".tmp", 1)[0] in RUN_MODELS:
+        return True
+    return scan and head == "data" and len(rest) == 2 and rest[1].startswith("synthetic_")
+
+
+def _run_record_of(path: Path, root: Path, runs: dict[Path, bool], scan: bool = False) -> Path | None:
     """The run directory (``root`` or a folder under it) whose record ``path`` is or lies in, else None."""
     parts = path.relative_to(root).parts
     for i in range(len(parts)):
         folder = root.joinpath(*parts[:i])
         if folder not in runs:
             runs[folder] = is_run_dir(folder)
-        rest = parts[i:]
-        if runs[folder] and (rest[0] in RUN_FOLDERS or (len(rest) == 1 and rest[0] in RUN_RECORDS)):
+        if runs[folder] and _is_record(parts[i:], scan):
             return folder
     return None
 
@@ -119,7 +135,7 @@ def local_files(path: Path, split: str) -> list[tuple[Path, str]]:
          and not any(part.startswith(".") for part in p.relative_to(root).parts)),
         key=lambda p: p.relative_to(root).as_posix(),
     )
-    of_run = {f: _run_record_of(f, root, runs) for f in files}
+    of_run = {f: _run_record_of(f, root, runs, scan=True) for f in files}
     if any(of_run.values()):
         names = sorted({(path / r.relative_to(root)).as_posix() for r in of_run.values() if r is not None})
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")

@@ -396,7 +396,7 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
     config.yaml."""
     a, b = Path(run_a), Path(run_b)
     for p in (a, b):
-        missing = missing_run_dir("diff", p, need_config=False)  # the one wording of every command
+        missing = missing_run_dir("diff", p, need_config=False, inside=False)  # the one wording of every command
         if missing is not None:
             raise ReproError(missing)
     rep = DiffReport(run_a=str(a), run_b=str(b))

@@ -196,6 +196,13 @@ def readable_runs(run_dirs: Sequence[str | os.PathLike]) -> tuple[list[Path], li
             continue
         for n in notes:
             print(f"rlrepro plot: note: {n}", file=sys.stderr)
+        if m is not None and not m:  # an empty metrics.jsonl: empty panels would say nothing
+            empty = (f"{p / 'metrics.jsonl'}: no step recorded yet (the run has not finished its first step): "
+                     "nothing to plot; plot it once a step is done")
+            skipped.append(empty)
+            if len(dirs) > 1:
+                print(f"rlrepro plot: leaving out a run: {empty}", file=sys.stderr)
+            continue
         keep.append(p)
         metrics.append(m)
     if not keep:

@@ -50,12 +50,15 @@ def _holds_run(p: Path) -> bool:
     return p.is_dir() and any((p / n).exists() for n in (CONFIG_FILE, METRICS_FILE, FINGERPRINTS_FILE, ROLLOUTS_DIR))
 
 
-def missing_run_dir(command: str, run: str | os.PathLike, *, need_config: bool = True) -> str | None:
+def missing_run_dir(command: str, run: str | os.PathLike, *, need_config: bool = True,
+                    inside: bool = True) -> str | None:
     """The one wording of ``rlrepro COMMAND RUN``'s error when ``RUN`` is not a run directory; None when it is one.
     "not found" for a path that does not exist (with the run directories beside it whose names are close to it),
     "is a file" for a file (naming the run directory it lies in, if any), and, when ``need_config`` (the commands
-    that rebuild the run: verify, eval), "no config.yaml" for a directory that holds no run. The commands that only read records
-    (show, diff, plot, export) pass ``need_config=False`` and say themselves what a directory lacks.
+    that rebuild the run: verify, eval), "no config.yaml" for a directory that holds no run. The commands that only
+    read records (show, diff, plot, export) pass ``need_config=False`` and say themselves what a directory lacks.
+    A folder inside a run (``rollouts/``, ``checkpoints/step_N/``) names that run, with ``--step N`` where the
+    command takes it (``inside=False``: diff, which says it in its own words).
     ``rlrepro.orchestration.run_dirs.missing_run_dir`` is this function."""
     run = Path(run)
     hint = f"give the directory a training wrote (its run.dir, e.g. `rlrepro {command} runs/NAME`)"
@@ -74,10 +77,31 @@ def missing_run_dir(command: str, run: str | os.PathLike, *, need_config: bool =
         where = (f"its run directory is {owner}: rlrepro {command} {owner}" if owner is not None
                  else "give the directory a training wrote (its run.dir)")
         return f"{run} is a file, not a run directory; {where}"
+    if inside and not _holds_run(run):
+        message = _inside_run_message(command, run)
+        if message is not None:
+            return message
     if need_config and not (run / CONFIG_FILE).is_file():
         return (f"{run} is not a run directory (no {CONFIG_FILE}); give the directory a training wrote (its "
                 "run.dir)")
     return None
+
+
+def _inside_run_message(command: str, folder: Path) -> str | None:
+    """When ``folder`` lies inside a run directory (its ``rollouts/``, ``checkpoints/step_N/``, ``base_model/``):
+    the message naming that run directory, with ``--step N`` for a step's folder; else None."""
+    resolved = folder.resolve()
+    owner = next((p for p in resolved.parents if (p / CONFIG_FILE).is_file()
+                  and ((p / METRICS_FILE).is_file() or (p / FINGERPRINTS_FILE).is_file())), None)
+    if owner is None:
+        return None
+    form = f"rlrepro {command} {owner}"
+    step = next((part for part in resolved.relative_to(owner).parts if part.startswith("step_")), None)
+    if step is not None and step[5:].isdigit() and command in ("show", "export", "eval"):
+        form += f" --step {int(step[5:])}"
+    if command == "export":
+        form += " OUT"
+    return f"{folder} is inside the run directory {owner}, not a run directory itself; give the run directory: {form}"
 
 
 def step_dirname(step: int) -> str:
