@@ -225,3 +225,48 @@ def test_a_run_being_started_inside_the_data_folder_is_left_out(tmp_path, with_c
     records, stats = load_records(str(proj))
     assert [r.uid for r in records] == ["proj/mine.jsonl:0", "proj/mine.jsonl:1"]
     assert len(stats.files) == 1
+
+
+def test_source_files_leave_out_the_runs_inside_a_data_folder(tmp_path):
+    """inputs.json's data.files (the driver's digest list, ``source_files``) left in the runs inside a data folder:
+    a run started there (run.dir=proj/runs/x) found its own .lock and checkpoints "changed" at its resume, which
+    was refused; every start hashed the runs' checkpoints. A folder without runs keeps every file (any type)."""
+    from rlrepro.data.sources import source_files
+
+    proj = tmp_path / "proj"
+    _mine(proj)
+    (proj / "README.md").write_text("about the data\n")
+    plain = source_files(proj)
+    assert plain == [proj / "README.md", proj / "mine.jsonl"]
+    run = proj / "runs" / "x"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "checkpoints" / "step_000001" / "model.safetensors").write_bytes(b"\0" * 64)
+    (run / "base_model").mkdir()
+    (run / "base_model" / "manifest.json").write_text("{}")
+    (run / ".lock").write_text("")
+    (run / "config.yaml").write_text("recipe: grpo_tiny\n")
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "inputs.json").write_text("{}")
+    _jsonl(run / "data" / "synthetic_first_letter.jsonl", [{"id": "s:0", "prompt": "first: ab=", "answer": "a"}])
+    assert source_files(proj) == plain
+    assert source_files(proj / "mine.jsonl") == [proj / "mine.jsonl"]
+    assert source_files(tmp_path / "nothing") == []
+
+
+@pytest.mark.slow
+def test_a_run_inside_its_data_folder_resumes(tmp_path):
+    """End to end (about 20 s): data.source=proj with run.dir=proj/runs/x, one step, then run.resume=true to step
+    2. The resume was refused: "data file .lock changed ... checkpoints/... is in B only" (the digest list held the
+    run's own files)."""
+    from _cli_run import run_cli
+
+    proj = tmp_path / "proj"
+    _jsonl(proj / "mine.jsonl", [{"prompt": "ab=", "answer": "a"}, {"prompt": "cd=", "answer": "c"}])
+    args = ["train", "recipe=grpo_tiny", f"data.source={proj}", f"run.dir={proj / 'runs' / 'x'}", "checkpoint.every=1",
+            "rollout.prompts_per_step=2", "train.warmup_steps=0"]
+    first = run_cli(args + ["train.steps=1"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli(args + ["train.steps=2", "run.resume=true"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (proj / "runs" / "x" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]

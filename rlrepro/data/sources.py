@@ -25,7 +25,7 @@ import logging
 import re
 from pathlib import Path
 
-__all__ = ["DATA_FILE_FORMATS", "KNOWN_SPLITS", "local_files", "split_of", "check_not_saved_dataset"]
+__all__ = ["DATA_FILE_FORMATS", "KNOWN_SPLITS", "local_files", "split_of", "check_not_saved_dataset", "source_files"]
 
 # file suffix -> datasets builder
 DATA_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -162,6 +162,30 @@ def local_files(path: Path, split: str) -> list[tuple[Path, str]]:
                 f"found>."
             )
     return [(f, f"{root.name}/{f.relative_to(root).as_posix()}") for f in chosen]
+
+
+def source_files(path: Path) -> list[Path]:
+    """The files of a local data source that a run's inputs.json digests (``data.files``): ``path`` itself, or every
+    file under the folder (any type: a changed file beside the data is a changed input) except hidden ones (a run's
+    ``.lock``) and the files of run directories inside it (config.yaml, checkpoints, rollouts, base_model/, ...),
+    which a run writes while it runs: a resume would see them as changed data, and a start would hash its
+    checkpoints."""
+    path = Path(path)
+    if not path.is_dir():
+        return [path] if path.is_file() else []
+    root, runs = path.resolve(), {}
+    files = sorted(p for p in root.rglob("*")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    def in_run(f: Path) -> bool:
+        parts = f.relative_to(root).parts
+        for i in range(len(parts)):
+            folder = root.joinpath(*parts[:i])
+            if folder not in runs:
+                runs[folder] = is_run_dir(folder)
+            if runs[folder]:
+                return True
+        return False
+    return [path / f.relative_to(root) for f in files if not in_run(f)]
 
 
 def split_of(rel: str, split: str, root: Path | str = ".") -> str | None:

@@ -128,6 +128,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
     def _load_prompts(self) -> tuple[list, list[Path]]:
         """The run's prompts (rlrepro.data.build_prompts) and the data files they came from."""
         from rlrepro.data import build_prompts, load_records
+        from rlrepro.data.sources import source_files
 
         from .synthetic_file import prepare_synthetic_data
 
@@ -149,9 +150,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
                 on_bad_row=d.on_bad_row, on_unknown_token=d.on_unknown_token, source=str(source))
         except ValueError as e:  # a prompt the data keys cannot make work: bad input, named with its key
             raise ConfigError(str(e)) from None
-        path = Path(source)
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
-        return prompts, files
+        return prompts, source_files(Path(source))  # not the records of runs inside a data folder
 
     # ------------------------------------------------------------------------------------------------ one step
     def run_step(self, step: int) -> dict:
