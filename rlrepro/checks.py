@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = ["ConfigError", "Checker", "plain_number", "finite_number"]
@@ -97,10 +97,15 @@ class Checker:
         if not ok:
             self.fail(name, f"must lie in {'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}")
 
-    def choice(self, name: str, choices: Iterable[Any]) -> None:
+    def choice(self, name: str, choices: Iterable[Any], elsewhere: Mapping[str, str] | None = None) -> None:
+        """``name`` must be one of ``choices``; ``elsewhere``: another framework's spelling -> ours (named in the
+        error: verl's ``low_var_kl`` is ``k3`` here)."""
         choices = list(choices)
-        if self._value(name) not in choices:
-            self.fail(name, f"is not allowed; choose one of {choices}")
+        v = self._value(name)
+        if v not in choices:
+            ours = (elsewhere or {}).get(v) if isinstance(v, str) else None
+            hint = f": it is verl's name for {ours}; set {self.key(name)}={ours}" if ours else ""
+            self.fail(name, f"is not allowed; choose one of {choices}{hint}")
 
     def boolean(self, *names: str) -> None:
         for name in names:

@@ -201,3 +201,21 @@ def test_trainer_refuses_a_non_finite_temperature_naming_it(t):
 def test_trainer_takes_zero_and_positive_temperatures():
     for t in (0, 0.0, 0.7, 1):
         assert Trainer(tiny_model(seed=0), TrainConfig(micro_batch_size=2), temperature=t).temperature == float(t)
+
+
+@pytest.mark.parametrize("key,verl,ours", [("kl_estimator", "low_var_kl", "k3"), ("kl_estimator", "kl", "k1"),
+                                           ("kl_estimator", "mse", "k2"), ("policy_loss", "vanilla", "ppo_clip"),
+                                           ("advantage", "reinforce_plus_plus", "reinforce_pp")])
+def test_verl_spellings_are_refused_naming_ours(key, verl, ours):
+    """A user from verl writes its names (``low_var_kl``, ``vanilla``, ``reinforce_plus_plus``): the error names
+    the key, the value and our name for it; an unknown value still gets the list alone."""
+    from rlrepro.trainer.config import TrainConfig
+
+    extra = {"kl_coef": 0.001} if key == "kl_estimator" else {}
+    with pytest.raises(Exception) as e:
+        TrainConfig(**{key: verl}, **extra).validate()
+    msg = str(e.value)
+    assert f"train.{key}={verl!r}" in msg and f"it is verl's name for {ours}; set train.{key}={ours}" in msg, msg
+    with pytest.raises(Exception) as e:
+        TrainConfig(**{key: "nonsense"}, **extra).validate()
+    assert "choose one of" in str(e.value) and "verl" not in str(e.value)

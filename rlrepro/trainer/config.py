@@ -24,6 +24,13 @@ GRAD_SYNCS = ("ordered", "megatron")
 CHECKPOINT_FORMATS = ("full", "dist")
 NONFINITE_POLICIES = ("error", "skip")
 WARM_START_TARGETS = ("format", "answer", "demonstration")
+# verl's spellings of choices we name otherwise (algorithm.adv_estimator, actor.policy_loss.loss_mode,
+# actor.kl_loss_type / algorithm.kl_penalty): refused, with ours named in the error
+VERL_NAMES = {
+    "advantage": {"reinforce_plus_plus": "reinforce_pp", "reinforce_plus_plus_baseline": "reinforce_pp_baseline"},
+    "policy_loss": {"vanilla": "ppo_clip"},
+    "kl_estimator": {"kl": "k1", "mse": "k2", "low_var_kl": "k3"},
+}
 
 
 @dataclass
@@ -128,16 +135,16 @@ class TrainConfig:
                   "train.clip_low=0.2, or set train.policy_loss=cispo")
         c.in_range("clip_low", 0, 1, high_inclusive=self.policy_loss == "cispo")
         c.choice("loss_agg", LOSS_AGG_MODES)
-        c.choice("advantage", ADVANTAGE_MODES)
+        c.choice("advantage", ADVANTAGE_MODES, VERL_NAMES["advantage"])
         c.choice("advantage_std", ADVANTAGE_STDS)
         c.require(self.advantage_std == "population" or uses_std(self.advantage), "advantage_std",
                   f"changes nothing with train.advantage={self.advantage}, which divides by no std; leave "
                   f"train.advantage_std=population (or an advantage that divides by a std: "
                   f"{', '.join(m for m in ADVANTAGE_MODES if uses_std(m))})")
-        c.choice("policy_loss", POLICY_LOSSES)
+        c.choice("policy_loss", POLICY_LOSSES, VERL_NAMES["policy_loss"])
         for name, why in policy_loss_problems(self.policy_loss, loss_agg=self.loss_agg, dual_clip=self.dual_clip):
             c.fail(name, why)
-        c.choice("kl_estimator", KL_ESTIMATORS)
+        c.choice("kl_estimator", KL_ESTIMATORS, VERL_NAMES["kl_estimator"])
         c.require(self.kl_estimator == "k3" or self.kl_coef > 0, "kl_estimator",
                   f"changes nothing with train.kl_coef={self.kl_coef}: without a KL term the run builds no reference "
                   "model and computes no KL; set train.kl_coef > 0 (e.g. 0.001) or leave train.kl_estimator=k3")
