@@ -84,4 +84,4 @@ class SamplingConfig:
 
     def params(self, *, seed: int, stop_token_ids=()) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=self.max_tokens, seed=seed, stop_token_ids=tuple(stop_token_ids))
+                              max_tokens=self.max_tokens, seed=seed, stop_token_ids=stop_token_ids)

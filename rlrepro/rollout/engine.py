@@ -70,6 +70,14 @@ def _token_id(request: int, token: object, vocab: int) -> int:
     return value
 
 
+def _mapping(what: str, obj: Mapping, example: str) -> str:
+    """The error for a dict given where token ids belong (a tokenizer's ``BatchEncoding``, vLLM's
+    ``{"prompt_token_ids": ...}``): iterating it would give its keys, so name them and the field to pass."""
+    field = next((k for k in ("input_ids", "prompt_token_ids") if k in obj), "input_ids")
+    return (f"{what}, got a {type(obj).__name__} with keys {list(obj)[:4]!r} (a tokenizer's output?); pass its "
+            f"token ids, e.g. {example}[{field!r}]")
+
+
 def _one_prompt(prompt: object) -> object:
     """``add_request``'s prompt, refused with the fix when it is a batch (a list of lists, a 2-D tensor or array);
     an iterator comes back as a list (it is read once)."""
@@ -77,7 +85,7 @@ def _one_prompt(prompt: object) -> object:
         raise ValueError(f"add_request takes one prompt, a flat list of token ids, but got the single token id "
                          f"{prompt!r}; pass a list, e.g. add_request([{operator.index(prompt)}], params)")
     ndim, kind = getattr(prompt, "ndim", None), type(prompt).__name__
-    if ndim is None and isinstance(prompt, Iterable) and not isinstance(prompt, (str, bytes)):
+    if ndim is None and isinstance(prompt, Iterable) and not isinstance(prompt, (str, bytes, Mapping)):
         prompt = list(prompt)
         nested = [t for t in prompt
                   if isinstance(t, Iterable) and not isinstance(t, (str, bytes)) and getattr(t, "ndim", None) != 0]
@@ -424,6 +432,9 @@ class Engine:
         if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Iterable):
             raise ValueError("generate() takes a list of prompts, each a list of token ids; got "
                              f"{type(prompt_token_ids).__name__}")
+        if isinstance(prompt_token_ids, Mapping):  # iterating it would give its keys
+            raise ValueError(_mapping("generate() takes a list of prompts, each a list of token ids",
+                                      prompt_token_ids, "generate(encoding") + ")")
         if getattr(prompt_token_ids, "ndim", None) == 1:  # a 1-D tensor or array is one prompt, not many
             raise ValueError("generate() takes a list of prompts, each a list of token ids; got one 1-D "
                              f"{type(prompt_token_ids).__name__}: wrap it as [prompt]")
@@ -452,6 +463,8 @@ class Engine:
         vocab, bs = self.vocab_size, self.block_size
         out = []
         for i, (prompt, p) in enumerate(zip(prompts, params), start=first_index):
+            if isinstance(prompt, Mapping):
+                raise ValueError(_mapping(f"request {i}: a prompt must be a list of token ids", prompt, "prompt"))
             if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
                 raise ValueError(f"request {i}: a prompt must be a list of token ids, got {type(prompt).__name__}; "
                                  "tokenize text first")
@@ -462,7 +475,9 @@ class Engine:
                 raise ValueError(f"request {i}: the prompt is empty; give at least one token (e.g. BOS)")
             stop_bad = [t for t in p.stop_token_ids if t >= vocab]
             if stop_bad:
-                raise ValueError(f"request {i}: stop_token_ids {stop_bad} lie outside the vocabulary [0, {vocab})")
+                raise ValueError(f"request {i}: stop_token_ids {stop_bad} lie outside the vocabulary [0, {vocab}) "
+                                 "and could never be sampled; remove them, or check that the tokenizer matches the "
+                                 "model")
             n = len(prompt)
             if n >= self.max_model_len:
                 raise ValueError(f"request {i}: the prompt has {n} tokens but the context holds max_model_len="
@@ -493,6 +508,7 @@ class Engine:
         cast, which would run other bits than the sender's) and a ValueError naming the first offending tensor and
         what was expected leaves every weight and the version as they were.
         """
+        version = plain_number(version)  # a numpy integer is the int it holds, as for the other arguments
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"load_weights version must be an integer, got {version!r}")
         if self.has_unfinished():
@@ -541,6 +557,7 @@ class Engine:
                 version = fill(dict(self.model.named_parameters()))
         finally:  # even if fill fails part way: the weights the cached K/V came from may be gone
             self.reset_prefix_cache()
+        version = plain_number(version)
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"receive_weights: the filler returned version {version!r}, not an integer")
         self.weight_version = version

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from dataclasses import dataclass, field
 
 from rlrepro.checks import plain_number
@@ -16,11 +17,18 @@ def _is_int(value: object) -> bool:
 
 
 def _token_int(value: object) -> int | None:
-    """A token id as a Python int: ints and numpy integer scalars (``numbers.Integral``), as prompts take them;
-    None for anything else (bools, numpy bools, floats)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    """A token id as a Python int: ints, numpy integer scalars (``numbers.Integral``) and 0-d integer tensors or
+    arrays, as prompts take them; None for anything else (bools and bool tensors, floats, 1-D tensors)."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
         return None
-    return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if getattr(value, "ndim", None) == 0:  # torch.tensor(5), np.array(5): no torch import here (duck-typed)
+        try:
+            return operator.index(value)
+        except TypeError:  # a float tensor
+            return None
+    return None
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {s!r}; "
                              "rlrepro.rollout.request_seed(...) derives valid seeds")
         stops = self.stop_token_ids
-        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
-            one = f"; wrap one id as stop_token_ids=({stops!r},)" if _token_int(stops) is not None else ""
+        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__") or getattr(stops, "ndim", None) == 0:
+            one = f"; wrap one id as stop_token_ids=({_token_int(stops)!r},)" if _token_int(stops) is not None else ""
             raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids, got {stops!r}{one}")
         stops = tuple(stops)
         ids = tuple(_token_int(x) for x in stops)  # numpy integers become ints: the same request, record and hash
