@@ -165,6 +165,12 @@ class RolloutConfig(EngineConfig, SamplingConfig):
         c.positive_int("max_generation_rounds")
         c.choice("on_round_cap", ROUND_CAP_POLICIES)
         c.int_at_least("max_staleness", 0)
+        defaults = type(self).__dataclass_fields__  # the round keys are read by dynamic sampling only
+        for name in ("prompts_per_round", "max_generation_rounds", "on_round_cap"):
+            default = defaults[name].default
+            c.require(self.dynamic_sampling or getattr(self, name) == default, name,
+                      "changes nothing with rollout.dynamic_sampling=false; set rollout.dynamic_sampling=true or "
+                      f"leave it at {'null' if default is None else default}")
 
     @property
     def engine(self) -> EngineConfig:
