@@ -362,10 +362,12 @@ def _checkpoint_weights(run_dir: Path, ckpt: Path, tmp: Path) -> dict:
 
 
 def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: str | None = None,
-                        records: list | None = None, fingerprint: bool = False) -> tuple[int, dict]:
+                        records: list | None = None, fingerprint: bool = False,
+                        eval_keys: dict | None = None) -> tuple[int, dict]:
     """``(step, eval/* metrics)`` of the run's checkpoint of ``step`` (default: the newest complete one), as the
     run computes them after that step; ``source``: another held-out file than the run's ``eval.source``;
-    ``records``: a list that gets one dict per request (key order); ``fingerprint``: add ``repro/eval_fingerprint``.
+    ``records``: a list that gets one dict per request (key order); ``fingerprint``: add ``repro/eval_fingerprint``;
+    ``eval_keys``: how to read ``source`` (``eval.prompt_field`` and the other data keys of :data:`FILE_KEYS`).
     A run with ``env.*`` is evaluated on its episodes (:func:`run_eval_episodes`, on the worker's episode runner,
     as its rollout ran them)."""
     import tempfile
@@ -395,6 +397,8 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, source: st
     # eval.* as they were at that step (a resume may have amended them later: amendments.jsonl)
     latest = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
     at_step = config_at_step(latest, read_amendments(run_dir), int(ckpt.name.split("_")[1]))
+    if eval_keys:  # --source FILE read with its own columns: checked by validate as the run's keys are
+        at_step.setdefault("eval", {}).update(eval_keys)
     cfg = validate(migrate_legacy_keys(at_step, warn=False))
     if source is not None:
         cfg.eval.source = source
@@ -451,9 +455,36 @@ def _logged(run_dir: Path, step: int) -> dict | None:
     return {k: v for k, v in rec.items() if k.startswith("eval/") or k == EVAL_FINGERPRINT_KEY} or None
 
 
+# the eval.* keys that say how to read a held-out file, which `rlrepro eval --source FILE` takes as KEY=VALUE
+FILE_KEYS = ("split", "prompt_field", "answer_field", "id_field", "messages_field", "template", "system_prompt",
+             "limit")
+
+
+def _file_keys(items: list[str], source: str | None) -> dict:
+    """``eval.KEY=VALUE`` arguments as ``{KEY: value}`` (``null``: None, digits: an int); only with ``--source``:
+    the run's own eval numbers come from its recorded keys."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        name = key.removeprefix("eval.")
+        if not eq or not key.startswith("eval.") or name not in FILE_KEYS:
+            raise ValueError(f"{item!r} is not eval.KEY=VALUE with KEY one of {', '.join(FILE_KEYS)} (how to read "
+                             f"the --source file), e.g. eval.prompt_field=question")
+        parsed = yaml.safe_load(value) if value else value
+        out[name] = parsed if parsed is None or isinstance(parsed, int) and not isinstance(parsed, bool) else value
+        if name == "limit" and out[name] is not None and not isinstance(out[name], int):
+            raise ValueError(f"{item}: eval.limit takes a positive integer (the first N rows) or null")
+    if out and source is None:
+        raise ValueError(f"{', '.join(items)}: these say how to read a --source file; the run's own eval reads its "
+                         f"eval.source with the keys it recorded. Fix: add --source FILE, or leave them out")
+    return out
+
+
 def main_eval(argv: list[str]) -> int:
-    """``rlrepro eval RUN [--step K] [--source FILE] [--json]``: exit 0; 2 on a bad argument or run; 1 when the run
-    logged other eval/* numbers at that step (another eval file, machine or software)."""
+    """``rlrepro eval RUN [--step K] [--source FILE [eval.KEY=VALUE ...]] [--json]``: exit 0; 2 on a bad argument or
+    run; 1 when the run logged other eval/* numbers at that step (another eval file, machine or software)."""
     import argparse
 
     from rlrepro.checks import ConfigError
@@ -467,7 +498,14 @@ def main_eval(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     ap.add_argument("--records", default=None, metavar="FILE", help="write one JSON line per request (key, reward, "
                     "length, finish reason, text; with env.*: turns and tool calls) to FILE")
-    ns = ap.parse_args(argv)
+    ap.add_argument("keys", nargs="*", metavar="eval.KEY=VALUE", help="with --source: how to read FILE (eval."
+                    + ", eval.".join(FILE_KEYS) + "), e.g. eval.prompt_field=question")
+    ns = ap.parse_intermixed_args(argv)
+    try:
+        eval_keys = _file_keys(ns.keys, ns.source)
+    except ValueError as e:
+        print(f"rlrepro eval: {e}", file=sys.stderr)
+        return 2
     records: list | None = [] if ns.records is not None else None
     if ns.records is not None and not Path(ns.records).resolve().parent.is_dir():
         print(f"rlrepro eval: --records {ns.records}: its folder {Path(ns.records).resolve().parent} does not exist; "
@@ -482,7 +520,8 @@ def main_eval(argv: list[str]) -> int:
         ns.source = str(Path(ns.source).resolve())
     try:
         with in_launch_dir(ns.run) as ns.run:
-            step, metrics = evaluate_checkpoint(ns.run, ns.step, ns.source, records, fingerprint=True)
+            step, metrics = evaluate_checkpoint(ns.run, ns.step, ns.source, records, fingerprint=True,
+                                                eval_keys=eval_keys)
         if records is not None:  # complete or absent: a crash while writing leaves the previous file, not a part
             atomic_write_bytes(ns.records, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode())
         logged = _logged(Path(ns.run), step) if ns.source is None else None
