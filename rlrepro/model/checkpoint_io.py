@@ -24,6 +24,9 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # the RoPE frequencies older transformers saved with the weights (``model.layers.N.self_attn.rotary_emb.inv_freq``,
 # ``model.rotary_emb.inv_freq``): a buffer derived from the config, which transformers skips on load too
 _ROTARY_BUFFER = "rotary_emb.inv_freq"
+# the safetensors dtypes a weight may be stored in (cast to the compute dtype on load); integers, booleans and FP8
+# are a quantized checkpoint's codes, which a cast would turn into garbage weights
+_FLOAT_STORED = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 def model_dir_config(path: str | os.PathLike) -> tuple[Path, Qwen3Config]:
@@ -37,9 +40,11 @@ def model_dir_config(path: str | os.PathLike) -> tuple[Path, Qwen3Config]:
 def iter_checkpoint_tensors(path: Path, config: Qwen3Config,
                             names: Collection[str]) -> Iterator[tuple[Path, str, object]]:
     """Walk every tensor of the model directory's safetensors files: yields (file, name, open safe_open handle)
-    for each tensor a Qwen3ForCausalLM of ``config`` has (``names``), skipping a stored LM head of a tied model and
-    stored RoPE ``inv_freq`` buffers.
-    An unreadable file or an unknown tensor name raises ValueError naming the file and the fix."""
+    for each tensor a Qwen3ForCausalLM of ``config`` has (``names``), skipping a stored LM head of a tied model
+    (:func:`check_tied_head` compares it with the embedding) and stored RoPE ``inv_freq`` buffers.
+    An unreadable file, an unknown tensor name, a tensor stored in two files or one stored in a dtype that is not
+    a float one (a quantized checkpoint's integers or FP8) raises ValueError naming the file and the fix."""
+    where: dict[str, Path] = {}
     for f in weight_files(path):
         try:
             handle = safe_open(str(f), framework="pt", device="cpu")
@@ -48,29 +53,80 @@ def iter_checkpoint_tensors(path: Path, config: Qwen3Config,
                              "directory again") from e
         with handle:
             for name in handle.keys():
+                if name in where:  # which copy a loader takes depends on the file order: refuse, not pick one
+                    raise ValueError(f"tensor {name!r} is stored in both {where[name]} and {f}; the model directory "
+                                     "mixes two saves: delete the stale file (and fix model.safetensors.index.json)")
+                where[name] = f
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
                 if name.endswith(_ROTARY_BUFFER):  # an older save's RoPE buffer: recomputed from rope_theta
                     continue
                 if name not in names:
-                    raise ValueError(f"{f} holds tensor {name!r}, which a Qwen3ForCausalLM does not have")
+                    raise ValueError(f"{f} holds tensor {name!r}, which a Qwen3ForCausalLM does not have (no biases, "
+                                     "no quantization scales, no other heads); use a dense Qwen3ForCausalLM "
+                                     "checkpoint, or remove the tensor if it does not belong to the model")
+                stored = handle.get_slice(name).get_dtype()
+                if stored not in _FLOAT_STORED:
+                    raise ValueError(f"{f}: tensor {name!r} is stored as {stored}; rlrepro loads float weights (F32, "
+                                     "F16 or BF16): a quantized checkpoint? use its unquantized version")
                 yield f, name, handle
 
 
 def require_all_tensors(path: Path, names: Collection[str], seen: set[str]) -> None:
     missing = sorted(set(names) - seen)
     if missing:
+        hint = ("; config.json has tie_word_embeddings=false: if the model shares its embedding with the LM head, "
+                "set tie_word_embeddings to true" if missing == ["lm_head.weight"] else "")
         raise ValueError(f"checkpoint {path} lacks tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
-                         "a shard is missing from the index or the directory is incomplete")
+                         f"a shard is missing from the index or the directory is incomplete{hint}")
+
+
+def _check_tensors(path: Path, config: Qwen3Config, shapes: dict[str, tuple], config_source: str) -> None:
+    """Every tensor's name, dtype and shape from the files' headers (no tensor is read), none missing."""
+    seen: set[str] = set()
+    for f, name, handle in iter_checkpoint_tensors(path, config, shapes):
+        shape = tuple(handle.get_slice(name).get_shape())
+        if shape != shapes[name]:
+            raise ValueError(f"{f}: tensor {name!r} has shape {shape}, {config_source} implies {shapes[name]}; "
+                             f"{config_source} and the weights do not belong together")
+        seen.add(name)
+    require_all_tensors(path, shapes, seen)
+
+
+def check_tied_head(path: Path, config: Qwen3Config) -> None:
+    """A tied model (``tie_word_embeddings=true``) whose files also hold an ``lm_head.weight``: older saves store
+    the shared tensor twice, which is fine, but a different one is a model with its own head (transformers then
+    loads it untied), which rlrepro would silently replace by the embedding. Reads the two tensors only then."""
+    if not config.tie_word_embeddings:
+        return
+    files: dict[str, Path] = {}
+    for f in weight_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            files.update({name: f for name in handle.keys()
+                          if name in ("lm_head.weight", "model.embed_tokens.weight")})
+    if "lm_head.weight" not in files or "model.embed_tokens.weight" not in files:
+        return
+    found = {}
+    for name, f in files.items():
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            found[name] = handle.get_tensor(name)
+    head, embed = found.get("lm_head.weight"), found.get("model.embed_tokens.weight")
+    if head is not None and embed is not None and not (head.shape == embed.shape and torch.equal(head, embed)):
+        raise ValueError(f"config.json of {path} has tie_word_embeddings=true, but its lm_head.weight differs from "
+                         "model.embed_tokens.weight: the model has its own LM head; set tie_word_embeddings to false "
+                         "in config.json (transformers loads that head)")
 
 
 def fill_model(path: Path, config: Qwen3Config, device: str | torch.device, dtype: torch.dtype,
                config_source: str = "config.json") -> Qwen3ForCausalLM:
     """A model of ``config`` in ``dtype`` on ``device`` holding every tensor of the checkpoint directory ``path``:
-    each tensor's shape checked against the one ``config_source`` implies, none missing (the loading loop of
-    :func:`load_pretrained` and of a run checkpoint's weights, ``model_dirs.load_resolved``)."""
+    each tensor's name, dtype and shape checked against the ones ``config_source`` implies, none missing, from
+    the files' headers before any tensor is read (the loading loop of :func:`load_pretrained` and of a run
+    checkpoint's weights, ``model_dirs.load_resolved``)."""
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
+    _check_tensors(path, config, {n: tuple(p.shape) for n, p in model.named_parameters()}, config_source)
+    check_tied_head(path, config)
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     seen: set[str] = set()
@@ -79,7 +135,7 @@ def fill_model(path: Path, config: Qwen3Config, device: str | torch.device, dtyp
             tensor = handle.get_tensor(name)
         except Exception as e:
             raise ValueError(f"cannot read tensor {name!r} from {f} (truncated or corrupt?): {e}") from e
-        if tuple(tensor.shape) != tuple(params[name].shape):
+        if tuple(tensor.shape) != tuple(params[name].shape):  # (checked above; the files changed meanwhile?)
             raise ValueError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"{config_source} implies {tuple(params[name].shape)}")
         with torch.no_grad():
@@ -112,14 +168,7 @@ def check_pretrained(path: str | os.PathLike) -> Qwen3Config:
     path, config = model_dir_config(path)
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in Qwen3ForCausalLM(config).named_parameters()}
-    seen: set[str] = set()
-    for f, name, handle in iter_checkpoint_tensors(path, config, shapes):
-        shape = tuple(handle.get_slice(name).get_shape())
-        if shape != shapes[name]:
-            raise ValueError(f"{f}: tensor {name!r} has shape {shape}, config.json implies {shapes[name]}; "
-                             "config.json and the weights do not belong together")
-        seen.add(name)
-    require_all_tensors(path, shapes, seen)
+    _check_tensors(path, config, shapes, "config.json")
     return config
 
 

@@ -95,24 +95,8 @@ class Qwen3Config:
         if model_type != "qwen3":
             raise ValueError(f"rlrepro builds dense Qwen3 models (model_type 'qwen3'); config.json has model_type "
                              f"{model_type!r}: point model.path at a Qwen3 (dense) checkpoint")
-        if raw.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=true is not supported; set it to false in config.json")
-        if raw.get("attention_bias"):
-            raise ValueError("attention_bias=true (biases on q/k/v/o_proj) is not supported: Qwen3 has none; "
-                             "use a Qwen3 checkpoint with attention_bias=false")
-        if raw.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ValueError(f"hidden_act={raw['hidden_act']!r} is not supported: Qwen3's MLP uses silu")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"rope_scaling/rope_parameters must be an object or null, got {rope!r}")
-        # transformers' older spelling of rope_type is "type" (e.g. {"type": "yarn", "factor": 4.0})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported (only default RoPE); remove rope_scaling "
-                             "from config.json to run the model at its native context length")
-        theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
-        if not _positive_real(theta):
-            raise ValueError(f"rope_theta must be a finite number > 0, got {theta!r}")
+        _refuse_unsupported(raw)
+        theta = _rope_theta(raw)
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
         names = {f for f in cls.__dataclass_fields__
                  if f not in ("extra", "rope_theta", "torch_dtype", "generation_eos_token_ids")}
@@ -168,6 +152,72 @@ class Qwen3Config:
         out.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False,
                    use_sliding_window=False, hidden_act="silu", rope_scaling=None, attention_dropout=0.0)
         return out
+
+
+def _refuse_unsupported(raw: dict) -> None:
+    """Refuse the config.json fields that ask for something rlrepro's Qwen3 does not compute (transformers would
+    honour them, so ignoring one would silently give other logits); each error names the field and the fix."""
+    arch = raw.get("architectures")
+    if arch is not None and (not isinstance(arch, list) or "Qwen3ForCausalLM" not in arch):
+        raise ValueError(f"architectures={arch!r}: rlrepro loads Qwen3ForCausalLM checkpoints (a causal LM head); "
+                         "point model.path at one, or set architectures to [\"Qwen3ForCausalLM\"] if it is one")
+    if raw.get("quantization_config") is not None:
+        method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) \
+            else raw["quantization_config"]
+        raise ValueError(f"quantization_config (quant_method {method!r}) is not supported: rlrepro loads "
+                         "unquantized float weights; use the unquantized (BF16) checkpoint")
+    if raw.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=true is not supported; set it to false in config.json")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list):
+            raise ValueError(f"layer_types must be a list or null, got {layer_types!r}")
+        other = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+        if other:
+            kinds = sorted({str(layer_types[i]) for i in other})
+            raise ValueError(f"layer_types lists {', '.join(map(repr, kinds))} for layers {other}: rlrepro runs full "
+                             "attention only; set every entry to \"full_attention\" (or remove layer_types)")
+    if raw.get("attention_bias"):
+        raise ValueError("attention_bias=true (biases on q/k/v/o_proj) is not supported: Qwen3 has none; "
+                         "use a Qwen3 checkpoint with attention_bias=false")
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={raw['hidden_act']!r} is not supported: Qwen3's MLP uses silu")
+
+
+def _rope_theta(raw: dict) -> float:
+    """RoPE's base from config.json: ``rope_theta``, or ``rope_parameters`` / ``rope_scaling``'s (transformers 5
+    writes ``rope_parameters``; older ones ``rope_theta`` and ``rope_scaling``). Both of ``rope_parameters`` and
+    ``rope_scaling`` are checked (transformers lets ``rope_scaling`` win, so a YaRN one beside a default
+    ``rope_parameters`` is YaRN there), and two different rope_theta values are refused, not one picked."""
+    ropes = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = raw.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise ValueError(f"{key} must be an object or null, got {rope!r}")
+        # transformers' older spelling of rope_type is "type" (e.g. {"type": "yarn", "factor": 4.0})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope type {rope_type!r} is not supported (only default RoPE); remove rope_scaling "
+                             "(and set rope_parameters' rope_type to \"default\") in config.json to run the model at "
+                             "its native context length")
+        ropes[key] = rope
+    for where, factor in [("partial_rotary_factor", raw.get("partial_rotary_factor"))] + \
+            [(f"{k}.partial_rotary_factor", r.get("partial_rotary_factor")) for k, r in ropes.items()]:
+        if factor is not None and factor != 1:
+            raise ValueError(f"{where}={factor!r} is not supported: rlrepro's RoPE rotates the whole head; "
+                             "use a Qwen3 checkpoint without partial_rotary_factor")
+    thetas = {"rope_theta": raw["rope_theta"]} if "rope_theta" in raw else {}
+    thetas.update({f"{k}.rope_theta": r["rope_theta"] for k, r in ropes.items() if "rope_theta" in r})
+    for value in thetas.values():
+        if not _positive_real(value):
+            raise ValueError(f"rope_theta must be a finite number > 0, got {value!r}")
+    if len({float(v) for v in thetas.values()}) > 1:
+        given = ", ".join(f"{k}={float(v)}" for k, v in thetas.items())
+        raise ValueError(f"config.json gives different RoPE bases ({given}); keep one (the one the model was trained "
+                         "with) and delete the other")
+    return float(next(iter(thetas.values()), 1_000_000.0))
 
 
 def _generation_eos(path: Path) -> tuple:
