@@ -416,6 +416,22 @@ def _device_problem(device: str) -> str | None:
     return None
 
 
+def _generate_args_problem(ns) -> str | None:
+    """Why ``rlrepro generate``'s options cannot be used (named as typed), checked before any model work."""
+    import math
+
+    if ns.max_tokens < 1:
+        return f"--max-tokens must be an integer >= 1, got {ns.max_tokens}"
+    if not (math.isfinite(ns.temperature) and ns.temperature >= 0):
+        return f"--temperature must be a finite number >= 0, got {ns.temperature}; use 0 for greedy decoding"
+    if not 0 <= ns.seed < 2 ** 63:
+        return f"--seed must be an integer in [0, 2**63), got {ns.seed}"
+    if ns.base is not None and ns.model is None:
+        return (f"--base {ns.base} applies only with --model naming a run or a checkpoint (it gives the checkpoint's "
+                "config.json and tokenizer); without --model the tiny random model runs. Drop --base, or add --model")
+    return None
+
+
 def cmd_generate(args: list[str]) -> int:
     """Sample completions from a model: an HF directory, a run directory (its newest checkpoint) or a checkpoint
     (``rlrepro.model.resolve_model_dir``), or by default a tiny random Qwen3. Completions go to stdout, one line a
@@ -431,12 +447,12 @@ def cmd_generate(args: list[str]) -> int:
                                     "(RUN/checkpoints/step_NNNNNN); default: a tiny random Qwen3 in a temp dir")
     ap.add_argument("--base", help="HF dir whose config.json and tokenizer a checkpoint uses (default: the run's)")
     ap.add_argument("--prompt", action="append", help="prompt text (repeatable); default: the tiny tasks' formats")
-    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--temperature", type=float, default=1.0, help="a finite number >= 0 (default 1.0); 0 = greedy")
+    ap.add_argument("--max-tokens", type=int, default=16, help="new tokens per prompt, >= 1 (default 16)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed in [0, 2**63) (default 0)")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     ns = ap.parse_args(args)
-    problem = _device_problem(ns.device)
+    problem = _generate_args_problem(ns) or _device_problem(ns.device)
     if problem:
         print(f"rlrepro generate: {problem}", file=sys.stderr)
         return 2
@@ -448,6 +464,9 @@ def cmd_generate(args: list[str]) -> int:
             else:
                 resolved = resolve_model_dir(ns.model, base=ns.base)
                 about = resolved.describe()
+                if ns.base is not None and resolved.kind == "hf":  # it has its own config.json and tokenizer
+                    raise ValueError(f"--base {ns.base} applies to a checkpoint, but --model {ns.model} is an HF "
+                                     "model directory with its own config.json and tokenizer; drop --base")
             tok = load_tokenizer(resolved.tokenizer_dir)
             model = resolved.load(device=ns.device)
             # The synthetic tasks the tiny recipes train on (grpo_tiny: first_letter, "first: cabd=" -> "c").
