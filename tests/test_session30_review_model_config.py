@@ -68,7 +68,7 @@ def test_rope_theta_must_be_a_positive_number(value):
 
 def test_rope_theta_from_rope_parameters_and_default_rope_scaling_still_load():
     assert _cfg(rope_parameters={"rope_type": "default", "rope_theta": 5000}).rope_theta == 5000.0
-    assert _cfg(rope_scaling={"type": "default"}).rope_theta == 1_000_000.0
+    assert _cfg(rope_scaling={"type": "default"}).rope_theta == 10_000.0  # none given: transformers' default
     with pytest.raises(ValueError, match="rope_theta must be a finite number > 0, got 0"):
         _cfg(rope_parameters={"rope_type": "default", "rope_theta": 0})
 

@@ -237,3 +237,21 @@ def test_tensor_problems_fail_before_any_tensor_is_read(tmp_path, monkeypatch, b
     with pytest.raises(ValueError, match=match):
         load_pretrained(d)
     assert reads == []
+
+
+def test_a_config_without_any_rope_base_runs_transformers_default(tmp_path):
+    """config.json with no rope_theta anywhere (no rope_parameters, no rope_scaling): transformers runs 10,000;
+    rlrepro ran 1,000,000 (logits 0.12 apart, no error). Now the same base, and logits close to transformers'."""
+    hf = _hf_model()
+    path = _save(hf, tmp_path)
+    raw = json.loads((path / "config.json").read_text())
+    for key in ("rope_theta", "rope_parameters", "rope_scaling"):
+        raw.pop(key, None)
+    (path / "config.json").write_text(json.dumps(raw))
+    ref_model = transformers.Qwen3ForCausalLM.from_pretrained(path).eval()
+    model = load_pretrained(path)
+    assert model.config.rope_theta == 10_000.0
+    ids = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, got = ref_model(ids, use_cache=False).logits, model(ids)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

@@ -184,6 +184,9 @@ def _refuse_unsupported(raw: dict) -> None:
         raise ValueError(f"hidden_act={raw['hidden_act']!r} is not supported: Qwen3's MLP uses silu")
 
 
+TRANSFORMERS_ROPE_THETA = 10_000.0  # transformers.Qwen3Config's rope_theta when config.json gives none
+
+
 def _rope_theta(raw: dict) -> float:
     """RoPE's base from config.json: ``rope_theta``, or ``rope_parameters`` / ``rope_scaling``'s (transformers 5
     writes ``rope_parameters``; older ones ``rope_theta`` and ``rope_scaling``). Both of ``rope_parameters`` and
@@ -217,7 +220,9 @@ def _rope_theta(raw: dict) -> float:
         given = ", ".join(f"{k}={float(v)}" for k, v in thetas.items())
         raise ValueError(f"config.json gives different RoPE bases ({given}); keep one (the one the model was trained "
                          "with) and delete the other")
-    return float(next(iter(thetas.values()), 1_000_000.0))
+    # none given: transformers' Qwen3Config default (10,000), so that both run the same model from this file (the
+    # dataclass's own default, 1e6, is Qwen3's released value, for configs built in code)
+    return float(next(iter(thetas.values()), TRANSFORMERS_ROPE_THETA))
 
 
 def _generation_eos(path: Path) -> tuple:
