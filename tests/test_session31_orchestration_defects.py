@@ -154,7 +154,7 @@ def _fake_eval(monkeypatch, step: int = 1):
     import rlrepro.orchestration.evaluation as ev
     import rlrepro.repro.inputs as inputs
 
-    def evaluate(run, step_arg, source, records, fingerprint=False):
+    def evaluate(run, step_arg, source, records, fingerprint=False, eval_keys=None):
         if records is not None:
             records.append({"key": "u:0/0", "reward": 1.0})
         return step, {"eval/reward_mean": 1.0, "repro/eval_fingerprint": "abc"}
