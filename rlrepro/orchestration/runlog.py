@@ -22,7 +22,39 @@ __all__ = ["RunLog", "step_metrics", "wandb_run_id"]
 
 # RUN/wandb/<this>: the id of the run's wandb run, so that a resumed run continues it (wandb.init(id=, resume=))
 WANDB_ID_FILE = "rlrepro_run_id"
+# RUN/wandb/<this>: "<id> <step>", the last step logged to that wandb run (written when it is closed), so that a
+# resumed offline run (wandb.init cannot know what earlier invocations logged) does not log a step a second time
+WANDB_STEP_FILE = "rlrepro_logged_step"
 _WANDB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_PROJECT_BAD = set("/\\#?%:")  # what wandb refuses in a project name (wandb_settings.validate_project)
+
+
+def _check_project(project: object) -> None:
+    """``logger.project`` must be a name wandb takes: refused here, before any work, naming key, value and fix."""
+    from rlrepro.checks import ConfigError
+
+    if not isinstance(project, str):
+        why = "is not a string"
+    elif not project or project.strip() != project:
+        why = "is empty or has leading/trailing spaces"
+    elif len(project) > 128:
+        why = "is longer than 128 characters"
+    elif _PROJECT_BAD & set(project):
+        why = f"contains {''.join(sorted(_PROJECT_BAD & set(project)))!r}"
+    else:
+        return
+    raise ConfigError(f"logger.project={project!r} is not a wandb project name: it {why}. Fix: set logger.project "
+                      "to a name of 1-128 characters without / \\ # ? % : (e.g. logger.project=rlrepro), or "
+                      "logger.wandb=false")
+
+
+def _logged_step(wandb_dir: Path, run_id: str) -> int:
+    """The last step logged to wandb run ``run_id`` by an earlier invocation (:data:`WANDB_STEP_FILE`), else 0."""
+    try:
+        rid, step = (wandb_dir / WANDB_STEP_FILE).read_text(encoding="utf-8").split()
+        return int(step) if rid == run_id else 0
+    except (OSError, UnicodeDecodeError, ValueError):
+        return 0
 
 
 def _recorded_wandb_id(wandb_dir: Path) -> str | None:
@@ -111,6 +143,8 @@ class RunLog:
         self.wandb_dir: str | None = None  # this run's wandb directory (RUN/wandb/offline-run-...), for the summary
         self._last_samples: list[Sample] = []
         self._wandb_skipped: list[int] = []  # steps a resumed wandb run already held (not logged twice)
+        self._wandb_id: str | None = None
+        self._wandb_logged = 0  # the last step an earlier invocation logged to this wandb run (a resume's)
         # logger.wandb: opened now (the driver makes the RunLog in set-up, before Ray starts and before any work),
         # so that wandb missing or wandb.init failing refuses the run at once (ConfigError, exit 2)
         self._init_wandb()
@@ -160,6 +194,7 @@ class RunLog:
             return
         from rlrepro.checks import ConfigError
 
+        _check_project(lc.project)
         fix = "Fix: pip install wandb, or set logger.wandb=false (metrics.jsonl is written either way)"
         os.environ.setdefault("WANDB_MODE", lc.mode)
         try:
@@ -168,6 +203,8 @@ class RunLog:
             raise ConfigError(f"logger.wandb=true but wandb cannot be imported ({_one_line(e)}). {fix}") from None
         # a resumed run continues its wandb run (the id recorded in RUN/wandb), a fresh one starts a new one
         run_id = wandb_run_id(self.run_dir, bool(self.cfg.run.resume))
+        self._wandb_id = run_id
+        self._wandb_logged = _logged_step(self.run_dir / "wandb", run_id) if self.cfg.run.resume else 0
         try:
             self.wandb_run = wandb.init(project=lc.project, dir=str(self.run_dir), mode=lc.mode, id=run_id,
                                         resume="allow", name=self.run_dir.name, group=self.cfg.recipe,
@@ -194,7 +231,9 @@ class RunLog:
         import wandb
 
         held = getattr(self.wandb_run, "step", 0)
-        if isinstance(held, int) and step < held:
+        # online, wandb knows the steps the run holds; offline, only the record of the earlier invocations does
+        held = max(held if isinstance(held, int) else 0, self._wandb_logged + 1)
+        if step < held:
             if not self._wandb_skipped:
                 self.line(f"rlrepro: wandb run already holds steps up to {held - 1} (logged before the resume): "
                           f"step {step} and those after it up to {held - 1} are not logged to wandb again "
@@ -209,6 +248,7 @@ class RunLog:
                 table.add_data(step, s.prompt_uid, s.prompt_text or "", s.completion_text or "", s.reward)
             payload["rollout/samples"] = table
         self.wandb_run.log(payload, step=step)
+        self._wandb_logged = max(self._wandb_logged, step)
 
     def _finish_quietly(self) -> None:
         try:
@@ -224,6 +264,11 @@ class RunLog:
             self.wandb_dir = str(Path(files).parent) if files and Path(files).parent.is_dir() else None
             self.wandb_run.finish()
             self.wandb_run = None
+            # recorded once finish() has flushed wandb's rows: a run killed before that re-logs (never loses) them;
+            # logger.mode=disabled (no directory) wrote no row
+            if self._wandb_logged and self.wandb_dir is not None:
+                atomic_write_bytes(self.run_dir / "wandb" / WANDB_STEP_FILE,
+                                   f"{self._wandb_id} {self._wandb_logged}\n".encode("utf-8"))
 
 
 def _plain(cfg: Any) -> dict:
