@@ -162,3 +162,22 @@ def test_resumed_offline_run_holds_each_step_once_with_the_metrics_jsonl_values(
     for row, m in zip(history, metrics):
         want = {k: v for k, v in m.items() if not isinstance(v, str) and not k.startswith("perf/")}
         assert {k: row[k] for k in want} == want
+
+
+def test_a_resume_into_another_wandb_project_is_refused():
+    """The resumed leg opened the same wandb run id in the new project: two runs on wandb sync. Refused when both
+    legs log to wandb; with logger.wandb=false for the leg (or the recorded run without wandb) it is an amendment."""
+    from rlrepro.checks import ConfigError
+    from rlrepro.orchestration.resume import reconcile_resume
+
+    recorded = {"logger": {"wandb": True, "project": "rlrepro"}, "train": {"steps": 4}}
+    requested = {"logger": {"wandb": True, "project": "other"}, "train": {"steps": 4}}
+    with pytest.raises(ConfigError) as e:
+        reconcile_resume(recorded, requested, completed_step=2)
+    assert 'logger.project: "rlrepro" -> "other" (the run\'s wandb run lives in project "rlrepro"' in str(e.value)
+    assert "keep the recorded logger.project, or set logger.wandb=false for this leg" in str(e.value)
+    for rec, req in ((recorded, {"logger": {"wandb": False, "project": "other"}, "train": {"steps": 4}}),
+                     ({"logger": {"wandb": False, "project": "rlrepro"}, "train": {"steps": 4}}, requested)):
+        config, amendments = reconcile_resume(rec, req, completed_step=2)
+        assert config["logger"]["project"] == "other"
+        assert {"key": "logger.project", "old": "rlrepro", "new": "other", "from_step": 3} in amendments

@@ -177,6 +177,16 @@ def steps_change_problem(recorded: dict, new_steps: Any, completed_step: int) ->
     return None
 
 
+def wandb_project_problem(recorded: dict, requested: dict) -> str | None:
+    """Why ``logger.project`` may not change at this resume: the run logged to wandb and logs again, and its wandb
+    run (the id in RUN/wandb) lives in the recorded project; in another it would become a second run on sync."""
+    old, new = dict(flatten(recorded)), dict(flatten(requested))
+    if not (old.get("logger.wandb", False) is True and new.get("logger.wandb", False) is True):
+        return None
+    return (f"the run's wandb run lives in project {_show(old.get('logger.project', ABSENT))}: logged to another it "
+            "splits in two on wandb sync; keep the recorded logger.project, or set logger.wandb=false for this leg")
+
+
 def one_rank_run(recorded: dict) -> bool:
     """Whether the recorded run's steps are those of ``train.layout_invariant=true`` even if it ran without it: one
     trainer rank (``train.num_gpus=1``: no data- or tensor-parallel sum) and no pieces (``train.tp_partials`` 1 or
@@ -233,6 +243,10 @@ def reconcile_resume(recorded: dict, requested: dict, *, completed_step: int) ->
         raise ValueError(f"completed_step must be an int >= 0, got {completed_step!r}")
     allowed, refused = [], []
     for key, old, new in differences(recorded, requested):
+        problem = wandb_project_problem(recorded, requested) if key == "logger.project" else None
+        if problem is not None:
+            refused.append(f"  {key}: {_show(old)} -> {_show(new)} ({problem})")
+            continue
         if _bit_neutral(key):
             allowed.append((key, old, new))
             continue
