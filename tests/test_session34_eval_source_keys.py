@@ -61,3 +61,16 @@ def test_renamed_columns_give_the_same_numbers(tmp_path):
     assert std.returncode == 0 and other.returncode == 0, (std.stderr[-1500:], other.stderr[-1500:])
     a, b = json.loads(std.stdout.strip().splitlines()[-1]), json.loads(other.stdout.strip().splitlines()[-1])
     assert a == b and a["eval/num_prompts"] == 3, (a, b)
+
+
+@pytest.mark.parametrize("step", [0, -1])
+def test_a_step_below_one_names_no_odd_directory(tmp_path, step):
+    """``rlrepro eval/export --step -1`` named the path ``checkpoints/step_-00001``."""
+    from rlrepro.orchestration.export import checkpoint_of
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("recipe: grpo_tiny\n")
+    with pytest.raises(ValueError) as e:
+        checkpoint_of(run, step)
+    assert str(e.value) == f"--step {step}: checkpoints are of steps 1 and up; complete ones of run {run}: none"

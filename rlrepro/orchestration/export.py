@@ -178,6 +178,9 @@ def checkpoint_of(run_dir: Path, step: int | None) -> Path:
     for s, path in complete:
         if s == step:
             return path
+    if step < 1:  # no such directory to name (checkpoint_dir_name(-1) is "step_-00001")
+        have = ", ".join(str(s) for s, _ in complete) or "none"
+        raise ValueError(f"--step {step}: checkpoints are of steps 1 and up; complete ones of run {run_dir}: {have}")
     problems = {s: problem for s, _, problem in scan_checkpoints(root)}
     have = ", ".join(str(s) for s, _ in complete) or "none"
     why = f" ({problems[step]})" if problems.get(step) else ""
