@@ -219,3 +219,16 @@ def test_verl_spellings_are_refused_naming_ours(key, verl, ours):
     with pytest.raises(Exception) as e:
         TrainConfig(**{key: "nonsense"}, **extra).validate()
     assert "choose one of" in str(e.value) and "verl" not in str(e.value)
+
+
+def test_every_policy_loss_conflict_is_named_at_once():
+    """gspo with a dual clip and the default token-mean: only the first conflict was named, so fixing it revealed
+    the next; both are named now, each with its key, value and fix."""
+    from rlrepro.trainer.config import TrainConfig
+
+    with pytest.raises(Exception) as e:
+        TrainConfig(policy_loss="gspo", dual_clip=3.0).validate()
+    msg = str(e.value)
+    assert msg.startswith("train.dual_clip=3.0 cannot be used with train.policy_loss=gspo"), msg
+    assert "set train.dual_clip=0; and train.loss_agg='token-mean' cannot be used with train.policy_loss=gspo" in msg
+    assert msg.endswith("set train.loss_agg=seq-mean-token-mean"), msg

@@ -142,8 +142,10 @@ class TrainConfig:
                   f"train.advantage_std=population (or an advantage that divides by a std: "
                   f"{', '.join(m for m in ADVANTAGE_MODES if uses_std(m))})")
         c.choice("policy_loss", POLICY_LOSSES, VERL_NAMES["policy_loss"])
-        for name, why in policy_loss_problems(self.policy_loss, loss_agg=self.loss_agg, dual_clip=self.dual_clip):
-            c.fail(name, why)
+        problems = policy_loss_problems(self.policy_loss, loss_agg=self.loss_agg, dual_clip=self.dual_clip)
+        if problems:  # all of them at once: fixing one should not reveal the next
+            c.fail(problems[0][0], "; and ".join([problems[0][1]] + [f"{c.key(n)}={getattr(self, n)!r} {why}"
+                                                                     for n, why in problems[1:]]))
         c.choice("kl_estimator", KL_ESTIMATORS, VERL_NAMES["kl_estimator"])
         c.require(self.kl_estimator == "k3" or self.kl_coef > 0, "kl_estimator",
                   f"changes nothing with train.kl_coef={self.kl_coef}: without a KL term the run builds no reference "
