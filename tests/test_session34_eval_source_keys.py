@@ -74,3 +74,17 @@ def test_a_step_below_one_names_no_odd_directory(tmp_path, step):
     with pytest.raises(ValueError) as e:
         checkpoint_of(run, step)
     assert str(e.value) == f"--step {step}: checkpoints are of steps 1 and up; complete ones of run {run}: none"
+
+
+def test_a_missing_answer_column_is_not_guessed_as_the_id_column(tmp_path):
+    """A file of prompts and ids only: the fix suggested data.answer_field=id (scoring completions against ids)."""
+    from rlrepro.data import load_records
+
+    f = write(tmp_path / "held.jsonl", [{"prompt": "ab=", "id": "p0"}])
+    with pytest.raises(ValueError) as e:
+        load_records(str(f))
+    assert str(e.value).endswith("fields that exist: ['prompt', 'id']. Fix: set data.answer_field=<one of those>."), \
+        str(e.value)
+    g = write(tmp_path / "other.jsonl", [{"prompt": "ab=", "id": "p0", "gold": "a"}])
+    with pytest.raises(ValueError, match=r"e\.g\. data\.answer_field=gold\.$"):
+        load_records(str(g))

@@ -197,7 +197,9 @@ class FieldSpec:
         for col, role, param in self.used():
             if col not in columns:
                 free = [c for c in columns if c not in used]
-                guess = next((c for c in _FIELD_GUESSES[role] if c in free), free[0] if free else None)
+                # else the first free column no other role's guesses claim (an id column is no answer)
+                other = [c for c in free if not any(c in g for r, g in _FIELD_GUESSES.items() if r != role)]
+                guess = next((c for c in _FIELD_GUESSES[role] if c in free), other[0] if other else None)
                 example = f", e.g. data.{param}={guess}" if guess is not None else ""
                 raise ValueError(f"{label}: the {role} field {col!r} is not in the data set; "
                                  f"fields that exist: {columns}. Fix: set data.{param}=<one of those>{example}.")
