@@ -63,14 +63,19 @@ def _is_record(rest: tuple[str, ...], scan: bool) -> bool:
 
 def _run_record_of(path: Path, root: Path, runs: dict[Path, bool], scan: bool = False) -> Path | None:
     """The run directory (``root`` or a folder under it) whose record ``path`` is or lies in, else None."""
+    return next((folder for folder, rest in _runs_above(path, root, runs) if _is_record(rest, scan)), None)
+
+
+def _runs_above(path: Path, root: Path, runs: dict[Path, bool]):
+    """(run directory, the rest of ``path`` in it) for each run directory from ``root`` down to ``path``'s folder
+    (``runs``: is_run_dir's answers so far, filled in)."""
     parts = path.relative_to(root).parts
     for i in range(len(parts)):
         folder = root.joinpath(*parts[:i])
         if folder not in runs:
             runs[folder] = is_run_dir(folder)
-        if runs[folder] and _is_record(parts[i:], scan):
-            return folder
-    return None
+        if runs[folder]:
+            yield folder, parts[i:]
 
 
 def _refuse_run_dir(path: Path, what: str) -> ValueError:
@@ -176,16 +181,7 @@ def source_files(path: Path) -> list[Path]:
     root, runs = path.resolve(), {}
     files = sorted(p for p in root.rglob("*")
                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
-    def in_run(f: Path) -> bool:
-        parts = f.relative_to(root).parts
-        for i in range(len(parts)):
-            folder = root.joinpath(*parts[:i])
-            if folder not in runs:
-                runs[folder] = is_run_dir(folder)
-            if runs[folder]:
-                return True
-        return False
-    return [path / f.relative_to(root) for f in files if not in_run(f)]
+    return [path / f.relative_to(root) for f in files if next(_runs_above(f, root, runs), None) is None]
 
 
 def split_of(rel: str, split: str, root: Path | str = ".") -> str | None:
