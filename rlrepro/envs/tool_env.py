@@ -3,6 +3,8 @@ API) and :class:`ToolEnv` (the model calls tools until it answers without a call
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Optional, Sequence
 
 from rlrepro.data import PromptRecord, RewardFn
@@ -44,6 +46,18 @@ def _tool_table(tools: Sequence[Tool], fmt: ToolCallFormat) -> dict[str, Tool]:
     return table
 
 
+def _positive_int(key: str, where: str, value: Any) -> int:
+    """``value`` as the positive int that ``env.<key>`` holds, or ValueError naming the key and the fix (a caller
+    building a ToolEnv or calling execute_calls directly skips EnvConfig's checks)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"env.{key}={value!r} ({where}) must be a positive integer. Fix: pass an int >= 1 "
+                         f"(EnvConfig's default is {_DEFAULTS[key]})")
+    return int(value)
+
+
+_DEFAULTS = {"max_calls_per_turn": 4, "max_observation_chars": 4096}
+
+
 def execute_calls(text: str, tools: Sequence[Tool], fmt: ToolCallFormat, *, max_calls: int,
                   max_observation_chars: int) -> tuple[list[dict[str, str]], int, list[dict[str, Any]]]:
     """Parse every call in an assistant turn and run it: (result messages in call order, number of malformed
@@ -51,6 +65,9 @@ def execute_calls(text: str, tools: Sequence[Tool], fmt: ToolCallFormat, *, max_
     ``max_calls`` is not run and gets an error result (not counted as malformed). Calls that cannot be read
     (:class:`MalformedCall`) are not calls of a tool and do not count towards ``max_calls``. A result longer than
     ``max_observation_chars`` is cut with a note after it (``fmt.observation_message``)."""
+    max_calls = _positive_int("max_calls_per_turn", "execute_calls max_calls", max_calls)
+    max_observation_chars = _positive_int("max_observation_chars", "execute_calls max_observation_chars",
+                                          max_observation_chars)
     table = _tool_table(tools, fmt)
     messages, info = [], []
     malformed = calls = 0
@@ -92,6 +109,25 @@ class ToolEnv(Environment):
         if on_malformed not in ("observe", "end"):
             raise ValueError(f"env.on_malformed={on_malformed!r} (ToolEnv on_malformed) is not allowed. Fix: "
                              f"env.on_malformed=observe (the error is the call's result) or end (finish malformed)")
+        if isinstance(tools, Tool) or not isinstance(tools, (list, tuple)):
+            raise TypeError(f"ToolEnv tools must be a list of rlrepro.envs.Tool objects, got "
+                            f"{type(tools).__name__}. Fix: tools=[tool, ...]")
+        if not isinstance(tool_format, ToolCallFormat):
+            raise TypeError(f"ToolEnv tool_format must be a ToolCallFormat, got {tool_format!r}. Fix: "
+                            f"tool_format=make_tool_format(config.tool_format) (qwen3 or compact)")
+        if not callable(reward_fn):
+            raise TypeError(f"ToolEnv reward_fn must be callable (completion, record) -> float, got "
+                            f"{type(reward_fn).__name__}. Fix: pass the factory's reward_fn")
+        max_calls_per_turn = _positive_int("max_calls_per_turn", "ToolEnv max_calls_per_turn", max_calls_per_turn)
+        max_observation_chars = _positive_int("max_observation_chars", "ToolEnv max_observation_chars",
+                                              max_observation_chars)
+        if (isinstance(malformed_penalty, bool) or not isinstance(malformed_penalty, numbers.Real)
+                or not math.isfinite(malformed_penalty) or malformed_penalty < 0):
+            raise ValueError(f"env.malformed_penalty={malformed_penalty!r} (ToolEnv malformed_penalty) must be a "
+                             f"finite number >= 0. Fix: pass a float >= 0 (0.0: no penalty)")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"env.kwargs.prompt={prompt!r} (ToolEnv prompt) must be text or None. Fix: pass the "
+                             f"prompt as a str, or None for the record's own prompt")
         _tool_table(tools, tool_format)  # a tool the format cannot call is refused here, when the env is made
         self.record, self.tools, self.format, self.reward_fn = record, list(tools), tool_format, reward_fn
         self.max_calls, self.max_observation_chars = max_calls_per_turn, max_observation_chars

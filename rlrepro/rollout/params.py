@@ -1,10 +1,12 @@
 """Per-request sampling parameters and the engine's output record (plain Python, no torch)."""
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from rlrepro.checks import plain_number
 
@@ -42,7 +44,7 @@ class SamplingParams:
     of ``log_softmax(logits / T)`` before top-k/top-p (``T = 1`` when greedy): what the trainer recomputes.
     ``seed=None`` lets the engine derive one from its own seed and the request's submission index
     (see :func:`rlrepro.rollout.seeds.derive_seed`). ``stop_token_ids`` end a request with ``finish_reason
-    "stop"`` and are kept in the output, as are EOS tokens (unless ``ignore_eos``).
+    "stop"`` and are kept in the output, as are EOS tokens (unless ``ignore_eos``); None is no stop ids, as ``()``.
     """
 
     temperature: float = 1.0
@@ -79,6 +81,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {s!r}; "
                              "rlrepro.rollout.request_seed(...) derives valid seeds")
         stops = self.stop_token_ids
+        if stops is None:  # vLLM's and SGLang's default for "no stop ids": the same request as ()
+            stops = ()
         if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__") or getattr(stops, "ndim", None) == 0:
             one = f"; wrap one id as stop_token_ids=({_token_int(stops)!r},)" if _token_int(stops) is not None else ""
             raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids, got {stops!r}{one}")
@@ -98,6 +102,46 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+_SEEDS_FIX = ("submit the prompt n times, each with its own seed (SamplingParams(seed=request_seed(run_seed, step, "
+              "uid, j)) for j in range(n)); the prefix cache shares the prompt's K/V")
+_PENALTY_FIX = ("rlrepro samples from the model's own distribution (what the trainer recomputes), so penalties are "
+                "not offered; drop the argument")
+# vLLM's and SGLang's sampling arguments that rlrepro does not take, each with what to do instead (docs/ENGINE.md)
+NOT_OFFERED = {
+    "n": _SEEDS_FIX, "best_of": _SEEDS_FIX,
+    "max_new_tokens": "the argument is called max_tokens here (SGLang's max_new_tokens)",
+    "stop": ("stop strings are not offered: pass token ids with stop_token_ids, or cut the decoded text after "
+             "generation (a stop text may span tokens)"),
+    "min_p": "min-p filtering is not offered; use top_k or top_p",
+    "repetition_penalty": _PENALTY_FIX, "presence_penalty": _PENALTY_FIX, "frequency_penalty": _PENALTY_FIX,
+    "logprobs": ("the chosen token's logprob always comes back in RequestOutput.logprobs; top-n logprobs are not "
+                 "offered, drop the argument"),
+    "min_tokens": "min_tokens is not offered; drop the argument (or ignore_eos=True to generate max_tokens tokens)",
+    "logit_bias": "logit bias is not offered; drop the argument",
+}
+
+
+def _refuse_unknown_keywords(init):
+    """``SamplingParams.__init__`` that names, for a vLLM/SGLang argument it does not take (``n``, ``stop``,
+    ``min_p``, ``max_new_tokens``, penalties), what to do instead; other unknown keywords are refused the same
+    way, with the arguments it takes."""
+    known = {f.name for f in fields(SamplingParams)}
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            k = unknown[0]
+            fix = NOT_OFFERED.get(k, f"the arguments are {sorted(known)}")
+            raise TypeError(f"SamplingParams got the unknown argument {k}={kwargs[k]!r}: {fix}")
+        init(self, *args, **kwargs)
+    __init__.__signature__ = inspect.signature(init)  # type: ignore[attr-defined]
+    return __init__
+
+
+SamplingParams.__init__ = _refuse_unknown_keywords(SamplingParams.__init__)  # type: ignore[method-assign]
 
 
 @dataclass
