@@ -65,6 +65,10 @@ class TrainConfig:
     # entropy bonus (verl's entropy_coeff): loss -= entropy_coef * agg(entropy); 0 = off (entropy only reported)
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"  # rlrepro.trainer.losses.LOSS_AGG_MODES
+    # seq-mean-token-sum-norm only: its constant C (Dr. GRPO's MAX_TOKENS; verl's padded response length), the most
+    # trained tokens a sample can have. null: the rollout's rollout.max_tokens, right for single-turn; multi-turn
+    # episodes (env.*) train several turns per sample: give the whole response budget (e.g. env.max_episode_tokens)
+    loss_norm_tokens: Optional[int] = None
     # the per-token policy loss (rlrepro.trainer.losses.POLICY_LOSSES): ppo_clip (PPO/DAPO clipped surrogate) |
     # gspo (sequence-level ratio and clip; needs loss_agg=seq-mean-token-mean, clips ~3e-4/4e-4) | cispo (clipped,
     # detached IS weight times logp; clip_low=1: no lower bound)
@@ -135,6 +139,10 @@ class TrainConfig:
                   "train.clip_low=0.2, or set train.policy_loss=cispo")
         c.in_range("clip_low", 0, 1, high_inclusive=self.policy_loss == "cispo")
         c.choice("loss_agg", LOSS_AGG_MODES)
+        c.positive_int("loss_norm_tokens", optional=True)
+        c.require(self.loss_norm_tokens is None or self.loss_agg == "seq-mean-token-sum-norm", "loss_norm_tokens",
+                  f"changes nothing with train.loss_agg={self.loss_agg}: it is the constant only "
+                  "train.loss_agg=seq-mean-token-sum-norm divides by; leave it null or set that train.loss_agg")
         c.choice("advantage", ADVANTAGE_MODES, VERL_NAMES["advantage"])
         c.choice("advantage_std", ADVANTAGE_STDS)
         c.require(self.advantage_std == "population" or uses_std(self.advantage), "advantage_std",

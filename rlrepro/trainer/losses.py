@@ -60,7 +60,9 @@ Aggregation ``agg`` over the tokens of a batch of ``S`` sequences with ``L_i`` t
 * ``"token-mean"``: ``sum_{i,t} x_it / sum_i L_i`` — every token weighs the same (DAPO §3.3).
 * ``"seq-mean-token-mean"``: ``(1/S) sum_i (1/L_i) sum_t x_it`` — the original GRPO objective (DeepSeekMath eq. 3).
 * ``"seq-mean-token-sum-norm"``: ``(1/S) sum_i (1/C) sum_t x_it`` with the constant ``C = max_response_length``
-  — Dr. GRPO (Liu et al. 2025, §3.1), which removes GRPO's response-length bias.
+  — Dr. GRPO (Liu et al. 2025, §3.1), which removes GRPO's response-length bias. ``C`` must bound every sample's
+  trained tokens: the Trainer passes ``train.loss_norm_tokens`` (multi-turn: the whole response budget) or else
+  the rollout's ``max_tokens``, and refuses a sample with more.
 * ``"seq-mean-token-sum"``: ``(1/S) sum_i sum_t x_it`` — verl's mode of that name (a sequence's tokens summed,
   sequences averaged; ``seq-mean-token-sum-norm`` times ``C``).
 

@@ -218,13 +218,17 @@ class Trainer:
                                                 or max_response_length < 1):
             raise ValueError(f"Trainer max_response_length must be a positive int or None (the rollout's "
                              f"rollout.max_tokens), got {max_response_length!r}")
-        if config.loss_agg == "seq-mean-token-sum-norm" and max_response_length is None:
+        norm_tokens = config.loss_norm_tokens
+        if config.loss_agg == "seq-mean-token-sum-norm" and max_response_length is None and norm_tokens is None:
             raise ValueError("train.loss_agg=seq-mean-token-sum-norm divides by a constant: pass "
-                             "max_response_length= (the rollout's rollout.max_tokens)")
+                             "max_response_length= (the rollout's rollout.max_tokens) or set train.loss_norm_tokens "
+                             "(the whole response budget of a multi-turn episode)")
         self.config = config
         # the rollout's sampling temperature (<= 0 means 1, as in the engine) and its max_tokens
         self.temperature = float(temperature)
         self.max_response_length = max_response_length
+        # seq-mean-token-sum-norm's constant C: train.loss_norm_tokens, else the rollout's max_tokens
+        self.loss_norm_tokens = norm_tokens if norm_tokens is not None else max_response_length
         if distributed_optimizer is None:
             distributed_optimizer = config.distributed_optimizer
         self.data_parallel = data_parallel
@@ -386,6 +390,22 @@ class Trainer:
                 "train/is_truncated_frac": mean(truncated), "train/is_masked_frac": mean(masked),
                 "train/behaviour_proximal_kl": mean(kl_sum)}
 
+    def _check_norm_tokens(self, batch: Sequence[TrainSample]) -> None:
+        """``seq-mean-token-sum-norm``'s constant ``C`` must bound every sample's trained tokens (Dr. GRPO's MAX_TOKENS;
+        multi-turn: every turn is trained, ``rollout.max_tokens`` is one turn's): refused before any pass."""
+        c = self.loss_norm_tokens
+        if self.config.loss_agg != "seq-mean-token-sum-norm" or c is None:
+            return
+        for i, s in enumerate(batch):
+            if s.num_trained > c:
+                source = "train.loss_norm_tokens" if self.config.loss_norm_tokens else "the rollout's max_tokens"
+                raise ValueError(
+                    f"sample {i} has {s.num_trained} trained tokens, more than the constant {c} that "
+                    f"train.loss_agg=seq-mean-token-sum-norm divides by ({source}); that constant must be the most "
+                    "trained tokens a sample can have (Dr. GRPO; verl's max response length): for multi-turn episodes "
+                    "set train.loss_norm_tokens to the whole response budget (e.g. env.max_episode_tokens), or use "
+                    "another train.loss_agg")
+
     def train_step(self, samples: Sequence) -> dict:
         """One GRPO update on ``samples`` (each with prompt_token_ids, completion_token_ids, rollout_logprobs,
         advantage, and optionally loss_mask: its 0 entries are context only, out of the loss, its metrics, its token
@@ -397,6 +417,7 @@ class Trainer:
         if not batch:
             raise ValueError("train_step got an empty batch")
         _check_vocab(batch, getattr(getattr(self.model, "config", None), "vocab_size", None))
+        self._check_norm_tokens(batch)
         dp = self.data_parallel
         device = self.model.device
         every_chunk = self.micro_batches(batch)
@@ -491,7 +512,7 @@ class Trainer:
                 if cfg.advantage_clip:
                     adv = adv.clamp(-cfg.advantage_clip, cfg.advantage_clip)
                 out = policy_loss(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                  loss_agg=cfg.loss_agg, max_response_length=self.max_response_length,
+                                  loss_agg=cfg.loss_agg, max_response_length=self.loss_norm_tokens,
                                   kl_coef=cfg.kl_coef, ref_logp=ref, kl_estimator=cfg.kl_estimator,
                                   entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
                                   dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef, mode=cfg.policy_loss,
