@@ -9,6 +9,7 @@ verify``) replays the same observations and reward, and the order in which episo
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import numbers
@@ -85,11 +86,13 @@ class StepResult:
     """What the environment answers to one assistant turn.
 
     Not done: ``messages`` (at least one) are the observations to append (tool results, role ``"tool"``, or a
-    user turn), and the episode continues. Done: ``reward`` (a finite number; the outcome reward, in [0, 1] for
+    user turn), and the episode continues. Done: no ``messages`` (refused: nothing would read them; final
+    feedback goes in ``info``), ``reward`` (a finite number; the outcome reward, in [0, 1] for
     the built-in environments) and ``finish_reason`` (one of :data:`FINISH_REASONS` or a reason of the
     environment's own). ``penalty`` (>= 0) is this turn's per-turn penalty (a malformed call, an exceeded tool
-    budget); the episode's total reward is ``reward - sum(penalties)``. ``info`` is JSON-serialisable detail for
-    the rollout records (calls made, errors), never read by the runner.
+    budget); the episode's total reward is ``reward - sum(penalties)``. ``info`` is a JSON-serialisable dict of
+    detail for the rollout records (calls made, errors), never read by the runner; it is copied (deeply) here, so
+    an environment may reuse and mutate one dict without changing earlier turns' results.
     """
     messages: list[Message] = field(default_factory=list)
     done: bool = False
@@ -103,6 +106,12 @@ class StepResult:
         if not isinstance(self.done, bool):
             raise ValueError(f"StepResult.done must be a bool, got {self.done!r}")
         if self.done:
+            if self.messages:  # nothing would read them: the episode ends at this assistant turn
+                raise ValueError(
+                    f"a done StepResult has no messages, got {len(self.messages)}: the episode ends at this "
+                    f"assistant turn, so no model turn would read them and they would not be in the transcript. "
+                    f"Fix: put final feedback in info (e.g. info={{'feedback': ...}}), or return the messages "
+                    f"with done=False and end the episode at the next turn")
             if not _finite(self.reward):
                 raise ValueError(f"a done StepResult needs a finite reward, got {self.reward!r}")
             object.__setattr__(self, "reward", float(self.reward) + 0.0)  # type: ignore[arg-type]
@@ -118,6 +127,12 @@ class StepResult:
         if not _finite(self.penalty) or self.penalty < 0:
             raise ValueError(f"StepResult.penalty must be a finite number >= 0, got {self.penalty!r}")
         object.__setattr__(self, "penalty", float(self.penalty) + 0.0)
+        if not isinstance(self.info, dict):
+            raise ValueError(f"StepResult.info must be a dict (JSON detail for the records), got "
+                             f"{type(self.info).__name__}")
+        # a copy: an environment that keeps one info dict and mutates it each turn must not rewrite the info of
+        # results already recorded (deep: JSON detail is plain containers; mutating a nested list leaks too)
+        object.__setattr__(self, "info", copy.deepcopy(self.info))
         try:
             json.dumps(self.info, allow_nan=False, sort_keys=True)
         except (TypeError, ValueError) as e:

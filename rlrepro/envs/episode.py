@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -26,13 +27,26 @@ def episode_seed(run_seed: int, step: int, prompt_uid: int | str, sample_index: 
     """The environment seed of one episode: 63 bits of sha256 over the key, a stream apart from the sampling seed
     of the same key (``rlrepro.rollout.seeds.request_seed``), so an environment's draws never correlate with
     the model's sampling noise. A pure function of its arguments."""
-    for name, value in (("run_seed", run_seed), ("step", step), ("sample_index", sample_index)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an int, got {value!r}")
-    if isinstance(prompt_uid, bool) or not isinstance(prompt_uid, (int, str)):
-        raise ValueError(f"prompt_uid must be an int or a str, got {prompt_uid!r}")
-    key = json.dumps(["rlrepro.env", run_seed, step, prompt_uid, sample_index], separators=(",", ":"))
+    key = json.dumps(["rlrepro.env", _key_int("run_seed", run_seed), _key_int("step", step),
+                      _key_int("prompt_uid", prompt_uid, allow_str=True), _key_int("sample_index", sample_index)],
+                     separators=(",", ":"))
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 1
+
+
+def _key_int(name: str, value: object, allow_str: bool = False) -> int | str:
+    """A seed key as JSON encodes it: a Python int, a numpy integer as the int it holds (as
+    ``rlrepro.rollout.request_seed`` takes it, so ``np.int64(5)`` and ``5`` give the same seed) or, where allowed,
+    a str; bools (numpy's too) and floats are refused."""
+    if isinstance(value, bool):
+        pass
+    elif isinstance(value, int):
+        return value
+    elif isinstance(value, numbers.Integral):  # numpy integers; np.bool_ is not Integral
+        return int(value)
+    elif allow_str and isinstance(value, str):
+        return str(value)
+    kinds = "an int or a str" if allow_str else "an int"
+    raise ValueError(f"{name} must be {kinds}, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)

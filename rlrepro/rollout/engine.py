@@ -99,10 +99,21 @@ def _one_prompt(prompt: object) -> object:
     return prompt
 
 
+_FIXES = {  # what each limit means, and the fix, for the error that refuses a bad value
+    "max_num_seqs": "the most requests in one step (rollout.max_num_seqs), e.g. 256",
+    "max_num_batched_tokens": "the most tokens in one step (rollout.max_num_batched_tokens), e.g. 8192; any value "
+                              ">= 1 gives the same tokens, only speed changes",
+    "block_size": "tokens per KV block (rollout.block_size), e.g. 16",
+    "num_kv_blocks": "KV blocks in the cache (rollout.num_kv_blocks), or None to size it from memory",
+    "kv_cache_memory_bytes": "an int, e.g. int(2e9) or 2 * 2**30, or None for the default size",
+    "max_model_len": "or None for the model's max_position_embeddings (rollout.max_model_len)"}
+
+
 def _positive_int(name: str, value: object) -> int:
     value = plain_number(value)  # a numpy integer is the int it holds, as for SamplingParams
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Engine {name} must be a positive integer, got {value!r}")
+        fix = _FIXES.get(name, "1 or more")
+        raise ValueError(f"Engine {name} must be a positive integer, got {value!r}; pass {fix}")
     return value
 
 
@@ -204,6 +215,26 @@ class Engine:
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  max_model_len: int | None = None, enable_cuda_graphs: bool | None = None,
                  fuse_projections: bool | None = None) -> None:
+        # every argument that needs no model is checked first, before a checkpoint is loaded
+        self.deterministic = _flag("deterministic", deterministic)
+        seed = plain_number(seed)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"Engine seed must be an integer, got {seed!r}")
+        self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.block_size = _positive_int("block_size", block_size)
+        if max_model_len is not None and _positive_int("max_model_len", max_model_len) < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {max_model_len}; "
+                             f"pass {_FIXES['max_model_len']}")
+        for name, value in (("num_kv_blocks", num_kv_blocks), ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
+            if value is not None:
+                _positive_int(name, value)
+        if num_kv_blocks is not None and kv_cache_memory_bytes is not None:
+            raise ValueError(f"Engine: num_kv_blocks={num_kv_blocks!r} and kv_cache_memory_bytes="
+                             f"{kv_cache_memory_bytes!r} both size the KV cache: pass one of them")
+        for name, value in (("enable_prefix_cache", enable_prefix_cache), ("enable_cuda_graphs", enable_cuda_graphs),
+                            ("fuse_projections", fuse_projections)):
+            _flag(name, value, optional=name != "enable_prefix_cache")
         if isinstance(model_or_path, (str, os.PathLike)):
             from rlrepro.model import load_pretrained
 
@@ -219,21 +250,12 @@ class Engine:
             if dtype is not None and dtype != model.dtype:
                 raise ValueError(f"the model is {model.dtype} but dtype={dtype}; pass dtype=None or convert "
                                  "the model first (an Engine uses a model object as is)")
-        seed = plain_number(seed)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"Engine seed must be an integer, got {seed!r}")
         self.model = model
         self.config = model.config
         self.device = model.device
-        self.deterministic = _flag("deterministic", deterministic)
         self.seed = seed
-        self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
-        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        self.block_size = _positive_int("block_size", block_size)
         self.max_model_len = _positive_int(
             "max_model_len", self.config.max_position_embeddings if max_model_len is None else max_model_len)
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {max_model_len}")
         limit = self.config.max_position_embeddings
         if self.max_model_len > limit:  # vLLM and SGLang refuse this too (they have an opt-in override; rlrepro none)
             raise ValueError(f"Engine max_model_len={self.max_model_len} exceeds the model config's "
@@ -248,12 +270,10 @@ class Engine:
         eos += getattr(self.config, "generation_eos_token_ids", ())
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self.num_kv_blocks = self._num_blocks(num_kv_blocks, kv_cache_memory_bytes)
-        self.enable_prefix_cache = _flag("enable_prefix_cache", enable_prefix_cache)
+        self.enable_prefix_cache = enable_prefix_cache
         self.block_manager = BlockManager(self.num_kv_blocks, self.block_size, self.enable_prefix_cache)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids)
-        _flag("enable_cuda_graphs", enable_cuda_graphs, optional=True)
-        _flag("fuse_projections", fuse_projections, optional=True)
         if enable_cuda_graphs is None:
             enable_cuda_graphs = self.device.type == "cuda"
         if fuse_projections is None:
@@ -287,9 +307,6 @@ class Engine:
                    **engine_kwargs, **kwargs)
 
     def _num_blocks(self, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None) -> int:
-        if num_kv_blocks is not None and kv_cache_memory_bytes is not None:
-            raise ValueError(f"Engine: num_kv_blocks={num_kv_blocks!r} and kv_cache_memory_bytes="
-                             f"{kv_cache_memory_bytes!r} both size the KV cache: pass one of them")
         if num_kv_blocks is not None:
             return _positive_int("num_kv_blocks", num_kv_blocks)
         per_block = kv_block_bytes(self.config, self.block_size, self.model.dtype)
