@@ -205,12 +205,12 @@ def test_engine_stats_are_the_documented_keys(tiny):
 
     from rlrepro.rollout import Engine, SamplingParams
     e = Engine(tiny, block_size=4, num_kv_blocks=32)
-    for _ in range(2):  # the second call finds the first's 2 full prompt blocks (twins in one step share none)
+    for _ in range(2):  # twin 2 waits a step for twin 1's 2 prompt blocks; the second call finds them for both
         outs = e.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9]] * 2, SamplingParams(temperature=0.0, max_tokens=3))
     assert [o.num_cached_tokens for o in outs] == [8, 8]
     stats = e.stats
     assert all(type(v) is int for v in stats.values())
-    assert stats["num_prefix_hit_blocks"] == 4 and stats["num_kv_blocks"] == 32 and stats["num_graph_steps"] == 0
+    assert stats["num_prefix_hit_blocks"] == 6 and stats["num_kv_blocks"] == 32 and stats["num_graph_steps"] == 0
     doc = (pathlib.Path(__file__).parents[1] / "docs" / "ENGINE.md").read_text()
     para = doc[doc.index("`engine.stats` is a dict"):]
     para = para[:para.index("\n\n")]

@@ -81,6 +81,34 @@ class BlockManager:
             parent = h
         return hits
 
+    def prompt_chain(self, seq: Sequence) -> list[bytes]:
+        """The chained hashes of ``seq``'s full prompt blocks that a prefix hit may cover (never the block of the
+        last prompt token), computed once per sequence: a prompt never changes."""
+        if seq.prompt_hashes is None:
+            bs, chain, parent = self.block_size, [], None
+            for i in range((seq.num_prompt_tokens - 1) // bs):
+                parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])
+                chain.append(parent)
+            seq.prompt_hashes = chain
+        return seq.prompt_hashes
+
+    def waits_for_prefix(self, seq: Sequence, pending: set[bytes]) -> bool:
+        """Whether ``seq``'s first prompt block missing from the prefix cache is one that ``pending`` (the hashes
+        of prompt blocks a running sequence is computing) names: admitted later, it finds that block cached."""
+        if not pending or not self.enable_prefix_cache:
+            return False
+        for h in self.prompt_chain(seq):
+            if h not in self.hash_to_block:
+                return h in pending
+        return False
+
+    def pending_prompt_blocks(self, seq: Sequence) -> list[bytes]:
+        """The hashes of ``seq``'s prompt blocks that it holds but has not computed yet (none when the prefix cache
+        is off or its prompt is computed)."""
+        if not self.enable_prefix_cache or seq.num_computed_tokens >= seq.num_prompt_tokens:
+            return []
+        return self.prompt_chain(seq)[len(seq.block_hashes):]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (the K/V of old weights are stale). Blocks in use stay allocated; their
         hashes are dropped too, so they are never offered to a later sequence."""

@@ -11,7 +11,8 @@ never wall-clock time:
 2. Then waiting sequences, lowest ``seq_id`` first, are admitted while seats, budget and blocks last (none in a
    step that preempted, so a victim does not bounce straight back). Admission allocates blocks for all the
    sequence's tokens at once, reusing prefix-cache hits; a waiting sequence that does not fit blocks the ones
-   behind it (strict FCFS).
+   behind it (strict FCFS). A waiting sequence whose next uncached prompt block a running sequence is computing
+   (the copies of one prompt submitted together) is skipped until that block is cached, then shares it.
 
 Overlap (``launched`` / ``resolve``): the engine launches step t+1 before it reads step t's sampled tokens back.
 ``launched(step)`` records a step as soon as it is on the device (computed counts advance; every sampling
@@ -140,12 +141,24 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
-        while (self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs
-               and self.waiting[0].pending_row is None and bm.can_allocate(self.waiting[0])):
-            seq = self.waiting.pop(0)
+        # prompt blocks that running sequences are computing: a waiting sequence whose next uncached block is one
+        # of them waits a step (or a few, for a chunked prompt) and then finds it cached, as SGLang's in-batch
+        # prefix sharing does: a GRPO group's copies, submitted together, compute their prompt once
+        pending = {h for seq in self.running for h in bm.pending_prompt_blocks(seq)}
+        j = 0
+        while (j < len(self.waiting) and not preempted and budget > 0 and len(self.running) < self.max_num_seqs
+               and self.waiting[j].pending_row is None):
+            seq = self.waiting[j]
+            if bm.waits_for_prefix(seq, pending):
+                j += 1  # skipped this step, not a blocker: the ones behind it may be admitted
+                continue
+            if not bm.can_allocate(seq):
+                break  # strict FCFS: it blocks the ones behind it
+            self.waiting.pop(j)
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            pending.update(bm.pending_prompt_blocks(seq))
             n = min(seq.num_uncomputed_tokens, budget)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n

@@ -34,6 +34,7 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens found in the prefix cache at the last admission
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the leading full, computed blocks
+        self.prompt_hashes: list[bytes] | None = None  # the prompt's chain (BlockManager.prompt_chain), made once
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
