@@ -37,13 +37,23 @@ def model_dir_config(path: str | os.PathLike) -> tuple[Path, Qwen3Config]:
     return path, Qwen3Config.from_file(path)
 
 
-def iter_checkpoint_tensors(path: Path, config: Qwen3Config,
-                            names: Collection[str]) -> Iterator[tuple[Path, str, object]]:
+def iter_checkpoint_tensors(path: Path, config: Qwen3Config, names: Collection[str],
+                            config_source: str = "config.json") -> Iterator[tuple[Path, str, object]]:
     """Walk every tensor of the model directory's safetensors files: yields (file, name, open safe_open handle)
-    for each tensor a Qwen3ForCausalLM of ``config`` has (``names``), skipping a stored LM head of a tied model
-    (:func:`check_tied_head` compares it with the embedding) and stored RoPE ``inv_freq`` buffers.
-    An unreadable file, an unknown tensor name, a tensor stored in two files or one stored in a dtype that is not
-    a float one (a quantized checkpoint's integers or FP8) raises ValueError naming the file and the fix."""
+    for each tensor a Qwen3ForCausalLM of ``config`` has (``names``: the full model's parameter names, whatever
+    shapes the caller's parameters have, e.g. a tensor-parallel shard's), skipping a stored LM head of a tied model
+    and stored RoPE ``inv_freq`` buffers. Before the first tensor is yielded, :func:`check_checkpoint` runs
+    (every header against the shapes ``config`` implies, none missing or extra, and the tied-head comparison), so
+    every loader that walks the files (:func:`fill_model`, the megatron ``TPQwen3ForCausalLM.from_pretrained``)
+    refuses a bad directory before it reads a weight. Raises ValueError naming the file and the fix."""
+    check_checkpoint(path, config, config_source)
+    yield from _walk_tensors(path, config, names)
+
+
+def _walk_tensors(path: Path, config: Qwen3Config, names: Collection[str]) -> Iterator[tuple[Path, str, object]]:
+    """:func:`iter_checkpoint_tensors` without the pre-checks. An unreadable file, an unknown tensor name, a
+    tensor stored in two files or one stored in a dtype that is not a float one (a quantized checkpoint's integers
+    or FP8) raises ValueError naming the file and the fix."""
     where: dict[str, Path] = {}
     for f in weight_files(path):
         try:
@@ -84,7 +94,7 @@ def require_all_tensors(path: Path, names: Collection[str], seen: set[str]) -> N
 def _check_tensors(path: Path, config: Qwen3Config, shapes: dict[str, tuple], config_source: str) -> None:
     """Every tensor's name, dtype and shape from the files' headers (no tensor is read), none missing."""
     seen: set[str] = set()
-    for f, name, handle in iter_checkpoint_tensors(path, config, shapes):
+    for f, name, handle in _walk_tensors(path, config, shapes):
         shape = tuple(handle.get_slice(name).get_shape())
         if shape != shapes[name]:
             raise ValueError(f"{f}: tensor {name!r} has shape {shape}, {config_source} implies {shapes[name]}; "
@@ -117,20 +127,35 @@ def check_tied_head(path: Path, config: Qwen3Config) -> None:
                          "in config.json (transformers loads that head)")
 
 
+def full_shapes(config: Qwen3Config) -> dict[str, tuple]:
+    """Every parameter of a Qwen3ForCausalLM of ``config`` with its full (unsharded) shape; nothing allocated."""
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in Qwen3ForCausalLM(config).named_parameters()}
+
+
+def check_checkpoint(path: Path, config: Qwen3Config, config_source: str = "config.json") -> dict[str, tuple]:
+    """The checks every loader runs before it reads a weight (one function, so no loader skips one): each
+    tensor's name, dtype and shape from the files' headers against :func:`full_shapes`, none missing or extra,
+    then :func:`check_tied_head`. Returns the shapes."""
+    shapes = full_shapes(config)
+    _check_tensors(path, config, shapes, config_source)
+    check_tied_head(path, config)
+    return shapes
+
+
 def fill_model(path: Path, config: Qwen3Config, device: str | torch.device, dtype: torch.dtype,
                config_source: str = "config.json") -> Qwen3ForCausalLM:
     """A model of ``config`` in ``dtype`` on ``device`` holding every tensor of the checkpoint directory ``path``:
     each tensor's name, dtype and shape checked against the ones ``config_source`` implies, none missing, from
     the files' headers before any tensor is read (the loading loop of :func:`load_pretrained` and of a run
     checkpoint's weights, ``model_dirs.load_resolved``)."""
+    check_checkpoint(path, config, config_source)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
-    _check_tensors(path, config, {n: tuple(p.shape) for n, p in model.named_parameters()}, config_source)
-    check_tied_head(path, config)
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     seen: set[str] = set()
-    for f, name, handle in iter_checkpoint_tensors(path, config, params):
+    for f, name, handle in _walk_tensors(path, config, params):  # (check_checkpoint ran above, before allocating)
         try:
             tensor = handle.get_tensor(name)
         except Exception as e:
@@ -161,14 +186,13 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
 
 
 def check_pretrained(path: str | os.PathLike) -> Qwen3Config:
-    """Check an HF model directory without reading the weights: config.json parses, every shard is present and
-    complete (safetensors checks that its header covers the file), and the tensors' names and shapes are the
-    ones ``config.json`` implies, none missing. Raises the errors :func:`load_pretrained` would, before any
-    work; returns the config."""
+    """Check an HF model directory without loading it: config.json parses, every shard is present and complete
+    (safetensors checks that its header covers the file), the tensors' names and shapes are the ones
+    ``config.json`` implies, none missing, and a tied config's stored LM head (if any) equals the embedding
+    (:func:`check_checkpoint`: the only tensors it reads are those two, and only then). Raises the errors
+    :func:`load_pretrained` would, before any work; returns the config."""
     path, config = model_dir_config(path)
-    with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in Qwen3ForCausalLM(config).named_parameters()}
-    _check_tensors(path, config, shapes, "config.json")
+    check_checkpoint(path, config)
     return config
 
 

@@ -42,6 +42,20 @@ def _chat_template(path: Path, config: dict) -> str | None:
     return template
 
 
+def _json_object(file: Path) -> dict:
+    """``file``'s JSON object ({} without the file); a damaged one is a ValueError naming it, not a bare
+    JSONDecodeError (or an AttributeError later, for a JSON list)."""
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); the model directory is damaged: copy it again") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} holds a JSON {type(raw).__name__}, not an object; the model directory is damaged")
+    return raw
+
+
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
@@ -49,15 +63,19 @@ class Tokenizer:
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}; the model directory must hold the tokenizer")
         self.path = path
-        self._tok = _HFTokenizer.from_file(str(file))
-        cfg_file = path / "tokenizer_config.json"
-        self.config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+        try:
+            self._tok = _HFTokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library's error names neither the file nor the fix
+            raise ValueError(f"cannot read {file} ({e}); the model directory is damaged: copy it again") from None
+        self.config = _json_object(path / "tokenizer_config.json")
         self.chat_template: str | None = _chat_template(path, self.config)
         # special tokens that tokenizer_config.json lacks come from special_tokens_map.json, as in transformers
-        map_file = path / "special_tokens_map.json"
-        special = json.loads(map_file.read_text(encoding="utf-8")) if map_file.is_file() else {}
-        special = {**(special if isinstance(special, dict) else {}),
+        special = {**_json_object(path / "special_tokens_map.json"),
                    **{k: v for k, v in self.config.items() if v is not None}}
+        self.bos_token = self._token_str(special.get("bos_token"))
+        # what a chat template sees: the special tokens the files set (no fallbacks), as transformers passes them
+        self._template_tokens = {k: self._token_str(special[k]) for k in ("bos_token", "eos_token", "unk_token",
+                                                                          "pad_token") if special.get(k)}
         self.eos_token = self._token_str(special.get("eos_token"))
         self.pad_token = self._token_str(special.get("pad_token")) or self.eos_token
         # the token that stands for text the vocabulary lacks (the tiny character tokenizer's "<unk>"); None for a
@@ -115,8 +133,7 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = _tojson
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            eos_token=self.eos_token, **kwargs)
+            messages=messages, add_generation_prompt=add_generation_prompt, **{**self._template_tokens, **kwargs})
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
