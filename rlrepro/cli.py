@@ -399,104 +399,11 @@ def cmd_train(args: list[str]) -> int:
     return 0
 
 
-def _device_problem(device: str) -> str | None:
-    """Why ``--device`` cannot be used here (an unknown name, CUDA on a machine without it), or None."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        return f"--device {device!r} is not a device; use cpu, cuda or cuda:N"
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        return f"--device {device!r} but this machine has no visible CUDA device; use --device cpu"
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        return f"--device {device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
-    if dev.type not in ("cpu", "cuda"):
-        return f"--device {device!r}: rlrepro runs on cpu or cuda"
-    return None
-
-
-def _generate_args_problem(ns) -> str | None:
-    """Why ``rlrepro generate``'s options cannot be used (named as typed), checked before any model work."""
-    import math
-
-    if ns.max_tokens < 1:
-        return f"--max-tokens must be an integer >= 1, got {ns.max_tokens}"
-    if not (math.isfinite(ns.temperature) and ns.temperature >= 0):
-        return f"--temperature must be a finite number >= 0, got {ns.temperature}; use 0 for greedy decoding"
-    if not 0 <= ns.seed < 2 ** 63:
-        return f"--seed must be an integer in [0, 2**63), got {ns.seed}"
-    if ns.base is not None and ns.model is None:
-        return (f"--base {ns.base} applies only with --model naming a run or a checkpoint (it gives the checkpoint's "
-                "config.json and tokenizer); without --model the tiny random model runs. Drop --base, or add --model")
-    return None
-
-
 def cmd_generate(args: list[str]) -> int:
-    """Sample completions from a model: an HF directory, a run directory (its newest checkpoint) or a checkpoint
-    (``rlrepro.model.resolve_model_dir``), or by default a tiny random Qwen3. Completions go to stdout, one line a
-    prompt; what was loaded goes to stderr. Exit 2 on a bad model path or argument."""
-    import argparse
-    import tempfile
+    """``rlrepro generate`` (rlrepro.orchestration.generate_cmd)."""
+    from rlrepro.orchestration.generate_cmd import main_generate
 
-    from rlrepro.model import load_tokenizer, resolve_model_dir, write_tiny_checkpoint
-    from rlrepro.rollout import Engine, SamplingParams
-
-    ap = argparse.ArgumentParser(prog="rlrepro generate", description="generation smoke run (tiny model by default)")
-    ap.add_argument("--model", help="an HF model dir, a run dir (its newest checkpoint) or a checkpoint dir "
-                                    "(RUN/checkpoints/step_NNNNNN); default: a tiny random Qwen3 in a temp dir")
-    ap.add_argument("--base", help="HF dir whose config.json and tokenizer a checkpoint uses (default: the run's)")
-    ap.add_argument("--prompt", action="append", help="prompt text (repeatable); default: the tiny tasks' formats")
-    ap.add_argument("--temperature", type=float, default=1.0, help="a finite number >= 0 (default 1.0); 0 = greedy")
-    ap.add_argument("--max-tokens", type=int, default=16, help="new tokens per prompt, >= 1 (default 16)")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed in [0, 2**63) (default 0)")
-    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    ns = ap.parse_args(args)
-    problem = _generate_args_problem(ns) or _device_problem(ns.device)
-    if problem:
-        print(f"rlrepro generate: {problem}", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="rlrepro-tiny-") as tmp:
-        try:
-            if ns.model is None:
-                resolved = resolve_model_dir(write_tiny_checkpoint(Path(tmp), seed=0))
-                about = "a tiny Qwen3 with random, untrained weights (seed 0): its completions are noise"
-            else:
-                resolved = resolve_model_dir(ns.model, base=ns.base)
-                about = resolved.describe()
-                if ns.base is not None and resolved.kind == "hf":  # it has its own config.json and tokenizer
-                    raise ValueError(f"--base {ns.base} applies to a checkpoint, but --model {ns.model} is an HF "
-                                     "model directory with its own config.json and tokenizer; drop --base")
-            tok = load_tokenizer(resolved.tokenizer_dir)
-            model = resolved.load(device=ns.device)
-            # The synthetic tasks the tiny recipes train on (grpo_tiny: first_letter, "first: cabd=" -> "c").
-            prompts = ns.prompt or ["first: cabd=", "copy: abc=", "12+7="]
-            ids = [tok.encode(p) for p in prompts]
-            engine = Engine(model, device=ns.device, seed=ns.seed)
-            outs = engine.generate(ids, SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens,
-                                                       seed=ns.seed))
-        except (ValueError, FileNotFoundError) as e:
-            if os.environ.get("RLREPRO_DEBUG"):
-                raise
-            print(f"rlrepro generate: {e}", file=sys.stderr)
-            return 2
-    print(f"rlrepro generate: {about}; temperature {ns.temperature}, seed {ns.seed}", file=sys.stderr)
-    unk = tok.token_to_id(tok.config.get("unk_token") or "<unk>")
-    eos_ids = set(engine.eos_token_ids)
-    for p, p_ids, o in zip(prompts, ids, outs):
-        if unk is not None and unk in p_ids:
-            print(f"rlrepro generate: note: prompt {p!r} has characters the tokenizer does not know "
-                  f"(each became {tok.decode([unk], skip_special_tokens=False)!r})", file=sys.stderr)
-        n = len(o.token_ids)
-        if o.finish_reason == "stop" and o.token_ids and o.token_ids[-1] in eos_ids:
-            end = f"stopped at {tok.decode(o.token_ids[-1:], skip_special_tokens=False)!r}"
-        elif o.finish_reason == "length":
-            end = f"cut at --max-tokens {ns.max_tokens}"
-        else:
-            end = o.finish_reason
-        print(f"{p!r} -> {tok.decode(o.token_ids)!r} ({n} token{'s' * (n != 1)}, {end}, "
-              f"sum logprob {sum(o.logprobs):.4f})")
-    return 0
+    return main_generate(args)
 
 
 # the commands that compute rewards (a run, its re-execution, a checkpoint's evaluation): their scores must not

@@ -122,7 +122,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
                                        self.model_config, later=self.eval_later, load_prompts=bool(cfg.eval.every),
                                        env_spec=self.env_spec, end_of_turn=self.end_of_turn)
         self._check_resume()  # a resume's checkpoint and data, against this run's (before Ray starts)
-        self.log = RunLog(cfg, self.run_dir)
+        self.log = RunLog(cfg, self.run_dir, steps_left=self._steps_left())
         self.actors = actor_group_class()(cfg, str(self.model_dir))
 
     def _load_prompts(self) -> tuple[list, list[Path]]:
@@ -349,7 +349,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             resume_from = preflight.resume_checkpoint(self.checkpoint_root())  # there are some but none is usable
             self._reconcile_resume()  # the recorded config, with the bit-neutral changes asked for
         cfg = self.cfg
-        last_step = cfg.train.steps if last_step is None else last_step
+        last_step = self._last_step = cfg.train.steps if last_step is None else last_step
         preflight.check_run_dir(cfg, self.run_dir, fresh=start_checkpoint is None and not cfg.run.resume)
         self._done_step, self._done_order, self._trainer_step, self._saving = 0, None, 0, False
         self._start_step = None
@@ -437,6 +437,15 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         new = "".join(json.dumps(a, sort_keys=True) + "\n" for a in amendments).encode()
         atomic_write_bytes(log_path, old + new)
         self._amendments = None
+
+    def _steps_left(self) -> bool:
+        """False for a resume from a checkpoint at or past the last step to run: it runs no step, logs nothing."""
+        ckpt = getattr(self, "_resume_ckpt", None)
+        try:
+            done = int(Path(ckpt).name.split("_")[1]) if ckpt is not None else 0
+        except (IndexError, ValueError):
+            return True
+        return done < (getattr(self, "_last_step", None) or self.cfg.train.steps)
 
     def _check_resume(self) -> None:
         """Before Ray starts: the checkpoint a resume continues from, its data order and batches generated ahead

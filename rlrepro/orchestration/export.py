@@ -188,6 +188,23 @@ def checkpoint_of(run_dir: Path, step: int | None) -> Path:
                      f"{why}; complete checkpoints: {have}")
 
 
+def _check_out_writable(final: Path, out: Path) -> None:
+    """ValueError naming OUT when the folder it would be made in is a file or takes no new folder (read-only,
+    no permission), instead of an OSError about a temporary path after the checkpoint was read."""
+    import tempfile
+
+    where = final.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise ValueError(f"OUT {out} cannot be made: {where} is a file, not a folder; choose another OUT")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rlrepro-export-probe-", dir=where))
+    except OSError as e:
+        raise ValueError(f"OUT {out} cannot be made: {where} takes no new folder ({e.strerror or e}); choose an "
+                         "OUT in a folder you can write to") from None
+
+
 def export_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
                       base: str | os.PathLike | None = None) -> Path:
     """Write the policy of the run's checkpoint of ``step`` (default: the newest complete one) as an HF directory
@@ -208,9 +225,10 @@ def export_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike, *, ste
         raise ValueError(f"{out} is inside the run's checkpoints/ ({ckpts}): a checkpoint directory holds exactly "
                          "what its manifest lists, and a step_NNNNNN there is the run's to replace; choose an OUT "
                          "outside it")
+    final = out.resolve()
+    _check_out_writable(final, out)  # before the checkpoint's hashes are read (minutes for a large model)
     ckpt = checkpoint_of(run_dir, step)
     manifest = verify_checkpoint(ckpt, check_hashes=True)
-    final = out.resolve()
     made = _missing_parents(final)  # what a failed export removes besides its own temporary directory
     tmp = new_export_tmp(final)
     empty = final.is_dir()  # the user's empty OUT: kept until the export is complete (finish_export)

@@ -71,6 +71,14 @@ def _recorded_wandb_id(wandb_dir: Path) -> str | None:
     return text if _WANDB_ID.match(text) else None
 
 
+def _last_wandb_dir(wandb_dir: Path) -> str | None:
+    """The newest run directory (``offline-run-<time>-<id>`` or ``run-<time>-<id>``) of the recorded wandb id."""
+    run_id = _recorded_wandb_id(wandb_dir)
+    found = sorted(wandb_dir.glob(f"*run-*-{run_id}"), key=lambda p: p.name.split("run-", 1)[1]) if run_id else []
+    found = [p for p in found if p.is_dir()]
+    return str(found[-1]) if found else None
+
+
 def wandb_run_id(run_dir: Path, resume: bool) -> str:
     """The wandb run id of ``run_dir``: a resumed run's is the recorded one (the same wandb run continues); a fresh
     run (or a resume with none recorded) gets a new random one, recorded in RUN/wandb/:data:`WANDB_ID_FILE`."""
@@ -133,7 +141,9 @@ class RunLog:
     """Writers of one run directory, the progress line (``logger.progress``) and the wandb run
     (``logger.wandb``)."""
 
-    def __init__(self, cfg, run_dir: Path) -> None:
+    def __init__(self, cfg, run_dir: Path, *, steps_left: bool = True) -> None:
+        """``steps_left=False``: a resume with no step left to run, which logs nothing to wandb: no wandb run is
+        opened (wandb would write an empty offline run directory); ``wandb_dir`` names the run's last one."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.metrics = MetricsWriter(run_dir)
@@ -145,6 +155,9 @@ class RunLog:
         self._wandb_skipped: list[int] = []  # steps a resumed wandb run already held (not logged twice)
         self._wandb_id: str | None = None
         self._wandb_logged = 0  # the last step an earlier invocation logged to this wandb run (a resume's)
+        self._wandb_wanted = steps_left
+        if not steps_left and cfg.logger.wandb:
+            self.wandb_dir = _last_wandb_dir(Path(run_dir) / "wandb")
         # logger.wandb: opened now (the driver makes the RunLog in set-up, before Ray starts and before any work),
         # so that wandb missing or wandb.init failing refuses the run at once (ConfigError, exit 2)
         self._init_wandb()
@@ -190,7 +203,7 @@ class RunLog:
         network or key, a bad project), raises ConfigError, one line naming the fix: the dashboards are part of
         what the run was asked for, so it is refused rather than run without them."""
         lc = self.cfg.logger
-        if not lc.wandb or self.wandb_run is not None:
+        if not lc.wandb or self.wandb_run is not None or not self._wandb_wanted:
             return
         from rlrepro.checks import ConfigError
 
