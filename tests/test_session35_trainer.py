@@ -77,3 +77,20 @@ def test_loss_norm_tokens_bad_values_are_refused_when_the_config_is_built(kw, na
 def test_without_any_constant_the_trainer_names_both_ways_to_give_it():
     with pytest.raises(ValueError, match=r"max_response_length=.*train\.loss_norm_tokens"):
         Trainer(tiny_model(seed=0), TrainConfig(loss_agg="seq-mean-token-sum-norm"))
+
+
+def test_an_episode_run_with_sum_norm_and_no_constant_is_refused_before_any_work():
+    """With env.* the default constant (rollout.max_tokens, one turn) is too small: refused at config time, naming
+    the key and the episode budget; with the key set (or single-turn) the config is accepted."""
+    from rlrepro.checks import ConfigError
+    from rlrepro.cli import compose_config
+    from rlrepro.orchestration.config import validate
+
+    agg = "train.loss_agg=seq-mean-token-sum-norm"
+    with pytest.raises(ConfigError) as e:
+        validate(compose_config(["recipe=grpo_tiny_tool", agg, "env.max_episode_tokens=300"]))
+    assert "Fix: set train.loss_norm_tokens=300" in str(e.value) and "an episode (env.*)" in str(e.value)
+    s = validate(compose_config(["recipe=grpo_tiny_tool", agg, "env.max_episode_tokens=300",
+                                 "train.loss_norm_tokens=300"]))
+    assert s.train.loss_norm_tokens == 300
+    assert validate(compose_config(["recipe=grpo_tiny", agg])).train.loss_norm_tokens is None

@@ -393,6 +393,14 @@ def _validate_env(s: RunSchema) -> None:
         raise ConfigError(f"reward.overlong_buffer={s.reward.overlong_buffer} shapes single-turn completions by "
                           "length; with env.* the environment scores the episode (use env.max_episode_tokens and "
                           "its finish reason token_budget): set reward.overlong_buffer=0")
+    if s.train.loss_agg == "seq-mean-token-sum-norm" and s.train.loss_norm_tokens is None:
+        budget = s.env.max_episode_tokens or s.rollout.max_model_len
+        example = budget if budget is not None else "<the episode's token budget>"
+        raise ConfigError(f"train.loss_agg=seq-mean-token-sum-norm divides each sample's token sum by a constant that "
+                          f"must bound its trained tokens; it defaults to rollout.max_tokens={s.rollout.max_tokens}, "
+                          "one turn's budget, but an episode (env.*) trains every policy turn. Fix: set "
+                          f"train.loss_norm_tokens={example} (the whole response budget: env.max_episode_tokens or "
+                          "rollout.max_model_len), or another train.loss_agg")
     max_len = s.rollout.max_model_len
     if max_len is not None and s.env.max_episode_tokens is not None and s.env.max_episode_tokens > max_len:
         raise ConfigError(f"env.max_episode_tokens={s.env.max_episode_tokens} exceeds rollout.max_model_len="
