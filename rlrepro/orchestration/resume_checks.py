@@ -65,6 +65,24 @@ def check_pending(ckpt: str | Path, step: int, pending: Any, staleness: int) -> 
                           "recorded rollout.max_staleness")
 
 
+def _listed_differences(recorded: dict, diffs: list) -> list:
+    """``diffs`` without the data files the record lists that this start no longer lists but that are still there,
+    unchanged (their sha256 as recorded): runs recorded before ``data.sources.source_files`` left a data folder's
+    hidden files (``.gitattributes``) and the files of run directories inside it out listed them. An unchanged file
+    is not another data set."""
+    from rlrepro.repro.inputs import file_sha256
+
+    paths = (recorded.get("data") or {}).get("paths") or {}
+
+    def unchanged(d: Any) -> bool:
+        path = paths.get(d.key) if d.what == "data_file" and d.b is None and d.a is not None else None
+        try:
+            return path is not None and Path(path).is_file() and file_sha256(path) == d.a
+        except OSError:
+            return False
+    return [d for d in diffs if not unchanged(d)]
+
+
 def check_inputs(run_dir: str | Path, now: dict) -> None:
     """Refuse a resume whose data set differs from the one ``RUN/inputs.json`` recorded (``now``: this start's
     ``collect_inputs``). Nothing to compare (no inputs.json: an older run) passes."""
@@ -79,7 +97,7 @@ def check_inputs(run_dir: str | Path, now: dict) -> None:
                           "run.dir") from None
     if recorded is None:
         return
-    data = [d for d in input_differences(recorded, now) if d.what in DATA_DIFFERENCES]
+    data = [d for d in _listed_differences(recorded, input_differences(recorded, now)) if d.what in DATA_DIFFERENCES]
     if not data:
         return
     paths = (recorded.get("data") or {}).get("paths") or {}
@@ -100,7 +118,7 @@ def record_resumed_inputs(run_dir: str | Path, recorded: dict, now: dict, from_s
     in the warning). Returns the differences."""
     from rlrepro.repro.inputs import input_differences, write_inputs
 
-    diffs = input_differences(recorded, now)
+    diffs = _listed_differences(recorded, input_differences(recorded, now))
     ahead = sorted(int(s) for s in generated_ahead)
     later = (f" (the batches of steps {ahead[0]}-{ahead[-1]} were generated and scored before the stop and are "
              f"reused: a change to generation or scoring reaches the rollouts from step {ahead[-1] + 1})"
