@@ -92,7 +92,7 @@ class BlockManager:
             seq.prompt_hashes = chain
         return seq.prompt_hashes
 
-    def waits_for_prefix(self, seq: Sequence, pending: set[bytes]) -> bool:
+    def waits_for_prefix(self, seq: Sequence, pending: set[bytes] | None) -> bool:
         """Whether ``seq``'s first prompt block missing from the prefix cache is one that ``pending`` (the hashes
         of prompt blocks a running sequence is computing) names: admitted later, it finds that block cached."""
         if not pending or not self.enable_prefix_cache:

@@ -67,6 +67,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by seq_id
         self.running: list[Sequence] = []  # sorted by seq_id
         self.draining: list[Sequence] = []  # end by length at their pending token: hold blocks, never scheduled
+        # copies of a prompt wait for its blocks a running copy computes (schedule); off only to measure it
+        # (benchmarks/bench_group_prefill.py): the bits are the same either way
+        self.share_in_step = True
         self.num_pending = 0  # placeholder tokens not yet resolved
         self.num_preemptions = 0
         self.num_steps = 0
@@ -144,7 +147,7 @@ class Scheduler:
         # prompt blocks that running sequences are computing: a waiting sequence whose next uncached block is one
         # of them waits a step (or a few, for a chunked prompt) and then finds it cached, as SGLang's in-batch
         # prefix sharing does: a GRPO group's copies, submitted together, compute their prompt once
-        pending = {h for seq in self.running for h in bm.pending_prompt_blocks(seq)}
+        pending = {h for seq in self.running for h in bm.pending_prompt_blocks(seq)} if self.share_in_step else None
         j = 0
         while (j < len(self.waiting) and not preempted and budget > 0 and len(self.running) < self.max_num_seqs
                and self.waiting[j].pending_row is None):
@@ -158,7 +161,8 @@ class Scheduler:
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
-            pending.update(bm.pending_prompt_blocks(seq))
+            if pending is not None:
+                pending.update(bm.pending_prompt_blocks(seq))
             n = min(seq.num_uncomputed_tokens, budget)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
