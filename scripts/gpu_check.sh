@@ -172,6 +172,8 @@ add_step bench_engine_64 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --
 # the deterministic engine against transformers at 64 requests, three rounds in turn: the per-round speedups and
 # their median (transformers' rate moves by ~25 % between runs)
 add_step bench_engine_repeat 420 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 --modes deterministic --repeat 3 --json "$OUT/bench_engine_repeat.json"'
+# GRPO groups: the copies of a prompt sharing its K/V within the step, against each computing it (one run)
+add_step group_prefill 300 '$PY benchmarks/bench_group_prefill.py --qwen3-8b-shape ${GROUP_PREFILL_ARGS:---layers 36 --prompts 16 --group 8 --prompt-len 1024 --output-len 64}'
 add_step probe_decode_loop 200 '$PY benchmarks/probe_decode_loop.py'
 # multi-turn episodes against single-turn requests on one engine (issue #24): the 36-layer Qwen3-8B shape, 64
 # episodes x 3 turns x 128 tokens with 32-token observations, the python-sandbox tool, ratios in one run.
