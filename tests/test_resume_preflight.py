@@ -109,19 +109,32 @@ def test_a_resume_on_a_changed_data_set_is_refused_before_ray(tmp_path, monkeypa
 
 def test_other_changed_inputs_are_said_and_recorded(tmp_path, monkeypatch, capsys):
     run, args, order = recorded_run(tmp_path, monkeypatch)
-    small_checkpoint(run / "checkpoints", 3, order)
+    small_checkpoint(run / "checkpoints", 2, order)  # step 3 of 3 left to run
     first = json.loads((run / "inputs.json").read_text())
     monkeypatch.setenv("RLREPRO_TEST_KNOB", "1")  # an environment knob that can change bits
-    driver_mod.GRPODriver(compose_config([*args, "run.resume=true"])).run()
+    with pytest.raises(RunFailed, match="step 3 failed"):  # the stub actors generate nothing: the inputs are
+        driver_mod.GRPODriver(compose_config([*args, "run.resume=true"])).run()  # recorded before the step
     err = capsys.readouterr().err
-    assert "resuming at step 4 with other inputs than the run recorded" in err and "RLREPRO_TEST_KNOB" in err
+    assert "resuming at step 3 with other inputs than the run recorded" in err and "RLREPRO_TEST_KNOB" in err
     now = json.loads((run / "inputs.json").read_text())
     assert {k: v for k, v in now.items() if k != "resumes"} == first  # the first start's record stays
     (resume,) = now["resumes"]
-    assert resume["from_step"] == 4
+    assert resume["from_step"] == 3
     knob = [d for d in resume["differences"] if d["key"] == "RLREPRO_TEST_KNOB"]
     assert knob == [{"what": "env", "key": "RLREPRO_TEST_KNOB", "a": None, "b": "1", "bits": True,
                      "message": "RLREPRO_TEST_KNOB differs: unset vs '1'"}]
+
+
+def test_a_resume_with_no_step_left_records_no_inputs(tmp_path, monkeypatch, capsys):
+    # before: the checkpoint of the last step (3 of 3) still appended a resumes entry "from step 4" with this
+    # invocation's inputs, a step that never runs; rlrepro diff RUN RUN then said the inputs differ
+    run, args, order = recorded_run(tmp_path, monkeypatch)
+    small_checkpoint(run / "checkpoints", 3, order)
+    before = (run / "inputs.json").read_bytes()
+    monkeypatch.setenv("RLREPRO_TEST_KNOB", "1")  # an environment knob that can change bits
+    assert driver_mod.GRPODriver(compose_config([*args, "run.resume=true"])).run() == []
+    assert "other inputs than the run recorded" not in capsys.readouterr().err
+    assert (run / "inputs.json").read_bytes() == before
 
 
 # ------------------------------------------------------------------------------------- checkpoint versions

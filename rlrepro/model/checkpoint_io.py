@@ -170,15 +170,23 @@ def fill_model(path: Path, config: Qwen3Config, device: str | torch.device, dtyp
     return model
 
 
-def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> Qwen3ForCausalLM:
-    """Load an HF Qwen3 checkpoint directory. ``dtype=None`` keeps the checkpoint's own dtype (config torch_dtype)."""
+def load_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The compute dtype a loader was asked for: None (the checkpoint's own), torch.float32, torch.float16 or
+    torch.bfloat16, or one of their names (with or without ``torch.``); ValueError naming the choices for any
+    other (a loader's check: :func:`load_pretrained`, ``TPQwen3ForCausalLM.from_pretrained``)."""
     if isinstance(dtype, str):
         if dtype.replace("torch.", "") not in _DTYPE_NAMES:
             raise ValueError(f"dtype={dtype!r} is not one of None, {', '.join(_DTYPE_NAMES)}")
-        dtype = _DTYPE_NAMES[dtype.replace("torch.", "")]
+        return _DTYPE_NAMES[dtype.replace("torch.", "")]
     if dtype is not None and dtype not in _DTYPE_NAMES.values():
         raise ValueError(f"dtype={dtype!r} is not one of None, {', '.join(_DTYPE_NAMES)}")
+    return dtype
+
+
+def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> Qwen3ForCausalLM:
+    """Load an HF Qwen3 checkpoint directory. ``dtype=None`` keeps the checkpoint's own dtype (config torch_dtype)."""
+    dtype = load_dtype(dtype)
     path, config = model_dir_config(path)
     model = fill_model(path, config, device, dtype or config.dtype)
     model.source_path = str(path)

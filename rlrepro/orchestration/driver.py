@@ -369,7 +369,8 @@ class GRPODriver(GenerationSteps, PipelineSteps):
                     self.warm_start()  # rebuilds the KL reference (the warm-started policy) deterministically
                 done = self.restore(ckpt)
                 self.log.line(f"resumed from {ckpt} (step {done})")
-                self._record_inputs(None, from_step=done + 1)
+                if done < last_step:  # no step left to run: no inputs of steps that never run are recorded
+                    self._record_inputs(None, from_step=done + 1)
             else:
                 done = 0
                 self._in_warm_start = True

@@ -379,6 +379,19 @@ def _compare_evals(rep: DiffReport, met_a: dict[int, dict], met_b: dict[int, dic
 # ------------------------------------------------------------------------------------------------- driver
 
 
+def _ran_resumes(record: dict, fps: dict[int, dict], label: str, notes: list[str]) -> list:
+    """The input differences of the run's resumes that ran a step: an entry whose ``from_step`` is past the last
+    fingerprinted step (a resume of a finished run, which older rlrepro recorded too) changed no recorded bit,
+    and is said in a note instead."""
+    last = max(fps, default=0)
+    kept = [e for e in record.get("resumes") or [] if not isinstance(e.get("from_step"), int) or e["from_step"] <= last]
+    for e in record.get("resumes") or []:
+        if e not in kept:
+            notes.append(f"run {label}: its resume at step {e['from_step']} ran no step (the run's last fingerprinted "
+                         f"step is {last}): the inputs it recorded are not compared")
+    return resumed_differences(dict(record, resumes=kept), label)
+
+
 def _inputs(run: Path) -> tuple[dict | None, str | None]:
     """(inputs.json or None, None) or (None, why it cannot be read)."""
     try:
@@ -410,9 +423,7 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
         rep.inputs_not_compared = [f"{INPUTS_FILE} unreadable in {u}" for u in unread]
     elif inp_a is not None and inp_b is not None:
         rep.inputs_compared = True
-        # and what a resume of either run (or verify --from-step) recorded of its own inputs
-        rep.input_diffs = (input_differences(inp_a, inp_b) + resumed_differences(inp_a, "A")
-                           + resumed_differences(inp_b, "B"))
+        rep.input_diffs = input_differences(inp_a, inp_b)  # and the resumes' (below, once the steps are known)
         rep.inputs_not_compared = uncompared_inputs(inp_a, inp_b)
     elif inp_a is not None or inp_b is not None:
         rep.notes.append(f"inputs not compared: no {INPUTS_FILE} in run {'A' if inp_a is None else 'B'}")
@@ -428,6 +439,8 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
         rep.config_diffs = diff_configs(cfg_a, cfg_b, ignore_config_keys)
 
     fps_a, fps_b = read_fingerprints(a, rep.notes), read_fingerprints(b, rep.notes)
+    if rep.inputs_compared:  # what a resume of either run (or verify --from-step) recorded of its own inputs
+        rep.input_diffs += _ran_resumes(inp_a, fps_a, "A", rep.notes) + _ran_resumes(inp_b, fps_b, "B", rep.notes)
     met_a, met_b = read_metrics(a, rep.notes), read_metrics(b, rep.notes)
     want = set(steps) if steps is not None else None
     if want is not None:

@@ -258,8 +258,10 @@ class TPQwen3ForCausalLM(nn.Module):
         files (safetensors slices: a rank reads only its shards), cast to ``dtype`` (None: the checkpoint's) as
         :func:`rlrepro.model.load_pretrained` does, so the shards equal ``from_full(load_pretrained(path))``."""
 
-        from rlrepro.model.checkpoint_io import iter_checkpoint_tensors, model_dir_config, require_all_tensors
+        from rlrepro.model.checkpoint_io import (iter_checkpoint_tensors, load_dtype, model_dir_config,
+                                                 require_all_tensors)
 
+        dtype = load_dtype(dtype)  # refuses a dtype load_pretrained refuses, in its words, before reading a file
         path, config = model_dir_config(path)
         dtype = dtype or config.dtype
         with torch.device("meta"):
