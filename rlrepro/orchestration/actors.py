@@ -48,11 +48,14 @@ class ActorGroup:
     A rollout worker that dies (its process killed, its actor lost) during ``generate`` or ``sync_weights`` is
     replaced: a new actor, loaded with the trainer's current weights under the current version, gets the dead
     one's unfinished requests again. Requests are pure functions of their keys, so the results are the ones the
-    dead worker would have returned. At most ``rollout.max_restarts`` replacements per step (counted from the
+    dead worker would have returned. With ``rollout.hang_timeout_s`` a worker whose generation call has not
+    answered in that many seconds is taken as hung: killed and replaced the same way (a timeout only restarts, it
+    never decides a number). At most ``rollout.max_restarts`` replacements per step (counted from the
     step's ``generate``); then :class:`~.errors.RolloutWorkerLost`. The trainer is not replaced: its state is the
     run's state, and a run whose trainer died resumes from its last checkpoint (``run.resume=true``).
     """
     _owns_ray = False  # whether this group started the (local) Ray it runs on: only then does shutdown stop it
+    hang_timeout_s = 0.0  # rollout.hang_timeout_s (0: off)
 
     def __init__(self, cfg, model_dir: str) -> None:
         """``cfg``: the run's typed config (:class:`~.config.RunSchema`)."""
@@ -75,6 +78,7 @@ class ActorGroup:
     def _start(self, cfg, model_dir: str) -> None:
         ray = self._ray
         self.max_restarts = cfg.rollout.max_restarts
+        self.hang_timeout_s = float(cfg.rollout.hang_timeout_s)
         self.restarts = 0  # replacements over the whole run
         self._restarts_in_step = 0
         on_gpu = cfg.run.device == "cuda"
@@ -269,16 +273,42 @@ class ActorGroup:
 
     def _gather(self, calls: dict[int, Any], resubmit, during: str, version: int, weights_ref: Any = None) -> dict:
         """Wait for one call per worker slot; a slot whose worker died gets a replacement, then ``resubmit(i)``
-        (a new call, or None when the replacement needs none)."""
+        (a new call, or None when the replacement needs none). A generation call (``generate``, ``run_episodes``)
+        not answered within ``rollout.hang_timeout_s`` (when set) is a hung worker's: it is treated as dead."""
+        import time
+
         ray = self._ray
         pending = {ref: i for i, ref in calls.items()}
+        timeout = self.hang_timeout_s if during in ("generate", "run_episodes") else 0.0
+        started = dict.fromkeys(pending, time.monotonic())  # when each call was submitted
         results: dict[int, Any] = {}
+
+        def redo(i: int, error: BaseException) -> None:
+            self._replace_worker(i, error, during, version, weights_ref)
+            new_ref = resubmit(i)
+            if new_ref is None:
+                results[i] = version
+            else:
+                pending[new_ref], started[new_ref] = i, time.monotonic()
+
         while pending:
-            # a timeout here decides nothing but how often the nodes are looked at: a node that died takes its
-            # actors with it, and a replacement placed in its bundle would wait for a node that is gone
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=NODE_CHECK_S if self._placements else None)
+            # a timeout here decides nothing but how often the nodes are looked at (a node that died takes its
+            # actors with it, and a replacement placed in its bundle would wait for a node that is gone) and when
+            # a worker is restarted (rollout.hang_timeout_s): results are put back by key, whoever computes them
+            wait_s = NODE_CHECK_S if self._placements else None
+            if timeout:
+                due = min(started[ref] for ref in pending) + timeout - time.monotonic()
+                wait_s = max(0.0, due if wait_s is None else min(wait_s, due))
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
             if not ready:
                 self.check_nodes(during)
+                now = time.monotonic()
+                for ref in [r for r in pending if timeout and now - started[r] >= timeout]:
+                    i = pending.pop(ref)
+                    log(f"rollout worker {i} has not answered its {during} call in {now - started[ref]:.1f} s "
+                        f"(rollout.hang_timeout_s={timeout:g}): taken as hung, it is killed and replaced")
+                    redo(i, WorkerHung(f"{during} call unanswered after {now - started[ref]:.1f} s; raise "
+                                       f"rollout.hang_timeout_s (now {timeout:g}) if generation takes that long"))
                 continue
             ref = ready[0]
             i = pending.pop(ref)
@@ -288,12 +318,7 @@ class ActorGroup:
                 if not is_actor_death(e):
                     raise
                 self.check_nodes(during, e)
-                self._replace_worker(i, e, during, version, weights_ref)
-                new_ref = resubmit(i)
-                if new_ref is None:
-                    results[i] = version
-                else:
-                    pending[new_ref] = i
+                redo(i, e)
         return results
 
     def generate(self, requests: list[Request]) -> list[tuple[tuple[str, int], Any]]:
@@ -503,6 +528,10 @@ def _why(error: BaseException, limit: int = 600) -> str:
             out = f"its constructor raised {lines[-1]}"
             return out if len(out) <= limit else out[: limit - 3] + "..."
     return describe(error, limit)
+
+
+class WorkerHung(TimeoutError):
+    """A rollout worker's generation call took longer than ``rollout.hang_timeout_s``: it is replaced."""
 
 
 class NodeLost(RolloutWorkerLost):

@@ -11,6 +11,10 @@ kind                        what happens
                             rollout worker ``worker`` (default 0) is ended after ``delay_s``
                             (default 0) seconds, ``how`` ``"sigkill"`` (``os.kill`` of its pid, default) or
                             ``"ray_kill"``; ``times`` (default 1): also end that many - 1 of its replacements.
+``hang_worker``             rollout worker ``worker`` (default 0) sleeps ``seconds`` (default 600) inside its
+                            ``generate`` (or ``run_episodes``) call of that step before doing the work: a hung
+                            worker, alive but silent, for ``rollout.hang_timeout_s`` to find. Its replacement's
+                            re-run of the call does not sleep (the fault fires once, in the driver).
 ``nan_grad``                the trainer's gradient at that step is NaN (a hook on one parameter).
 ``checkpoint_enospc``       writing the checkpoint of that step fails with ``OSError(ENOSPC)`` after
                             ``after_files`` (default 2) of its files.
@@ -35,7 +39,7 @@ from .actors import ActorGroup
 from .workers import TrainerWorker
 
 FAULTS_ENV = "RLREPRO_FAULTS"
-KINDS = ("kill_worker", "nan_grad", "checkpoint_enospc", "crash_in_checkpoint", "sigterm")
+KINDS = ("kill_worker", "hang_worker", "nan_grad", "checkpoint_enospc", "crash_in_checkpoint", "sigterm")
 TRAINER_KINDS = ("nan_grad", "checkpoint_enospc", "crash_in_checkpoint")
 
 
@@ -79,6 +83,14 @@ class FaultPlan:
             self._fired.add(i)
             return f
         return None
+
+
+def sleep_then(worker, seconds: float, method: str, *args: Any) -> Any:
+    """Run on a rollout worker through Ray's ``__ray_call__``: sleep ``seconds``, then its ``method(*args)``."""
+    import time
+
+    time.sleep(seconds)
+    return getattr(worker, method)(*args)
 
 
 def kill_actor_later(ray, actor, pid: int | None, how: str, delay_s: float) -> None:
@@ -157,11 +169,13 @@ def trainer_actor_class(plan: FaultPlan):
 
 
 class FaultInjectingActorGroup(ActorGroup):
-    """An :class:`ActorGroup` whose rollout workers are killed as the plan's ``kill_worker`` faults say."""
+    """An :class:`ActorGroup` whose rollout workers are killed as the plan's ``kill_worker`` faults say, and hang
+    as its ``hang_worker`` faults say."""
 
     def __init__(self, cfg, model_dir: str, fault_plan: FaultPlan) -> None:
         self.fault_plan = fault_plan
         self._active_kills: list[dict] = []
+        self._active_hangs: dict[int, float] = {}  # worker slot -> seconds its next generation call sleeps
         self._sigterm_at("before_ray")
         if self.fault_plan.take("sigterm", 0, at="ray_init") is None:
             super().__init__(cfg, model_dir)
@@ -205,15 +219,23 @@ class FaultInjectingActorGroup(ActorGroup):
         pid = None
         if fault is not None and fault["how"] == "sigkill":
             pid = self.get(actor.pid.remote())  # before the work: an actor runs one call at a time
-        ref = getattr(actor, method).remote(*args)
+        if method in ("generate", "run_episodes") and i in self._active_hangs:  # once: not the replacement's call
+            ref = actor.__ray_call__.remote(sleep_then, self._active_hangs.pop(i), method, *args)
+        else:
+            ref = getattr(actor, method).remote(*args)
         if fault is not None:
             fault["left"] -= 1
             kill_actor_later(self._ray, actor, pid, fault["how"], fault["delay_s"])
         return ref
 
     def _before(self, at: str, step: int) -> None:
-        """The kill_worker faults of this call; ``times`` counts the worker and its replacements."""
+        """The kill_worker and hang_worker faults of this call; ``times`` counts the worker and its replacements."""
+        if at == "generate":  # a hang of a slot that got no requests at its step lapses
+            self._active_hangs.clear()
         for i in range(len(self.workers)):
+            hang = self.fault_plan.take("hang_worker", step, worker=i) if at == "generate" else None
+            if hang is not None:
+                self._active_hangs[i] = float(hang.get("seconds", 600.0))
             f = self.fault_plan.take("kill_worker", step, at=at, worker=i)
             if f is not None:
                 self._active_kills.append({"worker": i, "left": int(f.get("times", 1)), "at": at,
