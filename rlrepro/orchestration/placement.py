@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 
 from rlrepro.checks import ConfigError
 
-__all__ = ["Placement", "plan_placement", "PLACEMENTS", "CPU_PER_ACTOR", "NODE_RESOURCE_SHARE", "Group", "Layout", "NodeInfo", "PlacementError",
-           "plan_layout", "check_capacity", "uses_placement_groups", "shown_resource"]
+__all__ = ["Placement", "plan_placement", "PLACEMENTS", "CPU_PER_ACTOR", "NODE_RESOURCE_SHARE", "Group", "Layout",
+           "NodeInfo", "PlacementError", "plan_layout", "check_capacity", "uses_placement_groups", "shown_resource"]
 
 PLACEMENTS = ("pack", "spread", "split")
 CPU_PER_ACTOR = 1.0
