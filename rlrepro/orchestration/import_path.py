@@ -6,7 +6,8 @@ of the job then puts them at the front of its ``sys.path`` before it imports the
 or ``difflib.py`` in the directory ``rlrepro train`` was started from then replaced the standard library's in
 every rollout worker and trainer (found by planting one file per standard-library module there: 16 of them ran in
 the actors). rlrepro is an installed package, and the actors import nothing from the user's directory unasked, so
-its jobs are started with a JobConfig whose list of driver paths stays empty: ``ray.init(..., job_config=job_config_without_driver_paths())``.
+its jobs are started with a JobConfig whose list of driver paths stays empty:
+``ray.init(..., job_config=job_config_without_driver_paths())``.
 
 Multi-turn runs (``env.*``) score and step environments in the rollout workers, which import ``reward.fn`` and
 ``env.fn``. :func:`module_dirs` names the directory each of those modules was found in by the driver; a worker
