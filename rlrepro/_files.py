@@ -9,6 +9,7 @@ process umask (``0o644`` under the usual umask 022). Atomic writers create a pri
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -99,3 +100,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             pass
         raise
     _fsync_dir(path.parent)
+
+
+def model_json(file: str | os.PathLike) -> dict:
+    """The JSON object in a model directory's ``file`` (config.json, tokenizer_config.json, ...): a damaged file is
+    a ValueError naming it (not a bare JSONDecodeError, or an AttributeError later for a JSON list)."""
+    try:
+        raw = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); the model directory is damaged: copy it again") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} holds a JSON {type(raw).__name__}, not an object; the model directory is damaged")
+    return raw

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from rlrepro._files import model_json
 from rlrepro.checks import finite_number
 
 from .weight_files import weight_files
@@ -127,12 +128,7 @@ class Qwen3Config:
                 if any(path.parent.glob("*.safetensors")) else ""
             raise FileNotFoundError(f"no config.json at {path}{unfinished}; a model directory needs config.json and "
                                     "*.safetensors")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON ({e}); the model directory is damaged: copy it again") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object; the model directory is damaged")
+        raw = model_json(path)
         if not raw.get("torch_dtype") and not raw.get("dtype"):
             stored = _stored_float_dtype(path.parent)
             if stored is not None:  # no dtype in config.json: the weights' own, not a guess

@@ -10,6 +10,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from rlrepro._files import model_json
+
 
 def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
@@ -43,17 +45,8 @@ def _chat_template(path: Path, config: dict) -> str | None:
 
 
 def _json_object(file: Path) -> dict:
-    """``file``'s JSON object ({} without the file); a damaged one is a ValueError naming it, not a bare
-    JSONDecodeError (or an AttributeError later, for a JSON list)."""
-    if not file.is_file():
-        return {}
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); the model directory is damaged: copy it again") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file} holds a JSON {type(raw).__name__}, not an object; the model directory is damaged")
-    return raw
+    """``file``'s JSON object ({} without the file); a damaged one is a ValueError naming it."""
+    return model_json(file) if file.is_file() else {}
 
 
 class Tokenizer:
