@@ -13,6 +13,7 @@ _EXPORTS = {
     "ReproError": "records", "JsonlStepWriter": "records", "MetricsWriter": "records",
     "FingerprintWriter": "records", "RolloutWriter": "records", "read_rollouts": "records",
     "read_step_records": "records", "rollouts_path": "records", "step_dirname": "records",
+    "read_rollout_samples": "records", "rollout_steps": "records",
     # digests and fingerprints (torch)
     "tensor_digest": "fingerprint", "tensor_digests": "fingerprint", "digest_values": "fingerprint",
     "weights_digest": "fingerprint", "StepFingerprint": "fingerprint", "fingerprint_step": "fingerprint",
@@ -21,7 +22,7 @@ _EXPORTS = {
     "DiffReport": "diff", "diff_runs": "diff", "main_diff": "diff", "read_fingerprints": "diff",
     "read_metrics": "diff",
     # plots (matplotlib, wandb on use)
-    "plot_runs": "plot", "main_plot": "plot", "log_comparison_to_wandb": "plot",
+    "plot_runs": "plot", "build_figures": "plot", "main_plot": "plot", "log_comparison_to_wandb": "plot",
 }
 
 __all__ = sorted(_EXPORTS)
