@@ -76,7 +76,7 @@ def test_rotary_inv_freq_buffers_in_the_weights_are_skipped(tmp_path, tied):
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float64, "bf16"])
 def test_load_pretrained_names_the_dtypes_it_takes(tmp_path, dtype):
     src = write_tiny_checkpoint(tmp_path / "src")
-    with pytest.raises(ValueError, match="is not one of None, float32, float16, bfloat16"):
+    with pytest.raises(ValueError, match="is not one of None, 'auto', float32, float16, bfloat16"):
         load_pretrained(src, dtype=dtype)
 
 

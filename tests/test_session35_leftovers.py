@@ -70,7 +70,7 @@ GROUPS = {"tp1": single_process_groups, "tp2rank1": lambda: ParallelGroups(None,
 def test_tp_from_pretrained_refuses_a_dtype_load_pretrained_refuses(tmp_path, groups, bad):
     # before: torch.float64 loaded a float64 model, and a string failed inside torch's .to()
     d = write_tiny_checkpoint(tmp_path / "m")
-    msg = f"dtype={bad!r} is not one of None, float32, float16, bfloat16"
+    msg = f"dtype={bad!r} is not one of None, 'auto', float32, float16, bfloat16"
     for load in (lambda: TPQwen3ForCausalLM.from_pretrained(d, GROUPS[groups](), dtype=bad),
                  lambda: load_pretrained(d, dtype=bad)):
         with pytest.raises(ValueError) as e:

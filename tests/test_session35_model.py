@@ -157,3 +157,30 @@ def test_the_chat_template_sees_the_special_tokens_transformers_passes(tmp_path)
     hf = transformers.AutoTokenizer.from_pretrained(str(d))
     msgs = [{"role": "user", "content": "hi"}]
     assert hf.apply_chat_template(msgs, tokenize=False) == tok.apply_chat_template(msgs)
+
+
+def test_loaders_take_transformers_habits(tmp_path, monkeypatch):
+    """dtype="auto" (transformers' torch_dtype="auto") is the checkpoint's own dtype; a ``~/`` path is expanded; a
+    hub id that is not a local directory is named as one, with the download fix; numpy bools are engine flags."""
+    import numpy as np
+
+    from rlrepro.model import load_pretrained, save_pretrained, tiny_model
+    from rlrepro.model.checkpoint_io import load_dtype
+    from rlrepro.rollout import Engine
+
+    assert load_dtype("auto") is None
+    model = tiny_model(seed=3)
+    save_pretrained(model, tmp_path / "m")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    a, b = load_pretrained("~/m", dtype="auto"), load_pretrained(tmp_path / "m")
+    assert a.dtype == b.dtype and all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                                         b.state_dict().values()))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"'Qwen/Qwen3-0\.6B' looks like a Hugging Face hub id: .*"
+                                                r"huggingface-cli download Qwen/Qwen3-0\.6B --local-dir DIR"):
+        load_pretrained("Qwen/Qwen3-0.6B")
+    with pytest.raises(FileNotFoundError) as e:
+        load_pretrained("./nope")
+    assert "hub id" not in str(e.value)
+    assert Engine(model, deterministic=np.bool_(True), enable_prefix_cache=np.False_).block_manager.enable_prefix_cache \
+        is False

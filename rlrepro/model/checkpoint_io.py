@@ -31,9 +31,15 @@ _FLOAT_STORED = frozenset({"F32", "F16", "BF16", "F64"})
 
 def model_dir_config(path: str | os.PathLike) -> tuple[Path, Qwen3Config]:
     """The directory as a Path and its parsed config.json; a clear error when it is not a directory."""
-    path = Path(path)
+    given = path
+    path = Path(path).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"model path {path} is not a directory (expected an HF model dir with config.json)")
+        hub = (f"; {given!r} looks like a Hugging Face hub id: rlrepro reads local directories only (no network), "
+               f"so download it first (e.g. `huggingface-cli download {given} --local-dir DIR`) and pass DIR"
+               if isinstance(given, str) and given.count("/") == 1 and not given.startswith((".", "/", "~"))
+               and not path.exists() else "")
+        raise FileNotFoundError(f"model path {path} is not a directory (expected an HF model dir with config.json)"
+                                f"{hub}")
     return path, Qwen3Config.from_file(path)
 
 
@@ -171,15 +177,17 @@ def fill_model(path: Path, config: Qwen3Config, device: str | torch.device, dtyp
 
 
 def load_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """The compute dtype a loader was asked for: None (the checkpoint's own), torch.float32, torch.float16 or
-    torch.bfloat16, or one of their names (with or without ``torch.``); ValueError naming the choices for any
+    """The compute dtype a loader was asked for: None or "auto" (the checkpoint's own), torch.float32,
+    torch.float16 or torch.bfloat16, or one of their names (with or without ``torch.``); ValueError naming the choices for any
     other (a loader's check: :func:`load_pretrained`, ``TPQwen3ForCausalLM.from_pretrained``)."""
+    if isinstance(dtype, str) and dtype == "auto":  # transformers' torch_dtype="auto": the checkpoint's own
+        return None
     if isinstance(dtype, str):
         if dtype.replace("torch.", "") not in _DTYPE_NAMES:
-            raise ValueError(f"dtype={dtype!r} is not one of None, {', '.join(_DTYPE_NAMES)}")
+            raise ValueError(f"dtype={dtype!r} is not one of None, 'auto', {', '.join(_DTYPE_NAMES)}")
         return _DTYPE_NAMES[dtype.replace("torch.", "")]
     if dtype is not None and dtype not in _DTYPE_NAMES.values():
-        raise ValueError(f"dtype={dtype!r} is not one of None, {', '.join(_DTYPE_NAMES)}")
+        raise ValueError(f"dtype={dtype!r} is not one of None, 'auto', {', '.join(_DTYPE_NAMES)}")
     return dtype
 
 

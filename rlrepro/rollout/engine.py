@@ -192,6 +192,8 @@ def _flag(name: str, value: object, optional: bool = False) -> bool | None:
     """A boolean argument: True or False (or None for a default), never a truthy string such as "false"."""
     if (value is None and optional) or isinstance(value, bool):
         return value
+    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) == bool and value.shape == ():
+        return bool(value)  # numpy's bool scalar
     raise ValueError(f"Engine {name} must be True or False{' (or None for the default)' if optional else ''}, "
                      f"got {value!r}")
 
@@ -232,9 +234,9 @@ class Engine:
         if num_kv_blocks is not None and kv_cache_memory_bytes is not None:
             raise ValueError(f"Engine: num_kv_blocks={num_kv_blocks!r} and kv_cache_memory_bytes="
                              f"{kv_cache_memory_bytes!r} both size the KV cache: pass one of them")
-        for name, value in (("enable_prefix_cache", enable_prefix_cache), ("enable_cuda_graphs", enable_cuda_graphs),
-                            ("fuse_projections", fuse_projections)):
-            _flag(name, value, optional=name != "enable_prefix_cache")
+        enable_prefix_cache = _flag("enable_prefix_cache", enable_prefix_cache)
+        enable_cuda_graphs = _flag("enable_cuda_graphs", enable_cuda_graphs, optional=True)
+        fuse_projections = _flag("fuse_projections", fuse_projections, optional=True)
         if isinstance(model_or_path, (str, os.PathLike)):
             from rlrepro.model import load_pretrained
 
