@@ -64,6 +64,9 @@ BIT_NEUTRAL_KEYS: tuple[str, ...] = (
     "ray.colocate",
     "rollout.num_workers", "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.prefix_cache",
     "rollout.num_kv_blocks", "rollout.gpu_memory_fraction", "rollout.weight_sync", "rollout.max_restarts",
+    # ZeRO-1 (docs/TRAINER.md): the same bits as the unsharded optimizer, and either trainer loads the other's
+    # checkpoints (full and dist formats)
+    "train.distributed_optimizer",
     "rollout.hang_timeout_s",  # a hung worker is replaced and its call re-run from its keys: a restart, no number
     "env.tool_threads",  # environment steps per worker at once: results are put back by key
     # held-out evaluation: its own seed stream (eval_seed), no weight changes (rlrepro.orchestration.evaluation)
