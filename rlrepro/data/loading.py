@@ -32,7 +32,8 @@ from typing import Any, Iterator, Literal
 from .jsonlines import blank_lines, empty_array, kept_rows, scan_lines
 from .records import PromptRecord, records_digest
 from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_lone_surrogates, exact_json_numbers,
-                   has_surrogate_escape, json_array_rows, narrow_floats, row_to_record, utf8_encodable)
+                   has_surrogate_escape, json_array_rows, narrow_floats, nested_columns, row_to_record,
+                   utf8_encodable)
 from .sources import DATA_FILE_FORMATS, local_files
 
 __all__ = ["load_records", "LoadStats", "SkippedRow", "DATA_FILE_FORMATS", "MAX_LINE_BYTES"]
@@ -114,7 +115,9 @@ def load_records(
 
     Fields: ``prompt_field`` (text) or, when ``messages_field`` is given, a list of ``{"role", "content"}``
     chat turns instead; ``answer_field`` (text; numbers are converted with ``str``); ``id_field`` (optional,
-    text or integer, must be unique). The row's other columns become ``record.meta``.
+    text or integer, must be unique). A field may be a dotted path into a struct column
+    (``reward_model.ground_truth``); a text value in ``messages_field`` is a plain prompt. The row's other columns
+    become ``record.meta``.
 
     A bad row (missing or empty value, wrong type, not UTF-8, a line that is not JSON) raises ``ValueError``
     naming the file, the row and the field; with ``on_bad_row="skip"`` it is skipped and listed in
@@ -494,6 +497,7 @@ def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats,
             decode = features[col].decode_example if isinstance(features.get(col), datasets.Json) else None
             for row, value in zip(rows, values):
                 row[col] = decode(value) if decode is not None and isinstance(value, str) else value
+    columns += [c for c in nested_columns(features) if c not in columns]  # reward_model.ground_truth: a field path
     float_cols = []  # text fields pyarrow read as floats, whose numbers a JSON file holds as written
     for col in spec.text_fields():
         feat = features.get(col)

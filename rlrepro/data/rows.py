@@ -23,7 +23,7 @@ from .records import PromptRecord
 _FIELD_GUESSES = {
     "prompt": ("question", "problem", "prompt", "query", "input", "instruction", "text"),
     "messages": ("messages", "conversations", "chat", "turns"),
-    "answer": ("answer", "solution", "final_answer", "target", "output", "label", "response"),
+    "answer": ("answer", "solution", "final_answer", "ground_truth", "target", "output", "label", "response"),
     "id": ("id", "uid", "idx", "index", "key", "unique_id"),
 }
 
@@ -205,20 +205,65 @@ class FieldSpec:
                                  f"fields that exist: {columns}. Fix: set data.{param}=<one of those>{example}.")
 
 
+def field_value(row: dict, path: str) -> Any:
+    """The value of a field: the column ``path`` when the row has one (a name with a dot included), else a dotted
+    path into nested objects (``reward_model.ground_truth``: key ``ground_truth`` of the ``reward_model`` column);
+    None when any step is missing or not an object."""
+    if path in row:
+        return row[path]
+    value: Any = row
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def nested_columns(features: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the fields inside struct columns (``reward_model.ground_truth``), in schema order, for
+    ``check_columns`` and its message; a list's or a JSON-text column's insides are not listed."""
+    out: list[str] = []
+    for name, feat in (features.items() if isinstance(features, dict) else ()):
+        if isinstance(feat, dict):
+            for sub, inner in feat.items():
+                out.append(f"{prefix}{name}.{sub}")
+                out += nested_columns({sub: inner}, f"{prefix}{name}.") if isinstance(inner, dict) else []
+    return out
+
+
+def _chat_like(value: Any) -> bool:
+    """Whether a value is a list of chat turns, or the JSON text of one (a column mixing text and lists)."""
+    if isinstance(value, str) and value.lstrip().startswith("[{"):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
+
+
 def row_to_record(row: dict, row_index: int, source_name: str, spec: FieldSpec) -> PromptRecord:
     for col, value in row.items():
         if isinstance(value, NotUTF8):
             raise BadRow(col, "not UTF-8", f"the text is not valid UTF-8 ({value.error.reason} at byte "
                          f"{value.error.start})", "re-encode the file as UTF-8")
+    prompt, messages = None, None
     if spec.messages_field:
-        messages = _as_messages(row.get(spec.messages_field), spec.messages_field)
-        prompt = None
+        value = field_value(row, spec.messages_field)
+        if isinstance(value, str):  # a text prompt beside chat turns (slime's prompt column): one plain prompt
+            prompt = _as_text(value, spec.messages_field, "prompt", "messages_field")
+        else:
+            messages = _as_messages(value, spec.messages_field)
     else:
-        prompt = _as_text(row.get(spec.prompt_field), spec.prompt_field, "prompt")
-        messages = None
-    answer = _as_text(row.get(spec.answer_field), spec.answer_field, "answer")
+        value = field_value(row, spec.prompt_field)
+        if _chat_like(value):
+            raise BadRow(spec.prompt_field, "wrong type", "expected text, got a list of chat turns (read as text, "
+                         "the model would see their JSON)", f"set data.messages_field={spec.prompt_field} to read "
+                         f"them as chat turns (a text value there stays a plain prompt)")
+        prompt = _as_text(value, spec.prompt_field, "prompt", "prompt_field")
+    answer = _as_text(field_value(row, spec.answer_field), spec.answer_field, "answer", "answer_field")
     if spec.id_field:
-        uid = _as_text(row.get(spec.id_field), spec.id_field, "id")
+        uid = _as_text(field_value(row, spec.id_field), spec.id_field, "id", "id_field")
     else:
         uid = f"{source_name}:{row_index}"
     used = {c for c, _, _ in spec.used()}
@@ -226,8 +271,13 @@ def row_to_record(row: dict, row_index: int, source_name: str, spec: FieldSpec) 
     return PromptRecord(uid=uid, prompt=prompt, messages=messages, answer=answer, meta=meta)
 
 
-def _as_text(value: Any, field: str, role: str) -> str:
+def _as_text(value: Any, field: str, role: str, param: str = "") -> str:
     fix = f"give every row a non-empty text {role} in {field!r}"
+    if isinstance(value, dict) and value and param:  # a struct column: name a field inside it
+        guess = next((k for k in _FIELD_GUESSES.get(role, ()) if k in value),
+                     next((k for k, v in value.items() if isinstance(v, str)), next(iter(value))))
+        fix += (f", or read a field inside it with a dotted path, e.g. data.{param}={field}.{guess} (its fields: "
+                f"{', '.join(map(str, value))})")
     if value is None:
         raise BadRow(field, "missing", "the value is missing (null or absent)", fix)
     if isinstance(value, bytes):
