@@ -159,3 +159,27 @@ def test_gsm8k_jsonl_and_the_math_reward(tmp_path, tiny_tok):
     assert [math(c, records[0]) for c in (r"so \boxed{72}", "The answer is 72", r"\boxed{24}")] == [1.0, 1.0, 0.0]
     # math-verify's extraction finds the final answer of the rationale (a thousands separator too)
     assert [math(c, records[1]) for c in (r"\boxed{2000}", r"\boxed{2,000}", r"\boxed{1000}")] == [1.0, 1.0, 0.0]
+
+
+def test_gsm8k_rationale_answers_with_a_string_reward_are_said_once():
+    """exact_match on '... #### 72' golds scores ~every completion 0 and nothing failed: the run now says so, naming
+    reward.fn=math; not with reward.fn=math, nor for plain answers."""
+    from types import SimpleNamespace
+
+    from rlrepro.cli import compose_config
+    from rlrepro.orchestration.config import validate
+    from rlrepro.orchestration.preflight import warn_rationale_answers
+
+    def prompts(answers):
+        return [SimpleNamespace(record=SimpleNamespace(answer=a)) for a in answers]
+    golds = prompts(["She sold 48/2 = 24 clips.\n#### 72", "Weng earns 12/60 = $0.2 per minute.\n#### 10"])
+    said = []
+    cfg = validate(compose_config(["recipe=grpo_tiny", "reward.fn=exact_match"]))
+    assert warn_rationale_answers(cfg, golds, say=said.append) is True
+    assert said == ["warning: 2 of the first 2 gold answers are worked solutions ending in '#### <answer>' (GSM8K "
+                    "style), which reward.fn=exact_match compares whole: a completion scores only when it repeats the "
+                    "whole solution. Set reward.fn=math to score the final answer (docs/DATA.md)"]
+    assert warn_rationale_answers(cfg, prompts(["72", "10"]), say=said.append) is False
+    assert warn_rationale_answers(cfg, prompts(["#### 72", "10"]), say=said.append) is False  # no rationale
+    math_cfg = validate(compose_config(["recipe=grpo_tiny", "reward.fn=math"]))
+    assert warn_rationale_answers(math_cfg, golds, say=said.append) is False and len(said) == 1

@@ -105,6 +105,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         preflight.check_lengths(cfg, self.prompts, self.model_config)
         preflight.check_micro_batch_tokens(cfg, self.prompts, self.model_config, uses_episodes(cfg))
         preflight.check_reward(cfg, self.reward_fn, self.prompts)
+        preflight.warn_rationale_answers(cfg, self.prompts)
         if not cfg.run.resume:  # a resume writes it in run(), once the checkpoint and data order are accepted
             atomic_write_bytes(self.run_dir / CONFIG_FILE, config_yaml(cfg).encode("utf-8"))
         self.order = EpochOrder(len(self.prompts), seed=cfg.run.seed, shuffle=cfg.data.shuffle)

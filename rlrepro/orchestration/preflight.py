@@ -263,6 +263,23 @@ def check_micro_batch_tokens(cfg: RunSchema, prompts: list, model_config: Any, e
                           f"budget. Fix: set train.micro_batch_tokens>={longest}, or {fix}")
 
 
+def warn_rationale_answers(cfg: RunSchema, prompts: list, say=log) -> bool:
+    """With a string reward (``exact_match``, ``prefix_match``), gold answers that are GSM8K rationales (text ending
+    in ``#### <answer>``, as AReaL's and OpenRLHF's gsm8k files hold them) are compared whole, so almost every
+    completion scores 0 and nothing fails: said once on stderr, naming ``reward.fn=math`` (which reads the final
+    answer). Returns whether it was said."""
+    if cfg.reward.fn not in ("exact_match", "prefix_match") or not prompts:
+        return False
+    answers = [p.record.answer for p in prompts[:200]]
+    marked = sum(1 for a in answers if isinstance(a, str) and "####" in a and a.split("####")[0].strip())
+    if 2 * marked < len(answers):
+        return False
+    say(f"warning: {marked} of the first {len(answers)} gold answers are worked solutions ending in '#### <answer>' "
+        f"(GSM8K style), which reward.fn={cfg.reward.fn} compares whole: a completion scores only when it repeats "
+        "the whole solution. Set reward.fn=math to score the final answer (docs/DATA.md)")
+    return True
+
+
 def check_reward(cfg: RunSchema, reward_fn: Any, prompts: list) -> None:
     """Under reward.on_error=raise, score the first prompt's gold answer once: a reward that raises or returns
     something other than a number in [0, 1] fails now rather than at the end of the first rollout."""
