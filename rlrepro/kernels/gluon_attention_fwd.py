@@ -515,7 +515,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     _attn_fwd_ws_kernel[grid](
         *args, q_layout, group, group_p, block_q, d, STAGES, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
-        nq, _env("GLW_OSM", 1), half_tile(qtma), _env("GLW_TMAX", 0), int(qtma and _env("GLW_META", 0) == 1),
+        nq, _env("GLW_OSM", 1), half_tile(qtma, nq), _env("GLW_TMAX", 0), int(qtma and _env("GLW_META", 0) == 1),
         num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
 
 
@@ -523,8 +523,11 @@ def _env(name: str, default: int) -> int:
     return int(os.environ.get(name, str(default)))
 
 
-def half_tile(qtma: bool) -> int:
+def half_tile(qtma: bool, nq: int = 1) -> int:
     """Whether a work's last KV tile is computed on its lower half when its upper half is past every query
     (``GLW_HALF``, :func:`_half_tile`): not with two tiles a ring stage (``GLW_KV2``), nor with Q by TMA released
-    after the last whole tile (``GLW_OSM=0``; with O through the Q buffer it is released after the epilogue)."""
-    return int(_env("GLW_HALF", 0) == 1 and not (qtma and _env("GLW_OSM", 1) == 0) and _env("GLW_KV2", 0) == 0)
+    after the last whole tile (``GLW_OSM=0``; with O through the Q buffer it is released after the epilogue), nor
+    with two Q buffers (``nq`` 2: Q by TMA where shared memory holds a second one, D = 64), whose output differed
+    from the Triton tile's on an H100 (docs/BENCHMARKS.md, thirty-fifth session; the cause is not found)."""
+    return int(_env("GLW_HALF", 0) == 1 and not (qtma and _env("GLW_OSM", 1) == 0) and _env("GLW_KV2", 0) == 0
+               and nq == 1)
