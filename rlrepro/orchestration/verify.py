@@ -10,6 +10,7 @@ failed (nothing was compared: the message names the failure and where its log an
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -69,12 +70,20 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
         missing = checkpoint_dir_hint("verify", run, "--from-step {next}") or missing
         raise ReproError(missing)
     recorded = read_fingerprints(run)
+    if not recorded:
+        raise ReproError(f"{run}: no recorded steps (fingerprints.jsonl is empty): the run has not finished a step, "
+                         "so there is nothing to re-execute")
+    first_rec, last_rec = min(recorded), max(recorded)
     if from_step not in recorded:
-        raise ReproError(f"{run}: step {from_step} is not recorded (recorded steps: "
-                         f"{min(recorded)}..{max(recorded)})" if recorded else f"{run}: no recorded steps")
-    last = max(recorded) if steps is None else from_step + steps - 1
+        raise ReproError(f"--from-step {from_step}: step {from_step} is not recorded in {run} (recorded steps: "
+                         f"{_ranges(recorded)}); give a recorded step, {first_rec}..{last_rec} (or leave it out: "
+                         f"{first_rec})")
+    last = last_rec if steps is None else from_step + steps - 1
     if last not in recorded:
-        raise ReproError(f"{run}: step {last} is not recorded; the last recorded step is {max(recorded)}")
+        most = sum(1 for s in recorded if from_step <= s <= last_rec)
+        raise ReproError(f"--steps {steps}: from step {from_step} that reaches step {last}, but the last recorded "
+                         f"step of {run} is {last_rec}; give --steps {most} or fewer (or leave it out: every "
+                         f"recorded step from {from_step} on)")
     from .config import migrate_legacy_keys
 
     # onto the schema: a run recorded before a key existed gets its default; old spellings are read. config.yaml
@@ -118,7 +127,75 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
         driver = GRPODriver(cfg, out)
         driver.eval_later = eval_later
         driver.run(start_checkpoint=None if ckpt is None else str(ckpt), last_step=last)
-    return diff_runs(run, out, steps=range(from_step, last + 1), ignore_config_keys=VERIFY_SET_KEYS), start_step
+    report = diff_runs(run, out, steps=range(from_step, last + 1), ignore_config_keys=VERIFY_SET_KEYS)
+    # the fingerprints are digests of what the run computed, not of the files it kept: a rollout record changed
+    # after the run wrote it agrees with them, so the rollout files themselves are compared too
+    report.rollout_diffs, missing = compare_rollout_files(run, out, range(from_step, last + 1))
+    if missing:
+        report.notes.append(f"rollout files not compared at step(s) {_ranges(missing)}: the re-execution wrote none")
+    diverged = set(report.diverged_steps)
+    for d in report.rollout_diffs:
+        report.verdict = "diverged"
+        report.notes.append(f"rollouts: {d['message']}" + ("" if d["step"] in diverged else (
+            "; the fingerprints agree at this step, so the file is not what the run computed (changed after the "
+            "run wrote it?)")))
+    return report, start_step
+
+
+def _ranges(steps) -> str:
+    steps, parts = sorted(steps), []
+    for s in steps:
+        if parts and s == parts[-1][1] + 1:
+            parts[-1][1] = s
+        else:
+            parts.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in parts)
+
+
+def _first_value_difference(a, b) -> str:
+    """Where two JSON values first differ: ``[i]: A vs B`` for lists of one length, else the two values."""
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if json.dumps(x, sort_keys=True) != json.dumps(y, sort_keys=True):
+                return f"[{i}]: recorded {x!r}, re-executed {y!r}"
+    if isinstance(a, list) and isinstance(b, list):
+        return f": recorded {len(a)} item(s), re-executed {len(b)}"
+    return f": recorded {a!r}, re-executed {b!r}"
+
+
+def compare_rollout_files(run: Path, out: Path, steps) -> tuple[list[dict], list[int]]:
+    """The first difference of each step's rollout file (``rollouts/step_NNNNNN.jsonl.gz``) between the record and
+    the re-execution, which writes the same records: [{``step``, ``sample``, ``key``, ``message``}] (``sample``: the
+    position in the file; null, with ``key``, for another number of samples), and the steps whose file the
+    re-execution did not write. A step the
+    run kept no rollout file for is not compared, nor one the re-execution did not write (the second list)."""
+    from rlrepro.repro.records import read_rollouts, rollouts_path
+
+    diffs, missing = [], []
+    for step in steps:
+        rec = read_rollouts(run, step)
+        if rec is None:
+            continue
+        new = read_rollouts(out, step)
+        where = rollouts_path(run, step)
+        if new is None:  # the re-execution kept none (not a record of it to compare): said, never a divergence
+            missing.append(step)
+            continue
+        if len(rec) != len(new):
+            diffs.append({"step": step, "sample": None, "key": None, "message": f"{where}: {len(rec)} "
+                          f"sample(s) recorded, {len(new)} re-executed at step {step}"})
+            continue
+        for i, (x, y) in enumerate(zip(rec, new)):
+            keys = list(dict.fromkeys([*x, *y]))
+            key = next((k for k in keys if json.dumps(x.get(k, "<absent>"), sort_keys=True)
+                        != json.dumps(y.get(k, "<absent>"), sort_keys=True)), None)
+            if key is not None:
+                uid, idx = x.get("prompt_uid"), x.get("sample_index")
+                diffs.append({"step": step, "sample": i, "key": key, "message": (
+                    f"step {step}, sample {i} (prompt_uid {uid!r}, sample_index {idx}), {key}"
+                    f"{_first_value_difference(x.get(key, '<absent>'), y.get(key, '<absent>'))} in {where}")})
+                break
+    return diffs, missing
 
 
 def main_verify(argv: list[str] | None = None) -> int:
@@ -153,7 +230,11 @@ def main_verify(argv: list[str] | None = None) -> int:
         print(f"rlrepro verify: {reexecution_failed(e, Path(ns.run).absolute(), ns.from_step)}", file=sys.stderr)
         return EXIT_REEXECUTION_FAILED
     if ns.json:
-        print(report.to_json())
+        data = json.loads(report.to_json())
+        data["verify"] = {"from_step": ns.from_step, "last_step": max(report.steps_compared),
+                          "started_from_checkpoint": start or None, "dir": str(report.run_b),
+                          "rollout_diffs": report.rollout_diffs}
+        print(json.dumps(data, indent=2))
     else:
         origin = f"checkpoint step {start}" if start else "scratch"
         print(f"re-executed from {origin}; compared steps {ns.from_step}..{max(report.steps_compared)}")

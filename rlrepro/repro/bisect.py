@@ -183,6 +183,14 @@ def _ckpt_steps(run: Path) -> set[int]:
     return out
 
 
+def _checkpoints_before(run: Path, label: str, step: int) -> str:
+    """``run A (PATH) has checkpoints of steps 1, 2`` (those before ``step``), or ``... has none before step N``."""
+    steps = sorted(s for s in _ckpt_steps(run) if s < step)
+    shown = ", ".join(map(str, steps[-5:]))
+    return (f"run {label} ({run}) has checkpoints of step(s) {'..., ' if len(steps) > 5 else ''}{shown}" if steps
+            else f"run {label} ({run}) has none before step {step}")
+
+
 def _trace(model, tokens: list[int], mode: str) -> list[tuple[str, str, Any]]:
     import torch
 
@@ -277,8 +285,11 @@ def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, step: int
     elif step == 1:
         start = 0
     else:
-        raise ReproError(f"no checkpoint common to both runs before step {step}; rerun them with "
-                         f"checkpoint.every=1 (or every that lands before the divergence) to bisect")
+        raise ReproError(f"no checkpoint common to both runs before step {step} ("
+                         f"{_checkpoints_before(a, 'A', step)}; {_checkpoints_before(b, 'B', step)}): bisect "
+                         "restores both policies from one step; rerun them with checkpoint.every=1 (or an every "
+                         "that lands before the divergence); a rlrepro verify re-execution keeps no checkpoints, so "
+                         "bisect the run against another run instead")
     origin = f"checkpoint step {start}" if start else "starting weights"
     model_a, model_b = _load_policy(a, cfg_a, start, dtype_a), _load_policy(b, cfg_b, start, dtype_b)
     params_a, params_b = dict(model_a.named_parameters()), dict(model_b.named_parameters())
