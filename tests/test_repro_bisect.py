@@ -72,9 +72,9 @@ def test_a_trainer_side_field_is_blamed_on_the_trainer_not_sampling(tmp_path, ca
     assert report["divergence"]["field"] == "loss"
     found = report["bisect"]
     assert found["kind"] == "none" and found["field"] == "loss" and found["replayed_from"] == "starting weights"
-    assert found["note"].startswith("trainer side (backward/optimizer)") and "sampling" not in found["note"]
+    assert found["note"].startswith("trainer side: the policy is identical") and "sampling" not in found["note"]
     # a train/* metric that differs first counts as the trainer side too; rollout fields stay sampling
-    assert conclusion("train/entropy").startswith("trainer side (backward/optimizer)")
+    assert conclusion("train/entropy").startswith("trainer side: the policy is identical")
     assert conclusion("grad_norm") == conclusion("weights") == conclusion("loss")
     assert "sampling or scheduling" in conclusion("rollout_token_ids")
     tokens = make_run(tmp_path / "t", bump=1)
@@ -90,7 +90,7 @@ def test_a_metric_that_differs_first_is_bisected_at_its_step(tmp_path, capsys):
     assert main_diff([str(a), str(e), "--bisect", "--json"]) == 1
     found = json.loads(capsys.readouterr().out)["bisect"]
     assert found["step"] == 1 and found["field"] == "train/entropy" and found["kind"] == "none"
-    assert found["note"].startswith("trainer side (backward/optimizer)")
+    assert found["note"].startswith("trainer side: the policy is identical")
 
 
 def test_a_run_on_another_device_is_refused_with_exit_2_after_the_report(tmp_path, capsys):

@@ -39,8 +39,9 @@ _CONCLUSIONS = {
     "advantages": "the advantages differ: their computation from the rewards (train.advantage*), not the forward "
                   "pass",
 }
-_TRAINER = ("trainer side (backward/optimizer): the policy and its forward pass at this step are identical, so the "
-            "loss, backward or optimizer differ (see the train.* keys in the config diff)")
+_TRAINER = ("trainer side: the policy is identical and its forward pass agrees on the replayed sample, so the "
+            "loss, the backward or the optimizer differ, or the forward on another sample or micro-batch layout (see "
+            "the train.* keys in the config diff)")
 
 
 def conclusion(field: str | None) -> str:
