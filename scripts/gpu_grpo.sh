@@ -8,9 +8,10 @@
 #                 batch settings, = a?), f (fast kernels: the cost of determinism), d (resumed from a's step-2
 #                 checkpoint, = a?)
 #   GRPO_SET=two  (2 GPUs): g and h (data-parallel trainer on 2 GPUs, 2 colocated engines, CUDA IPC; g = h?),
-#                 s (the recipe's layout at 2 GPUs: megatron TP=1 trainer on GPU 0, engine on GPU 1, NCCL broadcast), m1 and m2
-#                 (train.backend=megatron, TP=2; m1 = m2?), m0 (megatron TP=1, data parallel: = g?),
-#                 z (g with train.distributed_optimizer=true: = g?), f2 (g in fast mode, with GRPO_FAST=1)
+#                 s (the recipe's layout at 2 GPUs: megatron TP=1 trainer on GPU 0, engine on GPU 1, NCCL
+#                 broadcast), m1 and m2 (train.backend=megatron, TP=2; m1 = m2?), m0 (megatron TP=1, data parallel:
+#                 = g?), z (g with train.distributed_optimizer=true: = g?), k1 and k2 (megatron-core's DDP gradient
+#                 sync, train.grad_sync=megatron, with ZeRO-1; k1 = k2?), f2 (g in fast mode, with GRPO_FAST=1)
 #   GRPO_SET=full (2 GPUs, GRPO_LAYERS=36): p1 and p2, the whole model at megatron TP=2 with 2 colocated engines
 #                 (CUDA IPC weight sync of the full 8B policy; p1 = p2?)
 #   GRPO_SET=fa3  (1 GPU, colocated, with RLREPRO_ATTENTION=fa3 and flashinfer): a, and c (other engine batch
@@ -21,8 +22,8 @@
 #                 on-policy: max lp diff 0.0)
 #   GRPO_SET=eight (8 GPUs): x1 and x2, the recipe's own layout (megatron TP=1 trainer data parallel over 4 GPUs
 #                 with ZeRO-1, 4 engines on their own GPUs; x1 = x2?)
-# GRPO_ONLY="g h m0" (sets one, two, eight) runs only the named runs (the first, a/g/x1, always: it creates the
-# weights), e.g. GRPO_ONLY="a d" for the resume check alone.
+# GRPO_ONLY="g h m0" (sets one, two, eight, layout, full) runs only the named runs (the first, a/g/x1/l1/p1,
+# always: it creates the weights), e.g. GRPO_ONLY="a d" for the resume check alone.
 # CPU smoke test of the same script: GRPO_SMALL=1 GRPO_DEVICE=cpu GRPO_DTYPE=float32 GRPO_MAX_TOKENS=8 ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,7 +65,8 @@ if [ "$SET" = fa3 ]; then
   # the deterministic mode with FA3's bits (RLREPRO_ATTENTION=fa3, set by the caller; flashinfer on the path): two
   # runs on other engine batch settings (= a?), the trainer's logprobs against the engine's (max lp diff 0?)
   first a "${ONE[@]}"
-  train c "${ONE[@]}" rollout.max_num_seqs=7 rollout.max_num_batched_tokens=999; diffrun a c "other engine batch settings"
+  train c "${ONE[@]}" rollout.max_num_seqs=7 rollout.max_num_batched_tokens=999
+  diffrun a c "other engine batch settings"
   RUNS="a c"
 elif [ "$SET" = one ]; then
   first a "${ONE[@]}" checkpoint.every=2
@@ -165,7 +167,10 @@ for name in names:
           + ", ".join(f"{v:.1f} ({k})" for k, v in mem.items()) + f" | {lp:.3g} |")
 PYEOF
 # the two-run overlay (reward, loss, KL, entropy, length, grad norm): the curves lie on top of each other
-case $SET in one) PAIR="a b" ;; layout) PAIR="l1 l2" ;; pipeline) PAIR="q1 q1b" ;; eight) PAIR="x1 x2" ;; full) PAIR="p1 p2" ;; *) PAIR="g h" ;; esac
+case $SET in
+  one) PAIR="a b" ;; layout) PAIR="l1 l2" ;; pipeline) PAIR="q1 q1b" ;; eight) PAIR="x1 x2" ;; full) PAIR="p1 p2" ;;
+  *) PAIR="g h" ;;
+esac
 PLOT_RUNS=$(for n in $PAIR; do [ -d "$W/$n" ] && echo "$W/$n"; done)
 if [ "$(echo "$PLOT_RUNS" | wc -w)" -eq 2 ]; then  # GRPO_ONLY may have left one of the pair out
   $PY -m rlrepro.cli plot $PLOT_RUNS --out "$R/plots" > /dev/null 2>&1 || log "plot failed"
