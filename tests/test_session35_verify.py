@@ -154,3 +154,14 @@ def test_a_real_run_from_scratch_reproduces_but_a_changed_rollout_token_does_not
     assert data["diverged_steps"] == [] and data["metric_diffs"] == []
     assert [(d["step"], d["sample"], d["key"]) for d in data["verify"]["rollout_diffs"]] == [(2, 0, "token_ids")]
     assert _tree_digest(run) == before
+
+
+def test_a_file_where_verify_writes_is_an_argument_error_not_a_failed_re_execution(run_and_copy, capsys):
+    """RUN/verify as a file: exit 2 naming it and the fix (it was a FileExistsError, exit 3 'the re-execution
+    failed'), before any work; the file is left as it was."""
+    run, _ = run_and_copy
+    (run / "verify").write_text("mine")
+    assert main_verify([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "verify is a file, where rlrepro verify writes its re-execution (a folder): move or remove it" in err
+    assert (run / "verify").read_text() == "mine"

@@ -107,6 +107,9 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
             if d.is_symlink():
                 raise ReproError(f"{d} is a symbolic link (to {os.readlink(d)!r}); rlrepro verify does not write or "
                                  "delete through links: remove it")
+            if d.exists() and not d.is_dir():
+                raise ReproError(f"{d} is a file, where rlrepro verify writes its re-execution (a folder): move or "
+                                 "remove it")
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         if ckpt is not None and (run / "base_model").is_dir():
