@@ -16,6 +16,7 @@ import json
 import pytest
 
 from rlrepro.cli import main
+from test_eval_env import ENV_MODULE
 
 # other engine settings than the recipe's (1 worker, 256 seqs, 4096 tokens, prefix cache on)
 ENGINE = ["rollout.num_workers=2", "rollout.max_num_seqs=5", "rollout.max_num_batched_tokens=37",
@@ -24,30 +25,8 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_toke
          "logger.progress=false"]
 
 # 3 policy turns, a tool turn after each of the first two (the untrained tiny policy never calls the calculator
-# itself); the reward depends on the text and the environment's seed
-RELAY_ENV = """
-from rlrepro.envs import Environment, EnvReset, StepResult
-
-
-class Relay(Environment):
-    def __init__(self, record, seed):
-        self.record, self.seed, self.turn = record, seed, 0
-
-    def reset(self):
-        return EnvReset(prompt=self.record.prompt)
-
-    def step(self, text):
-        self.turn += 1
-        if self.turn == 3:
-            return StepResult(done=True, reward=(len(text) + self.seed) % 3 / 2)
-        call = {"name": "relay", "arguments": {"turn": self.turn}}
-        return StepResult(messages=[{"role": "tool", "content": "[= %d]" % (len(text) % 7)}],
-                          info={"calls": [call]}, penalty=0.125 * (len(text) % 2))
-
-
-def make(record, seed, *, config, reward_fn):
-    return Relay(record, seed)
-"""
+# itself); the reward depends on the text and the environment's seed: test_eval_env's Relay
+RELAY_ENV = ENV_MODULE
 
 
 def _metrics(run) -> list[dict]:
