@@ -120,7 +120,7 @@ def test_a_reexecution_without_rollout_files_is_a_note_not_a_divergence(run_and_
     _fake_driver(monkeypatch, original)
     report, _ = verify_mod.verify_run(run, 2, progress=False)
     assert report.verdict == "identical"
-    assert "rollout files not compared at step(s) 2..3: the re-execution wrote none" in report.notes
+    assert "rollout files not compared at step(s) 2-3: the re-execution wrote none" in report.notes
 
 
 def test_bisect_without_a_common_checkpoint_says_which_run_has_which(tmp_path):

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from rlrepro.repro.report import _ranges
+
 EXIT_REPRODUCED, EXIT_DIVERGED, EXIT_ERROR, EXIT_REEXECUTION_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # what verify sets in the re-execution's config (bit-neutral: resume.BIT_NEUTRAL_KEYS), left out of its config diff
 VERIFY_SET_KEYS = ("checkpoint.every", "checkpoint.save_last", "checkpoint.export_hf")
@@ -143,16 +145,6 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
             "; the fingerprints agree at this step, so the file is not what the run computed (changed after the "
             "run wrote it?)")))
     return report, start_step
-
-
-def _ranges(steps) -> str:
-    steps, parts = sorted(steps), []
-    for s in steps:
-        if parts and s == parts[-1][1] + 1:
-            parts[-1][1] = s
-        else:
-            parts.append([s, s])
-    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in parts)
 
 
 def _first_value_difference(a, b) -> str:
