@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence
 from rlrepro.data import PromptRecord, RewardFn
 
 from .api import EnvReset, Environment, StepResult
+from .config import EnvConfig
 from .tool_calls import MalformedCall, ToolCallFormat
 from .tools import Tool, ToolResult
 
@@ -51,11 +52,9 @@ def _positive_int(key: str, where: str, value: Any) -> int:
     building a ToolEnv or calling execute_calls directly skips EnvConfig's checks)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"env.{key}={value!r} ({where}) must be a positive integer. Fix: pass an int >= 1 "
-                         f"(EnvConfig's default is {_DEFAULTS[key]})")
+                         f"(EnvConfig's default is {EnvConfig.__dataclass_fields__[key].default})")
     return int(value)
 
-
-_DEFAULTS = {"max_calls_per_turn": 4, "max_observation_chars": 4096}
 
 
 def execute_calls(text: str, tools: Sequence[Tool], fmt: ToolCallFormat, *, max_calls: int,
