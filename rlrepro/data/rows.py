@@ -250,16 +250,23 @@ def row_to_record(row: dict, row_index: int, source_name: str, spec: FieldSpec) 
     prompt, messages = None, None
     if spec.messages_field:
         value = field_value(row, spec.messages_field)
-        if isinstance(value, str):  # a text prompt beside chat turns (slime's prompt column): one plain prompt
+        # a text prompt beside chat turns (slime's prompt column): one plain prompt, its text as written, also when
+        # it is the JSON text of chat turns. Only in a JSON column that mixes text with lists is such a string read
+        # as the turns: datasets stores a string that is valid JSON as that JSON, the same bytes as the list
+        # (docs/DATA.md, "Text beside chat turns")
+        if isinstance(value, str):
             prompt = _as_text(value, spec.messages_field, "prompt", "messages_field")
         else:
             messages = _as_messages(value, spec.messages_field)
     else:
         value = field_value(row, spec.prompt_field)
         if _chat_like(value):
+            # a string: the JSON text of turns, written as a string or (a column mixing types) as a list
+            written = "; turns written as a JSON string stay text there: write them as JSON lists" if isinstance(
+                value, str) else ""
             raise BadRow(spec.prompt_field, "wrong type", "expected text, got a list of chat turns (read as text, "
                          "the model would see their JSON)", f"set data.messages_field={spec.prompt_field} to read "
-                         f"them as chat turns (a text value there stays a plain prompt)")
+                         f"them as chat turns (a text value there stays a plain prompt{written})")
         prompt = _as_text(value, spec.prompt_field, "prompt", "prompt_field")
     answer = _as_text(field_value(row, spec.answer_field), spec.answer_field, "answer", "answer_field")
     if spec.id_field:

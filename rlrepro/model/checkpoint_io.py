@@ -273,8 +273,10 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     source = tokenizer_from or getattr(model, "source_path", None)
     if source is not None and Path(source).resolve() != path.resolve():
-        for fname in TOKENIZER_FILES:
+        extra = sorted(p.relative_to(source) for p in Path(source).glob("additional_chat_templates/*.jinja"))
+        for fname in (*TOKENIZER_FILES, *extra):  # the named chat templates too (the tokenizer reads them)
             if (Path(source) / fname).is_file():
+                (path / fname).parent.mkdir(exist_ok=True)
                 shutil.copy2(Path(source) / fname, path / fname)
                 apply_default_mode(path / fname)  # not the source's mode (a read-only cache, say)
     write_config_last(path, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8"))

@@ -1,6 +1,7 @@
 """Tokenizer loaded from a model directory: ``tokenizer.json`` (the ``tokenizers`` library) plus the
-``tokenizer_config.json`` that holds the special tokens and the chat template (rendered with jinja2, as
-transformers does)."""
+``tokenizer_config.json`` that holds the special tokens, and the chat templates (``chat_template.jinja``,
+``additional_chat_templates/*.jinja``, else ``tokenizer_config.json``'s; rendered with jinja2, as transformers
+does)."""
 from __future__ import annotations
 
 import json
@@ -24,24 +25,40 @@ def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sor
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _chat_template(path: Path, config: dict) -> str | None:
-    """The default chat template, where transformers looks for it: ``chat_template.jinja`` (what transformers
-    >= 4.50 writes), else ``tokenizer_config.json``'s ``chat_template``, a string or a list of named templates
-    (``[{"name": "default", "template": ...}, {"name": "tool_use", ...}]``: the one named "default")."""
-    jinja = path / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-        if template is None:
-            raise ValueError(f"{path}/tokenizer_config.json lists chat templates {sorted(map(str, named))} but none "
-                             "named 'default'; name one of them 'default'")
-    if template is not None and not isinstance(template, str):
-        raise ValueError(f"{path}/tokenizer_config.json: chat_template must be a string or a list of named "
-                         f"templates, got {type(template).__name__}")
-    return template
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # the default template, as transformers >= 4.43 saves it
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # NAME.jinja: the template named NAME ("tool_use", ...)
+
+
+def _chat_templates(path: Path, config: dict) -> dict[str, str]:
+    """The model's chat templates by name, where transformers looks for them: the files first,
+    ``chat_template.jinja`` (named "default") and ``additional_chat_templates/NAME.jinja`` (named NAME); when any
+    is there, ``tokenizer_config.json``'s ``chat_template`` is not read (transformers' precedence). Else that key:
+    a string (the "default") or a list of named templates (``[{"name": "default", "template": ...}, {"name":
+    "tool_use", ...}]``). {} when the model has none. Templates but none named "default" is a ValueError (the
+    default renders every prompt without tools; transformers refuses to render one without it too)."""
+    templates = {}
+    if (path / CHAT_TEMPLATE_FILE).is_file():
+        templates["default"] = (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if (path / CHAT_TEMPLATE_DIR).is_dir():
+        for file in sorted((path / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            if file.is_file():
+                templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+    if templates:
+        where, fix = path / CHAT_TEMPLATE_DIR, f"add the default one as {path / CHAT_TEMPLATE_FILE}"
+    else:
+        where, fix = path / "tokenizer_config.json", "name one of them 'default'"
+        template = config.get("chat_template")
+        if isinstance(template, list):
+            templates = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            templates = {k: v for k, v in templates.items() if isinstance(k, str) and isinstance(v, str)}
+        elif isinstance(template, str):
+            templates = {"default": template}
+        elif template is not None:
+            raise ValueError(f"{where}: chat_template must be a string or a list of named templates, got "
+                             f"{type(template).__name__}")
+    if templates and "default" not in templates:
+        raise ValueError(f"{where} holds chat templates {sorted(templates)} but none named 'default'; {fix}")
+    return templates
 
 
 def _json_object(file: Path) -> dict:
@@ -61,7 +78,9 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library's error names neither the file nor the fix
             raise ValueError(f"cannot read {file} ({e}); the model directory is damaged: copy it again") from None
         self.config = _json_object(path / "tokenizer_config.json")
-        self.chat_template: str | None = _chat_template(path, self.config)
+        # every named template (transformers' ``tokenizer.chat_template`` dict); the default one
+        self.chat_templates: dict[str, str] = _chat_templates(path, self.config)
+        self.chat_template: str | None = self.chat_templates.get("default")
         # special tokens that tokenizer_config.json lacks come from special_tokens_map.json, as in transformers
         special = {**_json_object(path / "special_tokens_map.json"),
                    **{k: v for k, v in self.config.items() if v is not None}}
@@ -115,17 +134,21 @@ class Tokenizer:
         """The model directory's Jinja chat template rendered as transformers renders it (``trim_blocks``,
         ``lstrip_blocks``, loop controls, ``raise_exception``, its ``tojson``). ``tools``: JSON schemas of the
         functions the model may call (Qwen3's template lists them, ``{{ tool | tojson }}``, in its system turn);
-        passed to the template only when given. Other keyword arguments become template variables."""
-        if not self.chat_template:
-            raise ValueError(f"{self.path}/tokenizer_config.json has no chat_template; "
-                             "set data.use_chat_template=false or add a template")
+        passed to the template only when given, and then, as in transformers, the template named "tool_use" renders
+        when the model has one (``additional_chat_templates/tool_use.jinja``, or so named in
+        ``tokenizer_config.json``), else the default. Other keyword arguments become template variables."""
+        template = self.chat_template
         if tools is not None:
             kwargs["tools"] = tools
+            template = self.chat_templates.get("tool_use", template)
+        if not template:
+            raise ValueError(f"{self.path} has no chat template ({CHAT_TEMPLATE_FILE}, or chat_template in "
+                             "tokenizer_config.json); set data.use_chat_template=false or add a template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = _tojson
-        return env.from_string(self.chat_template).render(
+        return env.from_string(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **{**self._template_tokens, **kwargs})
 
 

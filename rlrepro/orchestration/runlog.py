@@ -23,8 +23,13 @@ __all__ = ["RunLog", "step_metrics", "wandb_run_id"]
 # RUN/wandb/<this>: the id of the run's wandb run, so that a resumed run continues it (wandb.init(id=, resume=))
 WANDB_ID_FILE = "rlrepro_run_id"
 # RUN/wandb/<this>: "<id> <step>", the last step logged to that wandb run (written when it is closed), so that a
-# resumed offline run (wandb.init cannot know what earlier invocations logged) does not log a step a second time
+# resumed offline run (wandb.init cannot know what earlier invocations logged) does not log a step a second time.
+# A run killed before it closed its wandb run never writes it: its offline directories' transaction logs
+# (:func:`_persisted_step`) tell what they hold. Not written after each step: wandb's writer keeps the last (up to
+# 32 KiB of) records in memory until it closes, so a killed run's last logged steps are not on disk; skipping them
+# on resume would lose them for good, while the resumed run logs them again, with the same values.
 WANDB_STEP_FILE = "rlrepro_logged_step"
+_BLOCK = 32768  # the .wandb transaction log: leveldb's log format, 32 KiB blocks of chunked records
 _WANDB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _PROJECT_BAD = set("/\\#?%:")  # what wandb refuses in a project name (wandb_settings.validate_project)
 
@@ -55,6 +60,63 @@ def _logged_step(wandb_dir: Path, run_id: str) -> int:
         return int(step) if rid == run_id else 0
     except (OSError, UnicodeDecodeError, ValueError):
         return 0
+
+
+def _log_records(data: bytes):
+    """The records of a ``.wandb`` file's bytes (a 7-byte file header, then leveldb log blocks: a 7-byte chunk
+    header ``crc32c:4 length:2 kind:1``, kind 1 a whole record, 2/3/4 its first/middle/last chunk; a block's tail of
+    fewer than 7 bytes is padding). A torn tail (a run killed while writing) ends the records."""
+    pos, parts = 7, None
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < 7:
+            pos += left
+            continue
+        n, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        if len(chunk) < n or kind not in (1, 2, 3, 4):
+            return
+        if kind == 1:
+            yield chunk
+        elif kind == 2:
+            parts = [chunk]
+        elif parts is not None:
+            parts.append(chunk)
+            if kind == 4:
+                yield b"".join(parts)
+                parts = None
+
+
+def _persisted_step(wandb_dir: Path, run_id: str) -> int:
+    """The last step the offline directories of wandb run ``run_id`` (``offline-run-<time>-<id>``) hold on disk, in
+    their ``run-<id>.wandb`` transaction logs (what ``wandb sync`` uploads): what a killed invocation logged before
+    its kill and wandb wrote; 0 if none or unreadable. The newest directory that holds a row has the last step."""
+    try:
+        from wandb.proto import wandb_internal_pb2 as pb
+    except Exception:  # noqa: BLE001 - no wandb, or another layout: the step file alone counts
+        return 0
+    found = sorted(wandb_dir.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"), key=lambda p: p.parent.name)
+    for file in reversed(found):
+        try:
+            data = file.read_bytes()
+        except OSError:
+            continue
+        steps = []
+        for raw in _log_records(data if data[:4] == b":W&B" else b""):
+            record = pb.Record()
+            try:
+                record.ParseFromString(raw)
+            except Exception:  # noqa: BLE001 - a damaged record: the ones before it count
+                break
+            if record.WhichOneof("record_type") == "history":
+                item = next((i for i in record.history.item if i.key == "_step"), None)
+                try:
+                    steps.append(int(item.value_json) if item is not None else record.history.step.num)
+                except ValueError:
+                    break
+        if steps:
+            return max(steps)
+    return 0
 
 
 def _recorded_wandb_id(wandb_dir: Path) -> str | None:
@@ -217,7 +279,10 @@ class RunLog:
         # a resumed run continues its wandb run (the id recorded in RUN/wandb), a fresh one starts a new one
         run_id = wandb_run_id(self.run_dir, bool(self.cfg.run.resume))
         self._wandb_id = run_id
-        self._wandb_logged = _logged_step(self.run_dir / "wandb", run_id) if self.cfg.run.resume else 0
+        # what earlier invocations logged: the step file of one that closed its wandb run, else (killed) what its
+        # offline directories hold on disk
+        self._wandb_logged = max(_logged_step(self.run_dir / "wandb", run_id),
+                                 _persisted_step(self.run_dir / "wandb", run_id)) if self.cfg.run.resume else 0
         try:
             self.wandb_run = wandb.init(project=lc.project, dir=str(self.run_dir), mode=lc.mode, id=run_id,
                                         resume="allow", name=self.run_dir.name, group=self.cfg.recipe,
@@ -277,7 +342,8 @@ class RunLog:
             self.wandb_dir = str(Path(files).parent) if files and Path(files).parent.is_dir() else None
             self.wandb_run.finish()
             self.wandb_run = None
-            # recorded once finish() has flushed wandb's rows: a run killed before that re-logs (never loses) them;
+            # recorded once finish() has flushed wandb's rows (a run killed before that is resumed from what its
+            # offline directory holds on disk: it re-logs, never loses, the rows wandb had not written);
             # logger.mode=disabled (no directory) wrote no row
             if self._wandb_logged and self.wandb_dir is not None:
                 atomic_write_bytes(self.run_dir / "wandb" / WANDB_STEP_FILE,
