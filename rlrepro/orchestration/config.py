@@ -360,11 +360,10 @@ def validate(cfg: Any) -> RunSchema:
         raise ConfigError(f"reward.overlong_buffer={s.reward.overlong_buffer} must be below rollout.max_tokens="
                           f"{s.rollout.max_tokens} (the penalty ramps over the last overlong_buffer tokens; DAPO "
                           "uses a quarter of the length limit)")
-    k = s.rollout.max_staleness
-    if k and k >= s.train.steps:
-        raise ConfigError(f"rollout.max_staleness={k} is not below train.steps={s.train.steps}: the run would "
-                          f"generate {k} batches before its first update, more than it trains; use "
-                          f"rollout.max_staleness <= {max(s.train.steps - 1, 0)} (1 or 2 is the usual choice)")
+    note = staleness_note(s)
+    if note is not None and note not in _SAID:  # said once per process (the CLI and the driver both validate)
+        _SAID.add(note)
+        print(f"rlrepro: note: {note}", file=sys.stderr, flush=True)
     _validate_trainer_layout(s)
     _validate_dynamic_sampling(s)
     _validate_eval(s)
@@ -381,6 +380,24 @@ def validate(cfg: Any) -> RunSchema:
                           "an engine of one GPU into one NCCL communicator, which NCCL refuses (duplicate GPU); "
                           "use rollout.weight_sync=auto (CUDA IPC there) or ray.colocate=false")
     return s
+
+
+_SAID: set = set()  # the notes validate() has printed in this process
+
+
+def staleness_note(s: RunSchema) -> str | None:
+    """What ``rollout.max_staleness=K >= train.steps`` means (None when K < train.steps). Allowed: batch ``s``
+    comes from weight version ``max(0, s - 1 - K)`` for every ``s``, so each of the run's batches comes from the
+    starting weights, and the ``K`` generated after the last step stay in its last checkpoint, where a resume with
+    a larger ``train.steps`` trains them, bit for bit as one longer run would (a short first leg, later extended)."""
+    k, steps = s.rollout.max_staleness, s.train.steps
+    if not k or k < steps:
+        return None
+    return (f"rollout.max_staleness={k} >= train.steps={steps}: every batch of this run comes from the starting "
+            f"weights (batch s from weight version max(0, s - 1 - {k}) = 0), and the {k} batches generated after "
+            f"step {steps} stay in its last checkpoint, trained only if a resume raises train.steps (it may when "
+            "train.min_lr_ratio=1.0 and train.warmup_steps <= train.steps, so that no step's LR changes); for a run "
+            "that is not to be extended, use rollout.max_staleness < train.steps")
 
 
 def uses_episodes(s: RunSchema) -> bool:

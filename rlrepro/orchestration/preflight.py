@@ -243,15 +243,31 @@ def check_episode_prompt(cfg: RunSchema, uid: str, n: int, model_config: Any) ->
 
 
 def check_micro_batch_tokens(cfg: RunSchema, prompts: list, model_config: Any, episodes: bool) -> None:
-    """``train.micro_batch_tokens`` holds the longest sample the run can produce (single-turn: the longest prompt
-    plus ``rollout.max_tokens``; episodes: the engine's context), so that no micro-batch passes the budget."""
+    """``train.micro_batch_tokens`` holds the longest sample the run can produce, so that no micro-batch passes the
+    budget. Single-turn: the longest prompt plus ``rollout.max_tokens`` (at most the context). Episodes: the
+    transcript budget, ``env.max_episode_tokens`` (capped by the engine's context, the budget when it is null):
+    every turn is cut to the tokens left under it, and an observation that reaches it ends the episode and is left
+    out of the sample (a sample always ends with a policy turn), so no trained sample is longer
+    (rlrepro.envs.Episode, rlrepro.orchestration.episodes)."""
     budget = cfg.train.micro_batch_tokens
     if not budget:
         return
     max_len = cfg.rollout.max_model_len or model_config.max_position_embeddings
     if episodes:
-        longest, what = max_len, "an episode's transcript can fill the engine's context"
-        fix = "lower rollout.max_model_len"
+        cap = cfg.env.max_episode_tokens
+        if cap is not None and cap <= max_len:
+            longest = cap
+            what = (f"an episode's transcript, prompt, turns and observations, can reach env.max_episode_tokens="
+                    f"{cap}; an observation that passes it ends the episode and is not trained")
+            fix = "lower env.max_episode_tokens"
+        else:
+            longest = max_len
+            src = "rollout.max_model_len" if cfg.rollout.max_model_len else "the model's max_position_embeddings"
+            shown = "null" if cap is None else f"{cap}, above the context"
+            what = (f"an episode's transcript can fill the engine's context ({src}), its only bound with "
+                    f"env.max_episode_tokens={shown}")
+            fix = (f"set env.max_episode_tokens<={budget} (a transcript budget: every episode then ends within it), "
+                   "or lower rollout.max_model_len")
     else:
         n = max(len(p.token_ids) for p in prompts)
         longest = min(max_len, n + cfg.rollout.max_tokens)

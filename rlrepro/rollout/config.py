@@ -27,6 +27,8 @@ class EngineConfig:
     SECTION: ClassVar[str] = "rollout"
 
     max_num_seqs: int = 256
+    # the most tokens in one engine step: any value >= 1, below block_size too (a prompt longer than it is prefilled
+    # in chunks; the tokens are the same for every value, only speed changes, as the Engine accepts it)
     max_num_batched_tokens: int = 8192
     prefix_cache: bool = field(default=True, metadata={"engine_arg": "enable_prefix_cache"})
     block_size: int = 16
@@ -45,9 +47,6 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"rollout.max_model_len={self.max_model_len} must be >= 2 (a prompt token and a "
                               "generated one), or null for the model's max_position_embeddings")
-        if self.max_num_batched_tokens < self.block_size:
-            raise ConfigError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                              f"rollout.block_size={self.block_size}")
 
     def engine_kwargs(self) -> dict:
         """The ``Engine`` keyword arguments of these fields (``gpu_memory_fraction`` included)."""
