@@ -8,6 +8,7 @@ package that may import it (an import-linter contract, docs/DESIGN.md).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from .errors import RolloutWorkerLost, describe, is_actor_death, log
@@ -15,10 +16,9 @@ from .placement import (NODE_ID_LABEL, Layout, Placement, PlacementError, check_
                         nodes_from_ray, plan_layout, plan_placement, shown_resource, uses_placement_groups)
 from .ray_start import is_local, start_ray
 from .weight_sync import GROUP_TIMEOUT_S, WEIGHT_SYNC_MODES, resolve_weight_sync
+from .worker_calls import NODE_CHECK_S, WorkerCalls, WorkerHung, why as _why  # noqa: F401
 from .workers import Request, RolloutWorker, TrainerWorker
 
-
-NODE_CHECK_S = 2.0  # while waiting on rollout workers: how often the nodes of the run are looked at
 # after a collective weight sync broke: how long the driver waits for every member's call to end. A member's
 # receive or send fails by the group's timeout at the latest (its peer gone); one that has not answered a minute
 # after that is hung (a stopped process, a node cut off), and the driver stops instead of waiting for ever
@@ -42,20 +42,20 @@ def actor_env_vars(cfg) -> dict[str, str]:
     return env
 
 
-class ActorGroup:
+class ActorGroup(WorkerCalls):
     """The rollout workers and the trainer ranks of one run.
 
     A rollout worker that dies (its process killed, its actor lost) during ``generate`` or ``sync_weights`` is
     replaced: a new actor, loaded with the trainer's current weights under the current version, gets the dead
     one's unfinished requests again. Requests are pure functions of their keys, so the results are the ones the
-    dead worker would have returned. With ``rollout.hang_timeout_s`` a worker whose generation call has not
-    answered in that many seconds is taken as hung: killed and replaced the same way (a timeout only restarts, it
-    never decides a number). At most ``rollout.max_restarts`` replacements per step (counted from the
+    dead worker would have returned. With ``rollout.hang_timeout_s`` a worker whose call (generation, weight sync
+    or its join, a replacement's start and weight load) has not answered in that many seconds is taken as hung:
+    killed and replaced the same way (a timeout only restarts, it never decides a number; :mod:`.worker_calls`).
+    At most ``rollout.max_restarts`` replacements per step (counted from the
     step's ``generate``); then :class:`~.errors.RolloutWorkerLost`. The trainer is not replaced: its state is the
     run's state, and a run whose trainer died resumes from its last checkpoint (``run.resume=true``).
     """
     _owns_ray = False  # whether this group started the (local) Ray it runs on: only then does shutdown stop it
-    hang_timeout_s = 0.0  # rollout.hang_timeout_s (0: off)
 
     def __init__(self, cfg, model_dir: str) -> None:
         """``cfg``: the run's typed config (:class:`~.config.RunSchema`)."""
@@ -225,102 +225,6 @@ class ActorGroup:
         args, kwargs = self._worker_args
         return self._worker_cls.options(**self._worker_options[i]).remote(*args, **kwargs)
 
-    def _replace_worker(self, i: int, error: BaseException, during: str, version: int,
-                        weights_ref: Any = None) -> None:
-        """Put a new worker in slot ``i``, holding the trainer's current weights as ``version`` (-1: the starting
-        weights from the model directory). Counts against the per-step budget; raises RolloutWorkerLost past it."""
-        ray = self._ray
-        while True:
-            self._restarts_in_step += 1
-            if self._restarts_in_step > self.max_restarts:
-                raise RolloutWorkerLost(
-                    f"rollout worker {i} was lost during {during}, and the {self.max_restarts} replacement(s) that "
-                    f"rollout.max_restarts={self.max_restarts} allows per step are used up; last error: "
-                    f"{_why(error)}. Fix the cause (memory? the Ray logs under /tmp/ray/session_latest/logs "
-                    "say why the process ended) or raise rollout.max_restarts")
-            self.restarts += 1
-            redo = "its requests are re-run" if during in ("generate", "run_episodes") else "it gets the weights"
-            log(f"rollout worker {i} lost during {during} ({_why(error, 300)}); replacing it "
-                f"({self._restarts_in_step}/{self.max_restarts} this step), {redo}")
-            try:
-                ray.kill(self.workers[i], no_restart=True)
-            except Exception:  # noqa: BLE001 - it is gone already
-                pass
-            self.workers[i] = self._new_worker(i)
-            self.sync.worker_replaced()  # a collective weight-sync group is formed again, with the new worker
-            if version < 0:
-                return
-            # the weights of `version`, not the trainer's newest: with rollout.max_staleness the trainer may have
-            # trained the next step by the time a worker dies mid-generation (it keeps the version before)
-            ref = weights_ref if weights_ref is not None else self.trainer.weights_of_version.remote(version)
-            try:
-                got = self._wait_one(self._call(i, "load_weights", ref, version), during)
-            except Exception as e:  # noqa: BLE001
-                if not is_actor_death(e):
-                    raise
-                error = e
-                continue
-            if got != version:
-                raise RuntimeError(f"replacement rollout worker {i} reports weight version {got}, expected {version}")
-            return
-
-    def _wait_one(self, ref: Any, during: str) -> Any:
-        """``ray.get(ref)``, looking at the run's nodes while it waits (a replacement placed on a node that died
-        would wait for ever)."""
-        while self._placements and not self._ray.wait([ref], num_returns=1, timeout=NODE_CHECK_S)[0]:
-            self.check_nodes(during)
-        return self._ray.get(ref)
-
-    def _gather(self, calls: dict[int, Any], resubmit, during: str, version: int, weights_ref: Any = None) -> dict:
-        """Wait for one call per worker slot; a slot whose worker died gets a replacement, then ``resubmit(i)``
-        (a new call, or None when the replacement needs none). A generation call (``generate``, ``run_episodes``)
-        not answered within ``rollout.hang_timeout_s`` (when set) is a hung worker's: it is treated as dead."""
-        import time
-
-        ray = self._ray
-        pending = {ref: i for i, ref in calls.items()}
-        timeout = self.hang_timeout_s if during in ("generate", "run_episodes") else 0.0
-        started = dict.fromkeys(pending, time.monotonic())  # when each call was submitted
-        results: dict[int, Any] = {}
-
-        def redo(i: int, error: BaseException) -> None:
-            self._replace_worker(i, error, during, version, weights_ref)
-            new_ref = resubmit(i)
-            if new_ref is None:
-                results[i] = version
-            else:
-                pending[new_ref], started[new_ref] = i, time.monotonic()
-
-        while pending:
-            # a timeout here decides nothing but how often the nodes are looked at (a node that died takes its
-            # actors with it, and a replacement placed in its bundle would wait for a node that is gone) and when
-            # a worker is restarted (rollout.hang_timeout_s): results are put back by key, whoever computes them
-            wait_s = NODE_CHECK_S if self._placements else None
-            if timeout:
-                due = min(started[ref] for ref in pending) + timeout - time.monotonic()
-                wait_s = max(0.0, due if wait_s is None else min(wait_s, due))
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
-            if not ready:
-                self.check_nodes(during)
-                now = time.monotonic()
-                for ref in [r for r in pending if timeout and now - started[r] >= timeout]:
-                    i = pending.pop(ref)
-                    log(f"rollout worker {i} has not answered its {during} call in {now - started[ref]:.1f} s "
-                        f"(rollout.hang_timeout_s={timeout:g}): taken as hung, it is killed and replaced")
-                    redo(i, WorkerHung(f"{during} call unanswered after {now - started[ref]:.1f} s; raise "
-                                       f"rollout.hang_timeout_s (now {timeout:g}) if generation takes that long"))
-                continue
-            ref = ready[0]
-            i = pending.pop(ref)
-            try:
-                results[i] = ray.get(ref)
-            except Exception as e:  # noqa: BLE001
-                if not is_actor_death(e):
-                    raise
-                self.check_nodes(during, e)
-                redo(i, e)
-        return results
-
     def generate(self, requests: list[Request]) -> list[tuple[tuple[str, int], Any]]:
         """Deal requests to workers by position (request i to worker i mod W); gather in any order. Returns
         ``(key, RequestOutput)`` pairs in worker order (the caller sorts by key). A worker that dies is replaced
@@ -372,15 +276,22 @@ class ActorGroup:
         refs = {f"trainer{g}": t.memory_stats.remote() for g, t in enumerate(self.trainers)}
         worker_refs = {f"worker{i}": w.memory_stats.remote() for i, w in enumerate(self.workers)}
         out = {name: self.get(ref) for name, ref in refs.items()}
+        timeout = self.hang_timeout_s
+        started = time.monotonic()
         for name, ref in worker_refs.items():
-            try:
-                out[name] = self._ray.get(ref)
+            try:  # bounded by rollout.hang_timeout_s (from the calls' submission) when it is set
+                out[name] = (self._ray.get(ref, timeout=max(0.0, started + timeout - time.monotonic()))
+                             if timeout else self._ray.get(ref))
             except Exception as e:  # noqa: BLE001
-                # a worker that died after its part of the step (killed between phases): its peak is not known,
-                # and the next generate or weight sync replaces it (the only place a death is handled); a perf
-                # figure must not end the run
-                if not is_actor_death(e):
+                # a worker that died after its part of the step (killed between phases), or hung: its peak is not
+                # known, and the next generate or weight sync replaces it (the only place a death or a hang is
+                # handled); a perf figure must not end the run
+                if not is_actor_death(e) and not _is_get_timeout(e):
                     raise
+                if _is_get_timeout(e):
+                    log(f"rollout {name.replace('worker', 'worker ')} has not answered its memory_stats call in "
+                        f"{timeout:g} s (rollout.hang_timeout_s): its peak memory is left out, and its next call "
+                        "(weight sync or generate) replaces it if it is hung")
         return out
 
     def sync_weights(self, version: int) -> str:
@@ -393,7 +304,8 @@ class ActorGroup:
         if collective:  # a worker dead since its last call would hold the group's rendezvous until its timeout
             self._gather({i: w.pid.remote() for i, w in enumerate(self.workers)}, lambda i: None, "weight sync",
                          version)
-        calls, weights_ref, trainer_ref = self.sync.send(self, version)
+        calls, weights_ref, trainer_ref = self.sync.send(self, version)  # the trainer's part awaited first
+        actors = list(self.workers)  # the ones called (a slot replaced during the wait gets another)
         try:
             got = self._gather(calls, lambda i: None, "weight sync", version, weights_ref)
             if trainer_ref is not None:
@@ -403,14 +315,14 @@ class ActorGroup:
         except Exception:  # noqa: BLE001
             if not collective:
                 raise
-            got = self._after_broken_collective(calls, trainer_ref, version)
+            got = self._after_broken_collective(calls, trainer_ref, version, actors)
         versions = [got[i] for i in range(len(self.workers))]
         if any(v != version for v in versions):
             raise RuntimeError(f"weight sync to version {version} failed: workers report {versions}")
         self.weight_version = version
         return self.get(digest)
 
-    def _after_broken_collective(self, calls: dict, trainer_ref: Any, version: int) -> dict:
+    def _after_broken_collective(self, calls: dict, trainer_ref: Any, version: int, actors: list | None = None) -> dict:
         """A collective weight sync failed. When a worker died in it (the others' calls then fail at once: the
         trainer closes the group), every worker loads ``version`` from the object store instead, a replacement for
         the dead; the group is formed again at the next sync. Otherwise the error stands."""
@@ -418,7 +330,8 @@ class ActorGroup:
         self.sync.worker_replaced()  # the group is closed on one side at least
         refs = [trainer_ref, *calls.values()]
         self._wait_all_or_name_the_hung(refs, {trainer_ref: "the trainer (rank 0)", **{
-            ref: f"rollout worker {i}" for i, ref in calls.items()}}, version)
+            ref: f"rollout worker {i}" for i, ref in calls.items()}}, version,
+            {ref: (i, (actors or self.workers)[i]) for i, ref in calls.items()})
         errors = []
         for ref in refs:
             try:
@@ -436,19 +349,36 @@ class ActorGroup:
         loads = {i: self._call(i, "load_weights", ref, version) for i in range(len(self.workers))}
         return self._gather(loads, lambda i: None, "weight sync", version, ref)
 
-    def _wait_all_or_name_the_hung(self, refs: list, names: dict, version: int) -> None:
+    def _wait_all_or_name_the_hung(self, refs: list, names: dict, version: int,
+                                   workers: dict | None = None) -> None:
         """Wait for every call of ``refs`` to end, at most ``BROKEN_SYNC_WAIT_S`` (looking at the run's nodes on
-        the way); a TimeoutError naming the members (``names``: ref -> words) that did not answer."""
-        import time
-
+        the way); a TimeoutError naming the members (``names``: ref -> words) that did not answer. With
+        rollout.hang_timeout_s, a rollout worker's call (``workers``: ref -> (slot, actor)) still running that long
+        after the wait began is a hung worker's: the worker is killed (its call then ends as a death, and the reload
+        that follows replaces it); only a trainer that does not answer is left to the error."""
         ray = self._ray
-        deadline = time.monotonic() + BROKEN_SYNC_WAIT_S
+        start = time.monotonic()
+        deadline = start + BROKEN_SYNC_WAIT_S
+        hang_at = start + self.hang_timeout_s if self.hang_timeout_s and workers else None
         pending = list(refs)
         while pending:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 break
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, NODE_CHECK_S))
+            if hang_at is not None and now >= hang_at:
+                for ref in [r for r in pending if r in workers]:
+                    i, actor = workers[ref]
+                    log(f"rollout worker {i} has not answered its weight sync call in {now - start:.1f} s after the "
+                        f"collective broadcast broke (rollout.hang_timeout_s={self.hang_timeout_s:g}): taken as "
+                        "hung, it is killed and replaced")
+                    try:
+                        ray.kill(actor, no_restart=True)
+                    except Exception:  # noqa: BLE001 - gone already
+                        pass
+                hang_at = None
+            wait_s = min(left, NODE_CHECK_S) if hang_at is None else max(0.0, min(left, NODE_CHECK_S, hang_at - now))
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
             if pending:
                 self.check_nodes("the broken collective weight sync")
         if pending:
@@ -519,19 +449,11 @@ class ActorGroup:
             self._owns_ray = False
 
 
-def _why(error: BaseException, limit: int = 600) -> str:
-    """``describe(error)``; for an actor whose constructor raised, that exception (the last line of Ray's message,
-    whose first lines name only the actor)."""
-    if is_actor_death(error) and getattr(error, "actor_init_failed", False):
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        if lines:
-            out = f"its constructor raised {lines[-1]}"
-            return out if len(out) <= limit else out[: limit - 3] + "..."
-    return describe(error, limit)
+def _is_get_timeout(error: BaseException) -> bool:
+    """Ray's ``GetTimeoutError`` (a ``ray.get`` with a timeout that ran out)."""
+    from ray.exceptions import GetTimeoutError
 
-
-class WorkerHung(TimeoutError):
-    """A rollout worker's generation call took longer than ``rollout.hang_timeout_s``: it is replaced."""
+    return isinstance(error, GetTimeoutError)
 
 
 class NodeLost(RolloutWorkerLost):

@@ -138,9 +138,10 @@ class RolloutConfig(EngineConfig, SamplingConfig):
     # a rollout worker that dies (process killed, actor lost) is replaced, loaded with the current weights, and
     # its unfinished requests are re-run (same keys, same samples); at most this many replacements per step
     max_restarts: int = 3
-    # seconds a rollout worker's generate (or run_episodes) call may take before the driver takes the worker as
-    # hung: it is killed and replaced as a dead one is (max_restarts), and the call re-run from its keys. Only ever
-    # a restart, never a number (orchestration.actors.ActorGroup._gather). 0: off
+    # seconds any call on a rollout worker may take (generate / run_episodes, a weight sync or its collective
+    # join, a replacement's start and first weight load) before the driver takes the worker as hung: it is killed
+    # and replaced as a dead one is (max_restarts), and the call re-run. Only ever a restart, never a number
+    # (orchestration.worker_calls). 0: off
     hang_timeout_s: float = 0.0
     # DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose rewards are all equal (zero advantage)
     # is dropped and further prompts are drawn, round after round, until prompts_per_step groups are kept
@@ -163,8 +164,8 @@ class RolloutConfig(EngineConfig, SamplingConfig):
         c.positive_int("num_workers", "prompts_per_step", "group_size")
         c.int_at_least("max_restarts", 0)
         c.require(finite_number(self.hang_timeout_s) and self.hang_timeout_s >= 0, "hang_timeout_s",
-                  "must be a finite number of seconds > 0 (a generate call that takes longer restarts its rollout "
-                  "worker), or 0 (off, the default)")
+                  "must be a finite number of seconds > 0 (a call on a rollout worker that takes longer restarts "
+                  "the worker), or 0 (off, the default)")
         c.choice("weight_sync", ("auto", *WEIGHT_SYNC_MODES))
         c.require(self.group_size >= 2, "group_size", "must be >= 2: GRPO compares samples within a group")
         c.boolean("dynamic_sampling")

@@ -11,10 +11,16 @@ kind                        what happens
                             rollout worker ``worker`` (default 0) is ended after ``delay_s``
                             (default 0) seconds, ``how`` ``"sigkill"`` (``os.kill`` of its pid, default) or
                             ``"ray_kill"``; ``times`` (default 1): also end that many - 1 of its replacements.
-``hang_worker``             rollout worker ``worker`` (default 0) sleeps ``seconds`` (default 600) inside its
-                            ``generate`` (or ``run_episodes``) call of that step before doing the work: a hung
-                            worker, alive but silent, for ``rollout.hang_timeout_s`` to find. Its replacement's
-                            re-run of the call does not sleep (the fault fires once, in the driver).
+``hang_worker``             rollout worker ``worker`` (default 0) sleeps ``seconds`` (default 600) inside a call
+                            before doing its work: a hung worker, alive but silent, for ``rollout.hang_timeout_s``
+                            to find. ``at``: ``"generate"`` (default: its ``generate`` or ``run_episodes`` call of
+                            that step), ``"sync"`` (its weight-sync call of the sync to version ``step``:
+                            ``load_weights``, ``load_weights_ipc`` or ``sync_receive``; step 0 is the first sync)
+                            or ``"join"`` (``rollout.weight_sync=collective``: its ``sync_group_join``).
+                            ``times`` (default 1): also that many - 1 of its replacements hang, each in its first
+                            call (its start and weight load: ``load_weights``, or the call that follows a start
+                            without weights). Otherwise a replacement's call does not sleep (the fault fires once,
+                            in the driver).
 ``nan_grad``                the trainer's gradient at that step is NaN (a hook on one parameter).
 ``checkpoint_enospc``       writing the checkpoint of that step fails with ``OSError(ENOSPC)`` after
                             ``after_files`` (default 2) of its files.
@@ -41,6 +47,9 @@ from .workers import TrainerWorker
 FAULTS_ENV = "RLREPRO_FAULTS"
 KINDS = ("kill_worker", "hang_worker", "nan_grad", "checkpoint_enospc", "crash_in_checkpoint", "sigterm")
 TRAINER_KINDS = ("nan_grad", "checkpoint_enospc", "crash_in_checkpoint")
+# hang_worker's `at` -> the rollout-worker methods that sleep there
+HANG_METHODS = {"generate": ("generate", "run_episodes"), "sync": ("load_weights", "load_weights_ipc", "sync_receive"),
+                "join": ("sync_group_join",)}
 
 
 class FaultPlan:
@@ -51,6 +60,11 @@ class FaultPlan:
         for f in self.faults:
             if f.get("kind") not in KINDS or not isinstance(f.get("step"), int):
                 raise ValueError(f"{FAULTS_ENV}: bad fault {f!r}; each needs 'kind' in {KINDS} and an integer 'step'")
+            if f["kind"] == "hang_worker":  # no `at`: a generation call's hang (the fault's first meaning)
+                f.setdefault("at", "generate")
+                if f["at"] not in HANG_METHODS:
+                    raise ValueError(f"{FAULTS_ENV}: bad fault {f!r}; a hang_worker's 'at' is one of "
+                                     f"{tuple(HANG_METHODS)}")
         self.driver_pid = driver_pid if driver_pid is not None else os.getpid()
         self._fired: set[int] = set()
 
@@ -175,7 +189,9 @@ class FaultInjectingActorGroup(ActorGroup):
     def __init__(self, cfg, model_dir: str, fault_plan: FaultPlan) -> None:
         self.fault_plan = fault_plan
         self._active_kills: list[dict] = []
-        self._active_hangs: dict[int, float] = {}  # worker slot -> seconds its next generation call sleeps
+        self._active_hangs: dict[int, dict] = {}  # slot -> {at, seconds, left}: its next call at `at` sleeps
+        self._replacement_hangs: dict[int, tuple[float, int]] = {}  # slot -> (seconds, left): its next new worker
+        self._first_call_hangs: dict[int, tuple[float, int]] = {}  # slot -> (seconds, left): that worker's 1st call
         self._sigterm_at("before_ray")
         if self.fault_plan.take("sigterm", 0, at="ray_init") is None:
             super().__init__(cfg, model_dir)
@@ -219,8 +235,9 @@ class FaultInjectingActorGroup(ActorGroup):
         pid = None
         if fault is not None and fault["how"] == "sigkill":
             pid = self.get(actor.pid.remote())  # before the work: an actor runs one call at a time
-        if method in ("generate", "run_episodes") and i in self._active_hangs:  # once: not the replacement's call
-            ref = actor.__ray_call__.remote(sleep_then, self._active_hangs.pop(i), method, *args)
+        seconds = self._hang_of(i, method)
+        if seconds is not None:
+            ref = actor.__ray_call__.remote(sleep_then, seconds, method, *args)
         else:
             ref = getattr(actor, method).remote(*args)
         if fault is not None:
@@ -228,14 +245,34 @@ class FaultInjectingActorGroup(ActorGroup):
             kill_actor_later(self._ray, actor, pid, fault["how"], fault["delay_s"])
         return ref
 
+    def _hang_of(self, i: int, method: str) -> float | None:
+        """The seconds call ``method`` of slot ``i`` sleeps (a hang_worker fault), or None; its replacements' first
+        calls hang too while the fault's ``times`` lasts."""
+        if i in self._first_call_hangs:  # a replacement's first call: its start and weight load
+            seconds, left = self._first_call_hangs.pop(i)
+        elif i in self._active_hangs and method in HANG_METHODS[self._active_hangs[i]["at"]]:
+            hang = self._active_hangs.pop(i)
+            seconds, left = hang["seconds"], hang["left"]
+        else:
+            return None
+        if left > 1:
+            self._replacement_hangs[i] = (seconds, left - 1)
+        return seconds
+
+    def _new_worker(self, i: int):
+        if i in self._replacement_hangs:
+            self._first_call_hangs[i] = self._replacement_hangs.pop(i)
+        return super()._new_worker(i)
+
     def _before(self, at: str, step: int) -> None:
         """The kill_worker and hang_worker faults of this call; ``times`` counts the worker and its replacements."""
-        if at == "generate":  # a hang of a slot that got no requests at its step lapses
-            self._active_hangs.clear()
+        # a hang of a slot that got no call of its kind at its step lapses
+        self._active_hangs = {i: h for i, h in self._active_hangs.items() if h["at"] != at}
         for i in range(len(self.workers)):
-            hang = self.fault_plan.take("hang_worker", step, worker=i) if at == "generate" else None
+            hang = self.fault_plan.take("hang_worker", step, at=at, worker=i)
             if hang is not None:
-                self._active_hangs[i] = float(hang.get("seconds", 600.0))
+                self._active_hangs[i] = {"at": at, "seconds": float(hang.get("seconds", 600.0)),
+                                         "left": int(hang.get("times", 1))}
             f = self.fault_plan.take("kill_worker", step, at=at, worker=i)
             if f is not None:
                 self._active_kills.append({"worker": i, "left": int(f.get("times", 1)), "at": at,

@@ -327,6 +327,7 @@ class ObjectStoreSync(WeightSync):
 
     def send(self, group, version: int):
         weights_ref = group.trainer.get_weights.remote()
+        group._wait_for_trainer(weights_ref, "weight sync")  # so that a worker's timed call is its own work only
         calls = {i: group._call(i, "load_weights", weights_ref, version) for i in range(len(group.workers))}
         return calls, weights_ref, None
 
@@ -337,6 +338,8 @@ class CudaIpcSync(WeightSync):
 
     def send(self, group, version: int):
         handles = {g: group.trainers[g].ipc_handles.remote() for g in sorted(set(group.worker_gpu))}
+        for ref in handles.values():  # the trainer's part first: a worker's timed call is its own work only
+            group._wait_for_trainer(ref, "weight sync")
         calls = {i: group._call(i, "load_weights_ipc", handles[g], version) for i, g in enumerate(group.worker_gpu)}
         return calls, None, None
 
@@ -374,16 +377,44 @@ class CollectiveSync(WeightSync):
     def _wait_joins(self, group, trainer_ref, joins: dict, address: tuple[str, int]) -> dict:
         """Wait for every member's join. Ray ends the call of a worker that died at once, and that first failure
         aborts the others' waits (:func:`abort_join`), which would otherwise last the group's timeout. Returns
-        {slot: error} of the workers that died; the trainer's death, or a failure without a death, raises."""
-        from .errors import describe, is_actor_death
+        {slot: error} of the workers that died or hung; the trainer's death, or a failure without a death, raises.
+
+        With ``rollout.hang_timeout_s`` (T) a join not over after T is aborted: the members that merely wait for
+        a hung one then answer (:class:`SyncGroupAborted`), and a rollout worker whose join has still not answered
+        T later is hung: it is killed and counted as dead (a ``WorkerHung``), so that it is replaced."""
+        from .errors import describe, is_actor_death, log
+        from .worker_calls import hung
 
         ray = group._ray
         pending = {trainer_ref: None, **{ref: i for i, ref in joins.items()}}
         dead, failed = {}, []
+        timeout = getattr(group, "hang_timeout_s", 0.0)
+        started, aborted_at = time.monotonic(), None
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=2.0)  # the timeout: to look at the nodes
+            wait_s = 2.0  # to look at the nodes
+            if timeout:
+                due = (started if aborted_at is None else aborted_at) + timeout
+                wait_s = max(0.0, min(wait_s, due - time.monotonic()))
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
             if not ready:
                 group.check_nodes("the weight-sync group's join")
+                now = time.monotonic()
+                if timeout and aborted_at is None and now - started >= timeout:
+                    aborted_at = now
+                    abort_join(*address, self.generation, f"the join was not over in {timeout:g} s "
+                               "(rollout.hang_timeout_s): a member is hung")
+                elif timeout and aborted_at is not None and now - aborted_at >= timeout:
+                    for ref in [r for r, i in pending.items() if i is not None]:
+                        i = pending.pop(ref)
+                        log(f"rollout worker {i} has not answered its sync_group_join call in {now - started:.1f} s "
+                            f"(rollout.hang_timeout_s={timeout:g}, the join aborted {now - aborted_at:.1f} s ago): "
+                            "taken as hung, it is killed and replaced")
+                        try:
+                            ray.kill(group.workers[i], no_restart=True)
+                        except Exception:  # noqa: BLE001 - gone already
+                            pass
+                        dead[i] = hung(i, "sync_group_join (weight sync)", now - started, timeout)
+                    aborted_at = now  # the trainer's answer to the abort is waited for as long again
                 continue
             i = pending.pop(ready[0])
             try:
@@ -403,7 +434,14 @@ class CollectiveSync(WeightSync):
                 group.check_nodes("the weight-sync group's join", e)
                 raise e
         if not dead and failed:
-            raise failed[0][1]
+            real = [e for _, e in failed if not isinstance(e, SyncGroupAborted)]
+            if aborted_at is not None and not real:
+                raise TimeoutError(
+                    f"the weight-sync group's join (generation {self.generation}) was not over in {timeout:g} s "
+                    f"(rollout.hang_timeout_s={timeout:g}) and was aborted, yet every rollout worker answered the "
+                    "abort (none is hung): raise rollout.hang_timeout_s, or look at the workers' logs "
+                    "(/tmp/ray/session_latest/logs) for what made the join slow")
+            raise failed[0][1] if aborted_at is None else real[0]
         return dead
 
     def send(self, group, version: int):
