@@ -147,17 +147,6 @@ def verify_run(run_dir: str | os.PathLike, from_step: int = 1, steps: int | None
     return report, start_step
 
 
-def _first_value_difference(a, b) -> str:
-    """Where two JSON values first differ: ``[i]: A vs B`` for lists of one length, else the two values."""
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            if json.dumps(x, sort_keys=True) != json.dumps(y, sort_keys=True):
-                return f"[{i}]: recorded {x!r}, re-executed {y!r}"
-    if isinstance(a, list) and isinstance(b, list):
-        return f": recorded {len(a)} item(s), re-executed {len(b)}"
-    return f": recorded {a!r}, re-executed {b!r}"
-
-
 def compare_rollout_files(run: Path, out: Path, steps) -> tuple[list[dict], list[int]]:
     """The first difference of each step's rollout file (``rollouts/step_NNNNNN.jsonl.gz``) between the record and
     the re-execution, which writes the same records: [{``step``, ``sample``, ``key``, ``message``}] (``sample``: the
@@ -165,6 +154,7 @@ def compare_rollout_files(run: Path, out: Path, steps) -> tuple[list[dict], list
     re-execution did not write. A step the
     run kept no rollout file for is not compared, nor one the re-execution did not write (the second list)."""
     from rlrepro.repro.records import read_rollouts, rollouts_path
+    from rlrepro.repro.rollout_check import first_record_difference
 
     diffs, missing = [], []
     for step in steps:
@@ -181,14 +171,11 @@ def compare_rollout_files(run: Path, out: Path, steps) -> tuple[list[dict], list
                           f"sample(s) recorded, {len(new)} re-executed at step {step}"})
             continue
         for i, (x, y) in enumerate(zip(rec, new)):
-            keys = list(dict.fromkeys([*x, *y]))
-            key = next((k for k in keys if json.dumps(x.get(k, "<absent>"), sort_keys=True)
-                        != json.dumps(y.get(k, "<absent>"), sort_keys=True)), None)
-            if key is not None:
+            found = first_record_difference(x, y, ("recorded", "re-executed"))
+            if found is not None:
                 uid, idx = x.get("prompt_uid"), x.get("sample_index")
-                diffs.append({"step": step, "sample": i, "key": key, "message": (
-                    f"step {step}, sample {i} (prompt_uid {uid!r}, sample_index {idx}), {key}"
-                    f"{_first_value_difference(x.get(key, '<absent>'), y.get(key, '<absent>'))} in {where}")})
+                diffs.append({"step": step, "sample": i, "key": found[0], "message": (
+                    f"step {step}, sample {i} (prompt_uid {uid!r}, sample_index {idx}), {found[1]} in {where}")})
                 break
     return diffs, missing
 

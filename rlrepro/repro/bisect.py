@@ -1,7 +1,10 @@
 """``rlrepro diff --bisect``: find the first layer and op whose activations differ at the first divergent step.
 
 First what the records already say: when the runs' ``inputs.json`` differ in something that can change bits
-(the same comparison ``rlrepro diff`` prints), that is the answer and nothing is replayed. A run that ran where
+(the same comparison ``rlrepro diff`` prints), that is the answer and nothing is replayed; rlrepro's own source (the
+code digest, ``rlrepro_code``) stops it too, unless ``allow_code_change`` (``rlrepro diff --bisect
+--allow-code-change``) sets it aside: then the replay runs and its result carries the difference as a warning
+(``code_change``): the replay uses this machine's rlrepro, which need not be either run's. A run that ran where
 bisect cannot replay it (``run.device`` other than the CPU: bisect replays on this machine's CPU, whose kernels give
 other bits than a GPU's) is refused, with no conclusion drawn. Then both runs' policies are restored from their
 newest common checkpoint before the divergent step (or from their starting weights when the divergence is at step
@@ -24,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from .inputs import CODE_KEY
 from .records import CHECKPOINTS_DIR, ReproError, read_rollouts, step_dirname
 
 #: fingerprint fields the trainer produces after the rollout (a metric key ``train/*`` counts too)
@@ -65,12 +69,27 @@ class BisectResult:
     max_abs_diff: float | None = None
     note: str | None = None
     field: str | None = None  # the diverging field (fingerprint field or metric key) bisect was given
+    # rlrepro's code differs between the runs (inputs.json rlrepro_code; the sentences): it stopped the bisect
+    # ("recorded_inputs"), or the replay ran anyway (allow_code_change) and this is its warning
+    code_change: str | None = None
 
     def format(self) -> str:
-        head = f"bisect at step {self.step} (replayed from {self.replayed_from}): "
         if self.kind == "recorded_inputs":
-            return (f"bisect at step {self.step}: not replayed: inputs that can change bits differ ({self.note}); "
-                    "they explain a divergence before any replay could")
+            out = (f"bisect at step {self.step}: not replayed: inputs that can change bits differ ({self.note}); "
+                   "they explain a divergence before any replay could")
+            if self.code_change is not None and self.note == self.code_change:
+                out += f"; to replay anyway, rerun with --allow-code-change ({_CODE_CAVEAT})"
+            elif self.code_change is not None:
+                out += ("; --allow-code-change would set aside rlrepro's code only: the other inputs still explain "
+                        "the divergence")
+            return out
+        text = self._format_replayed()
+        if self.code_change is not None:
+            text = code_change_warning(self.code_change) + "\n" + text
+        return text
+
+    def _format_replayed(self) -> str:
+        head = f"bisect at step {self.step} (replayed from {self.replayed_from}): "
         if self.kind == "model":
             return head + f"the two models differ in structure: {self.note} (see the model.* keys in the config diff)"
         if self.kind == "weights":
@@ -84,6 +103,16 @@ class BisectResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+_CODE_CAVEAT = ("the replay runs this machine's rlrepro code, which need not be either run's, so a divergence the "
+                "code change caused may not show in it")
+
+
+def code_change_warning(code_change: str) -> str:
+    """The line said whenever a bisect replays runs whose rlrepro code differs (``allow_code_change``)."""
+    return (f"WARNING: bisect: rlrepro's code differs between the runs ({code_change}); replayed anyway "
+            f"(--allow-code-change): {_CODE_CAVEAT}")
 
 
 def _policy_dir(run: Path, cfg: dict) -> Path:
@@ -266,17 +295,31 @@ def _unpaired_note(only_a: Sequence[str], only_b: Sequence[str]) -> str | None:
 
 def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, step: int, sample_index: int | None = None,
                 config_a: dict | None = None, config_b: dict | None = None, field: str | None = None,
-                input_diffs: Sequence[str] = (), inputs_not_compared: Sequence[str] = ()) -> BisectResult:
+                input_diffs: Sequence[str] = (), inputs_not_compared: Sequence[str] = (),
+                code_diffs: Sequence[str] = (), allow_code_change: bool = False) -> BisectResult:
     """Replay the first divergent ``step`` of two runs (its first differing sample ``sample_index``, as
     ``diff_runs`` named them) and name the first differing tensor or op. ``config_a`` / ``config_b``: the runs'
     resolved configs (``diff.load_config``); ``field``: the diverging fingerprint field (or metrics key), which
     decides the conclusion when the forward passes agree; ``input_diffs``: the bit-relevant differences of the runs'
     inputs.json (sentences), which are the answer when there are any (nothing is replayed); ``inputs_not_compared``:
-    what of the inputs could not be compared (said with a conclusion drawn). ReproError when the runs
+    what of the inputs could not be compared (said with a conclusion drawn); ``code_diffs``: the differences of
+    rlrepro's own code (``rlrepro_code``, sentences), which stop the bisect as ``input_diffs`` do unless
+    ``allow_code_change`` (the result's ``code_change`` says them either way). ReproError when the runs
     cannot be replayed here. The caller runs the diff: this module imports nothing of it, so ``diff`` -> ``bisect``
     is one-way (:func:`bisect_report` takes its report)."""
-    if input_diffs:
-        return BisectResult(step, "not replayed", "recorded_inputs", note="; ".join(input_diffs), field=field)
+    code_change = "; ".join(code_diffs) or None
+    stop = [*input_diffs, *([] if allow_code_change else code_diffs)]
+    if stop:
+        return BisectResult(step, "not replayed", "recorded_inputs", note="; ".join(stop), field=field,
+                            code_change=code_change)
+    result = _replay(run_a, run_b, step, sample_index, config_a, config_b, field, inputs_not_compared)
+    result.code_change = code_change
+    return result
+
+
+def _replay(run_a, run_b, step: int, sample_index: int | None, config_a: dict | None, config_b: dict | None,
+            field: str | None, inputs_not_compared: Sequence[str]) -> BisectResult:
+    """bisect_runs past the recorded inputs: restore both policies, compare them, replay the sample."""
     a, b = Path(run_a), Path(run_b)
     cfg_a, cfg_b = config_a or {}, config_b or {}
     dtype_a, dtype_b = _replay_setting("A", a, cfg_a), _replay_setting("B", b, cfg_b)
@@ -331,10 +374,11 @@ def bisect_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, step: int
     return BisectResult(step, origin, "none", note=note, field=field)
 
 
-def bisect_report(report: Any, config_a: dict | None, config_b: dict | None) -> BisectResult:
+def bisect_report(report: Any, config_a: dict | None, config_b: dict | None, *,
+                  allow_code_change: bool = False) -> BisectResult:
     """:func:`bisect_runs` at ``report``'s first divergent step (a ``diff.DiffReport``): the fingerprint field and
     sample when the fingerprints diverge first, else the first differing metrics key; and its bit-relevant input
-    differences."""
+    differences (rlrepro's code apart: ``code_diffs``, set aside by ``allow_code_change``)."""
     step = report.first_divergent_step
     dv = report.divergence
     if dv is not None and dv.step == step:
@@ -342,5 +386,7 @@ def bisect_report(report: Any, config_a: dict | None, config_b: dict | None) -> 
     else:
         field, sample_index = report.metric_diffs[0].key, None
     return bisect_runs(report.run_a, report.run_b, step=step, sample_index=sample_index, config_a=config_a,
-                       config_b=config_b, field=field, input_diffs=[d.message for d in report.input_diffs if d.bits],
-                       inputs_not_compared=report.inputs_not_compared)
+                       config_b=config_b, field=field, inputs_not_compared=report.inputs_not_compared,
+                       input_diffs=[d.message for d in report.input_diffs if d.bits and d.what != CODE_KEY],
+                       code_diffs=[d.message for d in report.input_diffs if d.bits and d.what == CODE_KEY],
+                       allow_code_change=allow_code_change)

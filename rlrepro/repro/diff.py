@@ -13,9 +13,12 @@ different sets of steps (in fingerprints.jsonl or metrics.jsonl, or one run has 
 ``--strict-inputs`` also exits 1 when an input that can change bits differs (data, tokenizer, starting weights,
 versions, rlrepro's code, GPU, bit-relevant environment) or cannot be compared (a run without inputs.json, or
 recorded before it held the code digest). A torn last line of a step log (a crashed run, or one still writing) is
-dropped with a note. ``--bisect`` failures are printed after the report, exit 2.
-The report itself (``DiffReport``) lives in :mod:`.report`; ``--json`` writes non-finite floats as strings.
-Imports neither torch nor anything of rlrepro outside this package.
+dropped with a note. Each run's rollout files are checked against its own fingerprints (:mod:`.rollout_check`): a
+file that does not give them (edited or damaged after the run) is a divergence, exit 1 (``--no-detail`` reads no
+rollout file, so it skips the check). ``--bisect`` failures are printed after the report, exit 2; it stops when
+rlrepro's code differs unless ``--allow-code-change``. The report (``DiffReport``) lives in :mod:`.report`;
+``--json`` writes non-finite floats as strings. Imports neither torch nor anything of rlrepro outside this package
+(the rollout check imports the digests' module, and torch, when it runs).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .inputs import INPUTS_FILE, input_differences, read_inputs, resumed_differences, uncompared_inputs
+from .inputs import CODE_KEY, INPUTS_FILE, input_differences, read_inputs, resumed_differences, uncompared_inputs
 from .records import (
     CONFIG_FILE,
     EVAL_FINGERPRINT_KEY,
@@ -456,6 +459,10 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
                          for p, f in ((a, fps_a), (b, fps_b)))
         raise ReproError(f"no common fingerprinted steps to compare{which} ({have}); a run with 0 steps has not "
                          "finished one yet: wait for it, or check that the paths name the runs meant")
+    if detail:  # each run's rollout files against its own fingerprints: an edited file is not what the run computed
+        from .rollout_check import check_runs
+
+        rep.rollout_mismatches, rep.rollout_files_checked = check_runs(a, fps_a, b, fps_b)
 
     for step in common:
         dv = _compare_step(step, fps_a[step], fps_b[step])
@@ -503,7 +510,8 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, steps: Iter
         if only:
             rep.notes.append(f"metrics.jsonl steps in one run only: {_ranges(only)}")
 
-    rep.verdict = "diverged" if rep.divergence is not None or rep.metric_diffs else "identical"
+    differ = rep.divergence is not None or rep.metric_diffs or rep.rollout_mismatches
+    rep.verdict = "diverged" if differ else "identical"
     return rep
 
 
@@ -522,14 +530,24 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--strict-inputs", action="store_true",
                         help=f"also exit 1 when an input that can change bits differs ({INPUTS_FILE}) or cannot "
                         "be compared (a run without it, or without the rlrepro code digest)")
-    parser.add_argument("--no-detail", action="store_true", help="do not read rollout files for token detail")
+    parser.add_argument("--no-detail", action="store_true",
+                        help="do not read the rollout files: no token detail, and no check of each run's rollout "
+                        "files against its own fingerprints (a file that does not match them exits 1)")
     parser.add_argument("--bisect", action="store_true",
                         help="on divergence, replay the first divergent step and name the first differing op "
-                        "(exit 2 when the replay fails)")
+                        "(exit 2 when the replay fails); it stops before any replay when inputs that can change "
+                        "bits differ, rlrepro's own code included")
+    parser.add_argument("--allow-code-change", action="store_true",
+                        help="with --bisect: replay even though rlrepro's code digest differs between the runs "
+                        "(inputs.json rlrepro_code); a WARNING says so, as the replay runs this rlrepro's code")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return 0 if e.code in (0, None) else 2
+    if args.allow_code_change and not args.bisect:
+        print("rlrepro diff: error: --allow-code-change applies to --bisect only: add --bisect (or drop "
+              "--allow-code-change)", file=sys.stderr)
+        return 2
     try:
         rep = diff_runs(args.run_a, args.run_b, detail=not args.no_detail)
     except ReproError as e:
@@ -540,7 +558,8 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
         from .bisect import bisect_report
 
         try:
-            bisect = bisect_report(rep, load_config(Path(args.run_a)), load_config(Path(args.run_b)))
+            bisect = bisect_report(rep, load_config(Path(args.run_a)), load_config(Path(args.run_b)),
+                                   allow_code_change=args.allow_code_change)
         except Exception as e:  # noqa: BLE001 - whatever the replay hits is a bisect error (exit 2), not a crash
             bisect_error = str(e) if isinstance(e, ReproError) else f"{type(e).__name__}: {e}"
     if args.json:
@@ -555,6 +574,12 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
         print(rep.format(strict=args.strict, strict_inputs=args.strict_inputs))
         if bisect is not None:
             print(bisect.format())
+    code_changed = [d.message for d in rep.input_diffs if d.bits and d.what == CODE_KEY]
+    attempted = args.bisect and rep.first_divergent_step is not None
+    if attempted and args.allow_code_change and code_changed and (args.json or bisect is None):
+        from .bisect import code_change_warning  # said on stdout with the bisect result, else here
+
+        print(f"rlrepro diff: {code_change_warning('; '.join(code_changed))}", file=sys.stderr)
     if bisect_error is not None:
         print(f"rlrepro diff: bisect error: {bisect_error}", file=sys.stderr)
         return 2

@@ -111,6 +111,10 @@ class DiffReport:
     # fingerprint fields null in one run and a digest in the other: {field: {"A"/"B": the common steps where only
     # that run recorded it}}; not compared either (no bit difference, nor equal: the verdict says so; --strict fails)
     fields_recorded_in_one_run: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    # each run's rollout files against its own fingerprints (rollout_check; not with detail=False / --no-detail):
+    # {"A"/"B": the steps whose file was checked}, and every file that does not give its run's digests (a divergence)
+    rollout_files_checked: dict[str, list[int]] = field(default_factory=dict)
+    rollout_mismatches: list[dict] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -265,6 +269,15 @@ class DiffReport:
             if dv.detail_note:
                 L.append(f"    ({dv.detail_note})")
             L.append(f"  diverged steps: {len(self.diverged_steps)} of {len(sc)} ({_ranges(self.diverged_steps)})")
+        if self.rollout_mismatches:
+            L.append(f"ROLLOUT FILES DO NOT MATCH THEIR RUN'S FINGERPRINTS: {len(self.rollout_mismatches)} file(s) "
+                     "(the fingerprints are what the run computed; these files were changed or damaged since):")
+            L.extend(f"  {m['message']}" for m in self.rollout_mismatches[:20])
+            if len(self.rollout_mismatches) > 20:
+                L.append(f"  ... {len(self.rollout_mismatches) - 20} more (--json lists them all)")
+        elif any(self.rollout_files_checked.values()):
+            L.append("rollout files: match their run's fingerprints.jsonl (" + ", ".join(
+                f"run {r}: {len(s)} step(s)" for r, s in self.rollout_files_checked.items() if s) + ")")
         if self.metrics_compared:
             if self.metric_diffs:
                 s = self.metric_diffs[0].step
