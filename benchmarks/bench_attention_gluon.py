@@ -2,8 +2,8 @@
 Triton forward: bits first, then speed. The work runs in a child process under ``--timeout`` seconds, because the
 kernel hung on the H100 (its module docstring says how far the diagnosis got); a hang is reported, not waited out.
 
-    python3 benchmarks/bench_attention_gluon.py [--out FILE.md] [--stages 2,3,4] [--no-bits] [--timeout 120]
-                                                [--minimal-only]
+    python3 benchmarks/bench_attention_gluon.py [--out FILE.md] [--stages 2,3,4] [--bit-stages 2] [--no-bits]
+                                                [--timeout 120] [--minimal-only]
 
 First the hang reduced (``gluon_attention_fwd.probe_tma_wait``): one partition loads one tile by TMA, another waits
 on its barrier and copies the tile out, with the producer as the default partition and as a worker, each in its own
@@ -16,7 +16,8 @@ held, in one child.
 Bits: for packed batches of ragged sequences (lengths at and around the 64-position KV tiles and the 128-row
 tiles, a 1-token sequence, a long one), GQA 4 and 8 and MHA, head sizes 128 and 64, the Gluon output and float32
 lse are ``torch.equal`` to the Triton kernel's under both prefill configs ("large" and "long"); a sequence alone
-gives the same bits as in the batch.
+gives the same bits as in the batch; at each ``--bit-stages`` count (default: each ``--stages`` count), since the
+ring's size decides how many Q buffers fit beside it (``nq``, with Q by TMA).
 
 Speed (``triton.testing.do_bench`` medians, L2 flushed, one process): Qwen3-8B heads (H=32, Hkv=8, D=128, bf16),
 causal, packed: 4 x 2048, 2 x 8192, 1 x 16384 and 16 x 1024; the Gluon kernel at each ``--stages``, the Triton
@@ -175,10 +176,17 @@ def child(args) -> int:
     for spec in variants:
         emit(f"#### variant {set_variant(spec)}")
         smoke(gen)
-        if not args.no_bits:
-            emit("| lens | H/Hkv/D | config | gluon vs triton (out and lse) |")
-            emit("|---|---|---|---|")
-            bits(gen)
+        if not args.no_bits:  # at each --bit-stages count: it sets how many Q buffers fit beside the ring
+            base_stages = G.STAGES
+            try:
+                for st in [int(s) for s in (args.bit_stages or args.stages).split(",") if s]:
+                    G.STAGES = st
+                    emit(f"stages {st}:")
+                    emit("| lens | H/Hkv/D | config | gluon vs triton (out and lse) |")
+                    emit("|---|---|---|---|")
+                    bits(gen)
+            finally:
+                G.STAGES = base_stages
     if args.no_timing:
         return 0
     emit("| shape | kernel | ms | TFLOP/s | FA3 / this |")
@@ -193,6 +201,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--no-bits", action="store_true")
+    ap.add_argument("--bit-stages", default="", help="the stage counts the bits battery runs at (default: --stages)")
     ap.add_argument("--no-timing", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variants", default="-", help="comma list of ping-pong/persistent variants to check and time, "
                     "e.g. pp0ps0,pp1ps1kv1 (GLW_PP, GLW_PERSIST, GLW_KV2; '-': as the environment says)")
@@ -263,7 +272,8 @@ def main() -> int:
     if args.minimal_only:
         write(args.out)
         return 0
-    base = [sys.executable, os.path.abspath(__file__), "--child", "--stages", args.stages]
+    base = [sys.executable, os.path.abspath(__file__), "--child", "--stages", args.stages, "--bit-stages",
+            args.bit_stages or args.stages]
     runs = []  # each variant's bits in a child of its own (a hang costs that variant), then the timings together
     good = []
     if not args.no_bits:
