@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from .sandbox_builtins import Builtin, BoundMethod, LazyIter, iterate, make_builtins
 from .sandbox_check import FORBIDDEN_NAMES, names_bound, parse_program
+from .sandbox_compat import exception_text
 from .sandbox_methods import get_attribute, make_module
 from .sandbox_ops import binop, compare, del_item, format_field, get_item, set_item, unaryop
 from .sandbox_values import (Meter, Refused, SandboxError, SandboxLimits, SandboxSet, UserFunction, to_repr,
@@ -116,16 +117,7 @@ def _run(code: str, limits: SandboxLimits) -> SandboxResult:
 
 
 def _exception_text(e: Exception, meter: Meter) -> str:
-    try:
-        if isinstance(e, KeyError) and len(e.args) == 1:
-            text = to_repr(e.args[0], Meter(meter.limits))
-        else:
-            text = str(e).encode("utf-8", "backslashreplace").decode("utf-8")  # assert 0, chr(0xd800)
-    except Exception:
-        text = ""
-    if len(text) > 300:
-        text = text[:300] + "..."
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return exception_text(e, lambda key: to_repr(key, Meter(meter.limits)))
 
 
 class _Scope:

@@ -12,7 +12,8 @@ from fractions import Fraction
 from typing import Any, Callable, Iterable, Iterator
 
 from .sandbox_ops import binop, is_int
-from .sandbox_values import Meter, MemoryLimitExceeded, SandboxSet, str_to_int, to_repr, to_str
+from .sandbox_values import (Meter, MemoryLimitExceeded, SandboxSet, check_unicode, short_int, str_to_int,
+                             to_repr, to_str)
 
 __all__ = ["Builtin", "BoundMethod", "LazyIter", "Module", "iterate", "make_builtins", "sort_values",
            "arg_error", "check_args", "new_fraction"]
@@ -250,7 +251,8 @@ def _round(interp: Any, args: list, kwargs: dict) -> Any:
     if not is_int(ndigits):
         raise TypeError(f"'{type(ndigits).__name__}' object cannot be interpreted as an integer")
     if abs(ndigits) > interp.meter.limits.max_int_bits // 4:
-        raise MemoryLimitExceeded(f"memory limit: round() to {ndigits} digits needs 10**{abs(ndigits)}")
+        raise MemoryLimitExceeded(f"memory limit: round() to {short_int(ndigits)} digits needs 10**"
+                                  f"{short_int(abs(ndigits))}")
     interp.meter.quad(abs(ndigits) * 4, abs(ndigits) * 4)
     return interp.meter.value(round(x, ndigits))
 
@@ -280,6 +282,7 @@ def _int(interp: Any, args: list, kwargs: dict) -> int:
         return 0
     x, base = args[0], (args[1] if len(args) > 1 else kwargs.get("base"))
     if type(x) is str:
+        check_unicode(x, "int")  # which characters are digits depends on the Unicode version
         interp.meter.convert(len(x) * 10 // 3)
         if base is None or base == 10:
             return interp.meter.value(str_to_int(x))
@@ -299,6 +302,7 @@ def _float(interp: Any, args: list, kwargs: dict) -> float:
         return 0.0
     x = args[0]
     if type(x) is str:
+        check_unicode(x, "float")
         interp.meter.bulk(len(x))
     elif not _number(x):
         raise TypeError(f"float() argument must be a string or a real number, not '{type(x).__name__}'")
@@ -412,6 +416,8 @@ def _chr(interp: Any, args: list, kwargs: dict) -> str:
     check_args("chr", args, kwargs, 1, 1)
     if not is_int(args[0]):
         raise TypeError(f"'{type(args[0]).__name__}' object cannot be interpreted as an integer")
+    if not 0 <= args[0] < 0x110000:  # checked here: CPython's error for a huge int differs by version
+        raise ValueError("chr() arg not in range(0x110000)")
     return chr(args[0])
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import re
 
+from .sandbox_compat import parse_source, syntax_error
 from .sandbox_methods import MODULES
 from .sandbox_values import Refused, SandboxError, SandboxLimits
 
@@ -46,9 +47,9 @@ def parse_program(code: str, limits: SandboxLimits) -> ast.Module:
     if re.search(r"\d{601}", code):
         raise Refused("a run of more than 600 digits (an integer literal that long) is not supported")
     try:
-        tree = ast.parse(code, mode="exec")
-    except SyntaxError as e:
-        raise SandboxError(f"SyntaxError: {e.msg} (line {e.lineno})") from None
+        tree = parse_source(code)
+    except SyntaxError as e:  # one fixed text: CPython words its syntax errors differently in every version
+        raise SandboxError(syntax_error(e.lineno)) from None
     except (RecursionError, MemoryError):
         # building the tree recursed past 3 x sys.getrecursionlimit() levels (a process-wide setting) or the
         # parser's own fixed stack: far deeper than max_depth, so the observation is the one a tree that deep gets

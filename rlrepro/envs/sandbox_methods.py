@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from .sandbox_builtins import Builtin, BoundMethod, Module, check_args, iterate, new_fraction, sort_values
 from .sandbox_ops import binop, is_int
-from .sandbox_values import Refused, SandboxSet
+from .sandbox_values import Refused, SandboxSet, check_unicode
 
 __all__ = ["get_attribute", "make_module", "MODULES"]
 
@@ -21,6 +21,7 @@ def _linear(name: str) -> Callable:
     """A str method whose work and result are linear in the string: charged by length, result checked."""
     def fn(interp: Any, obj: Any, args: list, kwargs: dict) -> Any:
         interp.meter.bulk(len(obj))
+        check_unicode(obj, name)  # upper(), isalpha(), ... read Unicode properties that differ by version
         if name in _STRIPS and args and type(args[0]) is str:
             # CPython strips a char at a time, finding it in `chars` linearly: s.strip(c) with two 1 MB strings
             # is 10**12 char tests for one step per 64 characters

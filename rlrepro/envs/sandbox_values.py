@@ -18,8 +18,11 @@ from typing import Any, ClassVar, Iterable, Iterator
 
 from rlrepro.checks import Checker
 
+from .sandbox_compat import repr_str, unicode_problem
+
 __all__ = ["SandboxLimits", "SandboxError", "StepLimitExceeded", "MemoryLimitExceeded", "Refused", "Meter",
-           "SandboxSet", "UserFunction", "int_to_str", "str_to_int", "to_repr", "to_str", "NESTING_LIMIT"]
+           "SandboxSet", "UserFunction", "int_to_str", "str_to_int", "to_repr", "to_str", "NESTING_LIMIT", "short_int",
+           "check_unicode"]
 
 # A value nested deeper than this cannot be compared, hashed or printed (CPython recurses in C for those).
 NESTING_LIMIT = 100
@@ -74,6 +77,14 @@ class MemoryLimitExceeded(SandboxError):
 
 class Refused(SandboxError):
     """The program uses something the sandbox does not offer (an import, a dunder, open(), a class, ...)."""
+
+
+def check_unicode(s: str, what: str) -> None:
+    """Refuse ``what`` (``upper``, ``isalpha``, ``int``, ...) on a string whose result would differ between Python
+    versions (:func:`~rlrepro.envs.sandbox_compat.unicode_problem`)."""
+    why = unicode_problem(s, what)
+    if why is not None:
+        raise Refused(why)
 
 
 class UserFunction:
@@ -250,13 +261,13 @@ class Meter:
 
     def int_bits(self, bits: int) -> None:
         if bits > self.limits.max_int_bits:
-            raise MemoryLimitExceeded(f"memory limit: an integer of about {bits} bits exceeds max_int_bits="
+            raise MemoryLimitExceeded(f"memory limit: an integer of about {short_int(bits)} bits exceeds max_int_bits="
                                       f"{self.limits.max_int_bits}")
 
     def length(self, n: int, kind: str) -> None:
         cap = self.limits.max_str_len if kind == "str" else self.limits.max_container_len
         if n > cap:
-            raise MemoryLimitExceeded(f"memory limit: a {kind} of {n} elements exceeds the cap of {cap}")
+            raise MemoryLimitExceeded(f"memory limit: a {kind} of {short_int(n)} elements exceeds the cap of {cap}")
 
     def quad(self, a_bits: int, b_bits: int) -> None:
         """Charge a big-int product or division of operands with these bit lengths."""
@@ -340,7 +351,7 @@ class Meter:
         if exp > 0 and abs(base) > 1:
             low = (abs(base).bit_length() - 1) * exp  # the result has at least this many bits
             if exp > self.limits.max_int_bits or low > self.limits.max_int_bits:
-                raise MemoryLimitExceeded(f"memory limit: {_short(base)} ** {exp} has more than "
+                raise MemoryLimitExceeded(f"memory limit: {short_int(base)} ** {short_int(exp)} has more than "
                                           f"{self.limits.max_int_bits} bits (max_int_bits)")
 
 
@@ -360,7 +371,9 @@ def weight(v: Any) -> int:
     return 0
 
 
-def _short(n: int) -> str:
+def short_int(n: int) -> str:
+    """An int for a message: in full below 100 bits, else its size (never a conversion that
+    ``sys.set_int_max_str_digits`` could refuse, nor a 5,000-digit message)."""
     return int_to_str(n) if n.bit_length() < 100 else f"<int of {n.bit_length()} bits>"
 
 
@@ -409,7 +422,7 @@ class _Repr:
             return self._emit(int_to_str(v))
         if t is str:
             self.meter.bulk(len(v))
-            return self._emit(repr(v))
+            return self._emit(repr_str(v))
         if t in _SIMPLE_REPR:
             return self._emit(repr(v))
         if t is Fraction:
