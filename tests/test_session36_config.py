@@ -40,7 +40,10 @@ def _records(run):
 
 # ------------------------------------------------------------------------ 1. rollout.max_staleness >= train.steps
 @pytest.mark.parametrize("k,steps", [(2, 2), (5, 2), (1, 1)])
-def test_max_staleness_at_or_above_train_steps_is_allowed_with_one_note(capsys, k, steps):
+def test_max_staleness_at_or_above_train_steps_is_allowed_with_one_note(capsys, monkeypatch, k, steps):
+    import rlrepro.orchestration.config as config_module
+
+    monkeypatch.setattr(config_module, "_SAID", set())  # notes said earlier in this process (other tests) forgotten
     cfg = compose_config(["recipe=grpo_tiny", f"train.steps={steps}", f"rollout.max_staleness={k}"])
     s = validate(cfg)
     validate(cfg)  # the CLI and the driver both validate: the note is said once

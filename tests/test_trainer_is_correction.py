@@ -15,6 +15,7 @@ from rlrepro.checks import ConfigError
 from rlrepro.model import tiny_model
 from rlrepro.trainer import TrainConfig, Trainer, policy_loss
 from rlrepro.trainer import train as train_module
+from rlrepro.trainer import updates as updates_module  # the update loop (and its policy_loss call) lives there
 from rlrepro.trainer.losses import IS_CORRECTIONS, behaviour_weights, clipped_surrogate
 
 from test_algorithms import _batch as unmasked_on_policy_batch  # 12 samples, the model's own logprobs
@@ -59,8 +60,8 @@ def test_the_defaults_run_none_of_the_new_arithmetic(monkeypatch):
     calls = []
     monkeypatch.setattr(train_module, "behaviour_weights", lambda *a, **k: calls.append(a))
     seen = []
-    real = train_module.policy_loss
-    monkeypatch.setattr(train_module, "policy_loss", lambda *a, **k: seen.append(k["is_weight"]) or real(*a, **k))
+    real = updates_module.policy_loss
+    monkeypatch.setattr(updates_module, "policy_loss", lambda *a, **k: seen.append(k["is_weight"]) or real(*a, **k))
     model = tiny_model(seed=1)
     batch = stale(on_policy_batch(model))  # off policy: the default loss anchors on these rollout logprobs
     a = step_and_state(batch)

@@ -366,6 +366,8 @@ def validate(cfg: Any) -> RunSchema:
         _SAID.add(note)
         print(f"rlrepro: note: {note}", file=sys.stderr, flush=True)
     _validate_trainer_layout(s)
+    from rlrepro.trainer.updates import check_mini_batch_size  # train.mini_batch_size <= the step's samples
+    check_mini_batch_size(s.train.mini_batch_size, s.rollout.prompts_per_step, s.rollout.group_size)
     _validate_dynamic_sampling(s)
     _validate_eval(s)
     _validate_env(s)

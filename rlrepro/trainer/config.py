@@ -57,7 +57,12 @@ class TrainConfig:
     # logits rows per float32 log-softmax chunk in the loss (0 = the whole micro-batch): less memory, the same
     # logprobs and gradients (rlrepro.trainer.logprobs.logprobs_and_entropy; the entropy metric to rounding on CUDA)
     logits_chunk_size: int = 0
-    ppo_epochs: int = 1  # optimizer steps per train step, each over the whole batch
+    ppo_epochs: int = 1  # passes over the step's batch, each one optimizer update per mini-batch
+    # samples per optimizer update (verl's ppo_mini_batch_size x rollout.n; slime's global batch below the rollout
+    # batch): each PPO epoch cuts the step's batch, in its order, into consecutive mini-batches of this many samples
+    # (the last one may be smaller) and takes one optimizer update on each, its loss normalised over that
+    # mini-batch; micro-batches are cut within it. null: one update over the whole batch per epoch (today's step)
+    mini_batch_size: Optional[int] = None
     clip_low: float = 0.2
     clip_high: float = 0.28  # DAPO's clip-higher; equal to clip_low gives PPO
     # dual clip (verl's clip_ratio_c): for A < 0 the surrogate is also bounded by -A * dual_clip; 0 = off, else > 1
@@ -140,6 +145,11 @@ class TrainConfig:
         c.in_range("clip_low", 0, 1, high_inclusive=self.policy_loss == "cispo")
         c.choice("loss_agg", LOSS_AGG_MODES)
         c.positive_int("loss_norm_tokens", optional=True)
+        m = self.mini_batch_size
+        c.require(m is None or (isinstance(m, int) and not isinstance(m, bool) and m >= 1), "mini_batch_size",
+                  "must be a positive number of samples per optimizer update (e.g. a quarter of "
+                  "rollout.prompts_per_step x rollout.group_size for 4 updates a step), or null for one update over "
+                  "the whole batch")
         c.require(self.loss_norm_tokens is None or self.loss_agg == "seq-mean-token-sum-norm", "loss_norm_tokens",
                   f"changes nothing with train.loss_agg={self.loss_agg}: it is the constant only "
                   "train.loss_agg=seq-mean-token-sum-norm divides by; leave it null or set that train.loss_agg")

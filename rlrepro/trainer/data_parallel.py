@@ -8,9 +8,11 @@ in a fixed order gives the same bits on every rank and in every run. It costs ``
 gradient memory per bucket and more traffic than a reduce-scatter, which is the price of the guarantee.
 
 Work assignment is a pure function: the batch is cut into consecutive micro-batches of ``micro_batch_size``
-samples (or by ``micro_batch_tokens``) and micro-batch ``k`` goes to rank ``k % world_size``. Every rank receives
-the whole batch (so the global token and sequence counts that scale the loss are known everywhere) and computes
-only its micro-batches.
+samples (or by ``micro_batch_tokens``) and micro-batch ``k`` goes to rank ``k % world_size``. With
+``train.mini_batch_size`` (several optimizer updates a step) each mini-batch is cut so, within itself, and its
+micro-batches are dealt the same way (its ``k``-th to rank ``k % world_size``); every update sums its own gradients
+over the ranks. Every rank receives the whole batch (so the token and sequence counts that scale the loss are known
+everywhere) and computes only its micro-batches.
 
 Works with gloo (CPU tensors) and nccl (CUDA tensors). All ranks must start from identical weights (same seed
 or the same checkpoint); nothing is broadcast (except by the sharded optimizer, below).

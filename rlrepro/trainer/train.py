@@ -5,12 +5,13 @@
 1. Without grad, recompute every completion token's logprob with the current weights and report
    ``train/rollout_logprob_abs_diff = max |trainer - rollout|`` (exactly 0.0 when trainer and engine agree bit
    for bit); with a reference model, compute its logprobs for the KL term.
-2. For each of ``ppo_epochs`` passes: for each micro-batch (consecutive chunks of ``micro_batch_size`` samples,
-   or of at most ``micro_batch_tokens`` tokens: a pure function of the batch order and lengths) compute the loss
-   share (scaled by the whole batch's token / sequence counts, so micro-batching changes nothing mathematically),
-   backward, accumulate grads in float32; then (data parallel: order-fixed gradient sum) clip by global norm and
-   take an AdamW step.
-3. Advance the LR schedule (once per train step; every epoch of a step uses the same rate).
+2. For each of ``ppo_epochs`` passes and each mini-batch (``train.mini_batch_size`` consecutive samples; null: the
+   whole batch, one update per pass): for each micro-batch of it (consecutive chunks of ``micro_batch_size``
+   samples, or of at most ``micro_batch_tokens`` tokens: a pure function of the batch order and lengths) compute
+   the loss share (scaled by the mini-batch's token / sequence counts, so micro-batching changes nothing
+   mathematically), backward, accumulate grads in float32; then (data parallel: order-fixed gradient sum) clip by
+   global norm and take an AdamW step (:mod:`rlrepro.trainer.updates`).
+3. Advance the LR schedule (once per train step; every update of a step uses the same rate).
 
 A batch in which no token has loss weight (``train/num_tokens == 0``: every completion empty or masked out) takes no
 update at all: no forward or backward pass and no optimizer step, so weight decay and AdamW's momentum do not move
@@ -18,9 +19,10 @@ the weights and the optimizer state (moments, its step count) stays as it was; t
 a step skipped under ``train.on_nonfinite=skip`` (docs/TRAINER.md, "Steps with nothing to train").
 
 The "old" logprobs of the PPO ratio are the rollout's, as the engine reported them; with ``train.decoupled`` they
-are the proximal policy's, the current weights' logprobs at the start of the step (the first epoch's forward, before
-any update, detached: the same bits as a no-grad pass), and the rollout's (the behaviour policy's) only enter the
-detached behaviour weight (:func:`~rlrepro.trainer.losses.behaviour_weights`, ``train.is_correction``). A sample's
+are the proximal policy's, the current weights' logprobs at the start of the step (the first update's forward, before
+any update, detached: the same bits as a no-grad pass; the later mini-batches' from a no-grad pass before it), and the
+rollout's (the behaviour policy's) only enter the detached behaviour weight
+(:func:`~rlrepro.trainer.losses.behaviour_weights`, ``train.is_correction``). A sample's
 ``loss_mask`` (multi-turn episodes: 0 at tool / environment tokens) keeps its 0 tokens in the forward pass as context
 and out of everything else; without one (or with all ones) the step's arithmetic is the unmasked one, bit for bit.
 """
@@ -37,11 +39,10 @@ import torch
 from .checkpoint import (StateHolder, capture_rng_state, checkpoint_dir_name, load_checkpoint,
                          save_checkpoint, write_on_one_rank)
 from .data_parallel import DataParallel
-from .grad_fold import ShardedGradFold, fold_floats
-from .logprobs import logprobs_and_entropy, token_logprobs
 from .config import TrainConfig
-from .losses import behaviour_weights, pad_sequences, policy_loss
-from .optim import MasterWeightAdamW, ShardedMasterWeightAdamW, WarmupCosineLR, clip_grad_norm_, grad_norm
+from .losses import behaviour_weights
+from .optim import MasterWeightAdamW, ShardedMasterWeightAdamW, WarmupCosineLR, grad_norm
+from .updates import mini_batches as split_mini_batches, run_updates
 
 __all__ = ["TrainConfig", "TrainSample", "Trainer", "micro_batches"]
 
@@ -139,28 +140,6 @@ def _loss_mask(sample, index: int, num_completion: int) -> list[int] | None:
                          "or 1 (trained)")
     out = [int(m) for m in mask]
     return None if all(out) else out
-
-
-def _trained_positions(part: Sequence[TrainSample], device) -> torch.Tensor | None:
-    """The micro-batch's loss masks concatenated (bool, one per completion token, on ``device``), or None when no
-    sample of it has one (then the step runs exactly the unmasked arithmetic)."""
-    if all(s.loss_mask is None for s in part):
-        return None
-    flat = [bool(m) for s in part
-            for m in (s.loss_mask if s.loss_mask is not None else [1] * len(s.completion_token_ids))]
-    return torch.tensor(flat, dtype=torch.bool, device=device)
-
-
-def _max_abs_diff(current: list[torch.Tensor], rollout: list[torch.Tensor],
-                  trained: list[torch.Tensor | None]) -> float:
-    """``max |trainer - rollout|`` over the trained tokens of the micro-batches (0.0 when none is trained)."""
-    diff = (torch.cat(current) - torch.cat(rollout)).abs()
-    if any(t is not None for t in trained):
-        lengths = [r.shape[0] for r in rollout]
-        keep = torch.cat([torch.ones(n, dtype=torch.bool, device=diff.device) if t is None else t
-                          for n, t in zip(lengths, trained)])
-        diff = diff[keep]
-    return float(diff.max()) if diff.numel() else 0.0
 
 
 def micro_batches(num_samples: int, micro_batch_size: int, *, lengths: Sequence[int] | None = None,
@@ -311,11 +290,22 @@ class Trainer:
 
     def micro_batches(self, samples: Sequence) -> list[range]:
         """The micro-batches :meth:`train_step` cuts ``samples`` into (all ranks'; :func:`micro_batches` under
-        ``train.micro_batch_size`` and ``train.micro_batch_tokens``), the same whatever the layout."""
+        ``train.micro_batch_size`` and ``train.micro_batch_tokens``, within each mini-batch of
+        ``train.mini_batch_size``), the same whatever the layout."""
+        return [micro for _, micros in self.update_plan(samples) for micro in micros]
+
+    def update_plan(self, samples: Sequence) -> list[tuple[range, list[range]]]:
+        """The step's mini-batches (one optimizer update each per PPO epoch; ``train.mini_batch_size``, null: the
+        whole batch), each with its micro-batches (consecutive, within it): global sample index ranges."""
         cfg = self.config
         batch = [s if isinstance(s, TrainSample) else _as_train_sample(s, i) for i, s in enumerate(samples)]
         lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in batch]
-        return micro_batches(len(batch), cfg.micro_batch_size, lengths=lengths, max_tokens=cfg.micro_batch_tokens)
+        plan = []
+        for mini in split_mini_batches(len(batch), cfg.mini_batch_size):
+            micros = micro_batches(len(mini), cfg.micro_batch_size, lengths=lengths[mini.start:mini.stop],
+                                   max_tokens=cfg.micro_batch_tokens)
+            plan.append((mini, [range(mini.start + m.start, mini.start + m.stop) for m in micros]))
+        return plan
 
     def _snapshot(self) -> tuple[dict, dict]:
         """Exact copies of the weights and the optimizer state (to undo earlier PPO epochs of a failed step)."""
@@ -411,190 +401,53 @@ class Trainer:
         advantage, and optionally loss_mask: its 0 entries are context only, out of the loss, its metrics, its token
         counts and the on-policy check; docs/TRAINER.md, "Loss masks"). Returns ``train/*`` metrics (Python
         floats; ``train/num_tokens`` counts the trained tokens) and the raw ``loss`` / ``grad_norm`` floats (means
-        over the PPO epochs; per epoch in ``loss_per_epoch`` / ``grad_norm_per_epoch``) for fingerprints."""
+        over the optimizer updates, PPO epochs x mini-batches; per epoch, the mean of its updates, in
+        ``loss_per_epoch`` / ``grad_norm_per_epoch``; per update in ``loss_per_update`` / ``grad_norm_per_update``)
+        for fingerprints; with ``train.mini_batch_size`` set also ``train/optimizer_updates`` (updates applied)."""
         cfg = self.config
         batch = [_as_train_sample(s, i) for i, s in enumerate(samples)]
         if not batch:
             raise ValueError("train_step got an empty batch")
         _check_vocab(batch, getattr(getattr(self.model, "config", None), "vocab_size", None))
         self._check_norm_tokens(batch)
-        dp = self.data_parallel
-        device = self.model.device
-        every_chunk = self.micro_batches(batch)
-        num_chunks = len(every_chunk)
-        leaf_ids = self._my_leaves(num_chunks)  # the global index of each of this rank's micro-batches
-        chunks = [every_chunk[k] for k in leaf_ids]
-        # layout_invariant over several ranks: the micro-batch fold, sharded; at one rank the plain accumulation is it
-        sharded = self.layout_invariant and dp is not None and dp.world_size > 1
         num_tokens = sum(s.num_trained for s in batch)  # the loss's tokens: masked-out ones do not count
-        # no token has loss weight: no pass and no optimizer update (AdamW's weight decay and momentum would move
-        # the weights with zero gradients); the same decision on every rank (num_tokens is the whole batch's)
-        nothing_to_train = num_tokens == 0
-        num_seqs = len(batch)
         lr = self.scheduler.get_last_lr()
-
-        # 1. reference logprobs (no grad). The on-policy check needs no pass of its own: the first epoch's loss
-        # forward (before any update) computes the current policy's logprobs with the same kernels and the same
-        # expression as kernels.token_logprob, hence the same bits (tests/test_trainer_logprobs.py)
-        ref_lps: dict[int, list[torch.Tensor]] = {}
-        if self.ref_model is not None and not nothing_to_train:
-            with torch.no_grad():
-                for k, chunk in enumerate(chunks):
-                    part = [batch[i] for i in chunk]
-                    ref_lps[k] = token_logprobs(self.ref_model, [s.prompt_token_ids for s in part],
-                                                [s.completion_token_ids for s in part], self.temperature,
-                                                chunk_rows=cfg.logits_chunk_size)
-        max_diff = 0.0
-        current_all: list[torch.Tensor] = []  # epoch 0: the policy's logprobs and the rollout's, per micro-batch
-        rollout_all: list[torch.Tensor] = []
-        trained_all: list[torch.Tensor | None] = []  # epoch 0: each micro-batch's trained positions (None: all)
-
-        # 2. ppo_epochs optimizer steps over the whole batch. A non-finite loss or gradient norm stops the step
-        # before the optimizer moves (with several epochs, the state from before the first epoch is put back).
-        snapshot = self._snapshot() if cfg.ppo_epochs > 1 and not nothing_to_train else None
-        # train.decoupled: per micro-batch, the proximal logprobs and the behaviour weights (epoch 0, kept for the
-        # later epochs) and their metric sums: w*n, max w, truncated, masked, kl*n, n
-        proximal: dict[int, torch.Tensor] = {}
-        is_weights: dict[int, torch.Tensor] = {}
-        is_sums = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-        is_leaves: dict[int, list[float]] = {}  # sharded: each micro-batch's is_sums, folded in micro-batch order
-        losses, norms = [], []
-        metric_sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # pg*n, kl*n, clip_frac*n, entropy*n, n
-        skipped = False
-        if nothing_to_train:  # what the epochs would report: a loss and a gradient norm of 0
-            losses, norms = [0.0], [0.0]
-        for epoch in range(0 if nothing_to_train else cfg.ppo_epochs):
-            self.optimizer.zero_grad()
-            loss_sum = 0.0
-            sums = [0.0] * 5
-            # the step's micro-batch fold, its accumulator sharded over the DP ranks (ZeRO-2 style)
-            fold = ShardedGradFold(num_chunks, dp, self.optimizer.params) if sharded else None
-            leaf_floats: dict[int, list[float]] = {}  # sharded: loss, pg*n, kl*n, clip_frac*n, entropy*n, n
-            for k, chunk in enumerate(chunks):
-                part = [batch[i] for i in chunk]
-                if not any(s.num_trained for s in part):
-                    continue  # nothing to learn from (no completion tokens, or all masked out); contributes 0
-                lps, ents = logprobs_and_entropy(self.model, [s.prompt_token_ids for s in part],
-                                                 [s.completion_token_ids for s in part], self.temperature,
-                                                 chunk_rows=cfg.logits_chunk_size,
-                                                 entropy_grad=cfg.entropy_coef != 0)
-                logp, mask = pad_sequences(lps)
-                flat_old = torch.tensor([x for s in part for x in s.rollout_logprobs], dtype=torch.float32,
-                                        device=device)  # one host->device copy per micro-batch
-                trained = _trained_positions(part, device)  # None: every token of the micro-batch is trained
-                if epoch == 0:
-                    current_all.extend(lp.detach() for lp in lps)
-                    rollout_all.append(flat_old)
-                    trained_all.append(trained)
-                old, _ = pad_sequences(list(torch.split(flat_old, [len(s.rollout_logprobs) for s in part])))
-                behaviour = old
-                if cfg.decoupled:  # the ratio's anchor is the proximal policy: this forward's before any update
-                    if epoch == 0:
-                        proximal[k] = logp.detach()
-                    old = proximal[k]
-                if trained is not None:
-                    # masked-out tokens stay in the forward pass as context and leave the loss, its metrics and
-                    # its counts: out of `mask`; their old logprob (the rollout's placeholder) is replaced by the
-                    # current one so their ratio is 1, as at padding, and no value there can reach a gradient
-                    trained, _ = pad_sequences(list(torch.split(trained, [len(s.rollout_logprobs) for s in part])),
-                                               width=mask.shape[1])
-                    mask = mask & trained
-                    old = torch.where(trained, old, logp.detach())
-                entropy, _ = pad_sequences(ents)
-                ref = pad_sequences(ref_lps[k])[0] if self.ref_model is not None else None
-                is_weight = None
-                if cfg.decoupled:
-                    if epoch == 0:
-                        leaf_is = is_leaves.setdefault(leaf_ids[k], [0.0] * 6) if sharded else is_sums
-                        is_weights[k] = self._behaviour_weights(proximal[k], behaviour, mask, leaf_is)
-                    is_weight = is_weights[k]
-                adv = torch.tensor([s.advantage for s in part], dtype=torch.float32, device=device)
-                if cfg.advantage_clip:
-                    adv = adv.clamp(-cfg.advantage_clip, cfg.advantage_clip)
-                out = policy_loss(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                  loss_agg=cfg.loss_agg, max_response_length=self.loss_norm_tokens,
-                                  kl_coef=cfg.kl_coef, ref_logp=ref, kl_estimator=cfg.kl_estimator,
-                                  entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
-                                  dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef, mode=cfg.policy_loss,
-                                  is_weight=is_weight)
-                out.loss.backward()
-                n = out.num_tokens
-                terms = (out.pg_loss * n, out.kl * n, out.clip_frac * n, out.entropy * n, n)
-                if sharded:  # this micro-batch's gradient and floats are a leaf of the step's fold
-                    fold.push(leaf_ids[k], self.optimizer.take_grads())
-                    leaf_floats[leaf_ids[k]] = [float(out.loss.detach()), *terms]
-                    continue
-                self.optimizer.accumulate_grads()
-                loss_sum += float(out.loss.detach())
-                for j, v in enumerate(terms):
-                    sums[j] += v
-            # sharded: the fold's remaining micro-steps first (it exchanges during the pushes, so no other collective
-            # of the group may come between them)
-            fold_grads = fold.finish(self.optimizer.params) if sharded else None
-            if epoch == 0:  # the on-policy check over the trained tokens (one device->host transfer for the batch)
-                if rollout_all:
-                    max_diff = _max_abs_diff(current_all, rollout_all, trained_all)
-                if dp is not None:
-                    max_diff = dp.max_float(max_diff)
-                current_all.clear()
-                rollout_all.clear()
-                trained_all.clear()
-            if sharded:
-                grads = fold_grads
-                self.grad_fold_stats = {"kind": type(fold).__name__, "peak_partial_bytes": fold.peak_partial_bytes,
-                                        "exchange_peak_bytes": fold.exchange_peak_bytes}
-                self.optimizer.set_grads(grads)
-                grads = self._reduce_grads(grads)
-                loss_sum, *sums = fold_floats(leaf_floats, num_chunks, dp, width=6)
-            else:
-                grads = self._reduce_grads(self.optimizer.grads())
-                if dp is not None:
-                    loss_sum, *sums = dp.sum_floats([loss_sum, *sums])
-            norm = clip_grad_norm_(grads, cfg.max_grad_norm, norm=self._grad_norm(grads))
-            if not (math.isfinite(norm) and math.isfinite(loss_sum)):
-                self.optimizer.zero_grad()
-                if snapshot is not None and epoch > 0:
-                    self._restore(snapshot)
-                what = (f"loss {loss_sum}, gradient norm {norm}" + (f" (PPO epoch {epoch + 1})"
-                                                                   if cfg.ppo_epochs > 1 else ""))
-                if cfg.on_nonfinite == "error":
-                    raise FloatingPointError(
-                        f"non-finite {what} at train step {self.step + 1}; the update was not applied (weights and "
-                        "optimizer state are those of the step before). Fix: lower train.lr or train.max_grad_norm, "
-                        "check rewards/advantages, or set train.on_nonfinite=skip to skip such steps")
-                losses, norms, skipped = [loss_sum], [norm], True
-                metric_sums = [0.0] * 5
-                break
-            if self.before_update is not None and epoch == 0:
-                self.before_update()
-            self.optimizer.step()
-            losses.append(loss_sum)
-            norms.append(norm)
-            metric_sums = [a + b for a, b in zip(metric_sums, sums)]
-
-        # 3. LR schedule
+        # 1-2. the reference logprobs, the on-policy check and the optimizer updates (rlrepro.trainer.updates)
+        res = run_updates(self, batch, self.update_plan(batch))
+        # 3. LR schedule: once per train step, whatever the number of updates (each ran at the rate `lr`)
         self.scheduler.step()
-        n = metric_sums[4]
+        n = res.metric_sums[4]
         mean = (lambda v: v / n) if n else (lambda v: 0.0)
-        loss = sum(losses) / len(losses)
-        grad_norm = sum(norms) / len(norms)
-        if cfg.decoupled and sharded:
-            is_sums = fold_floats(is_leaves, num_chunks, dp, width=6, max_indices=(1,))
-        off_policy = self._off_policy_metrics(is_sums, reduced=sharded) if cfg.decoupled else {}
+        loss = sum(res.losses) / len(res.losses)  # means over the optimizer updates
+        grad_norm = sum(res.norms) / len(res.norms)
+        off_policy = self._off_policy_metrics(res.is_sums, reduced=res.is_reduced) if cfg.decoupled else {}
+        updates = {"train/optimizer_updates": float(res.updates)} if cfg.mini_batch_size is not None else {}
         return {
             "train/loss": loss,
-            "train/pg_loss": mean(metric_sums[0]),
+            "train/pg_loss": mean(res.metric_sums[0]),
             "train/grad_norm": grad_norm,
-            "train/kl": mean(metric_sums[1]),
-            "train/clip_frac": mean(metric_sums[2]),
-            "train/entropy": mean(metric_sums[3]),
+            "train/kl": mean(res.metric_sums[1]),
+            "train/clip_frac": mean(res.metric_sums[2]),
+            "train/entropy": mean(res.metric_sums[3]),
             "train/lr": lr,
-            "train/rollout_logprob_abs_diff": max_diff,
+            "train/rollout_logprob_abs_diff": res.max_diff,
             "train/num_tokens": num_tokens,
-            "train/nonfinite_skipped": float(skipped),
+            "train/nonfinite_skipped": float(res.skipped),
+            **updates,
             "loss": loss,
             "grad_norm": grad_norm,
-            "loss_per_epoch": losses,
-            "grad_norm_per_epoch": norms,
+            "loss_per_epoch": _per_epoch(res.losses, res.epochs),
+            "grad_norm_per_epoch": _per_epoch(res.norms, res.epochs),
+            "loss_per_update": res.losses,
+            "grad_norm_per_update": res.norms,
             **off_policy,
         }
+
+
+def _per_epoch(values: list[float], epochs: list[int]) -> list[float]:
+    """The mean of each PPO epoch's update values, in epoch order (one update an epoch: the value itself)."""
+    out = []
+    for e in sorted(set(epochs)):
+        vs = [v for v, ep in zip(values, epochs) if ep == e]
+        out.append(vs[0] if len(vs) == 1 else sum(vs) / len(vs))
+    return out
