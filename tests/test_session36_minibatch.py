@@ -25,6 +25,7 @@ from rlrepro.trainer.flops import train_flops
 from rlrepro.trainer.updates import mini_batches
 
 from _dist import gloo_process_group, spawn_ranks
+from test_faults_units import poison  # NaN gradients of one parameter from a given backward on
 
 pytestmark = pytest.mark.usefixtures("deterministic_torch")
 
@@ -227,18 +228,6 @@ def test_a_run_with_mini_batches_repeats_and_resumes_bit_for_bit(tmp_path, monke
 
 # --------------------------------------------------------------------------------------- non-finite updates
 
-def _poison(tr: Trainer, from_call: int):
-    """NaN gradients of one parameter from its ``from_call``-th backward on."""
-    calls = [0]
-    param = next(p for _, p in sorted(tr.model.named_parameters()))
-
-    def hook(g):
-        calls[0] += 1
-        return torch.full_like(g, float("nan")) if calls[0] > from_call else g
-
-    return param.register_hook(hook)
-
-
 def _state(tr: Trainer):
     return weights(tr), copy.deepcopy(tr.optimizer.state_dict())
 
@@ -248,7 +237,7 @@ def test_a_nonfinite_later_update_undoes_the_whole_step():
     tr = trainer(mini_batch_size=2)
     tr.train_step(make_batch(tr.model, 0, n=4))  # optimizer state to protect
     before = _state(tr)
-    handle = _poison(tr, from_call=1)
+    handle = poison(tr, from_call=1)
     with pytest.raises(FloatingPointError, match=r"mini-batch 2 of 2\).* train step 2\b"):
         tr.train_step(make_batch(tr.model, 1, n=4))
     handle.remove()
@@ -258,7 +247,7 @@ def test_a_nonfinite_later_update_undoes_the_whole_step():
     skip = trainer(mini_batch_size=2, on_nonfinite="skip")
     skip.train_step(make_batch(skip.model, 0, n=4))
     before = _state(skip)
-    handle = _poison(skip, from_call=1)
+    handle = poison(skip, from_call=1)
     m = skip.train_step(make_batch(skip.model, 1, n=4))
     handle.remove()
     after = _state(skip)
