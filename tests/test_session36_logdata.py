@@ -167,6 +167,9 @@ log.close()
 
 def _leg(run_dir, resume, first, last, kill):
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline", HF_HUB_OFFLINE="1", WANDB_SILENT="true")
+    # each leg its own wandb service: an earlier test's wandb.init in this process left WANDB_SERVICE set, and a
+    # leg attached to that service finds the killed leg's run still open there ("run ID ... is in use")
+    env.pop("WANDB_SERVICE", None)
     p = subprocess.run([sys.executable, "-c", _LEG, str(run_dir), str(int(resume)), str(first), str(last),
                         str(int(kill))], env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == (-signal.SIGKILL if kill else 0), p.stderr[-3000:]
