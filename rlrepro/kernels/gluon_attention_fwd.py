@@ -38,7 +38,9 @@ warpgroups (:func:`_turn`); ``GLW_PERSIST=1`` runs one program per SM over the w
 runs a work's last tile on its lower half where the upper half is past every query (:func:`_half_tile`);
 ``GLW_TMAX=1`` takes the row max as a tree (:func:`.gluon_attention_parts.row_max_tree`); ``GLW_META=1`` (with
 ``GLW_QTMA=1``) has the producer hand each work's slot row to the consumers in shared memory (:func:`_put_meta`), so
-a persistent consumer's next work starts without global loads.
+a persistent consumer's next work starts without global loads. ``GLW_KVS=1`` frees a ring stage's K buffer once its
+``Q @ K^T`` is done and its V buffer after ``P @ V`` (FlashAttention-3's separate K and V pipelines), so two stages
+keep the producer a tile ahead and leave the persistent Q-by-TMA kernel room for a second Q buffer.
 
 History: the kernel hung on the H100 until the twenty-seventh session found why (an empty schedule slot's consumers
 waited for a tile its producer never loaded, see ``_program``); ``benchmarks/gluon_hang_probes.probe_tma_wait`` is
@@ -80,11 +82,13 @@ if HAVE_GLUON:
                   seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q: gl.constexpr, BLOCK_KV_: gl.constexpr,
                   D: gl.constexpr, NSTAGE: gl.constexpr, PERSIST: gl.constexpr, KV2: gl.constexpr = 0,
                   q_desc=None, q_bufs=None, q_ready=None, q_empty=None, GROUP: gl.constexpr = 1,
-                  QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, meta_bufs=None, META: gl.constexpr = 0):
+                  QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, meta_bufs=None, META: gl.constexpr = 0,
+                  KVS: gl.constexpr = 0):
         """Each work's KV tiles 0, 1, ... by TMA into the ring; the ring's count ``i`` runs on across works. With
         ``KV2`` a ring stage holds two tiles (two loads on one barrier; the last stage of an odd count one). With
         ``QTMA`` each work's Q tile first (:func:`_load_q`), into the next of ``NQ`` Q buffers; with ``META`` also
-        for a work without tiles, with its slot table row beside it (:func:`_put_meta`)."""
+        for a work without tiles, with its slot table row beside it (:func:`_put_meta`). With ``KVS`` a stage's K and
+        V buffers are freed apart (``kv_empty[NSTAGE + st]`` for K, ``kv_empty[st]`` for V)."""
         tb = gl.program_id(0) * 0
         qc = gl.program_id(0) * 0
         for r in range(_rounds(n_work, PERSIST)):
@@ -105,7 +109,10 @@ if HAVE_GLUON:
             for t in range(n_units):
                 i = tb + t
                 st = i % NSTAGE
-                mbarrier.wait(kv_empty.index(st), ((i // NSTAGE) & 1) ^ 1)  # a fresh barrier passes phase 1
+                if KVS:  # K's buffer first: it is freed a product earlier than V's
+                    mbarrier.wait(kv_empty.index(NSTAGE + st), ((i // NSTAGE) & 1) ^ 1)
+                else:
+                    mbarrier.wait(kv_empty.index(st), ((i // NSTAGE) & 1) ^ 1)  # a fresh barrier passes phase 1
                 if KV2:
                     row = (cu0 + 2 * t * BLOCK_KV_).to(gl.int32)
                     two = 2 * t + 1 < n_tiles
@@ -115,6 +122,8 @@ if HAVE_GLUON:
                     row = (cu0 + t * BLOCK_KV_).to(gl.int32)  # TMA coordinates are 32-bit
                     mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(st), k_bufs.index(st))
+                    if KVS:
+                        mbarrier.wait(kv_empty.index(st), ((i // NSTAGE) & 1) ^ 1)
                     mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(st), v_bufs.index(st))
             tb += n_units
@@ -201,7 +210,7 @@ if HAVE_GLUON:
                          n_tiles, n_full, kv_end, tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr,
                          NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
                          o_layout: gl.constexpr, p_layout: gl.constexpr, KV2: gl.constexpr, FMA: gl.constexpr,
-                         NW: gl.constexpr, q_rel, QTMA: gl.constexpr, TMAX: gl.constexpr = 0):
+                         NW: gl.constexpr, q_rel, QTMA: gl.constexpr, TMAX: gl.constexpr = 0, KVS: gl.constexpr = 0):
         """One work's KV tiles (``n_tiles`` > 0, the ring's tiles ``tb``, ``tb + 1``, ...), software-pipelined as
         FlashAttention-3 overlaps within a warpgroup: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` are issued together, and
         tile ``t + 1``'s softmax runs while ``P_t @ V_t`` is on the tensor cores. Every value is computed by the
@@ -211,13 +220,17 @@ if HAVE_GLUON:
         released (``q_rel``) once its last ``Q @ K^T`` is done, so the producer can load the next work's Q.
         The barrier waits and releases are predicated rather than put in ``if`` blocks: Triton's shared-memory
         barrier pass puts a warpgroup ``bar.sync`` at each such block's edges (four a tile instead of two in the
-        PTX; measured 2026-12-06: no faster, the same bits)."""
+        PTX; measured 2026-12-06: no faster, the same bits). With ``KVS`` a tile's K buffer is freed as soon as its
+        ``Q @ K^T`` is done (``kv_empty[NSTAGE + st]``), its V buffer after ``P @ V`` (``kv_empty[st]``), so the
+        producer can load K two tiles ahead with two stages (FlashAttention-3's separate K and V pipelines)."""
         st, ph, b, new, last = _ring(tb, 0, n_tiles, NSTAGE, KV2)
         mbarrier.wait(k_ready.index(st), ph)
         _turn(pp_bars, turn, CID, PP)
         tok = _qk_issue(b, q_smem, k_bufs, NR, BLOCK_KV_, qk_layout)
         _pass(pp_bars, CID, PP)
         qk = warpgroup_mma_wait(0, deps=[tok])
+        if KVS:
+            mbarrier.arrive(kv_empty.index(NSTAGE + st), count=1)
         m_i, l_i, p, alpha = _softmax_part(0, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout, FMA, TMAX)
         for t in range(n_tiles - 1):
             st, ph, b, new, last = _ring(tb, t, n_tiles, NSTAGE, KV2)
@@ -231,6 +244,8 @@ if HAVE_GLUON:
             acc_tok = warpgroup_mma(pb, v_bufs.index(b), acc, is_async=True)
             _pass(pp_bars, CID, PP)
             qk = warpgroup_mma_wait(1, deps=[tok])  # groups finish in order: Q @ K_{t+1}^T is done
+            if KVS:
+                mbarrier.arrive(kv_empty.index(NSTAGE + st1), count=1)
             m_i, l_i, p, alpha = _softmax_part(t + 1, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout,
                                                FMA, TMAX)
             acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
@@ -254,7 +269,7 @@ if HAVE_GLUON:
     def _half_tile(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, pos, qk_scale, t, kv_end,
                    tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr, NSTAGE: gl.constexpr,
                    BLOCK_KV_: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, FMA: gl.constexpr,
-                   NW: gl.constexpr, TMAX: gl.constexpr):
+                   NW: gl.constexpr, TMAX: gl.constexpr, KVS: gl.constexpr = 0):
         """KV tile ``t``, the work's last, when its upper half lies past every row's position (``HALF``): ``Q @ K^T``
         and ``P @ V`` on its lower ``BLOCK_KV_ / 2`` positions only, not pipelined. The same bits as the whole
         tile: the upper half's scores are all masked, so its ``p`` are exact zeros, which leave the row max, the
@@ -269,6 +284,8 @@ if HAVE_GLUON:
                             use_acc=False, is_async=True)
         _pass(pp_bars, CID, PP)
         qk = warpgroup_mma_wait(0, deps=[tok])
+        if KVS:
+            mbarrier.arrive(kv_empty.index(NSTAGE + st), count=1)
         m_h, l_h, p, alpha = _softmax_part(2 * t, qk, gl.convert_layout(m_i, rows_h), gl.convert_layout(l_i, rows_h),
                                            gl.convert_layout(pos, rows_h), qk_scale, 0, W, hl, FMA, TMAX)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -293,7 +310,7 @@ if HAVE_GLUON:
                   PERSIST: gl.constexpr, KV2: gl.constexpr = 0, FMA: gl.constexpr = 0, q_ready=None, q_empty=None,
                   QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, BQB: gl.constexpr = 1,
                   OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0, meta_bufs=None,
-                  META: gl.constexpr = 0):
+                  META: gl.constexpr = 0, KVS: gl.constexpr = 0):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -354,12 +371,12 @@ if HAVE_GLUON:
                                                      kv_empty, pp_bars, pos, qk_scale, n_main, n_full,
                                                      first_pos + q_len, tb, turn, CID, PP, NR, NSTAGE, BLOCK_KV_,
                                                      qk_layout, o_layout, p_layout, KV2, FMA, NW, q_rel,
-                                                     QTMA * (1 - OSM), TMAX)
+                                                     QTMA * (1 - OSM), TMAX, KVS)
                     turn += n_main + 1
                 if half:
                     m_i, l_i, acc = _half_tile(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
                                                pp_bars, pos, qk_scale, n_tiles - 1, first_pos + q_len, tb, turn, CID,
-                                               PP, NR, NSTAGE, BLOCK_KV_, o_layout, p_layout, FMA, NW, TMAX)
+                                               PP, NR, NSTAGE, BLOCK_KV_, o_layout, p_layout, FMA, NW, TMAX, KVS)
                     turn += 2
             tb += _units(n_tiles, KV2)
             if seq >= 0:
@@ -396,9 +413,10 @@ if HAVE_GLUON:
                     qc += 1
 
     @gluon.jit
-    def _stages(k_desc, v_desc, NSTAGE: gl.constexpr, N_CONSUMERS: gl.constexpr, KV2: gl.constexpr = 0):
+    def _stages(k_desc, v_desc, NSTAGE: gl.constexpr, N_CONSUMERS: gl.constexpr, KV2: gl.constexpr = 0,
+                KVS: gl.constexpr = 0):
         """The K/V ring (``NSTAGE`` tiles of each) and its barriers: K and V "ready" (one TMA arrival each) and
-        "empty" (one arrival per consumer partition), the two ping-pong barriers, and the Q buffers' "ready" (the
+        "empty" (one arrival per consumer partition; with ``KVS`` V's, then K's), the two ping-pong barriers, and the Q buffers' "ready" (the
         producer's TMA) and "empty" (one arrival per consumer) barriers, initialised."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
@@ -406,7 +424,7 @@ if HAVE_GLUON:
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE * (1 + KV2), BKV, D], v_desc.layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [(1 + KVS) * NSTAGE, 1], mbarrier.MBarrierLayout())  # V, K
         pp_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -414,6 +432,8 @@ if HAVE_GLUON:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=N_CONSUMERS)
+            if KVS:
+                mbarrier.init(kv_empty.index(NSTAGE + i), count=N_CONSUMERS)
         for i in gl.static_range(2):
             mbarrier.init(pp_bars.index(i), count=1)
             mbarrier.init(q_ready.index(i), count=1)
@@ -429,29 +449,29 @@ if HAVE_GLUON:
                             PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0,
                             FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1,
                             OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0,
-                            META: gl.constexpr = 0):
+                            META: gl.constexpr = 0, KVS: gl.constexpr = 0):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer (of
         Q too, with ``QTMA``: ``q_desc`` loads ``[BQB, D]`` boxes of it into ``NQ`` buffers)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         BQB: gl.constexpr = BLOCK_Q if BLOCK_Q < NR else NR
         q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2 * NQ, NR, D], q_smem_layout)
         k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, q_ready, q_empty = _stages(k_desc, v_desc, NSTAGE, 2,
-                                                                                        KV2)
+                                                                                        KV2, KVS)
         meta_bufs = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         gl.warp_specialize([
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
                          cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2,
-                         q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META)),
+                         q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META, KVS)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META)),
+                         TMAX, meta_bufs, META, KVS)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META)),
+                         TMAX, meta_bufs, META, KVS)),
         ], [4, 4], [CREGS, CREGS])
 
 
@@ -516,7 +536,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
         *args, q_layout, group, group_p, block_q, d, STAGES, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
         nq, _env("GLW_OSM", 1), half_tile(qtma, nq), _env("GLW_TMAX", 0), int(qtma and _env("GLW_META", 0) == 1),
-        num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
+        int(_env("GLW_KVS", 0) == 1 and _env("GLW_KV2", 0) == 0), num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
 
 
 def _env(name: str, default: int) -> int:
