@@ -220,18 +220,23 @@ def test_gpu_gluon_forward_half_tile_and_tree_max_keep_the_bits(order, half, tma
 @pytest.mark.skipif(not _hopper_with_gluon(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
 @pytest.mark.parametrize("order", ["64", "128f"])
 @pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("pp,persist,qtma_meta", [(1, 0, 0), (0, 0, 0), (1, 1, 1), (0, 1, 1)],
-                         ids=["pp", "plain", "pp-persist-qtma-meta", "persist-qtma-meta"])
-def test_gpu_gluon_forward_split_kv_release_keeps_the_bits(order, stages, pp, persist, qtma_meta, monkeypatch):
+@pytest.mark.parametrize("pp,persist,qtma_meta,xw", [(1, 0, 0, 0), (0, 0, 0, 0), (1, 1, 1, 0), (0, 1, 1, 0),
+                                                     (0, 1, 1, 1)],
+                         ids=["pp", "plain", "pp-persist-qtma-meta", "persist-qtma-meta", "cross-work"])
+def test_gpu_gluon_forward_split_kv_release_keeps_the_bits(order, stages, pp, persist, qtma_meta, xw, monkeypatch):
     """A ring stage's K buffer freed after its ``Q @ K^T`` and its V buffer after ``P @ V`` (``GLW_KVS``), with
-    two or three stages (two give the persistent Q-by-TMA kernel a second Q buffer): the Triton bits (out and lse),
-    for ragged lengths, tile-sized and 1-token sequences, and two neighbours' K all inf and V all NaN."""
+    two or three stages (two give the persistent Q-by-TMA kernel a second Q buffer), and with two the consumers
+    that run works back to back (``GLW_XW``): the Triton bits (out and lse), for ragged lengths, tile-sized and
+    1-token sequences, and two neighbours' K all inf and V all NaN."""
     from rlrepro.kernels import gluon_attention_fwd as G
+    if xw and stages != 2:
+        pytest.skip("the cross-work consumers need two Q buffers: two ring stages at head size 128")
     monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", order)
     for name, val in (("GLW_KVS", 1), ("GLW_PP", pp), ("GLW_PERSIST", persist), ("GLW_QTMA", qtma_meta),
-                      ("GLW_META", qtma_meta)):
+                      ("GLW_META", qtma_meta), ("GLW_XW", xw)):
         monkeypatch.setenv(name, str(val))
     monkeypatch.setattr(G, "STAGES", stages)
+    assert G.cross_work(bool(persist), bool(qtma_meta), 2) == xw
     _ragged_and_nonfinite_equal_large(G, monkeypatch)
 
 

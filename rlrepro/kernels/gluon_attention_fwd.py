@@ -60,8 +60,10 @@ try:  # Gluon and its Hopper namespace (Triton >= 3.5)
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .gluon_attention_consumer import (_epilogue, _get_meta, _qk_issue, _softmax_part, _tile_loop,
+                                           consumer_xw)
     from .gluon_attention_parts import (_load_pair, _pass, _program, _ring, _rounds, _row_query, _turn, _units, _work,
-                                        row_max_tree, zero_past)
+                                        zero_past)
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -163,49 +165,6 @@ if HAVE_GLUON:
         gl.thread_barrier()
 
     @gluon.jit
-    def _get_meta(buf):
-        """A consumer's copy of a work's row written by :func:`_put_meta` (after waiting for the work's Q)."""
-        lay: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
-        i = gl.arange(0, 8, layout=lay)
-        v = buf.load(lay)
-        return (gl.sum(gl.where(i == 0, v, 0), axis=0), gl.sum(gl.where(i == 1, v, 0), axis=0),
-                gl.sum(gl.where(i == 2, v, 0), axis=0), gl.sum(gl.where(i == 3, v, 0), axis=0),
-                gl.sum(gl.where(i == 4, v, 0), axis=0), gl.sum(gl.where(i == 5, v, 0), axis=0),
-                gl.sum(gl.where(i == 6, v, 0), axis=0), gl.sum(gl.where(i == 7, v, 0), axis=0))
-
-    @gluon.jit
-    def _qk_issue(b, q_smem, k_bufs, NR: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr):
-        """Start ``Q @ K^T`` on K buffer ``b`` (already waited for) without waiting for it (a token)."""
-        zero = gl.zeros([NR, BLOCK_KV_], gl.float32, qk_layout)
-        return warpgroup_mma(q_smem, k_bufs.index(b).permute((1, 0)), zero, use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _softmax_part(t, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
-                      FMA: gl.constexpr, TMAX: gl.constexpr = 0):
-        """The Triton kernel's online-softmax arithmetic (``_softmax_step``, in the order ``FMA`` names) on KV tile
-        ``t``'s scores, up to ``p`` and ``alpha`` (the causal mask where ``t >= n_full``: a full tile's positions all
-        pass it, so it is skipped there, as there)."""
-        if FMA:
-            s = qk
-        else:
-            s = qk * qk_scale
-        if t >= n_full:
-            j = t * BLOCK_KV_ + gl.arange(0, BLOCK_KV_, layout=gl.SliceLayout(0, qk_layout))
-            s = gl.where(j[None, :] <= pos[:, None], s, float("-inf"))
-        if TMAX:  # the same maximum, as a tree
-            m_new = gl.maximum(m_i, row_max_tree(s, BLOCK_KV_))
-        else:
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        if FMA:
-            p = gl.exp2(gl.fma(s, gl.full_like(s, qk_scale), -(m_new * qk_scale)[:, None]))
-            alpha = gl.exp2((m_i - m_new) * qk_scale)
-        else:
-            p = gl.exp2(s - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        return m_new, l_i, p, alpha
-
-    @gluon.jit
     def _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, pos, qk_scale,
                          n_tiles, n_full, kv_end, tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr,
                          NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
@@ -232,24 +191,9 @@ if HAVE_GLUON:
         if KVS:
             mbarrier.arrive(kv_empty.index(NSTAGE + st), count=1)
         m_i, l_i, p, alpha = _softmax_part(0, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout, FMA, TMAX)
-        for t in range(n_tiles - 1):
-            st, ph, b, new, last = _ring(tb, t, n_tiles, NSTAGE, KV2)
-            st1, ph1, b1, new1, last1 = _ring(tb, t + 1, n_tiles, NSTAGE, KV2)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-            mbarrier.wait(k_ready.index(st1), ph1, pred=new1)  # predicates, not ifs: see _pipelined_tiles
-            mbarrier.wait(v_ready.index(st), ph, pred=new)
-            _turn(pp_bars, turn + 1 + t, CID, PP)
-            tok = _qk_issue(b1, q_smem, k_bufs, NR, BLOCK_KV_, qk_layout)
-            acc_tok = warpgroup_mma(pb, v_bufs.index(b), acc, is_async=True)
-            _pass(pp_bars, CID, PP)
-            qk = warpgroup_mma_wait(1, deps=[tok])  # groups finish in order: Q @ K_{t+1}^T is done
-            if KVS:
-                mbarrier.arrive(kv_empty.index(NSTAGE + st1), count=1)
-            m_i, l_i, p, alpha = _softmax_part(t + 1, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout,
-                                               FMA, TMAX)
-            acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
-            mbarrier.arrive(kv_empty.index(st), count=1, pred=last)
+        m_i, l_i, p, alpha, acc = _tile_loop(m_i, l_i, p, alpha, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                             pp_bars, pos, qk_scale, n_tiles, n_full, tb, turn, CID, PP, NR, NSTAGE,
+                                             BLOCK_KV_, qk_layout, o_layout, p_layout, KV2, FMA, TMAX, KVS)
         if QTMA:  # every Q @ K^T of the work is done
             mbarrier.arrive(q_rel, count=1)
         st, ph, b, new, last = _ring(tb, n_tiles - 1, n_tiles, NSTAGE, KV2)
@@ -318,13 +262,10 @@ if HAVE_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [NW, 1], [1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         # this warpgroup's rows of the program's tile: (query q0 + offset, head g of the GQA group), _row_query
         r = CID * NR + gl.arange(0, NR, layout=gl.SliceLayout(1, ld_layout))
         q_off_s, g_s = _row_query(CID * NR + gl.arange(0, NR, layout=row_s), GROUP_P, BLOCK_Q, BQB, QTMA)
-        q_off_o, g_o = _row_query(CID * NR + gl.arange(0, NR, layout=row_o), GROUP_P, BLOCK_Q, BQB, QTMA)
         d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-        do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         tb = gl.program_id(0) * 0
         turn = gl.program_id(0) * 0
         qc = gl.program_id(0) * 0
@@ -380,29 +321,8 @@ if HAVE_GLUON:
                     turn += 2
             tb += _units(n_tiles, KV2)
             if seq >= 0:
-                out = acc / gl.convert_layout(l_i, row_o)[:, None]
-                if OSM:  # through this warpgroup's Q buffer (its last Q @ K^T is done), 16-byte row stores
-                    q_smem.store(out.to(q_smem.dtype))
-                    gl.thread_barrier()
-                    o_r = q_smem.load(ld_layout)
-                    qi, g = _row_query(r, GROUP_P, BLOCK_Q, BQB, QTMA)
-                    qi += q0
-                    o_off = (cu0 + qi).to(gl.int64) * stride_on + (hk * GROUP + g).to(gl.int64) * stride_oh
-                    gl.store(o_ptr + o_off[:, None] + d[None, :], o_r.to(o_ptr.dtype.element_ty),
-                             mask=((qi < q_len) & (g < GROUP))[:, None])
-                else:
-                    qo = q0 + q_off_o
-                    ok_o = (qo < q_len) & (g_o < GROUP)
-                    o_off = ((cu0 + qo).to(gl.int64)[:, None] * stride_on
-                             + (hk * GROUP + g_o).to(gl.int64)[:, None] * stride_oh)
-                    gl.store(o_ptr + o_off + do[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
-                if WRITE_LSE:
-                    qs = q0 + q_off_s
-                    ok_s = (qs < q_len) & (g_s < GROUP)
-                    l_off = (cu0 + qs).to(gl.int64) * stride_ln + (hk * GROUP + g_s).to(gl.int64)
-                    if FMA:
-                        m_i = m_i * qk_scale
-                    gl.store(lse_ptr + l_off, m_i + gl.log2(l_i), mask=ok_s)
+                _epilogue(acc, l_i, m_i, q_smem, o_ptr, lse_ptr, q0, q_len, cu0, hk, stride_on, stride_oh, stride_ln,
+                          qk_scale, CID, NR, GROUP, GROUP_P, BLOCK_Q, BQB, D, QTMA, OSM, WRITE_LSE, FMA, NW)
             if QTMA:  # with OSM the Q buffer is released here, after O went through it, else after the last Q @ K^T
                 if META or n_tiles > 0:
                     if OSM:
@@ -449,7 +369,7 @@ if HAVE_GLUON:
                             PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0,
                             FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1,
                             OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0,
-                            META: gl.constexpr = 0, KVS: gl.constexpr = 0):
+                            META: gl.constexpr = 0, KVS: gl.constexpr = 0, XW: gl.constexpr = 0):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer (of
         Q too, with ``QTMA``: ``q_desc`` loads ``[BQB, D]`` boxes of it into ``NQ`` buffers)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
@@ -458,21 +378,34 @@ if HAVE_GLUON:
         k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, q_ready, q_empty = _stages(k_desc, v_desc, NSTAGE, 2,
                                                                                         KV2, KVS)
         meta_bufs = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        gl.warp_specialize([
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
-                         cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2,
-                         q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META, KVS)),
-            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
-                         prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
-                         stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META, KVS)),
-            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
-                         prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
-                         stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META, KVS)),
-        ], [4, 4], [CREGS, CREGS])
+        if XW:  # the cross-work consumers (gluon_attention_consumer.consumer_xw)
+            gl.warp_specialize([
+                (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
+                             cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2,
+                             q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META, KVS)),
+                (consumer_xw, (o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_ready, q_empty,
+                               meta_bufs, n_work, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P,
+                               BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, 4, FMA, NQ, BQB, TMAX, KVS)),
+                (consumer_xw, (o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_ready, q_empty,
+                               meta_bufs, n_work, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P,
+                               BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, 4, FMA, NQ, BQB, TMAX, KVS)),
+            ], [4, 4], [CREGS, CREGS])
+        else:
+            gl.warp_specialize([
+                (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
+                             cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2,
+                             q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META, KVS)),
+                (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
+                             prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
+                             stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
+                             D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
+                             TMAX, meta_bufs, META, KVS)),
+                (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
+                             prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
+                             stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
+                             D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
+                             TMAX, meta_bufs, META, KVS)),
+            ], [4, 4], [CREGS, CREGS])
 
 
 def _descriptor(t: torch.Tensor, rows: int):
@@ -536,7 +469,8 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
         *args, q_layout, group, group_p, block_q, d, STAGES, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
         nq, _env("GLW_OSM", 1), half_tile(qtma, nq), _env("GLW_TMAX", 0), int(qtma and _env("GLW_META", 0) == 1),
-        int(_env("GLW_KVS", 0) == 1 and _env("GLW_KV2", 0) == 0), num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
+        int(_env("GLW_KVS", 0) == 1 and _env("GLW_KV2", 0) == 0), cross_work(persist, qtma, nq), num_warps=4,
+        maxnreg=maxnreg, enable_fp_fusion=False)
 
 
 def _env(name: str, default: int) -> int:
@@ -551,3 +485,12 @@ def half_tile(qtma: bool, nq: int = 1) -> int:
     from the Triton tile's on an H100 (docs/BENCHMARKS.md, thirty-fifth session; the cause is not found)."""
     return int(_env("GLW_HALF", 0) == 1 and not (qtma and _env("GLW_OSM", 1) == 0) and _env("GLW_KV2", 0) == 0
                and nq == 1)
+
+
+def cross_work(persist: bool, qtma: bool, nq: int) -> int:
+    """Whether the consumers run works back to back (``GLW_XW=1``, :func:`.gluon_attention_consumer.consumer_xw`):
+    persistent, Q by TMA with the slot rows from the producer (``GLW_META``) into two Q buffers (two ring stages at
+    head size 128), O through the Q buffer, without ping-pong, the half tile or two tiles a stage."""
+    return int(_env("GLW_XW", 0) == 1 and persist and qtma and _env("GLW_META", 0) == 1 and nq == 2
+               and _env("GLW_OSM", 1) == 1 and _env("GLW_PP", 0) == 0 and _env("GLW_HALF", 0) == 0
+               and _env("GLW_KV2", 0) == 0)
