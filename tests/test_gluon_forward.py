@@ -61,7 +61,7 @@ def test_use_gluon_switches(monkeypatch):
 
 
 def test_q_tma_rule(monkeypatch):
-    """``GLW_QTMA=1`` (off by default) has the producer load Q by TMA where its boxes can: 16-byte aligned rows of
+    """``GLW_QTMA=1`` (off by default in the 64-position order) has the producer load Q by TMA where its boxes can: 16-byte aligned rows of
     whole heads (a view of the fused q|k|v row is) and an unpadded GQA group; elsewhere the consumers load Q."""
     from rlrepro.kernels import gluon_attention_fwd as G
     q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
@@ -210,7 +210,8 @@ def test_gpu_gluon_forward_half_tile_and_tree_max_keep_the_bits(order, half, tma
     that ends inside a half tile zeroes the rows past it there)."""
     from rlrepro.kernels import gluon_attention_fwd as G
     monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", order)
-    for name, val in (("GLW_HALF", half), ("GLW_TMAX", tmax), ("GLW_PP", pp)):
+    for name, val in (("GLW_HALF", half), ("GLW_TMAX", tmax), ("GLW_PP", pp), ("GLW_PERSIST", 0), ("GLW_QTMA", 0),
+                      ("GLW_META", 0), ("GLW_KVS", 0)):  # one program a work, Q by the consumers: HALF runs
         monkeypatch.setenv(name, str(val))
     assert G.half_tile(False) == half
     _ragged_and_nonfinite_equal_large(G, monkeypatch)
@@ -220,23 +221,18 @@ def test_gpu_gluon_forward_half_tile_and_tree_max_keep_the_bits(order, half, tma
 @pytest.mark.skipif(not _hopper_with_gluon(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
 @pytest.mark.parametrize("order", ["64", "128f"])
 @pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("pp,persist,qtma_meta,xw", [(1, 0, 0, 0), (0, 0, 0, 0), (1, 1, 1, 0), (0, 1, 1, 0),
-                                                     (0, 1, 1, 1)],
-                         ids=["pp", "plain", "pp-persist-qtma-meta", "persist-qtma-meta", "cross-work"])
-def test_gpu_gluon_forward_split_kv_release_keeps_the_bits(order, stages, pp, persist, qtma_meta, xw, monkeypatch):
+@pytest.mark.parametrize("pp,persist,qtma_meta", [(1, 0, 0), (0, 0, 0), (1, 1, 1), (0, 1, 1)],
+                         ids=["pp", "plain", "pp-persist-qtma-meta", "persist-qtma-meta"])
+def test_gpu_gluon_forward_split_kv_release_keeps_the_bits(order, stages, pp, persist, qtma_meta, monkeypatch):
     """A ring stage's K buffer freed after its ``Q @ K^T`` and its V buffer after ``P @ V`` (``GLW_KVS``), with
-    two or three stages (two give the persistent Q-by-TMA kernel a second Q buffer), and with two the consumers
-    that run works back to back (``GLW_XW``): the Triton bits (out and lse), for ragged lengths, tile-sized and
-    1-token sequences, and two neighbours' K all inf and V all NaN."""
+    two or three stages (two give the persistent Q-by-TMA kernel a second Q buffer): the Triton bits (out and lse),
+    for ragged lengths, tile-sized and 1-token sequences, and two neighbours' K all inf and V all NaN."""
     from rlrepro.kernels import gluon_attention_fwd as G
-    if xw and stages != 2:
-        pytest.skip("the cross-work consumers need two Q buffers: two ring stages at head size 128")
     monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", order)
     for name, val in (("GLW_KVS", 1), ("GLW_PP", pp), ("GLW_PERSIST", persist), ("GLW_QTMA", qtma_meta),
-                      ("GLW_META", qtma_meta), ("GLW_XW", xw)):
+                      ("GLW_META", qtma_meta)):
         monkeypatch.setenv(name, str(val))
     monkeypatch.setattr(G, "STAGES", stages)
-    assert G.cross_work(bool(persist), bool(qtma_meta), 2) == xw
     _ragged_and_nonfinite_equal_large(G, monkeypatch)
 
 
@@ -268,6 +264,33 @@ def _ragged_and_nonfinite_equal_large(G, monkeypatch):
         assert torch.isfinite(og[good]).all(), f"a neighbour's non-finite values leaked in (seed {seed})"
         assert torch.equal(og[good], ot[good]), f"out differs from the Triton 'large' tile ({lens[:3]}..., seed {seed})"
         assert torch.equal(lg[good], lt[good]), f"lse differs from the Triton 'large' tile ({lens[:3]}..., seed {seed})"
+
+
+def test_variant_defaults_by_order(monkeypatch):
+    """The 128-position order runs persistent, Q by TMA, META and K freed apart from V on two ring stages by
+    default where its sequences average under ``LONG_MEAN`` tokens; longer ones and the 64-position order none of
+    them, on three; each switch follows the environment where it is set."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    for name in ("GLW_PERSIST", "GLW_QTMA", "GLW_META", "GLW_KVS", "GLW_PP", "GLW_KV2"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(G, "STAGES", None)
+    long = G.LONG_MEAN
+    assert G.fast_defaults(128, 4 * 2048, 4) and G.fast_defaults(128, 16 * 1024, 16)
+    assert G.fast_defaults(128, 2 * long - 1, 2) and not G.fast_defaults(128, 2 * long, 2)
+    assert G.fast_defaults(128, 8192, None) and not G.fast_defaults(64, 8192, 4)
+    names = ("GLW_PERSIST", "GLW_QTMA", "GLW_META", "GLW_KVS", "GLW_PP")
+    assert [G.flag(k, True) for k in names] == [1, 1, 1, 1, 0]
+    assert [G.flag(k, False) for k in names] == [0, 0, 0, 0, 0]
+    assert (G.ring_stages(True), G.ring_stages(False)) == (2, 3)
+    q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
+    assert G.q_tma(q, 4, 4, 32, True) and not G.q_tma(q, 4, 4, 32, False)
+    monkeypatch.setenv("GLW_KVS", "0")  # K and V freed together: two stages would stall every tile
+    assert G.flag("GLW_KVS", True) == 0 and G.ring_stages(True) == 3
+    monkeypatch.setenv("GLW_KVS", "1")
+    monkeypatch.setenv("GLW_PERSIST", "0")
+    assert G.ring_stages(False) == 2 and G.flag("GLW_PERSIST", True) == 0
+    monkeypatch.setattr(G, "STAGES", 4)
+    assert G.ring_stages(True) == 4
 
 
 def test_half_tile_rule(monkeypatch):

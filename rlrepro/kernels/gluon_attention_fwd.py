@@ -29,18 +29,23 @@ producer after that): written there in the wgmma layout, read back a row's 16 by
 16-byte stores (``OSM``, the default; ``GLW_OSM=0``: straight from the wgmma layout, 4-byte stores, 1.07-1.12x slower
 at 1-2k-token sequences on the H100, 2026-12-06).
 
-Variants, each with the same bits (the battery of ``benchmarks/bench_attention_gluon.py``, H100, 2026-12-06) and
-none of them a clear gain there (docs/BENCHMARKS.md), so off by default: ``GLW_PP=1`` ping-pongs the two consumer
-warpgroups (:func:`_turn`); ``GLW_PERSIST=1`` runs one program per SM over the works sorted longest first
-(:func:`persistent_order`); ``GLW_KV2=1`` puts two KV tiles in a ring stage (half the barrier waits);
-``GLW_QTMA=1`` has the producer load each work's Q by TMA into a ring of Q buffers, the tile's rows head-major
-(:func:`_load_q`, :func:`_row_query`; 0.98-1.02x, measured 2026-12-06). Unmeasured (2026-12-06): ``GLW_HALF=1``
-runs a work's last tile on its lower half where the upper half is past every query (:func:`_half_tile`);
-``GLW_TMAX=1`` takes the row max as a tree (:func:`.gluon_attention_parts.row_max_tree`); ``GLW_META=1`` (with
-``GLW_QTMA=1``) has the producer hand each work's slot row to the consumers in shared memory (:func:`_put_meta`), so
-a persistent consumer's next work starts without global loads. ``GLW_KVS=1`` frees a ring stage's K buffer once its
-``Q @ K^T`` is done and its V buffer after ``P @ V`` (FlashAttention-3's separate K and V pipelines), so two stages
-keep the producer a tile ahead and leave the persistent Q-by-TMA kernel room for a second Q buffer.
+Variants, each with the same bits (the battery of ``benchmarks/bench_attention_gluon.py`` and the GPU tests, H100,
+2026-12-06/07; docs/BENCHMARKS.md), switched by environment variables (:func:`flag`): ``GLW_PP=1`` ping-pongs the
+two consumer warpgroups (:func:`_turn`); ``GLW_PERSIST`` runs one program per SM over the works sorted longest
+first (:func:`persistent_order`); ``GLW_KV2=1`` puts two KV tiles in a ring stage; ``GLW_QTMA`` has the producer
+load each work's Q by TMA into a ring of Q buffers, the tile's rows head-major (:func:`_load_q`,
+:func:`_row_query`); ``GLW_META`` (with Q by TMA) has the producer hand each work's slot row to the consumers in
+shared memory (:func:`_put_meta`), so a persistent consumer's next work starts without global loads; ``GLW_KVS``
+frees a ring stage's K buffer once its ``Q @ K^T`` is done and its V buffer after ``P @ V`` (FlashAttention-3's
+separate K and V pipelines), so two stages keep the producer a tile ahead and leave room for a second Q buffer,
+into which the next work's Q is loaded while the current one finishes; ``GLW_HALF=1`` runs a work's last tile on its
+lower half where the upper half is past every query (:func:`_half_tile`; 1-5 % slower); ``GLW_TMAX=1`` takes the
+row max as a tree (:func:`.gluon_attention_parts.row_max_tree`). **Defaults**: in the 128-position order
+persistent, Q by TMA, META and KVS with two ring stages (``FAST_128``: 0.87-0.91x FlashAttention-3 at 4 x 2048 and
+0.84-0.88x at 16 x 1024 on the H100, against 0.84 / 0.77 for one program a work with three stages) where the
+sequences average under ``LONG_MEAN`` tokens; otherwise, and in the 64-position order, all off, three stages. Tried and removed: K and V on one barrier, a slot table of one row a work,
+prefetching the next slot row, and (commit 762f9aa) persistent consumers that run works back to back, the next
+work's first ``Q @ K^T`` beside the last one's epilogue (``GLW_XW``: 0.863x against 0.913).
 
 History: the kernel hung on the H100 until the twenty-seventh session found why (an empty schedule slot's consumers
 waited for a tile its producer never loaded, see ``_program``); ``benchmarks/gluon_hang_probes.probe_tma_wait`` is
@@ -60,10 +65,8 @@ try:  # Gluon and its Hopper namespace (Triton >= 3.5)
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_attention_consumer import (_epilogue, _get_meta, _qk_issue, _softmax_part, _tile_loop,
-                                           consumer_xw)
     from .gluon_attention_parts import (_load_pair, _pass, _program, _ring, _rounds, _row_query, _turn, _units, _work,
-                                        zero_past)
+                                        row_max_tree, zero_past)
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -71,7 +74,12 @@ from .gluon_attention_parts import BLOCK_KV, persistent_order  # noqa: F401 (the
 
 ROWS = 64  # query rows of a consumer warpgroup: wgmma's M
 CONSUMERS = 2
-STAGES = 3
+STAGES = None  # the K/V ring's depth; None: :func:`ring_stages` (2 with K freed apart from V, else 3)
+# the 128-position order's defaults (2026-12-07, H100: 0.87-0.91x FlashAttention-3 at 4 x 2048 against 0.84 for one
+# program a work): persistent, Q by TMA with the slot rows from the producer, K freed apart from V, two ring stages
+# (which leave room for two Q buffers); the 64-position order keeps one program a work and three stages
+FAST_128 = {"GLW_PERSIST": 1, "GLW_QTMA": 1, "GLW_META": 1, "GLW_KVS": 1}
+LONG_MEAN = 12288  # from this mean sequence length on, the 128-position order keeps the 64's defaults too
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 LOG2E = 1.4426950408889634
@@ -165,6 +173,49 @@ if HAVE_GLUON:
         gl.thread_barrier()
 
     @gluon.jit
+    def _get_meta(buf):
+        """A consumer's copy of a work's row written by :func:`_put_meta` (after waiting for the work's Q)."""
+        lay: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+        i = gl.arange(0, 8, layout=lay)
+        v = buf.load(lay)
+        return (gl.sum(gl.where(i == 0, v, 0), axis=0), gl.sum(gl.where(i == 1, v, 0), axis=0),
+                gl.sum(gl.where(i == 2, v, 0), axis=0), gl.sum(gl.where(i == 3, v, 0), axis=0),
+                gl.sum(gl.where(i == 4, v, 0), axis=0), gl.sum(gl.where(i == 5, v, 0), axis=0),
+                gl.sum(gl.where(i == 6, v, 0), axis=0), gl.sum(gl.where(i == 7, v, 0), axis=0))
+
+    @gluon.jit
+    def _qk_issue(b, q_smem, k_bufs, NR: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr):
+        """Start ``Q @ K^T`` on K buffer ``b`` (already waited for) without waiting for it (a token)."""
+        zero = gl.zeros([NR, BLOCK_KV_], gl.float32, qk_layout)
+        return warpgroup_mma(q_smem, k_bufs.index(b).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _softmax_part(t, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
+                      FMA: gl.constexpr, TMAX: gl.constexpr = 0):
+        """The Triton kernel's online-softmax arithmetic (``_softmax_step``, in the order ``FMA`` names) on KV tile
+        ``t``'s scores, up to ``p`` and ``alpha`` (the causal mask where ``t >= n_full``: a full tile's positions all
+        pass it, so it is skipped there, as there)."""
+        if FMA:
+            s = qk
+        else:
+            s = qk * qk_scale
+        if t >= n_full:
+            j = t * BLOCK_KV_ + gl.arange(0, BLOCK_KV_, layout=gl.SliceLayout(0, qk_layout))
+            s = gl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+        if TMAX:  # the same maximum, as a tree
+            m_new = gl.maximum(m_i, row_max_tree(s, BLOCK_KV_))
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        if FMA:
+            p = gl.exp2(gl.fma(s, gl.full_like(s, qk_scale), -(m_new * qk_scale)[:, None]))
+            alpha = gl.exp2((m_i - m_new) * qk_scale)
+        else:
+            p = gl.exp2(s - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return m_new, l_i, p, alpha
+
+    @gluon.jit
     def _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, pos, qk_scale,
                          n_tiles, n_full, kv_end, tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr,
                          NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
@@ -191,9 +242,24 @@ if HAVE_GLUON:
         if KVS:
             mbarrier.arrive(kv_empty.index(NSTAGE + st), count=1)
         m_i, l_i, p, alpha = _softmax_part(0, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout, FMA, TMAX)
-        m_i, l_i, p, alpha, acc = _tile_loop(m_i, l_i, p, alpha, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                             pp_bars, pos, qk_scale, n_tiles, n_full, tb, turn, CID, PP, NR, NSTAGE,
-                                             BLOCK_KV_, qk_layout, o_layout, p_layout, KV2, FMA, TMAX, KVS)
+        for t in range(n_tiles - 1):
+            st, ph, b, new, last = _ring(tb, t, n_tiles, NSTAGE, KV2)
+            st1, ph1, b1, new1, last1 = _ring(tb, t + 1, n_tiles, NSTAGE, KV2)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+            mbarrier.wait(k_ready.index(st1), ph1, pred=new1)  # predicates, not ifs: see _pipelined_tiles
+            mbarrier.wait(v_ready.index(st), ph, pred=new)
+            _turn(pp_bars, turn + 1 + t, CID, PP)
+            tok = _qk_issue(b1, q_smem, k_bufs, NR, BLOCK_KV_, qk_layout)
+            acc_tok = warpgroup_mma(pb, v_bufs.index(b), acc, is_async=True)
+            _pass(pp_bars, CID, PP)
+            qk = warpgroup_mma_wait(1, deps=[tok])  # groups finish in order: Q @ K_{t+1}^T is done
+            if KVS:
+                mbarrier.arrive(kv_empty.index(NSTAGE + st1), count=1)
+            m_i, l_i, p, alpha = _softmax_part(t + 1, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout,
+                                               FMA, TMAX)
+            acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
+            mbarrier.arrive(kv_empty.index(st), count=1, pred=last)
         if QTMA:  # every Q @ K^T of the work is done
             mbarrier.arrive(q_rel, count=1)
         st, ph, b, new, last = _ring(tb, n_tiles - 1, n_tiles, NSTAGE, KV2)
@@ -262,10 +328,13 @@ if HAVE_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [NW, 1], [1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         # this warpgroup's rows of the program's tile: (query q0 + offset, head g of the GQA group), _row_query
         r = CID * NR + gl.arange(0, NR, layout=gl.SliceLayout(1, ld_layout))
         q_off_s, g_s = _row_query(CID * NR + gl.arange(0, NR, layout=row_s), GROUP_P, BLOCK_Q, BQB, QTMA)
+        q_off_o, g_o = _row_query(CID * NR + gl.arange(0, NR, layout=row_o), GROUP_P, BLOCK_Q, BQB, QTMA)
         d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         tb = gl.program_id(0) * 0
         turn = gl.program_id(0) * 0
         qc = gl.program_id(0) * 0
@@ -321,8 +390,29 @@ if HAVE_GLUON:
                     turn += 2
             tb += _units(n_tiles, KV2)
             if seq >= 0:
-                _epilogue(acc, l_i, m_i, q_smem, o_ptr, lse_ptr, q0, q_len, cu0, hk, stride_on, stride_oh, stride_ln,
-                          qk_scale, CID, NR, GROUP, GROUP_P, BLOCK_Q, BQB, D, QTMA, OSM, WRITE_LSE, FMA, NW)
+                out = acc / gl.convert_layout(l_i, row_o)[:, None]
+                if OSM:  # through this warpgroup's Q buffer (its last Q @ K^T is done), 16-byte row stores
+                    q_smem.store(out.to(q_smem.dtype))
+                    gl.thread_barrier()
+                    o_r = q_smem.load(ld_layout)
+                    qi, g = _row_query(r, GROUP_P, BLOCK_Q, BQB, QTMA)
+                    qi += q0
+                    o_off = (cu0 + qi).to(gl.int64) * stride_on + (hk * GROUP + g).to(gl.int64) * stride_oh
+                    gl.store(o_ptr + o_off[:, None] + d[None, :], o_r.to(o_ptr.dtype.element_ty),
+                             mask=((qi < q_len) & (g < GROUP))[:, None])
+                else:
+                    qo = q0 + q_off_o
+                    ok_o = (qo < q_len) & (g_o < GROUP)
+                    o_off = ((cu0 + qo).to(gl.int64)[:, None] * stride_on
+                             + (hk * GROUP + g_o).to(gl.int64)[:, None] * stride_oh)
+                    gl.store(o_ptr + o_off + do[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
+                if WRITE_LSE:
+                    qs = q0 + q_off_s
+                    ok_s = (qs < q_len) & (g_s < GROUP)
+                    l_off = (cu0 + qs).to(gl.int64) * stride_ln + (hk * GROUP + g_s).to(gl.int64)
+                    if FMA:
+                        m_i = m_i * qk_scale
+                    gl.store(lse_ptr + l_off, m_i + gl.log2(l_i), mask=ok_s)
             if QTMA:  # with OSM the Q buffer is released here, after O went through it, else after the last Q @ K^T
                 if META or n_tiles > 0:
                     if OSM:
@@ -369,7 +459,7 @@ if HAVE_GLUON:
                             PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0,
                             FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1,
                             OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0,
-                            META: gl.constexpr = 0, KVS: gl.constexpr = 0, XW: gl.constexpr = 0):
+                            META: gl.constexpr = 0, KVS: gl.constexpr = 0):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer (of
         Q too, with ``QTMA``: ``q_desc`` loads ``[BQB, D]`` boxes of it into ``NQ`` buffers)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
@@ -378,34 +468,21 @@ if HAVE_GLUON:
         k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, q_ready, q_empty = _stages(k_desc, v_desc, NSTAGE, 2,
                                                                                         KV2, KVS)
         meta_bufs = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        if XW:  # the cross-work consumers (gluon_attention_consumer.consumer_xw)
-            gl.warp_specialize([
-                (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
-                             cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2,
-                             q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META, KVS)),
-                (consumer_xw, (o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_ready, q_empty,
-                               meta_bufs, n_work, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P,
-                               BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, 4, FMA, NQ, BQB, TMAX, KVS)),
-                (consumer_xw, (o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_ready, q_empty,
-                               meta_bufs, n_work, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P,
-                               BLOCK_Q, BKV, D, NSTAGE, WRITE_LSE, 4, FMA, NQ, BQB, TMAX, KVS)),
-            ], [4, 4], [CREGS, CREGS])
-        else:
-            gl.warp_specialize([
-                (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
-                             cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2,
-                             q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META, KVS)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
-                             prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
-                             stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                             D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                             TMAX, meta_bufs, META, KVS)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
-                             prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
-                             stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
-                             D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                             TMAX, meta_bufs, META, KVS)),
-            ], [4, 4], [CREGS, CREGS])
+        gl.warp_specialize([
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
+                         cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2,
+                         q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META, KVS)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
+                         prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
+                         stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
+                         TMAX, meta_bufs, META, KVS)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
+                         prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
+                         stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
+                         D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
+                         TMAX, meta_bufs, META, KVS)),
+        ], [4, 4], [CREGS, CREGS])
 
 
 def _descriptor(t: torch.Tensor, rows: int):
@@ -415,11 +492,30 @@ def _descriptor(t: torch.Tensor, rows: int):
     return TensorDescriptor(t, [n, hkv * d], [t.stride(0), 1], [rows, d], layout)
 
 
-def q_tma(q: torch.Tensor, group: int, group_p: int, block_q: int) -> bool:
-    """Whether the producer loads Q by TMA (``GLW_QTMA=1``; off by default: no gain measured): Q's rows are whole
-    heads of 16-byte aligned rows, and the GQA group is not padded (head-major boxes of one head each,
-    :func:`_load_q`)."""
-    if os.environ.get("GLW_QTMA", "0") != "1" or group != group_p:
+def fast_defaults(block_kv: int, n: int, n_seqs: int | None) -> bool:
+    """Whether ``FAST_128`` are the call's defaults: in the 128-position order, unless its sequences average
+    ``LONG_MEAN`` tokens or more (there one program a work on three stages was as fast or faster: 0.91-1.03x FA3 at
+    16k against 0.92-0.97, H100, 2026-12-07)."""
+    return block_kv > BLOCK_KV and not (n_seqs and n >= LONG_MEAN * n_seqs)
+
+
+def flag(name: str, fast: bool = False) -> int:
+    """A variant switch: the environment's ``name`` if set, else its default (``FAST_128`` where ``fast``, see
+    :func:`fast_defaults`; otherwise off)."""
+    return _env(name, FAST_128.get(name, 0) if fast else 0)
+
+
+def ring_stages(fast: bool = False) -> int:
+    """The K/V ring's depth: ``STAGES`` if set, else 2 where a stage's K is freed apart from its V (``GLW_KVS``: the
+    producer stays a tile ahead with two) and 3 otherwise."""
+    return STAGES or (2 if flag("GLW_KVS", fast) and not _env("GLW_KV2", 0) else 3)
+
+
+def q_tma(q: torch.Tensor, group: int, group_p: int, block_q: int, fast: bool = False) -> bool:
+    """Whether the producer loads Q by TMA (``GLW_QTMA``, :func:`flag`: by default where ``fast``):
+    Q's rows are whole heads of 16-byte aligned rows, and the GQA group is not padded (head-major boxes of one head
+    each, :func:`_load_q`)."""
+    if not flag("GLW_QTMA", fast) or group != group_p:
         return False
     n, h, d = q.shape
     return (q.stride(2) == 1 and q.stride(1) == d and (q.stride(0) * q.element_size()) % 16 == 0
@@ -429,19 +525,22 @@ def q_tma(q: torch.Tensor, group: int, group_p: int, block_q: int) -> bool:
 def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, cu: torch.Tensor,
                         seq_lens: torch.Tensor, schedule, scale: float, group: int, group_p: int, block_q: int,
                         out: torch.Tensor, lse: torch.Tensor | None, order: torch.Tensor | None = None,
-                        block_kv: int = BLOCK_KV, fma: bool = False) -> None:
+                        block_kv: int = BLOCK_KV, fma: bool = False, n_seqs: int | None = None) -> None:
     """Run the warp-specialised forward into ``out`` (and ``lse``), given ``_device_schedule``'s slot table for
-    tiles of ``block_q`` queries (``block_q * group_p == CONSUMERS * ROWS``). ``GLW_PERSIST=1`` runs one program
+    tiles of ``block_q`` queries (``block_q * group_p == CONSUMERS * ROWS``). ``GLW_PERSIST`` runs one program
     per SM over the slots in ``order`` (:func:`persistent_order`, computed here if not given); ``GLW_PP=1``
-    ping-pongs its two consumer warpgroups; ``GLW_QTMA=1`` has the producer load Q by TMA (:func:`q_tma`). None of them
-    changes a bit (the battery checks it)."""
+    ping-pongs its two consumer warpgroups; ``GLW_QTMA`` has the producer load Q by TMA (:func:`q_tma`); the
+    128-position order's defaults are ``FAST_128`` for ``n_seqs`` sequences averaging under ``LONG_MEAN`` tokens
+    (:func:`fast_defaults`). None of them changes a bit (the battery checks
+    it)."""
     n, h, d = q.shape
     hkv = k_flat.shape[1]
     if block_q * group_p != CONSUMERS * ROWS:
         raise ValueError(f"gluon attention: a tile of {block_q} x {group_p} rows is not {CONSUMERS} x {ROWS}")
     g_slots, prog_seq, prog_q0 = schedule
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    persist = os.environ.get("GLW_PERSIST", "0") == "1"
+    fast = fast_defaults(block_kv, n, n_seqs)
+    persist = flag("GLW_PERSIST", fast) == 1
     if persist and order is None:
         order = persistent_order(schedule, cu, seq_lens, block_q, block_kv)
     n_work = g_slots * hkv
@@ -450,7 +549,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     else:
         grid = (g_slots, hkv)
     k_desc, v_desc = _descriptor(k_flat, block_kv), _descriptor(v_flat, block_kv)
-    qtma = q_tma(q, group, group_p, block_q)
+    qtma = q_tma(q, group, group_p, block_q, fast)
     if qtma:
         bqb = min(block_q, ROWS)
         q_layout = gl.NVMMASharedLayout.get_default_for([bqb, d], dt)
@@ -458,7 +557,8 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     else:
         q_layout, q_desc = gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), k_desc
     # two Q buffers where shared memory holds them beside the ring (the 64-position order), else one
-    ring = STAGES * 2 * block_kv * d * q.element_size()
+    stages = ring_stages(fast)
+    ring = stages * 2 * block_kv * d * q.element_size()
     nq = 2 if qtma and ring + 4 * ROWS * d * q.element_size() <= 200 * 1024 else 1
     args = (q, q_desc, k_desc, v_desc, out, lse if lse is not None else out, prog_seq, prog_q0, cu, seq_lens,
             order if persist else prog_seq, n_work, hkv, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -466,11 +566,10 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     maxnreg = int(os.environ.get("GLW_MAXNREG", "0")) or \
         (CONSUMERS * 4 * CONSUMER_REGS + 4 * PRODUCER_REGS) // (4 * (CONSUMERS + 1))
     _attn_fwd_ws_kernel[grid](
-        *args, q_layout, group, group_p, block_q, d, STAGES, lse is not None, ROWS, CONSUMER_REGS,
+        *args, q_layout, group, group_p, block_q, d, stages, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
-        nq, _env("GLW_OSM", 1), half_tile(qtma, nq), _env("GLW_TMAX", 0), int(qtma and _env("GLW_META", 0) == 1),
-        int(_env("GLW_KVS", 0) == 1 and _env("GLW_KV2", 0) == 0), cross_work(persist, qtma, nq), num_warps=4,
-        maxnreg=maxnreg, enable_fp_fusion=False)
+        nq, _env("GLW_OSM", 1), half_tile(qtma, nq), _env("GLW_TMAX", 0), int(qtma and flag("GLW_META", fast) == 1),
+        int(flag("GLW_KVS", fast) == 1 and _env("GLW_KV2", 0) == 0), num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
 
 
 def _env(name: str, default: int) -> int:
@@ -485,12 +584,3 @@ def half_tile(qtma: bool, nq: int = 1) -> int:
     from the Triton tile's on an H100 (docs/BENCHMARKS.md, thirty-fifth session; the cause is not found)."""
     return int(_env("GLW_HALF", 0) == 1 and not (qtma and _env("GLW_OSM", 1) == 0) and _env("GLW_KV2", 0) == 0
                and nq == 1)
-
-
-def cross_work(persist: bool, qtma: bool, nq: int) -> int:
-    """Whether the consumers run works back to back (``GLW_XW=1``, :func:`.gluon_attention_consumer.consumer_xw`):
-    persistent, Q by TMA with the slot rows from the producer (``GLW_META``) into two Q buffers (two ring stages at
-    head size 128), O through the Q buffer, without ping-pong, the half tile or two tiles a stage."""
-    return int(_env("GLW_XW", 0) == 1 and persist and qtma and _env("GLW_META", 0) == 1 and nq == 2
-               and _env("GLW_OSM", 1) == 1 and _env("GLW_PP", 0) == 0 and _env("GLW_HALF", 0) == 0
-               and _env("GLW_KV2", 0) == 0)

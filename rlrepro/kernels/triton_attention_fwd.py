@@ -457,7 +457,7 @@ def attention_fwd(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         from . import gluon_attention_fwd as G
         gq, gp = tile_shape(group, G.CONSUMERS * G.ROWS)
         G.attention_fwd_gluon(q, k_flat, v_flat, cu, meta.seq_lens, _device_schedule(cu, s_count, n, gq, meta),
-                              scale, group, gp, gq, out, lse, block_kv=block_kv, fma=fma)
+                              scale, group, gp, gq, out, lse, block_kv=block_kv, fma=fma, n_seqs=s_count)
         return (out, lse) if return_lse else out
     if auto:
         cfg = config_for_order(cfg, block_kv, q.element_size(), d)
