@@ -67,6 +67,7 @@ BIT_NEUTRAL_KEYS: tuple[str, ...] = (
     # ZeRO-1 (docs/TRAINER.md): the same bits as the unsharded optimizer, and either trainer loads the other's
     # checkpoints (full and dist formats)
     "train.distributed_optimizer",
+    "train.collective_timeout_s",  # how long the trainer ranks' collectives may wait: a failure or not, no number
     "rollout.hang_timeout_s",  # a hung worker is replaced and its call re-run from its keys: a restart, no number
     "env.tool_threads",  # environment steps per worker at once: results are put back by key
     # held-out evaluation: its own seed stream (eval_seed), no weight changes (rlrepro.orchestration.evaluation)

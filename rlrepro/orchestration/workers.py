@@ -261,7 +261,7 @@ class TrainerWorker:
         from .network import pin_socket_interfaces
         from .weight_sync import tcp_store
 
-        timeout = datetime.timedelta(seconds=600)
+        timeout = datetime.timedelta(seconds=float(self.train_config.collective_timeout_s))
         rdv = self._rendezvous if self.rank == 0 else None
         store = tcp_store(host, port, self.world_size, rdv, timeout)
         # gloo (and megatron's new_group calls) and NCCL listen on this node's address: loopback in local mode

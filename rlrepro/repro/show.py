@@ -29,28 +29,13 @@ from .records import (
     read_step_records,
     rollout_steps,
 )
+from .report import _ranges
 
 __all__ = ["main_show", "format_step", "find_tokenizer", "show_step"]
 
 Decoder = Callable[[Sequence[int]], str]
 _METRIC_KEYS = (("rollout/reward_mean", "reward mean"), ("rollout/response_length_mean", "length mean"),
                 ("train/loss", "loss"), ("train/rollout_logprob_abs_diff", "logprob diff"))
-
-
-def _ranges(steps: Sequence[int]) -> str:
-    """[1, 2, 3, 5] -> '1-3, 5'."""
-    parts: list[str] = []
-    run: list[int] = []
-    for s in sorted(steps):
-        if run and s == run[-1] + 1:
-            run.append(s)
-            continue
-        if run:
-            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [s]
-    if run:
-        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ", ".join(parts)
 
 
 def _is_run_dir(p: Path) -> bool:

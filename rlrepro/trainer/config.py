@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from rlrepro.checks import Checker
+from rlrepro.checks import Checker, finite_number
 
 from .advantages import ADVANTAGE_MODES, ADVANTAGE_STDS, uses_std
 from .losses import IS_CORRECTIONS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, policy_loss_problems
@@ -92,6 +92,10 @@ class TrainConfig:
     # shard the float32 master weights and AdamW moments over the data-parallel ranks (ZeRO-1; the same bits;
     # with train.backend=megatron over its DP replicas; with checkpoint.format=dist each owner writes its share)
     distributed_optimizer: bool = False
+    # seconds a collective of the trainer ranks' group (its join, a gradient sum, a broadcast) may wait for the
+    # slowest rank before it fails (torch.distributed's timeout; bit-neutral): raise it where one rank's micro-batches
+    # or checkpoint writes legitimately take longer
+    collective_timeout_s: float = 600.0
     # a non-finite loss or gradient norm: error (stop before the weights change; a checkpoint of the last
     # completed step is kept) | skip (weights and optimizer state untouched, LR schedule advances, step recorded)
     on_nonfinite: str = "error"
@@ -172,6 +176,10 @@ class TrainConfig:
         c.choice("backend", BACKENDS)
         c.choice("grad_sync", GRAD_SYNCS)
         c.boolean("distributed_optimizer")
+        t = self.collective_timeout_s
+        c.require(finite_number(t) and t > 0, "collective_timeout_s",
+                  "must be a positive number of seconds a collective of the trainer ranks may wait (default 600; "
+                  "e.g. train.collective_timeout_s=1800 where one rank's step legitimately runs longer)")
         c.require(self.lr > 0, "lr", "would never change the weights; give a learning rate > 0 (e.g. train.lr=1e-6)")
         c.require(self.adam_eps > 0, "adam_eps", "can divide by zero; give a value > 0 (e.g. train.adam_eps=1e-8)")
         c.require(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip",
