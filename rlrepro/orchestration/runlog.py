@@ -65,7 +65,8 @@ def _logged_step(wandb_dir: Path, run_id: str) -> int:
 def _log_records(data: bytes):
     """The records of a ``.wandb`` file's bytes (a 7-byte file header, then leveldb log blocks: a 7-byte chunk
     header ``crc32c:4 length:2 kind:1``, kind 1 a whole record, 2/3/4 its first/middle/last chunk; a block's tail of
-    fewer than 7 bytes is padding). A torn tail (a run killed while writing) ends the records."""
+    fewer than 7 bytes is padding; an all-zero chunk header, leveldb's "zero type" of preallocated space, is skipped
+    as leveldb's own reader skips it). A torn tail (a run killed while writing) ends the records."""
     pos, parts = 7, None
     while pos + 7 <= len(data):
         left = _BLOCK - pos % _BLOCK
@@ -74,6 +75,8 @@ def _log_records(data: bytes):
             continue
         n, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
         chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind == 0 and n == 0:  # a zero-filled stretch (leveldb's "zero type"): skipped, as leveldb's reader does
+            continue
         if len(chunk) < n or kind not in (1, 2, 3, 4):
             return
         if kind == 1:

@@ -1,6 +1,7 @@
 """``train.collective_timeout_s``: how long a collective of the trainer ranks' group may wait for its slowest rank
 (it was a fixed 600 s). Checked before any work, handed to the group's store and ``init_process_group``, and
-bit-neutral on resume (a failure or not; it changes no number)."""
+bit-neutral on resume (a failure or not; it changes no number). And the ``.wandb`` log reader that tells a resumed
+run which rows a killed one left on disk: zero-filled space skipped as leveldb skips it."""
 from __future__ import annotations
 
 import copy
@@ -67,3 +68,24 @@ def test_the_ranks_group_gets_it(tmp_path, monkeypatch):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_wandb_log_reader_skips_zero_filled_space():
+    """A ``.wandb`` log with a zero-filled stretch to its block's end (leveldb's "zero type", which leveldb's reader
+    skips) and rows after it: every row is read (before: the reader stopped at the first zero header, so a resumed
+    run took fewer rows as on disk and logged the later ones twice)."""
+    import struct
+    import zlib
+
+    from rlrepro.orchestration.runlog import _log_records
+
+    def chunk(kind, data):
+        return struct.pack("<IHB", zlib.crc32(data), len(data), kind) + data
+
+    out = bytearray(b":W&B\xe1\xbe\x00") + chunk(1, b"row1") + chunk(1, b"row2")
+    out.extend(b"\0" * (32768 - len(out)))  # zero-filled up to the block's end
+    out.extend(chunk(1, b"row3") + chunk(2, b"ro") + chunk(4, b"w4") + b"\0" * 21 + chunk(1, b"row5"))
+    assert list(_log_records(bytes(out))) == [b"row1", b"row2", b"row3", b"row4", b"row5"]
+    assert list(_log_records(bytes(out[:-3]))) == [b"row1", b"row2", b"row3", b"row4"]  # a torn tail ends it
+    bad = bytes(out[:32768]) + chunk(9, b"row3") + chunk(1, b"row4")
+    assert list(_log_records(bad)) == [b"row1", b"row2"]  # an unknown kind still ends the records
