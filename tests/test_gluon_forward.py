@@ -61,8 +61,9 @@ def test_use_gluon_switches(monkeypatch):
 
 
 def test_q_tma_rule(monkeypatch):
-    """``GLW_QTMA=1`` (off by default in the 64-position order) has the producer load Q by TMA where its boxes can: 16-byte aligned rows of
-    whole heads (a view of the fused q|k|v row is) and an unpadded GQA group; elsewhere the consumers load Q."""
+    """``GLW_QTMA=1`` (off by default in the 64-position order) has the producer load Q by TMA where its boxes
+    can: 16-byte aligned rows of whole heads (a view of the fused q|k|v row is) and an unpadded GQA group; elsewhere
+    the consumers load Q."""
     from rlrepro.kernels import gluon_attention_fwd as G
     q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
     monkeypatch.delenv("GLW_QTMA", raising=False)

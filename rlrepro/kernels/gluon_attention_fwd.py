@@ -43,9 +43,10 @@ lower half where the upper half is past every query (:func:`_half_tile`; 1-5 % s
 row max as a tree (:func:`.gluon_attention_parts.row_max_tree`). **Defaults**: in the 128-position order
 persistent, Q by TMA, META and KVS with two ring stages (``FAST_128``: 0.87-0.91x FlashAttention-3 at 4 x 2048 and
 0.84-0.88x at 16 x 1024 on the H100, against 0.84 / 0.77 for one program a work with three stages) where the
-sequences average under ``LONG_MEAN`` tokens; otherwise, and in the 64-position order, all off, three stages. Tried and removed: K and V on one barrier, a slot table of one row a work,
-prefetching the next slot row, and (commit 762f9aa) persistent consumers that run works back to back, the next
-work's first ``Q @ K^T`` beside the last one's epilogue (``GLW_XW``: 0.863x against 0.913).
+sequences average under ``LONG_MEAN`` tokens; otherwise, and in the 64-position order, all off, three stages.
+Tried and removed: K and V on one barrier, a slot table of one row a work, prefetching the next slot row, and
+(commit 762f9aa) persistent consumers that run works back to back, the next work's first ``Q @ K^T`` beside the
+last one's epilogue (``GLW_XW``: 0.863x against 0.913).
 
 History: the kernel hung on the H100 until the twenty-seventh session found why (an empty schedule slot's consumers
 waited for a tile its producer never loaded, see ``_program``); ``benchmarks/gluon_hang_probes.probe_tma_wait`` is
@@ -426,8 +427,8 @@ if HAVE_GLUON:
     def _stages(k_desc, v_desc, NSTAGE: gl.constexpr, N_CONSUMERS: gl.constexpr, KV2: gl.constexpr = 0,
                 KVS: gl.constexpr = 0):
         """The K/V ring (``NSTAGE`` tiles of each) and its barriers: K and V "ready" (one TMA arrival each) and
-        "empty" (one arrival per consumer partition; with ``KVS`` V's, then K's), the two ping-pong barriers, and the Q buffers' "ready" (the
-        producer's TMA) and "empty" (one arrival per consumer) barriers, initialised."""
+        "empty" (one arrival per consumer partition; with ``KVS`` V's, then K's), the two ping-pong barriers, and
+        the Q buffers' "ready" (the producer's TMA) and "empty" (one arrival per consumer) barriers, initialised."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE * (1 + KV2), BKV, D], k_desc.layout)
@@ -505,10 +506,15 @@ def flag(name: str, fast: bool = False) -> int:
     return _env(name, FAST_128.get(name, 0) if fast else 0)
 
 
+def split_kv(fast: bool = False) -> int:
+    """Whether a ring stage's K is freed apart from its V (``GLW_KVS``; not with two tiles a stage, ``GLW_KV2``)."""
+    return int(flag("GLW_KVS", fast) == 1 and _env("GLW_KV2", 0) == 0)
+
+
 def ring_stages(fast: bool = False) -> int:
-    """The K/V ring's depth: ``STAGES`` if set, else 2 where a stage's K is freed apart from its V (``GLW_KVS``: the
-    producer stays a tile ahead with two) and 3 otherwise."""
-    return STAGES or (2 if flag("GLW_KVS", fast) and not _env("GLW_KV2", 0) else 3)
+    """The K/V ring's depth: ``STAGES`` if set, else 2 where a stage's K is freed apart from its V (:func:`split_kv`:
+    the producer stays a tile ahead with two) and 3 otherwise."""
+    return STAGES or (2 if split_kv(fast) else 3)
 
 
 def q_tma(q: torch.Tensor, group: int, group_p: int, block_q: int, fast: bool = False) -> bool:
@@ -531,8 +537,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     per SM over the slots in ``order`` (:func:`persistent_order`, computed here if not given); ``GLW_PP=1``
     ping-pongs its two consumer warpgroups; ``GLW_QTMA`` has the producer load Q by TMA (:func:`q_tma`); the
     128-position order's defaults are ``FAST_128`` for ``n_seqs`` sequences averaging under ``LONG_MEAN`` tokens
-    (:func:`fast_defaults`). None of them changes a bit (the battery checks
-    it)."""
+    (:func:`fast_defaults`). None of them changes a bit (the battery checks it)."""
     n, h, d = q.shape
     hkv = k_flat.shape[1]
     if block_q * group_p != CONSUMERS * ROWS:
@@ -569,7 +574,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
         *args, q_layout, group, group_p, block_q, d, stages, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
         nq, _env("GLW_OSM", 1), half_tile(qtma, nq), _env("GLW_TMAX", 0), int(qtma and flag("GLW_META", fast) == 1),
-        int(flag("GLW_KVS", fast) == 1 and _env("GLW_KV2", 0) == 0), num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
+        split_kv(fast), num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
 
 
 def _env(name: str, default: int) -> int:
