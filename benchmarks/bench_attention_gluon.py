@@ -112,23 +112,25 @@ def set_variant(spec: str) -> str:
     GLW_OSM (``m``: O stored through shared memory, 1 unless given), GLW_HALF (``h``: the last tile's lower half
     alone where its upper half is masked), GLW_TMAX (``t``: the row max as a tree), GLW_META (``e``: with Q by TMA,
     the producer hands each work's slot row to the consumers in shared memory), GLW_KVS (``s``: a stage's K and V
-    buffers freed apart, K after its ``Q @ K^T``) and the reduction order
+    buffers freed apart, K after its ``Q @ K^T``), GLW_TAB (``w``: persistent, each work's slot row from a table in one
+    step) and the reduction order
     (``RLREPRO_ATTENTION_ORDER``, for the Triton reference too) for the kernels' next calls
     (``-``: leave the env; a missing ``kv`` part: 0; a missing ``q`` part: 0, Q loaded by the consumers; a missing
     ``o`` part: the default order)."""
     if spec != "-":
         m = re.fullmatch(r"pp([01])ps([01])(?:kv([01]))?(?:q([01]))?(?:m([01]))?(?:h([01]))?(?:t([01]))?(?:e([01]))?"
-                         r"(?:s([01]))?(?:o(\w+))?", spec)
+                         r"(?:s([01]))?(?:w([01]))?(?:o(\w+))?", spec)
         if m is None:
-            raise SystemExit(f"--variants: {spec!r} is not like pp0ps1kv0q1m0h1t1e1s1o128f")
-        pp, ps, kv, qt, osm, half, tmax, meta, kvs, order = m.groups()
+            raise SystemExit(f"--variants: {spec!r} is not like pp0ps1kv0q1m0h1t1e1s1w1o128f")
+        pp, ps, kv, qt, osm, half, tmax, meta, kvs, tab, order = m.groups()
         os.environ.update(GLW_PP=pp, GLW_PERSIST=ps, GLW_KV2=kv or "0", GLW_QTMA=qt or "0", GLW_OSM=osm or "1",
                           GLW_HALF=half or "0", GLW_TMAX=tmax or "0", GLW_META=meta or "0", GLW_KVS=kvs or "0",
-                          RLREPRO_ATTENTION_ORDER=order or "")
+                          GLW_TAB=tab or "0", RLREPRO_ATTENTION_ORDER=order or "")
     name = "pp{}ps{}kv{}".format(*(os.environ.get(f"GLW_{k}", "0") for k in ("PP", "PERSIST", "KV2")))
     name += "q" + os.environ.get("GLW_QTMA", "0")
     name += "m0" if os.environ.get("GLW_OSM", "1") == "0" else ""
-    name += "".join(f"{c}1" for c, k in (("h", "GLW_HALF"), ("t", "GLW_TMAX"), ("e", "GLW_META"), ("s", "GLW_KVS"))
+    name += "".join(f"{c}1" for c, k in (("h", "GLW_HALF"), ("t", "GLW_TMAX"), ("e", "GLW_META"), ("s", "GLW_KVS"),
+                                                ("w", "GLW_TAB"))
                     if os.environ.get(k, "0") == "1")
     order = os.environ.get("RLREPRO_ATTENTION_ORDER", "")
     return name + (f"o{order}" if order else "")

@@ -237,6 +237,22 @@ def test_gpu_gluon_forward_split_kv_release_keeps_the_bits(order, stages, pp, pe
     _ragged_and_nonfinite_equal_large(G, monkeypatch)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_with_gluon(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
+@pytest.mark.parametrize("order", ["64", "128f"])
+@pytest.mark.parametrize("qtma_meta,kvs", [(1, 1), (0, 0)], ids=["qtma-meta-kvs", "consumers-load"])
+def test_gpu_gluon_forward_work_table_keeps_the_bits(order, qtma_meta, kvs, monkeypatch):
+    """The persistent kernel reading each work's slot row from ``persistent_order``'s table (``GLW_TAB``: the
+    producer, and the consumers where no META row is handed to them): the Triton bits (out and lse), for ragged
+    lengths, tile-sized and 1-token sequences, and two neighbours' K all inf and V all NaN."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", order)
+    for name, val in (("GLW_TAB", 1), ("GLW_PERSIST", 1), ("GLW_PP", 0), ("GLW_QTMA", qtma_meta),
+                      ("GLW_META", qtma_meta), ("GLW_KVS", kvs)):
+        monkeypatch.setenv(name, str(val))
+    _ragged_and_nonfinite_equal_large(G, monkeypatch)
+
+
 def _ragged_and_nonfinite_equal_large(G, monkeypatch):
     """The Gluon kernel (as the environment sets it) against the Triton "large" tile, ``torch.equal`` on out and
     lse, on ragged lengths and on a batch whose sequences 1 and 3 have K all inf and V all NaN."""
@@ -294,6 +310,26 @@ def test_variant_defaults_by_order(monkeypatch):
     assert G.ring_stages(True) == 4
 
 
+def test_dispatch_passes_the_sequence_count(monkeypatch):
+    """``attention_fwd`` hands the Gluon forward the call's sequence count (``n_seqs``), which picks the 128-position
+    order's defaults (:func:`fast_defaults`): four 2k sequences get ``FAST_128``, one 16k sequence does not; the
+    order's tile and FMA pass on too."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    got = []
+    monkeypatch.setattr(A, "use_gluon", lambda *a: True)
+    monkeypatch.setattr(A, "_device_schedule", lambda *a, **kw: (1, None, None))
+    monkeypatch.setattr(G, "attention_fwd_gluon", lambda q, *a, **kw: got.append((q.shape[0], kw)))
+    monkeypatch.delenv("RLREPRO_ATTENTION_CONFIG", raising=False)
+    for order, lens, fast in (("128f", [2048] * 4, True), ("128f", [16384], False), ("64", [2048] * 4, False)):
+        monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", order)
+        q = torch.zeros(sum(lens), 8, 128, dtype=torch.bfloat16)
+        kv = torch.zeros(sum(lens), 2, 128, dtype=torch.bfloat16)
+        A.attention_fwd(q, kv, kv, AttentionMetadata.packed(lens), 0.1)
+        n, kw = got.pop()
+        assert kw["n_seqs"] == len(lens) and (kw["block_kv"], kw["fma"]) == A.attention_order()
+        assert G.fast_defaults(kw["block_kv"], n, kw["n_seqs"]) == fast, (order, lens)
+
+
 def test_half_tile_rule(monkeypatch):
     """``GLW_HALF=1`` turns the half-width last tile on, except with two tiles a ring stage, with Q loaded by TMA
     and released before the last tile (``GLW_OSM=0``) or into two Q buffers."""
@@ -331,6 +367,20 @@ def check_persistent_order():
         for seq, q0 in zip(prog_seq.tolist(), prog_q0.tolist()):
             tiles.append(0 if seq < 0 else (min(q0 + block_q, lens[seq]) - 1) // G.BLOCK_KV + 1)
         assert order == sorted(range(g_slots), key=lambda i: (-tiles[i], i)), (lens, block_q)
+        # GLW_TAB's table: row k is the k-th slot's (seq, q0, cu0, q_len, first_pos, n_tiles, n_full, 0)
+        for block_kv in (G.BLOCK_KV, 128):
+            order = G.persistent_order(sched, cu, seq_lens, block_q, block_kv).tolist()
+            table = G.persistent_order(sched, cu, seq_lens, block_q, block_kv, table=True)
+            assert table.shape == (g_slots, 8) and table.dtype == torch.int32
+            for k, slot in enumerate(order):
+                seq, q0 = prog_seq[slot].item(), prog_q0[slot].item()
+                if seq < 0:
+                    want = [-1, q0, 0, lens[0], 0, 0, 0, 0]  # sequence 0's values, no tiles
+                else:
+                    last = min(q0 + block_q, lens[seq]) - 1
+                    n_tiles = last // block_kv + 1
+                    want = [seq, q0, sum(lens[:seq]), lens[seq], 0, n_tiles, min((q0 + 1) // block_kv, n_tiles), 0]
+                assert table[k].tolist() == want, (lens, block_q, block_kv, k, slot)
 
 
 INTERP_CHECKS[check_persistent_order.__name__] = check_persistent_order

@@ -66,8 +66,8 @@ try:  # Gluon and its Hopper namespace (Triton >= 3.5)
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_attention_parts import (_load_pair, _pass, _program, _ring, _rounds, _row_query, _turn, _units, _work,
-                                        row_max_tree, zero_past)
+    from .gluon_attention_parts import (_get_meta, _load_pair, _pass, _program, _put_meta, _ring, _rounds,
+                                        _row_query, _turn, _units, _work, _work_row, row_max_tree, zero_past)
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -94,18 +94,22 @@ if HAVE_GLUON:
                   D: gl.constexpr, NSTAGE: gl.constexpr, PERSIST: gl.constexpr, KV2: gl.constexpr = 0,
                   q_desc=None, q_bufs=None, q_ready=None, q_empty=None, GROUP: gl.constexpr = 1,
                   QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, meta_bufs=None, META: gl.constexpr = 0,
-                  KVS: gl.constexpr = 0):
+                  KVS: gl.constexpr = 0, TAB: gl.constexpr = 0):
         """Each work's KV tiles 0, 1, ... by TMA into the ring; the ring's count ``i`` runs on across works. With
         ``KV2`` a ring stage holds two tiles (two loads on one barrier; the last stage of an odd count one). With
         ``QTMA`` each work's Q tile first (:func:`_load_q`), into the next of ``NQ`` Q buffers; with ``META`` also
         for a work without tiles, with its slot table row beside it (:func:`_put_meta`). With ``KVS`` a stage's K and
-        V buffers are freed apart (``kv_empty[NSTAGE + st]`` for K, ``kv_empty[st]`` for V)."""
+        V buffers are freed apart (``kv_empty[NSTAGE + st]`` for K, ``kv_empty[st]`` for V). With ``TAB`` (persistent)
+        ``order_ptr`` is :func:`persistent_order`'s work table: a work's row in one step (:func:`_work_row`)."""
         tb = gl.program_id(0) * 0
         qc = gl.program_id(0) * 0
         for r in range(_rounds(n_work, PERSIST)):
-            slot, hk, valid = _work(r, order_ptr, n_work, hkv, PERSIST)
-            seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
-                                                                       cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+            if TAB:
+                seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk = _work_row(r, order_ptr, n_work, hkv)
+            else:
+                slot, hk, valid = _work(r, order_ptr, n_work, hkv, PERSIST)
+                seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
+                                                                           cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
             if META:
                 _load_q(q_desc, q_bufs, q_ready, q_empty, qc, (cu0 + q0).to(gl.int32), hk * GROUP, BLOCK_Q, D, NQ,
                         n_tiles > 0, meta_bufs, (seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk))
@@ -160,29 +164,6 @@ if HAVE_GLUON:
             coord_q = row + (j % QPB) * BQB
             coord_d = ((head0 + j // QPB) * D).to(gl.int32)
             tma.async_copy_global_to_shared(q_desc, [coord_q, coord_d], q_ready.index(qb), dst, pred=has_tiles)
-
-    @gluon.jit
-    def _put_meta(buf, meta):
-        """The producer writes a work's ``(seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk)`` into ``buf`` (8
-        int32), every thread of the partition before one of them arrives on the work's Q barrier."""
-        lay: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
-        i = gl.arange(0, 8, layout=lay)
-        v = gl.zeros([8], gl.int32, lay)
-        for k in gl.static_range(8):
-            v = gl.where(i == k, meta[k].to(gl.int32), v)
-        buf.store(v)
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _get_meta(buf):
-        """A consumer's copy of a work's row written by :func:`_put_meta` (after waiting for the work's Q)."""
-        lay: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
-        i = gl.arange(0, 8, layout=lay)
-        v = buf.load(lay)
-        return (gl.sum(gl.where(i == 0, v, 0), axis=0), gl.sum(gl.where(i == 1, v, 0), axis=0),
-                gl.sum(gl.where(i == 2, v, 0), axis=0), gl.sum(gl.where(i == 3, v, 0), axis=0),
-                gl.sum(gl.where(i == 4, v, 0), axis=0), gl.sum(gl.where(i == 5, v, 0), axis=0),
-                gl.sum(gl.where(i == 6, v, 0), axis=0), gl.sum(gl.where(i == 7, v, 0), axis=0))
 
     @gluon.jit
     def _qk_issue(b, q_smem, k_bufs, NR: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr):
@@ -321,7 +302,7 @@ if HAVE_GLUON:
                   PERSIST: gl.constexpr, KV2: gl.constexpr = 0, FMA: gl.constexpr = 0, q_ready=None, q_empty=None,
                   QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, BQB: gl.constexpr = 1,
                   OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0, meta_bufs=None,
-                  META: gl.constexpr = 0, KVS: gl.constexpr = 0):
+                  META: gl.constexpr = 0, KVS: gl.constexpr = 0, TAB: gl.constexpr = 0):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -343,6 +324,8 @@ if HAVE_GLUON:
             if META:  # the producer's row of the work, written before its Q barrier's arrival (_put_meta)
                 mbarrier.wait(q_ready.index(qc % NQ), (qc // NQ) & 1)
                 seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk = _get_meta(meta_bufs.index(qc % NQ))
+            elif TAB:
+                seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk = _work_row(rnd, order_ptr, n_work, hkv)
             else:
                 slot, hk, valid = _work(rnd, order_ptr, n_work, hkv, PERSIST)
                 seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
@@ -460,7 +443,7 @@ if HAVE_GLUON:
                             PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0,
                             FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1,
                             OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0,
-                            META: gl.constexpr = 0, KVS: gl.constexpr = 0):
+                            META: gl.constexpr = 0, KVS: gl.constexpr = 0, TAB: gl.constexpr = 0):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer (of
         Q too, with ``QTMA``: ``q_desc`` loads ``[BQB, D]`` boxes of it into ``NQ`` buffers)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
@@ -472,17 +455,17 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
                          cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2,
-                         q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META, KVS)),
+                         q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META, KVS, TAB)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META, KVS)),
+                         TMAX, meta_bufs, META, KVS, TAB)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META, KVS)),
+                         TMAX, meta_bufs, META, KVS, TAB)),
         ], [4, 4], [CREGS, CREGS])
 
 
@@ -546,8 +529,9 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     fast = fast_defaults(block_kv, n, n_seqs)
     persist = flag("GLW_PERSIST", fast) == 1
-    if persist and order is None:
-        order = persistent_order(schedule, cu, seq_lens, block_q, block_kv)
+    tab = persist and flag("GLW_TAB", fast) == 1  # the works' rows in a table (one step a work), else the order
+    if tab or (persist and order is None):
+        order = persistent_order(schedule, cu, seq_lens, block_q, block_kv, table=tab)
     n_work = g_slots * hkv
     if persist:
         grid = (min(n_work, torch.cuda.get_device_properties(q.device).multi_processor_count),)
@@ -574,7 +558,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
         *args, q_layout, group, group_p, block_q, d, stages, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
         nq, _env("GLW_OSM", 1), half_tile(qtma, nq), _env("GLW_TMAX", 0), int(qtma and flag("GLW_META", fast) == 1),
-        split_kv(fast), num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
+        split_kv(fast), int(tab), num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
 
 
 def _env(name: str, default: int) -> int:

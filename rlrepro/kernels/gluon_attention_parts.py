@@ -72,6 +72,46 @@ if HAVE_GLUON:
         return seq, q0, cu0, q_len, first_pos, n_tiles, n_full
 
     @gluon.jit
+    def _work_row(r, table_ptr, n_work, hkv):
+        """Round ``r``'s work of a persistent program (``TAB``) from :func:`persistent_order`'s table: :func:`_work`'s
+        lane rule, then :func:`_program`'s values for the slot in one row of independent loads (no chain through
+        the slot and its sequence), and the KV head: ``(seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk)``."""
+        n_prog = gl.num_programs(0)
+        pid = gl.program_id(0)
+        lane = gl.where(r % 2 == 0, pid, n_prog - 1 - pid)
+        idx = r * n_prog + lane
+        valid = idx < n_work
+        idx = gl.minimum(idx, n_work - 1)
+        row = table_ptr + (idx // hkv) * 8
+        seq = gl.where(valid, gl.load(row), -1)
+        n_tiles = gl.where(valid, gl.load(row + 5), 0)  # past the last work: none, as _program's empty slot
+        n_full = gl.where(valid, gl.load(row + 6), 0)
+        return seq, gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), n_tiles, n_full, idx % hkv
+
+    @gluon.jit
+    def _put_meta(buf, meta):
+        """The producer writes a work's ``(seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk)`` into ``buf`` (8
+        int32), every thread of the partition before one of them arrives on the work's Q barrier."""
+        lay: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+        i = gl.arange(0, 8, layout=lay)
+        v = gl.zeros([8], gl.int32, lay)
+        for k in gl.static_range(8):
+            v = gl.where(i == k, meta[k].to(gl.int32), v)
+        buf.store(v)
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _get_meta(buf):
+        """A consumer's copy of a work's row written by :func:`_put_meta` (after waiting for the work's Q)."""
+        lay: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+        i = gl.arange(0, 8, layout=lay)
+        v = buf.load(lay)
+        return (gl.sum(gl.where(i == 0, v, 0), axis=0), gl.sum(gl.where(i == 1, v, 0), axis=0),
+                gl.sum(gl.where(i == 2, v, 0), axis=0), gl.sum(gl.where(i == 3, v, 0), axis=0),
+                gl.sum(gl.where(i == 4, v, 0), axis=0), gl.sum(gl.where(i == 5, v, 0), axis=0),
+                gl.sum(gl.where(i == 6, v, 0), axis=0), gl.sum(gl.where(i == 7, v, 0), axis=0))
+
+    @gluon.jit
     def _row_query(r, GROUP_P: gl.constexpr, BLOCK_Q: gl.constexpr, BQB: gl.constexpr, QTMA: gl.constexpr):
         """Tile row ``r``'s (query offset, head of the GQA group): query-major (``r // GROUP_P``, ``r % GROUP_P``,
         the Triton kernel's rows) or, with ``QTMA``, head-major in boxes of ``BQB`` queries (:func:`_load_q`). A
@@ -179,23 +219,37 @@ if HAVE_GLUON:
 
 @triton.jit
 def _order_kernel(prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, G, BLOCK_Q: tl.constexpr,
-                  BLOCK_KV_: tl.constexpr, CHUNK: tl.constexpr):
+                  BLOCK_KV_: tl.constexpr, CHUNK: tl.constexpr, TAB: tl.constexpr = 0):
     """``order``: the schedule's slots sorted by their number of KV tiles, most first (ties by slot; empty slots
-    last), for the persistent kernel. Slot i goes to rank #(slots with more tiles) + #(as many, before i)."""
+    last), for the persistent kernel. Slot i goes to rank #(slots with more tiles) + #(as many, before i). With
+    ``TAB``, ``order_ptr`` gets rank k's slot row instead (8 int32: :func:`_slot_row`'s values, then 0)."""
     i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    ci = _slot_tiles(i, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+    seq, q0, cu0, q_len, first_pos, ci, n_full = _slot_row(i, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr,
+                                                           BLOCK_Q, BLOCK_KV_)
     rank = tl.zeros([CHUNK], tl.int32)
     for j0 in range(0, G, CHUNK):
         j = j0 + tl.arange(0, CHUNK)
-        cj = _slot_tiles(j, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+        _, _, _, _, _, cj, _ = _slot_row(j, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
         ahead = (cj[None, :] > ci[:, None]) | ((cj[None, :] == ci[:, None]) & (j[None, :] < i[:, None]))
         rank += tl.sum((ahead & (j < G)[None, :]).to(tl.int32), axis=1)
-    tl.store(order_ptr + rank, i, mask=i < G)
+    if TAB:
+        row = order_ptr + rank * 8
+        ok = i < G
+        tl.store(row, seq, mask=ok)
+        tl.store(row + 1, q0, mask=ok)
+        tl.store(row + 2, cu0, mask=ok)
+        tl.store(row + 3, q_len, mask=ok)
+        tl.store(row + 4, first_pos, mask=ok)
+        tl.store(row + 5, ci, mask=ok)
+        tl.store(row + 6, n_full, mask=ok)
+        tl.store(row + 7, tl.zeros_like(seq), mask=ok)
+    else:
+        tl.store(order_ptr + rank, i, mask=i < G)
 
 
 @triton.jit
-def _slot_tiles(i, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: tl.constexpr,
-                BLOCK_KV_: tl.constexpr):
+def _slot_row(i, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: tl.constexpr, BLOCK_KV_: tl.constexpr):
+    """Slots ``i``'s ``_program`` values as int32 (an empty slot or one past ``G``: seq -1, no tiles)."""
     ok = i < G
     seq = tl.load(prog_seq_ptr + i, mask=ok, other=-1)
     seq_c = tl.maximum(seq, 0)
@@ -204,17 +258,21 @@ def _slot_tiles(i, G, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: 
     q_len = tl.load(cu_ptr + seq_c + 1) - cu0
     first_pos = tl.load(seq_lens_ptr + seq_c) - q_len
     n_tiles = (first_pos + tl.minimum(q0 + BLOCK_Q, q_len) - 1) // BLOCK_KV_ + 1
-    return tl.where(seq >= 0, n_tiles, 0).to(tl.int32)
+    n_full = tl.minimum((first_pos + q0 + 1) // BLOCK_KV_, n_tiles)
+    n_tiles = tl.where(seq >= 0, n_tiles, 0).to(tl.int32)
+    n_full = tl.minimum(n_full, n_tiles).to(tl.int32)
+    return (seq.to(tl.int32), q0.to(tl.int32), cu0.to(tl.int32), q_len.to(tl.int32), first_pos.to(tl.int32), n_tiles,
+            n_full)
 
 
-def persistent_order(schedule, cu: torch.Tensor, seq_lens: torch.Tensor, block_q: int,
-                     block_kv: int = BLOCK_KV) -> torch.Tensor:
-    """The persistent kernel's slot order (``_order_kernel``), on the device with no host wait."""
+def persistent_order(schedule, cu: torch.Tensor, seq_lens: torch.Tensor, block_q: int, block_kv: int = BLOCK_KV,
+                     table: bool = False) -> torch.Tensor:
+    """The persistent kernel's slot order (``_order_kernel``), on the device with no host wait; with ``table``, a
+    ``[slots, 8]`` int32 table instead whose row k is the k-th slot's ``(seq, q0, cu0, q_len, first_pos, n_tiles,
+    n_full, 0)`` (``GLW_TAB``: the producer reads a work in one step, :func:`_work_row`)."""
     g_slots, prog_seq, prog_q0 = schedule
-    order = torch.empty(g_slots, device=cu.device, dtype=torch.int32)
+    order = torch.empty((g_slots, 8) if table else g_slots, device=cu.device, dtype=torch.int32)
     chunk = 128
     _order_kernel[(triton.cdiv(g_slots, chunk),)](prog_seq, prog_q0, cu, seq_lens, order, g_slots, BLOCK_Q=block_q,
-                                                  BLOCK_KV_=block_kv, CHUNK=chunk, num_warps=4)
+                                                  BLOCK_KV_=block_kv, CHUNK=chunk, TAB=int(table), num_warps=4)
     return order
-
-
