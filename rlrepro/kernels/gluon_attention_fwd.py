@@ -40,13 +40,15 @@ frees a ring stage's K buffer once its ``Q @ K^T`` is done and its V buffer afte
 separate K and V pipelines), so two stages keep the producer a tile ahead and leave room for a second Q buffer,
 into which the next work's Q is loaded while the current one finishes; ``GLW_HALF=1`` runs a work's last tile on its
 lower half where the upper half is past every query (:func:`_half_tile`; 1-5 % slower); ``GLW_TMAX=1`` takes the
-row max as a tree (:func:`.gluon_attention_parts.row_max_tree`). **Defaults**: in the 128-position order
+row max as a tree (:func:`.gluon_attention_parts.row_max_tree`); ``GLW_TAB=1`` (persistent) reads each work's slot
+row from a table :func:`persistent_order` writes, in one step instead of order, slot and sequence one after another
+(:func:`.gluon_attention_parts._work_row`). **Defaults**: in the 128-position order
 persistent, Q by TMA, META and KVS with two ring stages (``FAST_128``: 0.87-0.91x FlashAttention-3 at 4 x 2048 and
 0.84-0.88x at 16 x 1024 on the H100, against 0.84 / 0.77 for one program a work with three stages) where the
 sequences average under ``LONG_MEAN`` tokens; otherwise, and in the 64-position order, all off, three stages.
-Tried and removed: K and V on one barrier, a slot table of one row a work, prefetching the next slot row, and
-(commit 762f9aa) persistent consumers that run works back to back, the next work's first ``Q @ K^T`` beside the
-last one's epilogue (``GLW_XW``: 0.863x against 0.913).
+Tried and removed: K and V on one barrier, a slot table of one row a work for one program a work, prefetching the
+next slot row, and (commit 762f9aa) persistent consumers that run works back to back, the next work's first
+``Q @ K^T`` beside the last one's epilogue (``GLW_XW``: 0.863x against 0.913).
 
 History: the kernel hung on the H100 until the twenty-seventh session found why (an empty schedule slot's consumers
 waited for a tile its producer never loaded, see ``_program``); ``benchmarks/gluon_hang_probes.probe_tma_wait`` is

@@ -15,7 +15,7 @@ from typing import Any
 
 from rlrepro._files import atomic_write_bytes
 from rlrepro.repro.fingerprint import fingerprint_from_samples
-from rlrepro.repro.records import FingerprintWriter, MetricsWriter, RolloutWriter
+from rlrepro.repro.records import FingerprintWriter, MetricsWriter, RolloutWriter, read_step_records
 from rlrepro.samples import Sample
 
 __all__ = ["RunLog", "step_metrics", "wandb_run_id"]
@@ -232,6 +232,7 @@ class RunLog:
         for writer in (self.metrics, self.fingerprints, self.rollouts):
             writer.truncate_from(done + 1)
         self._init_wandb()  # a RunLog closed and started again
+        self._backfill_wandb(done)
 
     def record_step(self, step: int, samples: list[Sample], metrics: dict, train_metrics: dict,
                     weights_digest: str, *, optimizer_state: str | None = None) -> None:
@@ -311,9 +312,7 @@ class RunLog:
             return
         import wandb
 
-        held = getattr(self.wandb_run, "step", 0)
-        # online, wandb knows the steps the run holds; offline, only the record of the earlier invocations does
-        held = max(held if isinstance(held, int) else 0, self._wandb_logged + 1)
+        held = self._held()
         if step < held:
             if not self._wandb_skipped:
                 self.line(f"rlrepro: wandb run already holds steps up to {held - 1} (logged before the resume): "
@@ -330,6 +329,31 @@ class RunLog:
             payload["rollout/samples"] = table
         self.wandb_run.log(payload, step=step)
         self._wandb_logged = max(self._wandb_logged, step)
+
+    def _held(self) -> int:
+        """The first step the wandb run does not hold: online, wandb's own count; offline, the record of the earlier
+        invocations (``_wandb_logged``)."""
+        held = getattr(self.wandb_run, "step", 0)
+        return max(held if isinstance(held, int) else 0, self._wandb_logged + 1)
+
+    def _backfill_wandb(self, done: int) -> None:
+        """A resume's wandb rows for the steps up to its checkpoint's ``done`` that the wandb run does not hold: an
+        earlier invocation killed before wandb wrote its last rows (wandb writes whole 32 KiB blocks) logged them,
+        but they never reached the disk, and the resumed run starts after them. They are logged from
+        ``metrics.jsonl`` (fsynced per step: the same values), without the samples table; one line says so."""
+        if self.wandb_run is None or not self.cfg.run.resume or done < 1:
+            return
+        first = self._held()
+        if first > done:
+            return
+        records = read_step_records(self.metrics.path) if self.metrics.path.exists() else {}
+        steps = [s for s in range(first, done + 1) if s in records]
+        for step in steps:
+            self.wandb_run.log({k: v for k, v in records[step].items() if not isinstance(v, str)}, step=step)
+            self._wandb_logged = max(self._wandb_logged, step)
+        if steps:
+            self.line(f"rlrepro: wandb run lacked steps {steps[0]}-{steps[-1]} (not written before the earlier run "
+                      "stopped): logged now from metrics.jsonl, without their samples tables")
 
     def _finish_quietly(self) -> None:
         try:
