@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import Any
 
-from .errors import RolloutWorkerLost, describe, is_actor_death, log
+from .errors import RolloutWorkerLost, TrainerHung, describe, is_actor_death, log
 from .placement import (NODE_ID_LABEL, Layout, Placement, PlacementError, check_capacity,  # noqa: F401
                         nodes_from_ray, plan_layout, plan_placement, shown_resource, uses_placement_groups)
 from .ray_start import is_local, start_ray
@@ -149,12 +149,25 @@ class ActorGroup(WorkerCalls):
         return dict(num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=self._placements[group], placement_group_bundle_index=bundle))
 
-    def get(self, refs: Any) -> Any:
+    def get(self, refs: Any, what: str = "a call") -> Any:
+        """The trainer actors' answers to ``refs`` (``what``: the call, for the error), within
+        ``train.call_timeout_s`` when set: past it :class:`TrainerHung`, the trainer actors killed."""
+        timeout = self.cfg.train.call_timeout_s
         try:
-            return self._ray.get(refs)
+            return self._ray.get(refs, timeout=timeout) if timeout else self._ray.get(refs)
         except Exception as e:  # noqa: BLE001
             if is_actor_death(e):
                 self.check_nodes("a trainer call", e)
+            if timeout and _is_get_timeout(e):
+                for actor in self.trainers:
+                    try:
+                        self._ray.kill(actor)
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+                raise TrainerHung(f"the trainer has not answered {what} in {timeout:g} s (train.call_timeout_s): "
+                                  "it is taken as hung and was stopped. Fix: find why (RLREPRO_STACK_DUMP_S=60 prints "
+                                  "its stacks), or raise train.call_timeout_s if the call legitimately takes longer "
+                                  "(it is bit-neutral: a resume may change it)") from None
             raise
 
     # ---------------------------------------------------------------------------------------- nodes (cluster)
@@ -265,11 +278,11 @@ class ActorGroup(WorkerCalls):
         ref = self._ray.put(samples)
         keep = bool(self.cfg.rollout.max_staleness)
         return self.get([t.train_step.remote(ref, keep_previous=keep and g == 0)
-                         for g, t in enumerate(self.trainers)])[0]
+                         for g, t in enumerate(self.trainers)], "its train_step call")[0]
 
     def warm_start(self, examples, **kw) -> list[float]:
         ref = self._ray.put(examples)
-        return self.get([t.warm_start.remote(ref, **kw) for t in self.trainers])[0]
+        return self.get([t.warm_start.remote(ref, **kw) for t in self.trainers], "its warm_start call")[0]
 
     def memory_stats(self) -> dict:
         """Peak GPU memory (GiB) of each actor since the last call: ``trainer{g}`` and ``worker{i}``."""
@@ -406,16 +419,17 @@ class ActorGroup(WorkerCalls):
         # shards are gathered and one rank writes)
         # (distributed_optimizer: the optimizer state is gathered from every rank, rank 0 writes)
         savers = self.trainers if self.megatron or self.cfg.train.distributed_optimizer else [self.trainer]
-        return self.get([t.save_checkpoint.remote(ckpt_root, step, extra, keep_last) for t in savers])[0]
+        return self.get([t.save_checkpoint.remote(ckpt_root, step, extra, keep_last) for t in savers],
+                        "its save_checkpoint call")[0]
 
     def load_checkpoint(self, path: str) -> dict:
-        return self.get([t.load_checkpoint.remote(path) for t in self.trainers])[0]
+        return self.get([t.load_checkpoint.remote(path) for t in self.trainers], "its load_checkpoint call")[0]
 
     def export_hf(self, path: str) -> str:
         """The policy as an HF directory in ``path`` (rlrepro.orchestration.export); megatron: every rank (a
         collective), else rank 0 (every rank holds the same weights)."""
         savers = self.trainers if self.megatron else [self.trainer]
-        return self.get([t.export_hf.remote(path) for t in savers])[0]
+        return self.get([t.export_hf.remote(path) for t in savers], "its export_hf call")[0]
 
     def abandon_generation(self) -> None:
         """The run is ending while a driver thread may still be generating (Ctrl-C during a pipelined step): end the

@@ -28,7 +28,7 @@ from .episodes import turn_stop_token_ids
 from .generation import GenerationSteps, PhaseTimer, shaped_penalties
 from .pipeline import PipelineSteps, pending_from_state, pending_to_state, test_delay
 from .ray_start import restore_sigterm, sigterm_as_interrupt
-from .errors import RunFailed, RunInterrupted, dead_actor_class, describe, is_actor_death, unwrap
+from .errors import RunFailed, RunInterrupted, TrainerHung, dead_actor_class, describe, is_actor_death, unwrap
 from .run_dirs import remove_created_entries, uninterruptible
 from .run_lock import RunLock
 from .runlog import RunLog, perf_memory_metrics, step_metrics
@@ -541,6 +541,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
         # rollout workers are replaced during generate and weight sync: a death that ends the run is the trainer's,
         # unless Ray names a RolloutWorker (one that died between phases)
         trainer_died = not interrupted and is_actor_death(error) and dead_actor_class(error) != "RolloutWorker"
+        trainer_died = trainer_died or isinstance(cause, TrainerHung)  # stopped already: asked for no checkpoint
         if (self.actors is not None and self._trainer_step == done and done > 0 and not self._saving
                 and not trainer_died and not (self.checkpoint_root() / checkpoint_dir_name(done)).is_dir()):
             try:
@@ -561,7 +562,7 @@ class GRPODriver(GenerationSteps, PipelineSteps):
             notes.append(f"the update of step {step} {made} when the run stopped, so the trainer no longer holds step "
                          f"{done} and no checkpoint of it could be written (checkpoint.every bounds the steps "
                          "repeated)")
-        if trainer_died:
+        if trainer_died and not isinstance(cause, TrainerHung):
             notes.append("the trainer process died (out of memory? killed?)")
         kind_of = type(cause).__name__ if cause is not None else ""
         if kind_of in ("EnvError", "RewardError"):  # the same inputs fail the same way: a resume alone repeats it

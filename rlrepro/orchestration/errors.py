@@ -27,6 +27,11 @@ class RunFailed(RuntimeError):
         self.step, self.checkpoint, self.cause = step, checkpoint, cause
 
 
+class TrainerHung(RuntimeError):
+    """A trainer call did not answer within ``train.call_timeout_s``: the trainer is taken as hung (its actors are
+    stopped with the run; no checkpoint is asked of it)."""
+
+
 class RolloutWorkerLost(RuntimeError):
     """Rollout workers died more often in one step than ``rollout.max_restarts`` allows."""
 

@@ -22,6 +22,8 @@ kind                        what happens
                             without weights). Otherwise a replacement's call does not sleep (the fault fires once,
                             in the driver).
 ``nan_grad``                the trainer's gradient at that step is NaN (a hook on one parameter).
+``hang_trainer``            the trainer's ``train_step`` call of that step sleeps ``seconds`` (default 3600) first: a
+                            hung trainer, for ``train.call_timeout_s`` to find.
 ``checkpoint_enospc``       writing the checkpoint of that step fails with ``OSError(ENOSPC)`` after
                             ``after_files`` (default 2) of its files.
 ``crash_in_checkpoint``     while writing the checkpoint of that step, after ``after_files`` (default 2) files, the
@@ -45,8 +47,9 @@ from .actors import ActorGroup
 from .workers import TrainerWorker
 
 FAULTS_ENV = "RLREPRO_FAULTS"
-KINDS = ("kill_worker", "hang_worker", "nan_grad", "checkpoint_enospc", "crash_in_checkpoint", "sigterm")
-TRAINER_KINDS = ("nan_grad", "checkpoint_enospc", "crash_in_checkpoint")
+KINDS = ("kill_worker", "hang_worker", "nan_grad", "checkpoint_enospc", "crash_in_checkpoint", "sigterm",
+         "hang_trainer")
+TRAINER_KINDS = ("nan_grad", "checkpoint_enospc", "crash_in_checkpoint", "hang_trainer")
 # hang_worker's `at` -> the rollout-worker methods that sleep there
 HANG_METHODS = {"generate": ("generate", "run_episodes"), "sync": ("load_weights", "load_weights_ipc", "sync_receive"),
                 "join": ("sync_group_join",)}
@@ -138,6 +141,11 @@ class FaultyTrainerWorker(TrainerWorker):
         import torch
 
         step = self.trainer.step + 1
+        hang = self.fault_plan.take("hang_trainer", step)
+        if hang is not None:  # the step's call never answers (within the test's train.call_timeout_s)
+            import time
+
+            time.sleep(float(hang.get("seconds", 3600)))
         handle = None
         if self.fault_plan.take("nan_grad", step) is not None:
             param = next(p for _, p in sorted(self.model.named_parameters()) if p.requires_grad)

@@ -68,6 +68,7 @@ BIT_NEUTRAL_KEYS: tuple[str, ...] = (
     # checkpoints (full and dist formats)
     "train.distributed_optimizer",
     "train.collective_timeout_s",  # how long the trainer ranks' collectives may wait: a failure or not, no number
+    "train.call_timeout_s",  # how long the driver waits for a trainer call: a failure or not, no number
     "rollout.hang_timeout_s",  # a hung worker is replaced and its call re-run from its keys: a restart, no number
     "env.tool_threads",  # environment steps per worker at once: results are put back by key
     # held-out evaluation: its own seed stream (eval_seed), no weight changes (rlrepro.orchestration.evaluation)

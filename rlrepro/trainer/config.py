@@ -96,6 +96,10 @@ class TrainConfig:
     # slowest rank before it fails (torch.distributed's timeout; bit-neutral): raise it where one rank's micro-batches
     # or checkpoint writes legitimately take longer
     collective_timeout_s: float = 600.0
+    # seconds the driver waits for one call of the trainer actors (a train step, a checkpoint write or load, an
+    # export) before it takes them as hung, stops them and ends the run (resume from the last checkpoint); null:
+    # no limit. Bit-neutral. The first step's call includes compiling the kernels and the warm start
+    call_timeout_s: Optional[float] = None
     # a non-finite loss or gradient norm: error (stop before the weights change; a checkpoint of the last
     # completed step is kept) | skip (weights and optimizer state untouched, LR schedule advances, step recorded)
     on_nonfinite: str = "error"
@@ -180,6 +184,10 @@ class TrainConfig:
         c.require(finite_number(t) and t > 0, "collective_timeout_s",
                   "must be a positive number of seconds a collective of the trainer ranks may wait (default 600; "
                   "e.g. train.collective_timeout_s=1800 where one rank's step legitimately runs longer)")
+        t = self.call_timeout_s
+        c.require(t is None or (finite_number(t) and t > 0), "call_timeout_s",
+                  "must be null (no limit) or a positive number of seconds a trainer call may take (e.g. "
+                  "train.call_timeout_s=3600)")
         c.require(self.lr > 0, "lr", "would never change the weights; give a learning rate > 0 (e.g. train.lr=1e-6)")
         c.require(self.adam_eps > 0, "adam_eps", "can divide by zero; give a value > 0 (e.g. train.adam_eps=1e-8)")
         c.require(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip",
