@@ -68,8 +68,8 @@ try:  # Gluon and its Hopper namespace (Triton >= 3.5)
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_attention_parts import (_get_meta, _load_pair, _pass, _program, _put_meta, _ring, _rounds,
-                                        _row_query, _turn, _units, _work, _work_row, row_max_tree, zero_past)
+    from .gluon_attention_parts import (_get_meta, _load_pair, _next_work, _pass, _put_meta, _ring, _rounds,
+                                        _row_query, _turn, _units, row_max_tree, zero_past)
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -102,16 +102,14 @@ if HAVE_GLUON:
         ``QTMA`` each work's Q tile first (:func:`_load_q`), into the next of ``NQ`` Q buffers; with ``META`` also
         for a work without tiles, with its slot table row beside it (:func:`_put_meta`). With ``KVS`` a stage's K and
         V buffers are freed apart (``kv_empty[NSTAGE + st]`` for K, ``kv_empty[st]`` for V). With ``TAB`` (persistent)
-        ``order_ptr`` is :func:`persistent_order`'s work table: a work's row in one step (:func:`_work_row`)."""
+        ``order_ptr`` is :func:`persistent_order`'s work table: a work's row in one step
+        (:func:`.gluon_attention_parts._work_row`)."""
         tb = gl.program_id(0) * 0
         qc = gl.program_id(0) * 0
         for r in range(_rounds(n_work, PERSIST)):
-            if TAB:
-                seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk = _work_row(r, order_ptr, n_work, hkv)
-            else:
-                slot, hk, valid = _work(r, order_ptr, n_work, hkv, PERSIST)
-                seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
-                                                                           cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+            seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk = _next_work(
+                r, order_ptr, n_work, hkv, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_,
+                PERSIST, TAB)
             if META:
                 _load_q(q_desc, q_bufs, q_ready, q_empty, qc, (cu0 + q0).to(gl.int32), hk * GROUP, BLOCK_Q, D, NQ,
                         n_tiles > 0, meta_bufs, (seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk))
@@ -326,12 +324,10 @@ if HAVE_GLUON:
             if META:  # the producer's row of the work, written before its Q barrier's arrival (_put_meta)
                 mbarrier.wait(q_ready.index(qc % NQ), (qc // NQ) & 1)
                 seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk = _get_meta(meta_bufs.index(qc % NQ))
-            elif TAB:
-                seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk = _work_row(rnd, order_ptr, n_work, hkv)
             else:
-                slot, hk, valid = _work(rnd, order_ptr, n_work, hkv, PERSIST)
-                seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr,
-                                                                           cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+                seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk = _next_work(
+                    rnd, order_ptr, n_work, hkv, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_KV_,
+                    PERSIST, TAB)
             if QTMA:  # the producer loaded this work's Q (if it has tiles) into buffer qc % NQ
                 q_smem = q_bufs.index(2 * (qc % NQ) + CID)
                 q_rel = q_empty.index(qc % NQ)

@@ -27,12 +27,7 @@ if HAVE_GLUON:
         even rounds, ``P - 1 - pid`` on odd ones) so that the long works spread evenly; otherwise the grid is
         (slots, KV heads) and a program has one work. Which program runs a work does not change its bits."""
         if PERSIST:
-            n_prog = gl.num_programs(0)
-            pid = gl.program_id(0)
-            lane = gl.where(r % 2 == 0, pid, n_prog - 1 - pid)
-            idx = r * n_prog + lane
-            valid = idx < n_work
-            idx = gl.minimum(idx, n_work - 1)
+            idx, valid = _persistent_index(r, n_work)
             slot = gl.load(order_ptr + idx // hkv)
             hk = idx % hkv
         else:
@@ -40,6 +35,30 @@ if HAVE_GLUON:
             hk = gl.program_id(1)
             valid = slot >= 0
         return slot, hk, valid
+
+    @gluon.jit
+    def _persistent_index(r, n_work):
+        """A persistent program's round ``r`` work index (the lane snaking: ``pid`` on even rounds, ``P - 1 - pid``
+        on odd ones), clamped to the last work, and whether there is one."""
+        n_prog = gl.num_programs(0)
+        pid = gl.program_id(0)
+        lane = gl.where(r % 2 == 0, pid, n_prog - 1 - pid)
+        idx = r * n_prog + lane
+        valid = idx < n_work
+        return gl.minimum(idx, n_work - 1), valid
+
+    @gluon.jit
+    def _next_work(r, order_ptr, n_work, hkv, prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, BLOCK_Q: gl.constexpr,
+                   BLOCK_KV_: gl.constexpr, PERSIST: gl.constexpr, TAB: gl.constexpr):
+        """Round ``r``'s work: ``(seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk)``, from the work table
+        (``TAB``: :func:`_work_row`) or through the order and the slot table (:func:`_work`, :func:`_program`)."""
+        if TAB:
+            seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk = _work_row(r, order_ptr, n_work, hkv)
+        else:
+            slot, hk, valid = _work(r, order_ptr, n_work, hkv, PERSIST)
+            seq, q0, cu0, q_len, first_pos, n_tiles, n_full = _program(slot, valid, prog_seq_ptr, prog_q0_ptr, cu_ptr,
+                                                                       seq_lens_ptr, BLOCK_Q, BLOCK_KV_)
+        return seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk
 
     @gluon.jit
     def _rounds(n_work, PERSIST: gl.constexpr):
@@ -76,12 +95,7 @@ if HAVE_GLUON:
         """Round ``r``'s work of a persistent program (``TAB``) from :func:`persistent_order`'s table: :func:`_work`'s
         lane rule, then :func:`_program`'s values for the slot in one row of independent loads (no chain through
         the slot and its sequence), and the KV head: ``(seq, q0, cu0, q_len, first_pos, n_tiles, n_full, hk)``."""
-        n_prog = gl.num_programs(0)
-        pid = gl.program_id(0)
-        lane = gl.where(r % 2 == 0, pid, n_prog - 1 - pid)
-        idx = r * n_prog + lane
-        valid = idx < n_work
-        idx = gl.minimum(idx, n_work - 1)
+        idx, valid = _persistent_index(r, n_work)
         row = table_ptr + (idx // hkv) * 8
         seq = gl.where(valid, gl.load(row), -1)
         n_tiles = gl.where(valid, gl.load(row + 5), 0)  # past the last work: none, as _program's empty slot
