@@ -58,7 +58,7 @@ class _Ray:
 def _group(timeout, answer_s):
     pytest.importorskip("ray")
     group = object.__new__(ActorGroup)  # only what get() reads
-    group.cfg = type("Cfg", (), {"train": TrainConfig(call_timeout_s=timeout)})()
+    group.call_timeout_s = TrainConfig(call_timeout_s=timeout).call_timeout_s
     group._ray, group.trainers = _Ray(answer_s), ["rank0", "rank1"]
     return group
 

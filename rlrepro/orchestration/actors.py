@@ -56,6 +56,7 @@ class ActorGroup(WorkerCalls):
     run's state, and a run whose trainer died resumes from its last checkpoint (``run.resume=true``).
     """
     _owns_ray = False  # whether this group started the (local) Ray it runs on: only then does shutdown stop it
+    call_timeout_s: float | None = None  # train.call_timeout_s: the bound on a trainer call (None: none)
 
     def __init__(self, cfg, model_dir: str) -> None:
         """``cfg``: the run's typed config (:class:`~.config.RunSchema`)."""
@@ -79,6 +80,7 @@ class ActorGroup(WorkerCalls):
         ray = self._ray
         self.max_restarts = cfg.rollout.max_restarts
         self.hang_timeout_s = float(cfg.rollout.hang_timeout_s)
+        self.call_timeout_s = cfg.train.call_timeout_s
         self.restarts = 0  # replacements over the whole run
         self._restarts_in_step = 0
         on_gpu = cfg.run.device == "cuda"
@@ -152,7 +154,7 @@ class ActorGroup(WorkerCalls):
     def get(self, refs: Any, what: str = "a call") -> Any:
         """The trainer actors' answers to ``refs`` (``what``: the call, for the error), within
         ``train.call_timeout_s`` when set: past it :class:`TrainerHung`, the trainer actors killed."""
-        timeout = self.cfg.train.call_timeout_s
+        timeout = self.call_timeout_s
         try:
             return self._ray.get(refs, timeout=timeout) if timeout else self._ray.get(refs)
         except Exception as e:  # noqa: BLE001
