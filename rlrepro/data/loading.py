@@ -31,7 +31,7 @@ from typing import Any, Iterator, Literal
 
 from .jsonlines import blank_lines, empty_array, kept_rows, scan_lines
 from .records import PromptRecord, records_digest
-from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_lone_surrogates, exact_json_numbers,
+from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_lone_surrogates, exact_json_numbers, has_float,
                    has_surrogate_escape, json_array_rows, narrow_floats, nested_columns, row_to_record,
                    utf8_encodable)
 from .sources import DATA_FILE_FORMATS, local_files
@@ -502,6 +502,9 @@ def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats,
     for col in spec.text_fields():
         feat = features.get(col)
         if feat is None:
+            nested = _nested_feature(features, col)  # a field path into a struct: a float there is str()'d too
+            if isinstance(nested, datasets.Value) and nested.dtype.startswith(("float", "double", "decimal")):
+                stats.warnings.append(_float_text_warning(label, col, nested.dtype))
             continue
         if isinstance(feat, datasets.Json):
             raw = _column_to_pylist(ds.data.column(col))
@@ -517,12 +520,28 @@ def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats,
                 float_cols.append(col)
             elif feat.dtype in ("float16", "float32"):
                 narrow_floats(rows, col, feat.dtype)
-            stats.warnings.append(
-                f"{label}: column {col!r} has type {feat.dtype}; its values are converted to text with str() "
-                f"(1 written as 1.0 becomes '1.0'). Fix: write the values as strings to control the exact text.")
+            stats.warnings.append(_float_text_warning(label, col, feat.dtype))
+    if json_src is not None:  # numbers inside struct and list columns (reward_model.ground_truth, meta) too
+        float_cols += [c for c in ds.column_names if c not in float_cols and has_float(features[c])
+                       and not isinstance(features[c], (datasets.Value, datasets.Json))]
     if float_cols:  # the numbers as written: 3 next to 0.5 stays '3', big integers exact (one parse of the file)
         exact_json_numbers(json_src[0], rows, float_cols, json_src[1])
     return columns, rows
+
+
+def _float_text_warning(label: str, col: str, dtype: str) -> str:
+    return (f"{label}: column {col!r} has type {dtype}; its values are converted to text with str() (1 written as 1.0 "
+            "becomes '1.0'). Fix: write the values as strings to control the exact text.")
+
+
+def _nested_feature(features: Any, path: str) -> Any:
+    """The feature at a dotted field path through struct columns (``reward_model.ground_truth``), or None."""
+    feat: Any = features
+    for part in path.split("."):
+        if not isinstance(feat, dict) or part not in feat:
+            return None
+        feat = feat[part]
+    return feat
 
 
 def _column_to_pylist(column: Any) -> list[Any]:

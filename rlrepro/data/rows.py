@@ -96,10 +96,11 @@ def json_array_rows(file: Path) -> list[tuple[Any, str]]:
 
 
 def exact_json_numbers(file: Path, rows: list[dict], columns: list[str], array: bool) -> None:
-    """Put back, in the text fields ``columns`` that pyarrow read as floats (a JSON column mixing ``3`` and ``0.5``,
-    or holding an integer past int64), each number as ``file`` writes it: ``3`` stays the int 3 (text ``'3'``, not
-    ``'3.0'``) and an integer of any size keeps every digit. ``rows`` are the rows ``datasets`` read from ``file``,
-    in order (a blank line is none); nothing changes if the file cannot be parsed here or the counts disagree."""
+    """Put back, in the ``columns`` where pyarrow read numbers as floats (a JSON column mixing ``3`` and ``0.5``, or
+    holding an integer past int64; also inside struct and list columns: ``reward_model.ground_truth``), each number
+    as ``file`` writes it: ``3`` stays the int 3 (text ``'3'``, not ``'3.0'``) and an integer of any size keeps every
+    digit. ``rows`` are the rows ``datasets`` read from ``file``, in order (a blank line is none); nothing changes
+    if the file cannot be parsed here or the counts disagree."""
     try:
         if array:
             objs = [obj for obj, _ in json_array_rows(file)]
@@ -112,9 +113,31 @@ def exact_json_numbers(file: Path, rows: list[dict], columns: list[str], array: 
         return
     for row, obj in zip(rows, objs):
         for col in columns:
-            value = obj.get(col)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(row.get(col), float):
-                row[col] = value
+            if col in row and col in obj:
+                row[col] = _as_written(row[col], obj[col])
+
+
+def _as_written(value: Any, written: Any) -> Any:
+    """``value`` (as pyarrow read it) with each float the file wrote as a number put back as written: into dicts
+    by key and lists of the same length; anything else (a null pyarrow filled in, another type) is left."""
+    if isinstance(value, float) and isinstance(written, (int, float)) and not isinstance(written, bool):
+        return written
+    if isinstance(value, dict) and isinstance(written, dict):
+        return {k: _as_written(v, written[k]) if k in written else v for k, v in value.items()}
+    if isinstance(value, list) and isinstance(written, list) and len(value) == len(written):
+        return [_as_written(v, w) for v, w in zip(value, written)]
+    return value
+
+
+def has_float(feature: Any) -> bool:
+    """Whether a ``datasets`` feature is, or holds inside its structs and lists, a float or decimal value."""
+    dtype = getattr(feature, "dtype", None)
+    if isinstance(dtype, str) and dtype.startswith(("float", "double", "decimal")):
+        return True
+    if isinstance(feature, dict):
+        return any(has_float(f) for f in feature.values())
+    inner = getattr(feature, "feature", None)  # List, LargeList, Sequence
+    return inner is not None and has_float(inner)
 
 
 def narrow_floats(rows: list[dict], col: str, dtype: str) -> None:
