@@ -284,20 +284,20 @@ def _ragged_and_nonfinite_equal_large(G, monkeypatch):
 
 
 def test_variant_defaults_by_order(monkeypatch):
-    """The 128-position order runs persistent, Q by TMA, META and K freed apart from V on two ring stages by
-    default where its sequences average under ``LONG_MEAN`` tokens; longer ones and the 64-position order none of
-    them, on three; each switch follows the environment where it is set."""
+    """The 128-position order runs persistent, Q by TMA, META, K freed apart from V and the work table on two ring
+    stages by default where its sequences average under ``LONG_MEAN`` tokens; longer ones and the 64-position order
+    none of them, on three; each switch follows the environment where it is set."""
     from rlrepro.kernels import gluon_attention_fwd as G
-    for name in ("GLW_PERSIST", "GLW_QTMA", "GLW_META", "GLW_KVS", "GLW_PP", "GLW_KV2"):
+    for name in ("GLW_PERSIST", "GLW_QTMA", "GLW_META", "GLW_KVS", "GLW_TAB", "GLW_PP", "GLW_KV2"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(G, "STAGES", None)
     long = G.LONG_MEAN
     assert G.fast_defaults(128, 4 * 2048, 4) and G.fast_defaults(128, 16 * 1024, 16)
     assert G.fast_defaults(128, 2 * long - 1, 2) and not G.fast_defaults(128, 2 * long, 2)
     assert G.fast_defaults(128, 8192, None) and not G.fast_defaults(64, 8192, 4)
-    names = ("GLW_PERSIST", "GLW_QTMA", "GLW_META", "GLW_KVS", "GLW_PP")
-    assert [G.flag(k, True) for k in names] == [1, 1, 1, 1, 0]
-    assert [G.flag(k, False) for k in names] == [0, 0, 0, 0, 0]
+    names = ("GLW_PERSIST", "GLW_QTMA", "GLW_META", "GLW_KVS", "GLW_TAB", "GLW_PP")
+    assert [G.flag(k, True) for k in names] == [1, 1, 1, 1, 1, 0]
+    assert [G.flag(k, False) for k in names] == [0, 0, 0, 0, 0, 0]
     assert (G.ring_stages(True), G.ring_stages(False)) == (2, 3)
     q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
     assert G.q_tma(q, 4, 4, 32, True) and not G.q_tma(q, 4, 4, 32, False)

@@ -43,8 +43,9 @@ lower half where the upper half is past every query (:func:`_half_tile`; 1-5 % s
 row max as a tree (:func:`.gluon_attention_parts.row_max_tree`); ``GLW_TAB=1`` (persistent) reads each work's slot
 row from a table :func:`persistent_order` writes, in one step instead of order, slot and sequence one after another
 (:func:`.gluon_attention_parts._work_row`). **Defaults**: in the 128-position order
-persistent, Q by TMA, META and KVS with two ring stages (``FAST_128``: 0.87-0.91x FlashAttention-3 at 4 x 2048 and
-0.84-0.88x at 16 x 1024 on the H100, against 0.84 / 0.77 for one program a work with three stages) where the
+persistent, Q by TMA, META, KVS and TAB with two ring stages (``FAST_128``: 0.87-0.91x FlashAttention-3 at 4 x 2048
+and 0.84-0.88x at 16 x 1024 on the H100 without TAB, against 0.84 / 0.77 for one program a work with three stages;
+0.899 with TAB against 0.877 without in one call) where the
 sequences average under ``LONG_MEAN`` tokens; otherwise, and in the 64-position order, all off, three stages.
 Tried and removed: K and V on one barrier, a slot table of one row a work for one program a work, prefetching the
 next slot row, and (commit 762f9aa) persistent consumers that run works back to back, the next work's first
@@ -80,8 +81,9 @@ CONSUMERS = 2
 STAGES = None  # the K/V ring's depth; None: :func:`ring_stages` (2 with K freed apart from V, else 3)
 # the 128-position order's defaults (2026-12-07, H100: 0.87-0.91x FlashAttention-3 at 4 x 2048 against 0.84 for one
 # program a work): persistent, Q by TMA with the slot rows from the producer, K freed apart from V, two ring stages
-# (which leave room for two Q buffers); the 64-position order keeps one program a work and three stages
-FAST_128 = {"GLW_PERSIST": 1, "GLW_QTMA": 1, "GLW_META": 1, "GLW_KVS": 1}
+# (which leave room for two Q buffers), each work's row from the work table (thirty-eighth session, one H100 call:
+# 0.899 against 0.877 at 4 x 2048); the 64-position order keeps one program a work and three stages
+FAST_128 = {"GLW_PERSIST": 1, "GLW_QTMA": 1, "GLW_META": 1, "GLW_KVS": 1, "GLW_TAB": 1}
 LONG_MEAN = 12288  # from this mean sequence length on, the 128-position order keeps the 64's defaults too
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
