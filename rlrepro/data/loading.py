@@ -31,8 +31,8 @@ from typing import Any, Iterator, Literal
 
 from .jsonlines import blank_lines, empty_array, kept_rows, scan_lines
 from .records import PromptRecord, records_digest
-from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_lone_surrogates, exact_json_numbers, has_float,
-                   has_surrogate_escape, json_array_rows, narrow_floats, nested_columns, row_to_record,
+from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_lone_surrogates, exact_json_numbers, field_value,
+                   has_float, has_surrogate_escape, json_array_rows, narrow_floats, nested_columns, row_to_record,
                    utf8_encodable)
 from .sources import DATA_FILE_FORMATS, local_files
 
@@ -502,7 +502,7 @@ def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats,
     for col in spec.text_fields():
         feat = features.get(col)
         if feat is None:
-            nested = _nested_feature(features, col)  # a field path into a struct: a float there is str()'d too
+            nested = field_value(features, col)  # a field path into a struct's features: a float there is str()'d too
             if isinstance(nested, datasets.Value) and nested.dtype.startswith(("float", "double", "decimal")):
                 stats.warnings.append(_float_text_warning(label, col, nested.dtype))
             continue
@@ -532,16 +532,6 @@ def _rows_as_python(ds: Any, spec: FieldSpec, label: str, stats: LoadStats,
 def _float_text_warning(label: str, col: str, dtype: str) -> str:
     return (f"{label}: column {col!r} has type {dtype}; its values are converted to text with str() (1 written as 1.0 "
             "becomes '1.0'). Fix: write the values as strings to control the exact text.")
-
-
-def _nested_feature(features: Any, path: str) -> Any:
-    """The feature at a dotted field path through struct columns (``reward_model.ground_truth``), or None."""
-    feat: Any = features
-    for part in path.split("."):
-        if not isinstance(feat, dict) or part not in feat:
-            return None
-        feat = feat[part]
-    return feat
 
 
 def _column_to_pylist(column: Any) -> list[Any]:
