@@ -10,19 +10,19 @@ import pytest
 from rlrepro.orchestration.runlog import RunLog
 from rlrepro.repro.records import MetricsWriter
 from test_session36_logdata import RUN_ID, _cfg, _killed_leg
+from test_session36_logdata import _Run as _Run36
 
 
-class _Run:
+class _Run(_Run36):
+    """Session 36's fake wandb run, recording each row's payload and starting at ``step`` (online, wandb's count
+    of the steps the resumed run holds)."""
+
     def __init__(self, calls, run_dir, step):
-        self.calls, self.step = calls, step
-        (Path(run_dir) / "wandb" / "offline-run-20990101_000000-new").mkdir(parents=True, exist_ok=True)
-        self.dir = str(Path(run_dir) / "wandb" / "offline-run-20990101_000000-new" / "files")
+        super().__init__(calls, run_dir)
+        self.step = step
 
     def log(self, payload, step=None, **kwargs):
         self.calls.append((step, payload))
-
-    def finish(self, *a, **k):
-        pass
 
 
 @pytest.fixture
@@ -100,3 +100,14 @@ def test_a_fresh_run_backfills_nothing(tmp_path, wandb_calls):
     log.log_wandb(1, {"step": 1})
     log.close()
     assert [s for s, _ in wandb_calls.calls] == [1]
+
+
+def test_a_resume_that_turns_wandb_on_gets_the_earlier_steps(tmp_path, wandb_calls):
+    """The first leg ran with logger.wandb=false (no wandb directory): the resume's new wandb run gets steps 1-3
+    from metrics.jsonl, then its own."""
+    _metrics(tmp_path, 3)
+    log = RunLog(_cfg(tmp_path, resume=True), tmp_path)
+    log.start(3)
+    log.log_wandb(4, {"step": 4})
+    log.close()
+    assert [s for s, _ in wandb_calls.calls] == [1, 2, 3, 4]
