@@ -59,8 +59,8 @@ def test_a_surrogate_pair_in_an_array_is_text(tmp_path):
 def test_an_array_without_surrogate_escapes_loads_unchanged_and_unparsed(tmp_path, monkeypatch):
     """Without a surrogate escape in its bytes an array file takes the old path: no parse by the surrogate scan."""
     scanned = []
-    real = loading.array_lone_surrogates
-    monkeypatch.setattr(loading, "array_lone_surrogates", lambda file: scanned.append(file) or real(file))
+    real = loading.array_bad_rows
+    monkeypatch.setattr(loading, "array_bad_rows", lambda file: scanned.append(file) or real(file))
     rows = [OK, NUMBER, b'{"prompt": "caf\\u00e9 \xc3\xa9=", "answer": "007", "level": 3}']
     records, stats = load_records(_array(tmp_path / "plain.json", rows, pretty=True))
     assert [(r.prompt, r.answer) for r in records] == [EXPECTED[OK], EXPECTED[NUMBER], ("caf\u00e9 \u00e9=", "007")]

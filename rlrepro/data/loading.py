@@ -31,9 +31,9 @@ from typing import Any, Iterator, Literal
 
 from .jsonlines import blank_lines, empty_array, kept_rows, scan_lines
 from .records import PromptRecord, records_digest
-from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_lone_surrogates, exact_json_numbers, field_value,
-                   has_float, has_surrogate_escape, json_array_rows, narrow_floats, nested_columns, row_to_record,
-                   utf8_encodable)
+from .rows import (BadRow, FieldSpec, NotUTF8, RowPositions, array_as_lines, array_bad_rows, exact_json_numbers,
+                   field_value, has_float, has_surrogate_escape, json_array_rows, narrow_floats, nested_columns,
+                   row_to_record, utf8_encodable)
 from .sources import DATA_FILE_FORMATS, local_files
 
 __all__ = ["load_records", "LoadStats", "SkippedRow", "DATA_FILE_FORMATS", "MAX_LINE_BYTES"]
@@ -250,8 +250,7 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
     with tempfile.TemporaryDirectory(prefix="rlrepro-data-") as tmp, _quiet_datasets():
         import datasets  # imported here: it is slow to import and only loading needs it
 
-        src, lone = file, False
-        loaded = src
+        src = loaded = file
         if lines is not None and lines.long:
             row, line_no, size = lines.long[0]
             problem = (f"the line is {size} bytes, over the limit of {max_line_bytes} bytes; it was not parsed")
@@ -267,15 +266,17 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
             src = loaded = blank_lines(file, Path(tmp) / ("short-" + file.name.rsplit(".", 1)[0] + ".jsonl"),
                                        {line_no for _, line_no, _ in lines.long})
         try:
-            if builder == "json" and (lone := _has_lone_surrogate(src)):
+            if builder == "json" and _has_lone_surrogate(src):
                 # datasets may drop such an escape silently (a mixed-type column, a JSON array): the scan names it
                 raise ValueError("a row holds a lone surrogate escape")
-            ds = datasets.load_dataset(builder, data_files=str(src), split="train", cache_dir=tmp)
+            ds, loaded = _load(datasets, builder, src, Path(tmp), bool(lines and lines.array))
+            if lines is not None:  # an array read as lines is no longer one
+                lines.array = lines.array and loaded == src
         except Exception as e:  # datasets raises several kinds (DatasetGenerationError, UnicodeDecodeError, ...)
             if builder != "json":
                 raise ValueError(f"{file}: datasets could not read this {builder} file ({_describe(e)}). "
                                  f"Fix: rewrite it with pyarrow/pandas as a valid parquet file.") from e
-            bad_lines = _original_rows(_scan_json_lines(src, arrays=lone), long_rows)
+            bad_lines = _original_rows(_scan_json_lines(src, arrays=True), long_rows)
             if not bad_lines and _only_empty_objects(src):
                 raise ValueError(_no_columns_message(file, spec)) from e
             if not bad_lines:
@@ -289,9 +290,8 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
             clean, row_map = _clean_copy(src, Path(tmp), bad_lines, stats, file, long_rows, lines.array)
             if lines.array:  # scan_lines counts no rows in an array
                 lines.num_rows = len(row_map) + len(bad_lines)
-            ds, loaded = None, clean
-            if row_map:
-                ds = datasets.load_dataset("json", data_files=str(clean), split="train", cache_dir=tmp + "/cache")
+            ds, loaded = _load(datasets, "json", clean, Path(tmp) / "cache", lines.array) if row_map else (None, clean)
+            lines.array = lines.array and loaded == clean
         if row_map is None and long_rows:
             row_map = kept_rows(long_rows, lines.num_rows - len(long_rows))
         json_src = (loaded, bool(lines.array)) if lines is not None else None  # the file datasets read, if JSON
@@ -309,6 +309,22 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
             break
         row_index = i if row_map is None else row_map[i]
         _add_row(row, row_index, str(file), where, source_name, spec, on_bad_row, stats, records, seen_uids)
+
+
+def _load(datasets: Any, builder: str, src: Path, tmp: Path, array: bool) -> tuple[Any, Path]:
+    """``src`` loaded by ``datasets``, and the file it read: an ``array`` that pyarrow refused (an integer past int64
+    inside a struct) is read from a JSON-lines copy of its rows (its numbers then put back: ``exact_json_numbers``)."""
+    try:
+        return datasets.load_dataset(builder, data_files=str(src), split="train", cache_dir=str(tmp)), src
+    except Exception as e:
+        if not array:
+            raise
+        try:
+            copy = array_as_lines(src, tmp / "rows.jsonl")
+            return datasets.load_dataset("json", data_files=str(copy), split="train", cache_dir=str(tmp / "l")), copy
+        except Exception:
+            pass
+        raise  # the array's own error: the caller's scan names a bad row
 
 
 def _parquet_num_rows(file: Path) -> int | None:
@@ -407,10 +423,10 @@ def _scan_json_lines(file: Path, arrays: bool = False) -> list[tuple[int, int, s
     """Find the lines pyarrow's JSON reader rejects: (row index, 1-based line number, reason, problem).
 
     Row indices count non-blank lines, as ``datasets`` does. A JSON array file has no lines: with ``arrays`` its
-    rows holding a lone surrogate escape are given (1-based row numbers for line numbers), else none.
+    rows that are no object or hold a lone surrogate escape are given (1-based row numbers for line numbers).
     """
     if scan_lines(file).array:
-        return array_lone_surrogates(file) if arrays else []
+        return array_bad_rows(file) if arrays else []
     bad = []
     row = 0
     with open(file, "rb") as f:  # line by line: the lines over max_line_bytes were emptied before

@@ -95,6 +95,16 @@ def json_array_rows(file: Path) -> list[tuple[Any, str]]:
     return rows
 
 
+def array_as_lines(file: Path, dest: Path) -> Path:
+    """The rows of a JSON array file as JSON lines at ``dest``, one a line, each written again from its parsed value
+    (every digit of an integer kept): pyarrow reads such a file where it refuses the array (an integer past int64
+    inside a struct)."""
+    with open(dest, "w", encoding="utf-8") as out:
+        for row, _ in json_array_rows(file):
+            out.write(json.dumps(row) + "\n")
+    return dest
+
+
 def exact_json_numbers(file: Path, rows: list[dict], columns: list[str], array: bool) -> None:
     """Put back, in the ``columns`` where pyarrow read numbers as floats (a JSON column mixing ``3`` and ``0.5``, or
     holding an integer past int64; also inside struct and list columns: ``reward_model.ground_truth``), each number
@@ -152,13 +162,16 @@ def narrow_floats(rows: list[dict], col: str, dtype: str) -> None:
             row[col] = float(str(narrow(value)))
 
 
-def array_lone_surrogates(file: Path) -> list[tuple[int, int, str, str]]:
-    """The rows of a JSON array file whose strings are not UTF-8 (a lone surrogate escape such as ``\\ud800``):
-    (row index, 1-based row number, reason, problem naming the field), the form of ``loading._scan_json_lines``."""
+def array_bad_rows(file: Path) -> list[tuple[int, int, str, str]]:
+    """The rows of a JSON array file that cannot be rows: not an object, or holding a string that is not UTF-8 (a
+    lone surrogate escape such as ``\\ud800``): (row index, 1-based row number, reason, problem naming the field),
+    the form of ``loading._scan_json_lines``."""
     bad = []
     for row, (obj, _) in enumerate(json_array_rows(file)):
-        if not utf8_encodable(obj):
-            cols = [k for k, v in obj.items() if not utf8_encodable([k, v])] if isinstance(obj, dict) else []
+        if not isinstance(obj, dict):
+            bad.append((row, row + 1, "invalid JSON", f"the row is a JSON {type(obj).__name__}, not an object"))
+        elif not utf8_encodable(obj):
+            cols = [k for k, v in obj.items() if not utf8_encodable([k, v])]
             bad.append((row, row + 1, "not UTF-8", (f"field {cols[0]!r}: " if cols else "") + "a string holds a "
                         "lone surrogate escape (like \\ud800), which is not UTF-8"))
     return bad
