@@ -238,8 +238,9 @@ def test_a_worker_hung_in_a_collective_sync_or_its_join_is_replaced(model_dir, a
         fault = {"kind": "hang_worker", "step": 0, "at": at, "worker": 1, "seconds": 150}
         took, restarts = _hang_then_sync(group, fault, reform=at == "join")
         assert took < 100  # not the 150 s hang, nor the group's 300 s timeout
-        # a join's abort tells the hung worker from those waiting on it; a broadcast does not (all are killed)
-        assert restarts == (1 if at == "join" else 2)
+        # a join's abort tells the hung worker from those waiting on it, and so does a broadcast since session 39
+        # (the hung one has not entered it: behind_in_sync); before, every worker in the broadcast was killed
+        assert restarts == 1
         assert group.sync_weights(0) and group.restarts == restarts  # the group formed again is used
     finally:
         group.shutdown()

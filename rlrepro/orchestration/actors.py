@@ -322,7 +322,8 @@ class ActorGroup(WorkerCalls):
         calls, weights_ref, trainer_ref = self.sync.send(self, version)  # the trainer's part awaited first
         actors = list(self.workers)  # the ones called (a slot replaced during the wait gets another)
         try:
-            got = self._gather(calls, lambda i: None, "weight sync", version, weights_ref)
+            got = self._gather(calls, lambda i: None, "weight sync", version, weights_ref,
+                               self.sync.hung_among if collective else None)
             if trainer_ref is not None:
                 self.get(trainer_ref)
         except RolloutWorkerLost:

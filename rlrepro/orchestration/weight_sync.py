@@ -16,7 +16,9 @@ fails (a worker that died after the liveness check: Ray ends its call at once); 
 :class:`SyncGroupAborted` and the driver replaces the dead worker and forms the group again
 (:meth:`CollectiveSync._form`). Then the communicator is built, with every member known to be alive and joining:
 gloo under ``FORM_TIMEOUT_S`` (a member that dies in these milliseconds costs that, not 300 s), then the
-group's own timeout for the broadcasts; NCCL builds its communicator at the first broadcast.
+group's own timeout for the broadcasts; NCCL builds its communicator at the first broadcast. Each member counts
+on the store the syncs it has entered, so that a worker hung before a broadcast is told apart from those waiting on
+it there (:func:`behind_in_sync`; the driver then restarts only it).
 
 **CUDA IPC** (``rollout.weight_sync=cuda_ipc``, trainer and engine on one GPU): the trainer hands out IPC
 handles of its live parameters (:func:`ipc_handles`); the engine maps them and copies device to device
@@ -35,9 +37,11 @@ import torch.distributed as dist
 from . import network
 
 __all__ = ["Rendezvous", "WeightBroadcaster", "ipc_handles", "open_ipc_handles", "WeightSync", "WEIGHT_SYNC_MODES",
-           "resolve_weight_sync", "SyncGroupAborted", "WeightsRefused", "check_in", "abort_join"]
+           "resolve_weight_sync", "SyncGroupAborted", "WeightsRefused", "check_in", "abort_join",
+           "behind_in_sync"]
 
 JOINED_KEY, ABORT_KEY = "joined", "abort"  # in the group's store, under its generation's prefix
+ENTERED_KEY = "entered"  # + "/<rank>": how many syncs that member has entered (:func:`behind_in_sync`)
 CHECK_IN_POLL_S = 0.05  # how often a member waiting for the others looks at the store
 FORM_TIMEOUT_S = 60.0  # gloo's connections once every member has checked in (then the group's timeout applies)
 ABORT_CONNECT_S = 10.0  # the driver's connection to a group's store, to abort its join
@@ -84,6 +88,22 @@ def abort_join(host: str, port: int, generation: int, reason: str, timeout_s: fl
         return True
     except Exception:  # noqa: BLE001 - the store is gone: nobody waits on it any more
         return False
+
+
+def behind_in_sync(host: str, port: int, generation: int, world_size: int,
+                   timeout_s: float = ABORT_CONNECT_S) -> set[int] | None:
+    """Driver side, for a broadcast that does not end: the ranks of group ``generation`` that have entered fewer
+    syncs than the furthest member (each member counts its syncs on the store as it enters one: ``_enter``). Such
+    a member is hung before the sync, and the others wait on it; a member hung inside the sync is not told apart
+    from them. An empty set when all are level; None when the store cannot be read."""
+    try:
+        tcp = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+        store = dist.PrefixStore(group_prefix(generation), tcp)
+        keys = [f"{ENTERED_KEY}/{rank}" for rank in range(world_size)]
+        counts = [int(store.get(key)) if store.check([key]) else 0 for key in keys]
+    except Exception:  # noqa: BLE001 - the store is gone (rank 0's group closed): nothing can be told
+        return None
+    return {rank for rank, count in enumerate(counts) if count < max(counts)}
 
 
 class Rendezvous:
@@ -146,7 +166,8 @@ class WeightBroadcaster:
         if (rank == 0) != (rendezvous is not None):
             raise ValueError("rank 0 of a weight-sync group hosts its store: pass rendezvous= on rank 0 only")
         self._tcp = tcp_store(host, port, world_size, rendezvous, timeout)
-        store = dist.PrefixStore(group_prefix(generation), self._tcp)
+        self._store = store = dist.PrefixStore(group_prefix(generation), self._tcp)
+        self.syncs = 0  # the syncs this member has entered (written to the store as each begins)
         check_in(store, world_size, timeout_s)
         own = network.node_address()  # this member's sockets listen here (127.0.0.1 in local mode), not where
         if backend == "nccl":  # the hostname resolves to nor on NCCL's first non-loopback interface
@@ -166,6 +187,12 @@ class WeightBroadcaster:
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, network.gloo_options(own, form))
             if settable:
                 self.pg._set_default_timeout(timeout)
+
+    def _enter(self) -> None:
+        """Say on the store that this member has entered its next sync: a member hung before it is then told
+        apart from those waiting on it in the broadcast (:func:`behind_in_sync`)."""
+        self.syncs += 1
+        self._store.set(f"{ENTERED_KEY}/{self.rank}", str(self.syncs))
 
     # --------------------------------------------------------------------------------- collectives on self.pg
     def _broadcast(self, t: torch.Tensor) -> None:
@@ -197,6 +224,7 @@ class WeightBroadcaster:
         if self.rank != 0:
             raise RuntimeError("only rank 0 (the trainer) sends weights")
         try:
+            self._enter()
             self._send(named, version)
         except BaseException:  # a member died mid-broadcast: the group is closed at once, so that the others'
             self.close()  # receive fails now instead of waiting for the group's timeout
@@ -222,6 +250,7 @@ class WeightBroadcaster:
         if self.rank == 0:
             raise RuntimeError("rank 0 sends; receivers have rank >= 1")
         try:
+            self._enter()
             return self._receive(params)
         except BaseException:
             self.close()
@@ -353,6 +382,7 @@ class CollectiveSync(WeightSync):
     def __init__(self) -> None:
         self.generation = 0
         self.ready = False
+        self.address, self.world = None, 0  # the group's store and size, from its last forming
 
     def worker_replaced(self) -> None:
         self.ready = False
@@ -365,6 +395,7 @@ class CollectiveSync(WeightSync):
             backend = "nccl" if group.cfg.run.device == "cuda" else "gloo"
             world = len(group.workers) + 1
             host, port = group.get(group.trainer.rendezvous_address.remote())
+            self.address, self.world = (host, port), world
             group._before("join", version)
             trainer_ref = group.trainer.sync_group_join.remote(host, port, world, backend, self.generation)
             joins = {i: group._call(i, "sync_group_join", host, port, i + 1, world, backend, self.generation)
@@ -443,6 +474,12 @@ class CollectiveSync(WeightSync):
                     "(/tmp/ray/session_latest/logs) for what made the join slow")
             raise failed[0][1] if aborted_at is None else real[0]
         return dead
+
+    def hung_among(self, late: set[int]) -> set[int]:
+        """Of the rollout worker slots ``late`` in a broadcast that does not end, those hung before it, whom the
+        others wait on (:func:`behind_in_sync`); all of ``late`` when none can be told apart."""
+        behind = self.address and behind_in_sync(*self.address, self.generation, self.world) or set()
+        return {i for i in late if i + 1 in behind} or late
 
     def send(self, group, version: int):
         self._form(group, version)

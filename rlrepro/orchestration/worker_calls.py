@@ -122,10 +122,13 @@ class WorkerCalls:
                     f"(rollout.hang_timeout_s={timeout:g}): taken as hung, it is killed and replaced")
                 raise hung(i, f"{call} ({during})", waited, timeout)
 
-    def _gather(self, calls: dict[int, Any], resubmit, during: str, version: int, weights_ref: Any = None) -> dict:
+    def _gather(self, calls: dict[int, Any], resubmit, during: str, version: int, weights_ref: Any = None,
+                hung_among=None) -> dict:
         """Wait for one call per worker slot; a slot whose worker died gets a replacement, then ``resubmit(i)``
         (a new call, or None when the replacement needs none). A call not answered within
-        ``rollout.hang_timeout_s`` (when set) of its submission is a hung worker's: it is treated as dead."""
+        ``rollout.hang_timeout_s`` (when set) of its submission is a hung worker's: it is treated as dead, unless
+        ``hung_among`` (late slots -> the hung ones among them; a collective broadcast's) says it only waits on
+        one: its call is then given another timeout to end (it fails once the hung one is killed)."""
         ray = self._ray
         pending = {ref: i for i, ref in calls.items()}
         timeout = self.hang_timeout_s
@@ -152,8 +155,13 @@ class WorkerCalls:
             if not ready:
                 self.check_nodes(during)
                 now = time.monotonic()
-                late = {pending.pop(r): now - started[r] for r in list(pending)
-                        if timeout and now - started[r] >= timeout}
+                late = {r: now - started[r] for r in list(pending) if timeout and now - started[r] >= timeout}
+                hung_slots = hung_among({pending[r] for r in late}) if late and hung_among else None
+                for r in [r for r in late if hung_slots is not None and pending[r] not in hung_slots]:
+                    log(f"rollout worker {pending[r]} has not answered its {during} call in {late.pop(r):.1f} s, "
+                        "but it waits in the broadcast on a worker hung before it: not restarted")
+                    started[r] = now
+                late = {pending.pop(r): waited for r, waited in late.items()}
                 for i, waited in late.items():  # all of them first: in a collective broadcast the others wait on
                     log(f"rollout worker {i} has not answered its {during} call in {waited:.1f} s "  # a hung one
                         f"(rollout.hang_timeout_s={timeout:g}): taken as hung, it is killed and replaced")
