@@ -97,6 +97,36 @@ def interpreter_test_items(test_file: str, checks: dict, drop_env: tuple[str, ..
     return interp_results, test_interpreter
 
 
+def shape_invariant_dot() -> None:
+    """Make the Triton interpreter's ``tl.dot`` give each output element by its own row and column alone, summing
+    the K products one after another in the accumulator's type. The interpreter hands a dot to ``np.matmul``, whose
+    BLAS picks its kernel and summation order by the operands' shapes and the CPU (OpenBLAS on an AMD EPYC with
+    AVX-512: a row differs between M = 1 and M = 2), so a kernel's tile shape would change bits that a GPU's MMA
+    computes per element. The invariance checks model the GPU's per-element product here; their closeness to the
+    float64 reference is checked as before."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_rlrepro_dot", False):
+        return
+    stock = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc = d.data.dtype
+        x, y = a.data, b.data
+        if not all(np.issubdtype(t.dtype, np.floating) and t.dtype.itemsize >= 2 for t in (x, y)) or \
+                a.dtype.primitive_bitwidth == 8:  # fp8 and integer dots: the interpreter's own way
+            return stock(self, a, b, d, input_precision, max_num_imprecise_acc)
+        x, y = x.astype(acc), y.astype(acc)
+        out = x[..., :, 0:1] * y[..., 0:1, :]
+        for k in range(1, x.shape[-1]):
+            out = out + x[..., :, k:k + 1] * y[..., k:k + 1, :]
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    builder.create_dot, builder._rlrepro_dot = create_dot, True
+
+
 def main(checks: dict, test_file: str) -> None:
     """A test file run as a script: ``--interpret [NAME ...]`` runs its interpreter checks and prints the JSON line
     :func:`run_interpreter` reads; anything else runs pytest on the file."""
@@ -110,3 +140,7 @@ def main(checks: dict, test_file: str) -> None:
         print(json.dumps(res))
         sys.exit(0)
     sys.exit(pytest.main([test_file, *sys.argv[1:]]))
+
+
+if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":  # every interpreted process, ranks spawned by one too
+    shape_invariant_dot()
