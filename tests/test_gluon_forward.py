@@ -284,35 +284,39 @@ def _ragged_and_nonfinite_equal_large(G, monkeypatch):
 
 
 def test_variant_defaults_by_order(monkeypatch):
-    """The 128-position order runs persistent, Q by TMA, META, K freed apart from V and the work table on two ring
-    stages by default where its sequences average under ``LONG_MEAN`` tokens; longer ones and the 64-position order
-    none of them, on three; each switch follows the environment where it is set."""
+    """Both orders run persistent, Q by TMA, META, K freed apart from V and the work table by default where the
+    sequences average under ``LONG_MEAN`` tokens (the 64-position order since session 39), on the deepest ring that
+    leaves room for two Q buffers: two stages of 128-position tiles, three of 64-position ones; longer sequences none
+    of them, on three; each switch follows the environment where it is set."""
     from rlrepro.kernels import gluon_attention_fwd as G
     for name in ("GLW_PERSIST", "GLW_QTMA", "GLW_META", "GLW_KVS", "GLW_TAB", "GLW_PP", "GLW_KV2"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(G, "STAGES", None)
     long = G.LONG_MEAN
-    assert G.fast_defaults(128, 4 * 2048, 4) and G.fast_defaults(128, 16 * 1024, 16)
-    assert G.fast_defaults(128, 2 * long - 1, 2) and not G.fast_defaults(128, 2 * long, 2)
-    assert G.fast_defaults(128, 8192, None) and not G.fast_defaults(64, 8192, 4)
+    assert G.fast_defaults(4 * 2048, 4) and G.fast_defaults(16 * 1024, 16) and G.fast_defaults(8192, None)
+    assert G.fast_defaults(2 * long - 1, 2) and not G.fast_defaults(2 * long, 2) and not G.fast_defaults(16384, 1)
     names = ("GLW_PERSIST", "GLW_QTMA", "GLW_META", "GLW_KVS", "GLW_TAB", "GLW_PP")
     assert [G.flag(k, True) for k in names] == [1, 1, 1, 1, 1, 0]
     assert [G.flag(k, False) for k in names] == [0, 0, 0, 0, 0, 0]
-    assert (G.ring_stages(True), G.ring_stages(False)) == (2, 3)
+    assert (G.ring_stages(True, 128), G.ring_stages(True, 64), G.ring_stages(False, 128)) == (2, 3, 3)
+    assert G.ring_stages(True, 128, 64) == 3  # D = 64: three 128-position stages leave room for two Q buffers
+    for block_kv, d in ((128, 128), (64, 128), (128, 64), (64, 64)):  # the kernel's rule for two Q buffers agrees
+        ring = G.ring_stages(True, block_kv, d) * 2 * block_kv * d * 2
+        assert ring + 4 * G.ROWS * d * 2 <= G.Q_ROOM, (block_kv, d)
     q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
     assert G.q_tma(q, 4, 4, 32, True) and not G.q_tma(q, 4, 4, 32, False)
     monkeypatch.setenv("GLW_KVS", "0")  # K and V freed together: two stages would stall every tile
-    assert G.flag("GLW_KVS", True) == 0 and G.ring_stages(True) == 3
+    assert G.flag("GLW_KVS", True) == 0 and G.ring_stages(True, 128) == 3
     monkeypatch.setenv("GLW_KVS", "1")
     monkeypatch.setenv("GLW_PERSIST", "0")
-    assert G.ring_stages(False) == 2 and G.flag("GLW_PERSIST", True) == 0
+    assert G.ring_stages(False, 128) == 2 and G.flag("GLW_PERSIST", True) == 0
     monkeypatch.setattr(G, "STAGES", 4)
-    assert G.ring_stages(True) == 4
+    assert G.ring_stages(True, 64) == 4
 
 
 def test_dispatch_passes_the_sequence_count(monkeypatch):
     """``attention_fwd`` hands the Gluon forward the call's sequence count (``n_seqs``), which picks the 128-position
-    order's defaults (:func:`fast_defaults`): four 2k sequences get ``FAST_128``, one 16k sequence does not; the
+    defaults (:func:`fast_defaults`): four 2k sequences get ``FAST`` in either order, one 16k sequence does not; the
     order's tile and FMA pass on too."""
     from rlrepro.kernels import gluon_attention_fwd as G
     got = []
@@ -320,14 +324,15 @@ def test_dispatch_passes_the_sequence_count(monkeypatch):
     monkeypatch.setattr(A, "_device_schedule", lambda *a, **kw: (1, None, None))
     monkeypatch.setattr(G, "attention_fwd_gluon", lambda q, *a, **kw: got.append((q.shape[0], kw)))
     monkeypatch.delenv("RLREPRO_ATTENTION_CONFIG", raising=False)
-    for order, lens, fast in (("128f", [2048] * 4, True), ("128f", [16384], False), ("64", [2048] * 4, False)):
+    for order, lens, fast in (("128f", [2048] * 4, True), ("128f", [16384], False), ("64", [2048] * 4, True),
+                              ("64", [16384], False)):
         monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", order)
         q = torch.zeros(sum(lens), 8, 128, dtype=torch.bfloat16)
         kv = torch.zeros(sum(lens), 2, 128, dtype=torch.bfloat16)
         A.attention_fwd(q, kv, kv, AttentionMetadata.packed(lens), 0.1)
         n, kw = got.pop()
         assert kw["n_seqs"] == len(lens) and (kw["block_kv"], kw["fma"]) == A.attention_order()
-        assert G.fast_defaults(kw["block_kv"], n, kw["n_seqs"]) == fast, (order, lens)
+        assert G.fast_defaults(n, kw["n_seqs"]) == fast, (order, lens)
 
 
 def test_half_tile_rule(monkeypatch):

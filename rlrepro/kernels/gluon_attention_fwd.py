@@ -42,11 +42,10 @@ into which the next work's Q is loaded while the current one finishes; ``GLW_HAL
 lower half where the upper half is past every query (:func:`_half_tile`; 1-5 % slower); ``GLW_TMAX=1`` takes the
 row max as a tree (:func:`.gluon_attention_parts.row_max_tree`); ``GLW_TAB=1`` (persistent) reads each work's slot
 row from a table :func:`persistent_order` writes, in one step instead of order, slot and sequence one after another
-(:func:`.gluon_attention_parts._work_row`). **Defaults**: in the 128-position order
-persistent, Q by TMA, META, KVS and TAB with two ring stages (``FAST_128``: 0.87-0.91x FlashAttention-3 at 4 x 2048
-and 0.84-0.88x at 16 x 1024 on the H100 without TAB, against 0.84 / 0.77 for one program a work with three stages;
-0.899 with TAB against 0.877 without in one call) where the
-sequences average under ``LONG_MEAN`` tokens; otherwise, and in the 64-position order, all off, three stages.
+(:func:`.gluon_attention_parts._work_row`). **Defaults**, in both orders where the sequences average under
+``LONG_MEAN`` tokens: persistent, Q by TMA, META, KVS and TAB (``FAST``), on two ring stages in the 128-position order
+(0.87-0.92x FlashAttention-3 at 4 x 2048 on the H100, against 0.84 for one program a work with three stages) and
+three in the 64-position order (0.835x against 0.771 at 4 x 2048, one call); longer ones all off, three stages.
 Tried and removed: K and V on one barrier, a slot table of one row a work for one program a work, prefetching the
 next slot row, and (commit 762f9aa) persistent consumers that run works back to back, the next work's first
 ``Q @ K^T`` beside the last one's epilogue (``GLW_XW``: 0.863x against 0.913).
@@ -78,13 +77,15 @@ from .gluon_attention_parts import BLOCK_KV, persistent_order  # noqa: F401 (the
 
 ROWS = 64  # query rows of a consumer warpgroup: wgmma's M
 CONSUMERS = 2
-STAGES = None  # the K/V ring's depth; None: :func:`ring_stages` (2 with K freed apart from V, else 3)
-# the 128-position order's defaults (2026-12-07, H100: 0.87-0.91x FlashAttention-3 at 4 x 2048 against 0.84 for one
-# program a work): persistent, Q by TMA with the slot rows from the producer, K freed apart from V, two ring stages
-# (which leave room for two Q buffers), each work's row from the work table (thirty-eighth session, one H100 call:
-# 0.899 against 0.877 at 4 x 2048); the 64-position order keeps one program a work and three stages
-FAST_128 = {"GLW_PERSIST": 1, "GLW_QTMA": 1, "GLW_META": 1, "GLW_KVS": 1, "GLW_TAB": 1}
-LONG_MEAN = 12288  # from this mean sequence length on, the 128-position order keeps the 64's defaults too
+STAGES = None  # the K/V ring's depth; None: :func:`ring_stages`
+# the defaults where the sequences average under LONG_MEAN tokens: persistent, Q by TMA with the slot rows from the
+# producer, K freed apart from V, each work's row from the work table, on the deepest ring that leaves room for two Q
+# buffers (2 stages in the 128-position order, 3 in the 64). H100, 2026-12-07: 128f 0.87-0.92x FlashAttention-3 at
+# 4 x 2048 against 0.84 for one program a work; the 64-position order (thirty-ninth session, one call) 0.835 / 0.832
+# at 4 x 2048 / 16 x 1024 against 0.771 / 0.761, ahead at 8k and 16k too (0.824 / 0.838 against 0.803 / 0.818)
+FAST = {"GLW_PERSIST": 1, "GLW_QTMA": 1, "GLW_META": 1, "GLW_KVS": 1, "GLW_TAB": 1}
+LONG_MEAN = 12288  # from this mean sequence length on, one program a work on three stages (as fast in 128f at 16k)
+Q_ROOM = 200 * 1024  # shared memory for the K/V ring and the Q buffers (of the H100's 227 KB, the rest for barriers)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 LOG2E = 1.4426950408889634
@@ -476,17 +477,17 @@ def _descriptor(t: torch.Tensor, rows: int):
     return TensorDescriptor(t, [n, hkv * d], [t.stride(0), 1], [rows, d], layout)
 
 
-def fast_defaults(block_kv: int, n: int, n_seqs: int | None) -> bool:
-    """Whether ``FAST_128`` are the call's defaults: in the 128-position order, unless its sequences average
-    ``LONG_MEAN`` tokens or more (there one program a work on three stages was as fast or faster: 0.91-1.03x FA3 at
-    16k against 0.92-0.97, H100, 2026-12-07)."""
-    return block_kv > BLOCK_KV and not (n_seqs and n >= LONG_MEAN * n_seqs)
+def fast_defaults(n: int, n_seqs: int | None) -> bool:
+    """Whether ``FAST`` are the call's defaults, in either order: unless its ``n_seqs`` sequences (``n`` tokens)
+    average ``LONG_MEAN`` tokens or more (there one program a work on three stages was as fast or faster in the
+    128-position order: 0.91-1.03x FA3 at 16k against 0.92-0.97, H100, 2026-12-07)."""
+    return not (n_seqs and n >= LONG_MEAN * n_seqs)
 
 
 def flag(name: str, fast: bool = False) -> int:
-    """A variant switch: the environment's ``name`` if set, else its default (``FAST_128`` where ``fast``, see
+    """A variant switch: the environment's ``name`` if set, else its default (``FAST`` where ``fast``, see
     :func:`fast_defaults`; otherwise off)."""
-    return _env(name, FAST_128.get(name, 0) if fast else 0)
+    return _env(name, FAST.get(name, 0) if fast else 0)
 
 
 def split_kv(fast: bool = False) -> int:
@@ -494,10 +495,13 @@ def split_kv(fast: bool = False) -> int:
     return int(flag("GLW_KVS", fast) == 1 and _env("GLW_KV2", 0) == 0)
 
 
-def ring_stages(fast: bool = False) -> int:
-    """The K/V ring's depth: ``STAGES`` if set, else 2 where a stage's K is freed apart from its V (:func:`split_kv`:
-    the producer stays a tile ahead with two) and 3 otherwise."""
-    return STAGES or (2 if split_kv(fast) else 3)
+def ring_stages(fast: bool = False, block_kv: int = BLOCK_KV, d: int = 128, size: int = 2) -> int:
+    """The K/V ring's depth: ``STAGES`` if set; else where a stage's K is freed apart from its V (:func:`split_kv`:
+    the producer stays a tile ahead with two) the deepest of 3 and 2 that leaves room for two Q buffers of ``d``
+    columns of ``size`` bytes (2 for the 128-position tiles, 3 for the 64-position ones at D = 128); else 3."""
+    if STAGES or not split_kv(fast):
+        return STAGES or 3
+    return 3 if 3 * 2 * block_kv * d * size + 4 * ROWS * d * size <= Q_ROOM else 2
 
 
 def q_tma(q: torch.Tensor, group: int, group_p: int, block_q: int, fast: bool = False) -> bool:
@@ -519,15 +523,15 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     tiles of ``block_q`` queries (``block_q * group_p == CONSUMERS * ROWS``). ``GLW_PERSIST`` runs one program
     per SM over the slots in ``order`` (:func:`persistent_order`, computed here if not given); ``GLW_PP=1``
     ping-pongs its two consumer warpgroups; ``GLW_QTMA`` has the producer load Q by TMA (:func:`q_tma`); the
-    128-position order's defaults are ``FAST_128`` for ``n_seqs`` sequences averaging under ``LONG_MEAN`` tokens
-    (:func:`fast_defaults`). None of them changes a bit (the battery checks it)."""
+    defaults are ``FAST`` for ``n_seqs`` sequences averaging under ``LONG_MEAN`` tokens (:func:`fast_defaults`).
+    None of them changes a bit (the battery checks it)."""
     n, h, d = q.shape
     hkv = k_flat.shape[1]
     if block_q * group_p != CONSUMERS * ROWS:
         raise ValueError(f"gluon attention: a tile of {block_q} x {group_p} rows is not {CONSUMERS} x {ROWS}")
     g_slots, prog_seq, prog_q0 = schedule
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    fast = fast_defaults(block_kv, n, n_seqs)
+    fast = fast_defaults(n, n_seqs)
     persist = flag("GLW_PERSIST", fast) == 1
     tab = persist and flag("GLW_TAB", fast) == 1  # the works' rows in a table (one step a work), else the order
     if tab or (persist and order is None):
@@ -546,9 +550,9 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     else:
         q_layout, q_desc = gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), k_desc
     # two Q buffers where shared memory holds them beside the ring (the 64-position order), else one
-    stages = ring_stages(fast)
+    stages = ring_stages(fast, block_kv, d, q.element_size())
     ring = stages * 2 * block_kv * d * q.element_size()
-    nq = 2 if qtma and ring + 4 * ROWS * d * q.element_size() <= 200 * 1024 else 1
+    nq = 2 if qtma and ring + 4 * ROWS * d * q.element_size() <= Q_ROOM else 1
     args = (q, q_desc, k_desc, v_desc, out, lse if lse is not None else out, prog_seq, prog_q0, cu, seq_lens,
             order if persist else prog_seq, n_work, hkv, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             h if lse is not None else 0, float(scale) * LOG2E)
