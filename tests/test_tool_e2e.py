@@ -68,8 +68,10 @@ def test_identical_across_workers_engine_settings_prefix_cache_and_threads(ref, 
 def test_a_worker_killed_mid_episode_and_a_resume_change_nothing(ref, tmp_path, monkeypatch):
     from rlrepro.orchestration import GRPODriver
 
+    # 0.05 s into the step's run_episodes call: a step's episodes take 0.19 s on a 2-core AMD EPYC (2026-12-07), so a
+    # later kill (0.5 s, as before) landed in step 3 there, whose result the resume below rewrites
     monkeypatch.setenv("RLREPRO_FAULTS", json.dumps([{"kind": "kill_worker", "step": 2, "at": "generate",
-                                                      "delay_s": 0.5}]))
+                                                      "delay_s": 0.05}]))
     r = tmp_path / "r"
     GRPODriver(compose_config([*BASE, f"run.dir={r}"])).run(last_step=3)  # stops after step 3; checkpoint 2
     assert _metrics(r)[1]["perf/rollout_worker_restarts"] >= 1
