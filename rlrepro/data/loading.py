@@ -269,7 +269,7 @@ def _load_local_file(file: Path, source_name: str, spec: FieldSpec, on_bad_row: 
             if builder == "json" and _has_lone_surrogate(src):
                 # datasets may drop such an escape silently (a mixed-type column, a JSON array): the scan names it
                 raise ValueError("a row holds a lone surrogate escape")
-            ds, loaded = _load(datasets, builder, src, Path(tmp), bool(lines and lines.array))
+            ds, loaded = _load(datasets, builder, src, Path(tmp), lines is not None and bool(lines.array))
             if lines is not None:  # an array read as lines is no longer one
                 lines.array = lines.array and loaded == src
         except Exception as e:  # datasets raises several kinds (DatasetGenerationError, UnicodeDecodeError, ...)

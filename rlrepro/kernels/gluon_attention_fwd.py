@@ -549,7 +549,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
         q_desc = TensorDescriptor(q, [n, h * d], [q.stride(0), 1], [bqb, d], q_layout)
     else:
         q_layout, q_desc = gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), k_desc
-    # two Q buffers where shared memory holds them beside the ring (the 64-position order), else one
+    # two Q buffers where shared memory holds them beside the ring (both orders on their default rings), else one
     stages = ring_stages(fast, block_kv, d, q.element_size())
     ring = stages * 2 * block_kv * d * q.element_size()
     nq = 2 if qtma and ring + 4 * ROWS * d * q.element_size() <= Q_ROOM else 1
