@@ -49,11 +49,12 @@ add_step env 60 '
   $PY -c "import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0)); print(\"triton\", triton.__version__)"
   $PY -m pytest --version'
 add_step gpu_tests 300 'kit && $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_PATHS:-tests/}'
-# the same tests, a pytest process per test function, 8 at once (compiling is most of their time, on the CPU): the
-# whole GPU suite within one device call; a log per function under gpu_tests_par/
+# the same tests, a pytest process per test function (or per 5 of its parameter sets: GPU_TEST_SPLIT), 8 at once
+# (compiling is most of their time, on the CPU): the whole GPU suite within one device call; a log per process under
+# gpu_tests_par/
 # (its budget ends 30 s before the step's own deadline, which GPU_CHECK_MAX_S may bring forward, so the summary is
 # always printed; GPU_TEST_BUDGET may shorten it further)
-add_step gpu_tests_par 560 'kit && fi_kit && budget=$(( STEP_DEADLINE - $(date +%s) - 30 )) && { [ -z "${GPU_TEST_BUDGET:-}" ] || [ "$GPU_TEST_BUDGET" -ge "$budget" ] || budget=$GPU_TEST_BUDGET; } && $PY scripts/gpu_tests_parallel.py --jobs ${GPU_TEST_JOBS:-8} --budget $budget --out "$OUT/gpu_tests_par" ${GPU_TEST_PATHS:-tests/}'
+add_step gpu_tests_par 560 'kit && fi_kit && budget=$(( STEP_DEADLINE - $(date +%s) - 30 )) && { [ -z "${GPU_TEST_BUDGET:-}" ] || [ "$GPU_TEST_BUDGET" -ge "$budget" ] || budget=$GPU_TEST_BUDGET; } && $PY scripts/gpu_tests_parallel.py --jobs ${GPU_TEST_JOBS:-8} --budget $budget --split ${GPU_TEST_SPLIT:-5} --out "$OUT/gpu_tests_par" ${GPU_TEST_PATHS:-tests/}'
 # the fast mode's flashinfer paths and long-context attention (issue #27); flashinfer JIT-compiles on first use
 add_step fast_tests 420 'kit && fi_kit && $PY -m pytest -m gpu -q -p no:cacheprovider ${FAST_TEST_PATHS:-tests/test_attention_gpu_long.py}'
 # the attention backward's tile configs against SDPA's flash backward (issue #27)

@@ -2,9 +2,11 @@
 call of a few minutes covers the whole suite: most of a GPU test's time is Triton compiling its kernels on the CPU
 (the GPU machine has 16 cores), which one pytest process does one kernel at a time.
 
-    python scripts/gpu_tests_parallel.py [--jobs 8] [--budget 500] [--out DIR] [PATHS or test ids ...]
+    python scripts/gpu_tests_parallel.py [--jobs 8] [--budget 500] [--split 5] [--out DIR] [PATHS or test ids ...]
 
-Each test function (all its parameter sets) runs in its own process, with its log in ``DIR/<file>__<function>.log``.
+Each test function (all its parameter sets) runs in its own process, with its log in ``DIR/<file>__<function>.log``;
+one of more than ``--split`` parameter sets runs as several processes of at most that many (``.part<k>`` logs), so
+that a long battery (the Gluon forward's 20 cases, 167 s in one process) does not hold back a capped run alone.
 Everything ends within ``--budget`` seconds: a group is stopped at the budget's end (listed as timed out), and
 none starts in its last ``--min-start`` seconds (listed as not run). Prints one line a group (passed, failed,
 skipped, errors, seconds, the failing ids) and a total; exits 1 if any test failed or errored, 2 if any group did
@@ -52,10 +54,25 @@ def collect(paths: list[str], marker: str, base: Path) -> dict[str, list[str]]:
     return groups
 
 
-def run_group(group: str, marker: str, out: Path, timeout: float, base: Path) -> dict:
-    log = out / (group.split("/")[-1].replace(".py::", "__") + ".log")
+def split_groups(groups: dict[str, list[str]], size: int) -> dict[str, list[str] | None]:
+    """``{name: test ids to run, or None for the whole function}``: a function of more than ``size`` test ids
+    (``size`` > 0) becomes parts of at most ``size``, named ``function [part k/K]``."""
+    out: dict[str, list[str] | None] = {}
+    for group, ids in groups.items():
+        if size <= 0 or len(ids) <= size:
+            out[group] = None
+            continue
+        parts = [ids[i:i + size] for i in range(0, len(ids), size)]
+        for k, part in enumerate(parts, 1):
+            out[f"{group} [part {k}/{len(parts)}]"] = part
+    return out
+
+
+def run_group(group: str, marker: str, out: Path, timeout: float, base: Path, ids: list[str] | None = None) -> dict:
+    name, _, part = group.partition(" [part ")
+    log = out / (name.split("/")[-1].replace(".py::", "__") + (f".part{part.split('/')[0]}" if part else "") + ".log")
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--rootdir", str(base), "-m", marker,
-           group]
+           *(ids or [group])]
     start = time.monotonic()
     try:
         res = subprocess.run(cmd, cwd=base, capture_output=True, text=True, timeout=timeout)
@@ -86,14 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=500.0, help="seconds for the whole run")
     ap.add_argument("--min-start", type=float, default=20.0, help="no group starts with fewer seconds left")
     ap.add_argument("--group-timeout", type=float, default=400.0, help="seconds one group may run")
+    ap.add_argument("--split", type=int, default=5, help="parameter sets a process runs at most (0: a whole function)")
     ap.add_argument("--marker", default="gpu")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "gpu_check_out"), "gpu_tests"))
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = base_dir(args.paths)
-    groups = collect(args.paths, args.marker, base)
-    print(f"{sum(map(len, groups.values()))} tests in {len(groups)} groups, {args.jobs} at once", flush=True)
+    collected = collect(args.paths, args.marker, base)
+    groups = split_groups(collected, args.split)
+    print(f"{sum(map(len, collected.values()))} tests in {len(groups)} groups, {args.jobs} at once", flush=True)
     start = time.monotonic()
     results, not_run = [], []
     with cf.ThreadPoolExecutor(args.jobs) as pool:
@@ -102,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             if left < args.min_start:
                 not_run.append(group)
                 return None
-            return run_group(group, args.marker, out, min(args.group_timeout, left), base)
+            return run_group(group, args.marker, out, min(args.group_timeout, left), base, groups[group])
 
         # printed as each group ends (not in submission order), so a run cut short still shows what finished
         for fut in cf.as_completed([pool.submit(submit, g) for g in groups]):

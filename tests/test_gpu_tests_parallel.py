@@ -68,3 +68,21 @@ def test_a_process_that_dies_without_a_report_counts_as_an_error(tmp_path, capsy
     out = capsys.readouterr().out
     assert code == 1, out
     assert "total: 0 passed, 0 failed, 1 errors" in out and "(pytest exit 3)" in out
+
+
+def test_a_long_parametrized_function_runs_as_parts(tmp_path, capsys):
+    """``--split 3``: a function of 7 parameter sets runs as 3 processes (3, 3, 1 sets), each with its own log; the
+    counts and a failing id come through as for a whole function."""
+    runner = load_runner()
+    module = tmp_path / "test_fake_gpu.py"
+    module.write_text("import pytest\n\n@pytest.mark.gpu\n@pytest.mark.parametrize('n', range(7))\n"
+                      "def test_many(n):\n    assert n != 4\n\n@pytest.mark.gpu\ndef test_one():\n    pass\n")
+    code = runner.main([str(module), "--jobs", "2", "--split", "3", "--out", str(tmp_path / "logs")])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "8 tests in 4 groups" in out and "total: 7 passed, 1 failed, 0 errors, 0 skipped" in out
+    assert "test_many[4]" in out.split("FAILING: ")[1] and out.count("[part ") == 3
+    logs = sorted(p.name for p in (tmp_path / "logs").glob("*.log"))
+    assert logs == ["test_fake_gpu__test_many.part1.log", "test_fake_gpu__test_many.part2.log",
+                    "test_fake_gpu__test_many.part3.log", "test_fake_gpu__test_one.log"]
+    assert runner.split_groups({"f": ["a", "b"]}, 0) == {"f": None}
