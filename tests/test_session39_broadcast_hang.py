@@ -7,11 +7,14 @@ another timeout: they fail as soon as the hung one is gone and load the weights 
 are the trainer's bits either way (the slow test through Ray in tests/test_session36_hangs.py checks them and the
 samples with exact equality, and now also that one worker was replaced)."""
 import datetime
+import time
 
+import torch
 import torch.distributed as dist
 
-from rlrepro.orchestration.weight_sync import (ENTERED_KEY, CollectiveSync, Rendezvous, behind_in_sync,
-                                               group_prefix)
+from rlrepro.orchestration.weight_sync import (ENTERED_KEY, CollectiveSync, Rendezvous, WeightBroadcaster,
+                                               behind_in_sync, group_prefix)
+from test_leftovers_26_sync_join import _in_thread
 from test_session36_hangs import Group
 
 
@@ -98,3 +101,33 @@ def test_workers_spared_once_and_still_silent_are_killed_at_the_next_timeout():
     got = group.run_sync()
     assert group._ray.killed == ["worker1", "worker0", "worker2"] and group.restarts == 3
     assert group.asked == [[0, 1, 2], [0, 2]] and got == {0: 7, 1: 7, 2: 7}
+
+
+def test_a_real_group_counts_the_syncs_its_members_enter():
+    """A gloo group of the trainer and two receivers (threads): while receiver 2 has not entered the sync, the
+    driver's reading names it alone (rank 2); once it has, and the sync is over, all are level."""
+    rdv = Rendezvous("127.0.0.1")
+    members = {}
+
+    def member(rank):
+        members[rank] = WeightBroadcaster("127.0.0.1", rdv.port, rank, 3, generation=3, timeout_s=60.0,
+                                          rendezvous=rdv if rank == 0 else None)
+
+    for t, out in [_in_thread(member, r) for r in (0, 1, 2)]:
+        t.join(timeout=60)
+        assert "error" not in out
+    sent = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    got = {1: {"w": torch.zeros(2, 3)}, 2: {"w": torch.zeros(2, 3)}}
+    running = [_in_thread(members[0].send, sent.items(), 4), _in_thread(members[1].receive, got[1])]
+    deadline = time.monotonic() + 30
+    while (behind := behind_in_sync(rdv.host, rdv.port, 3, 3)) != {2} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert behind == {2}
+    running.append(_in_thread(members[2].receive, got[2]))
+    for t, out in running:
+        t.join(timeout=60)
+        assert "error" not in out
+    assert behind_in_sync(rdv.host, rdv.port, 3, 3) == set()
+    assert torch.equal(got[1]["w"], sent["w"]) and torch.equal(got[2]["w"], sent["w"])
+    for m in members.values():
+        m.close()
