@@ -78,13 +78,18 @@ def check_in(store, world_size: int, timeout_s: float, poll_s: float = CHECK_IN_
         time.sleep(poll_s)
 
 
+def driver_store(host: str, port: int, generation: int, timeout_s: float = ABORT_CONNECT_S) -> dist.PrefixStore:
+    """Driver side: a client of group ``generation``'s keys in the store at ``host:port`` (raises if it is gone)."""
+    tcp = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(group_prefix(generation), tcp)
+
+
 def abort_join(host: str, port: int, generation: int, reason: str, timeout_s: float = ABORT_CONNECT_S) -> bool:
     """Driver side: set the abort key of group ``generation`` in the store at ``host:port``, so that every member
     still in :func:`check_in` raises now. False when the store cannot be reached (rank 0's join ended, and the
     others' connections to its store fail on their own)."""
     try:
-        tcp = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
-        dist.PrefixStore(group_prefix(generation), tcp).set(ABORT_KEY, reason)
+        driver_store(host, port, generation, timeout_s).set(ABORT_KEY, reason)
         return True
     except Exception:  # noqa: BLE001 - the store is gone: nobody waits on it any more
         return False
@@ -97,8 +102,7 @@ def behind_in_sync(host: str, port: int, generation: int, world_size: int,
     a member is hung before the sync, and the others wait on it; a member hung inside the sync is not told apart
     from them. An empty set when all are level; None when the store cannot be read."""
     try:
-        tcp = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
-        store = dist.PrefixStore(group_prefix(generation), tcp)
+        store = driver_store(host, port, generation, timeout_s)
         keys = [f"{ENTERED_KEY}/{rank}" for rank in range(world_size)]
         counts = [int(store.get(key)) if store.check([key]) else 0 for key in keys]
     except Exception:  # noqa: BLE001 - the store is gone (rank 0's group closed): nothing can be told
