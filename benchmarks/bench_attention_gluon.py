@@ -67,6 +67,23 @@ def rnd(*shape, gen, scale=1.0):
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * scale
 
 
+def shape_data(kind: str, q, k, lens) -> None:
+    """Make ``q``/``k`` (random) of kind ``sink`` (every query's largest score on its sequence's first key, as a
+    trained model's attention sink: the row max is set on the first tile) or ``rising`` (scores grow with the key's
+    position: every tile raises every row's max); ``random`` leaves them."""
+    if kind == "random":
+        return
+    q[..., 0] = 4.0
+    starts = torch.tensor([0] + list(lens[:-1]), device="cuda").cumsum(0)
+    if kind == "sink":
+        k[starts, :, 0] = 60.0
+    elif kind == "rising":
+        pos = torch.cat([torch.arange(n, device="cuda") for n in lens]).float()
+        k[:, :, 0] = (pos / 4.0).to(k.dtype)[:, None]
+    else:
+        raise SystemExit(f"--data: {kind!r} is not random, sink or rising")
+
+
 def smoke(gen) -> None:
     """One small call of each kernel, timed with its compile, so that a hang or a slow compile shows where."""
     lens = [300, 77]
@@ -81,9 +98,11 @@ def smoke(gen) -> None:
 
 def bits(gen) -> None:
     for lens in BIT_LENS:
-        for h, hkv, d in ((32, 8, 128), (32, 4, 128), (16, 16, 128), (32, 8, 64)):
+        for (h, hkv, d), kind in (((32, 8, 128), "random"), ((32, 4, 128), "random"), ((16, 16, 128), "random"),
+                                  ((32, 8, 64), "random"), ((32, 8, 128), "sink"), ((32, 8, 128), "rising")):
             n = sum(lens)
             q, k, v = rnd(n, h, d, gen=gen, scale=2.0), rnd(n, hkv, d, gen=gen, scale=2.0), rnd(n, hkv, d, gen=gen)
+            shape_data(kind, q, k, lens)
             meta = AttentionMetadata.packed(lens, device="cuda")
             og, lg = gluon_fwd(q, k, v, meta, d ** -0.5, return_lse=True)
             for cname in ("large", "long"):
@@ -93,7 +112,8 @@ def bits(gen) -> None:
                 ot, lt = A.attention_fwd(q, k, v, meta, d ** -0.5, config=cfg, return_lse=True)
                 ok = torch.equal(og, ot) and torch.equal(lg, lt)
                 diff = (og.float() - ot.float()).abs().max().item()
-                emit(f"| {lens[:4]}... | {h}/{hkv}/{d} | {cname} | {'equal' if ok else f'DIFFERS ({diff:.3g})'} |")
+                emit(f"| {lens[:4]}... | {h}/{hkv}/{d}{'' if kind == 'random' else ' ' + kind} | {cname} | "
+                     f"{'equal' if ok else f'DIFFERS ({diff:.3g})'} |")
         # one sequence alone vs in the batch
         q, k, v = rnd(sum(lens), 32, 128, gen=gen), rnd(sum(lens), 8, 128, gen=gen), rnd(sum(lens), 8, 128, gen=gen)
         full = gluon_fwd(q, k, v, AttentionMetadata.packed(lens, device="cuda"), 0.09)
@@ -113,35 +133,37 @@ def set_variant(spec: str) -> str:
     alone where its upper half is masked), GLW_TMAX (``t``: the row max as a tree), GLW_META (``e``: with Q by TMA,
     the producer hands each work's slot row to the consumers in shared memory), GLW_KVS (``s``: a stage's K and V
     buffers freed apart, K after its ``Q @ K^T``), GLW_TAB (``w``: persistent, each work's slot row from a table in one
-    step) and the reduction order
+    step), GLW_SKIP (``r``: a warp skips the accumulator's rescale where no row's max grew) and the reduction order
     (``RLREPRO_ATTENTION_ORDER``, for the Triton reference too) for the kernels' next calls
     (``-``: leave the env; a missing ``kv`` part: 0; a missing ``q`` part: 0, Q loaded by the consumers; a missing
     ``o`` part: the default order)."""
     if spec != "-":
         m = re.fullmatch(r"pp([01])ps([01])(?:kv([01]))?(?:q([01]))?(?:m([01]))?(?:h([01]))?(?:t([01]))?(?:e([01]))?"
-                         r"(?:s([01]))?(?:w([01]))?(?:o(\w+))?", spec)
+                         r"(?:s([01]))?(?:w([01]))?(?:r([01]))?(?:o(\w+))?", spec)
         if m is None:
-            raise SystemExit(f"--variants: {spec!r} is not like pp0ps1kv0q1m0h1t1e1s1w1o128f")
-        pp, ps, kv, qt, osm, half, tmax, meta, kvs, tab, order = m.groups()
+            raise SystemExit(f"--variants: {spec!r} is not like pp0ps1kv0q1m0h1t1e1s1w1r1o128f")
+        pp, ps, kv, qt, osm, half, tmax, meta, kvs, tab, skip, order = m.groups()
         os.environ.update(GLW_PP=pp, GLW_PERSIST=ps, GLW_KV2=kv or "0", GLW_QTMA=qt or "0", GLW_OSM=osm or "1",
                           GLW_HALF=half or "0", GLW_TMAX=tmax or "0", GLW_META=meta or "0", GLW_KVS=kvs or "0",
-                          GLW_TAB=tab or "0", RLREPRO_ATTENTION_ORDER=order or "")
+                          GLW_TAB=tab or "0", GLW_SKIP=skip or "0", RLREPRO_ATTENTION_ORDER=order or "")
     name = "pp{}ps{}kv{}".format(*(os.environ.get(f"GLW_{k}", "0") for k in ("PP", "PERSIST", "KV2")))
     name += "q" + os.environ.get("GLW_QTMA", "0")
     name += "m0" if os.environ.get("GLW_OSM", "1") == "0" else ""
     name += "".join(f"{c}1" for c, k in (("h", "GLW_HALF"), ("t", "GLW_TMAX"), ("e", "GLW_META"), ("s", "GLW_KVS"),
-                                                ("w", "GLW_TAB"))
+                                                ("w", "GLW_TAB"), ("r", "GLW_SKIP"))
                     if os.environ.get(k, "0") == "1")
     order = os.environ.get("RLREPRO_ATTENTION_ORDER", "")
     return name + (f"o{order}" if order else "")
 
 
-def timings(gen, stages: list[int], fi, variants: list[str]) -> list[str]:
+def timings(gen, stages: list[int], fi, variants: list[str], data: tuple[str, ...] = ("random",)) -> list[str]:
     rows = []
     scale = D ** -0.5
-    for batch, length in SHAPES:
+    for (batch, length), kind in [(shape, kind) for shape in SHAPES for kind in data]:
         n = batch * length
         q, k, v = rnd(n, H, D, gen=gen), rnd(n, HKV, D, gen=gen), rnd(n, HKV, D, gen=gen)
+        shape_data(kind, q, k, [length] * batch)
+        label = f"{batch} x {length}" + ("" if kind == "random" else f" {kind}")
         meta = AttentionMetadata.packed([length] * batch, "cuda")
         # the Triton tile the order's packed calls take without Gluon ("long" in the default order, "large" in
         # 128f, whose 256 x 128 "long" tile is never picked: 0.06x FA3 on the H100); the order of the first variant
@@ -162,7 +184,7 @@ def timings(gen, stages: list[int], fi, variants: list[str]) -> list[str]:
         fa3 = res.get("FA3")
         for name, ms in res.items():
             ratio = f"{fa3 / ms:.3f}" if fa3 else "-"
-            rows.append(f"| {batch} x {length} | {name} | {ms:.4f} | {tflops(batch, length, ms):.0f} | {ratio} |")
+            rows.append(f"| {label} | {name} | {ms:.4f} | {tflops(batch, length, ms):.0f} | {ratio} |")
     return rows
 
 
@@ -194,7 +216,8 @@ def child(args) -> int:
         return 0
     emit("| shape | kernel | ms | TFLOP/s | FA3 / this |")
     emit("|---|---|---:|---:|---:|")
-    for line in timings(gen, [int(s) for s in args.stages.split(",") if s], fi, variants):
+    for line in timings(gen, [int(s) for s in args.stages.split(",") if s], fi, variants,
+                        tuple(d for d in args.data.split(",") if d)):
         emit(line)
     return 0
 
@@ -209,6 +232,8 @@ def main() -> int:
     ap.add_argument("--variants", default="-", help="comma list of ping-pong/persistent variants to check and time, "
                     "e.g. pp0ps0,pp1ps1kv1 (GLW_PP, GLW_PERSIST, GLW_KV2; '-': as the environment says)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole child run")
+    ap.add_argument("--data", default="random", help="comma list of the timed inputs: random, sink (every query's "
+                    "largest score on its sequence's first key), rising (scores grow with the key's position)")
     ap.add_argument("--minimal-only", action="store_true", help="run only the reduced TMA-wait probe")
     ap.add_argument("--cases", default="", help="packed lengths to run one call each, e.g. '64;128;300,77' "
                     "(GLW_HKV: KV heads, 8)")
@@ -276,7 +301,7 @@ def main() -> int:
         write(args.out)
         return 0
     base = [sys.executable, os.path.abspath(__file__), "--child", "--stages", args.stages, "--bit-stages",
-            args.bit_stages or args.stages]
+            args.bit_stages or args.stages, "--data", args.data]
     runs = []  # each variant's bits in a child of its own (a hang costs that variant), then the timings together
     good = []
     if not args.no_bits:

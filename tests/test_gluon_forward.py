@@ -253,6 +253,59 @@ def test_gpu_gluon_forward_work_table_keeps_the_bits(order, qtma_meta, kvs, monk
     _ragged_and_nonfinite_equal_large(G, monkeypatch)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_with_gluon(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
+@pytest.mark.parametrize("order", ["64", "128f"])
+@pytest.mark.parametrize("data", ["random", "sink", "rising"])
+def test_gpu_gluon_forward_skipped_rescale_keeps_the_bits(order, data, monkeypatch):
+    """``GLW_SKIP=1``: a warp whose rows' max did not grow on a tile skips the accumulator's rescale. The Triton
+    bits (out and lse, ``torch.equal``) on the default variants where the skip is sometimes taken (``random``),
+    taken on every tile after the first (``sink``: every query's largest score is on its sequence's first key) and
+    never (``rising``: the scores grow with the key's position, so every tile raises every row's max); and the
+    ragged / non-finite battery."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", order)
+    monkeypatch.setenv("GLW_SKIP", "1")
+    for name in ("GLW_PERSIST", "GLW_QTMA", "GLW_META", "GLW_KVS", "GLW_TAB", "GLW_PP"):
+        monkeypatch.delenv(name, raising=False)  # the defaults (FAST for these lengths)
+    seed = fresh_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lens = [2048, 31, 1, 513, 4100, 64, 65, 300]
+    q, k, v = _case(lens, 32, 8, 128, gen)
+    starts = torch.tensor([0] + lens[:-1], device="cuda").cumsum(0)
+    if data == "sink":  # a shared direction in every query, the first key of each sequence far along it
+        q[..., 0] = 4.0
+        k[starts, :, 0] = 60.0
+    elif data == "rising":  # the first dimension carries the key's position within its sequence
+        q[..., 0] = 4.0
+        pos = torch.cat([torch.arange(n, device="cuda") for n in lens]).float()
+        k[:, :, 0] = (pos / 4.0).to(torch.bfloat16)[:, None]
+    meta = AttentionMetadata.packed(lens, device="cuda")
+    og, lg = A.attention_fwd(q, k, v, meta, 128 ** -0.5, return_lse=True)
+    ot, lt = A.attention_fwd(q, k, v, meta, 128 ** -0.5, config=A.ATTENTION_CONFIGS["large"], return_lse=True)
+    assert torch.equal(og, ot), f"out differs from the Triton 'large' tile ({data}, {order}, seed {seed})"
+    assert torch.equal(lg, lt), f"lse differs from the Triton 'large' tile ({data}, {order}, seed {seed})"
+    if data == "random":
+        _ragged_and_nonfinite_equal_large(G, monkeypatch)
+
+
+def test_skipped_rescale_asm():
+    """The PTX behind ``GLW_SKIP``: each of a thread's ``pack`` outputs is its own input (tied) times its alpha
+    operand, under one warp-uniform branch on the vote operand; the vote ORs the thread's two rows across the warp."""
+    from rlrepro.kernels import gluon_attention_parts as P
+    for pack in (32, 64):
+        asm, cons = P._rescale_asm(pack)
+        parts = cons.split(",")
+        assert parts == ["=f"] * pack + [str(i) for i in range(pack)] + ["f"] * pack + ["r"] * pack
+        muls = [line for line in asm.splitlines() if line.startswith("mul.rn.f32")]
+        assert muls == [f"mul.rn.f32 ${i}, ${i}, ${2 * pack + i};" for i in range(pack)]
+        assert f"setp.eq.s32 keep, ${3 * pack}, 0;" in asm and "@keep bra.uni done;" in asm
+        assert asm.index("bra.uni done") < asm.index("mul.rn") < asm.index("done:")
+    vote = P._ANY_ROW_RESCALED_S
+    assert "setp.neu.f32 a, $2, 0f3F800000;" in vote and "setp.neu.f32 b, $3, 0f3F800000;" in vote
+    assert "or.pred a, a, b;" in vote and "vote.sync.any.pred a, a, 0xffffffff;" in vote
+
+
 def _ragged_and_nonfinite_equal_large(G, monkeypatch):
     """The Gluon kernel (as the environment sets it) against the Triton "large" tile, ``torch.equal`` on out and
     lse, on ragged lengths and on a batch whose sequences 1 and 3 have K all inf and V all NaN."""

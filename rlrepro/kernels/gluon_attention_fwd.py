@@ -69,7 +69,7 @@ try:  # Gluon and its Hopper namespace (Triton >= 3.5)
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .gluon_attention_parts import (_get_meta, _load_pair, _next_work, _pass, _put_meta, _ring, _rounds,
-                                        _row_query, _turn, _units, row_max_tree, zero_past)
+                                        _row_query, _turn, _units, rescale, row_max_tree, zero_past)
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -205,7 +205,8 @@ if HAVE_GLUON:
                          n_tiles, n_full, kv_end, tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr,
                          NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
                          o_layout: gl.constexpr, p_layout: gl.constexpr, KV2: gl.constexpr, FMA: gl.constexpr,
-                         NW: gl.constexpr, q_rel, QTMA: gl.constexpr, TMAX: gl.constexpr = 0, KVS: gl.constexpr = 0):
+                         NW: gl.constexpr, q_rel, QTMA: gl.constexpr, TMAX: gl.constexpr = 0, KVS: gl.constexpr = 0,
+                         SKIP: gl.constexpr = 0):
         """One work's KV tiles (``n_tiles`` > 0, the ring's tiles ``tb``, ``tb + 1``, ...), software-pipelined as
         FlashAttention-3 overlaps within a warpgroup: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` are issued together, and
         tile ``t + 1``'s softmax runs while ``P_t @ V_t`` is on the tensor cores. Every value is computed by the
@@ -230,12 +231,18 @@ if HAVE_GLUON:
         for t in range(n_tiles - 1):
             st, ph, b, new, last = _ring(tb, t, n_tiles, NSTAGE, KV2)
             st1, ph1, b1, new1, last1 = _ring(tb, t + 1, n_tiles, NSTAGE, KV2)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+            if not SKIP:
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
             mbarrier.wait(k_ready.index(st1), ph1, pred=new1)  # predicates, not ifs: see _pipelined_tiles
-            mbarrier.wait(v_ready.index(st), ph, pred=new)
+            if not SKIP:
+                mbarrier.wait(v_ready.index(st), ph, pred=new)
             _turn(pp_bars, turn + 1 + t, CID, PP)
             tok = _qk_issue(b1, q_smem, k_bufs, NR, BLOCK_KV_, qk_layout)
+            if SKIP:  # the rescale's branch after the issue, so its products still overlap Q @ K^T's (:func:`rescale`)
+                acc = rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), SKIP)
+                pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+                mbarrier.wait(v_ready.index(st), ph, pred=new)
             acc_tok = warpgroup_mma(pb, v_bufs.index(b), acc, is_async=True)
             _pass(pp_bars, CID, PP)
             qk = warpgroup_mma_wait(1, deps=[tok])  # groups finish in order: Q @ K_{t+1}^T is done
@@ -248,7 +255,7 @@ if HAVE_GLUON:
         if QTMA:  # every Q @ K^T of the work is done
             mbarrier.arrive(q_rel, count=1)
         st, ph, b, new, last = _ring(tb, n_tiles - 1, n_tiles, NSTAGE, KV2)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), SKIP)
         pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
         mbarrier.wait(v_ready.index(st), ph, pred=new)
         if kv_end < n_tiles * BLOCK_KV_:  # the sequence ends inside this tile
@@ -264,7 +271,7 @@ if HAVE_GLUON:
     def _half_tile(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, pos, qk_scale, t, kv_end,
                    tb, turn, CID: gl.constexpr, PP: gl.constexpr, NR: gl.constexpr, NSTAGE: gl.constexpr,
                    BLOCK_KV_: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, FMA: gl.constexpr,
-                   NW: gl.constexpr, TMAX: gl.constexpr, KVS: gl.constexpr = 0):
+                   NW: gl.constexpr, TMAX: gl.constexpr, KVS: gl.constexpr = 0, SKIP: gl.constexpr = 0):
         """KV tile ``t``, the work's last, when its upper half lies past every row's position (``HALF``): ``Q @ K^T``
         and ``P @ V`` on its lower ``BLOCK_KV_ / 2`` positions only, not pipelined. The same bits as the whole
         tile: the upper half's scores are all masked, so its ``p`` are exact zeros, which leave the row max, the
@@ -283,7 +290,7 @@ if HAVE_GLUON:
             mbarrier.arrive(kv_empty.index(NSTAGE + st), count=1)
         m_h, l_h, p, alpha = _softmax_part(2 * t, qk, gl.convert_layout(m_i, rows_h), gl.convert_layout(l_i, rows_h),
                                            gl.convert_layout(pos, rows_h), qk_scale, 0, W, hl, FMA, TMAX)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), SKIP)
         pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
         mbarrier.wait(v_ready.index(st), ph)
         v_half = v_bufs.index(b).slice(0, W)
@@ -305,7 +312,7 @@ if HAVE_GLUON:
                   PERSIST: gl.constexpr, KV2: gl.constexpr = 0, FMA: gl.constexpr = 0, q_ready=None, q_empty=None,
                   QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, BQB: gl.constexpr = 1,
                   OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0, meta_bufs=None,
-                  META: gl.constexpr = 0, KVS: gl.constexpr = 0, TAB: gl.constexpr = 0):
+                  META: gl.constexpr = 0, KVS: gl.constexpr = 0, TAB: gl.constexpr = 0, SKIP: gl.constexpr = 0):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -366,12 +373,13 @@ if HAVE_GLUON:
                                                      kv_empty, pp_bars, pos, qk_scale, n_main, n_full,
                                                      first_pos + q_len, tb, turn, CID, PP, NR, NSTAGE, BLOCK_KV_,
                                                      qk_layout, o_layout, p_layout, KV2, FMA, NW, q_rel,
-                                                     QTMA * (1 - OSM), TMAX, KVS)
+                                                     QTMA * (1 - OSM), TMAX, KVS, SKIP)
                     turn += n_main + 1
                 if half:
                     m_i, l_i, acc = _half_tile(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
                                                pp_bars, pos, qk_scale, n_tiles - 1, first_pos + q_len, tb, turn, CID,
-                                               PP, NR, NSTAGE, BLOCK_KV_, o_layout, p_layout, FMA, NW, TMAX, KVS)
+                                               PP, NR, NSTAGE, BLOCK_KV_, o_layout, p_layout, FMA, NW, TMAX, KVS,
+                                               SKIP)
                     turn += 2
             tb += _units(n_tiles, KV2)
             if seq >= 0:
@@ -444,7 +452,8 @@ if HAVE_GLUON:
                             PP: gl.constexpr = 0, PERSIST: gl.constexpr = 0, KV2: gl.constexpr = 0,
                             FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1,
                             OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0,
-                            META: gl.constexpr = 0, KVS: gl.constexpr = 0, TAB: gl.constexpr = 0):
+                            META: gl.constexpr = 0, KVS: gl.constexpr = 0, TAB: gl.constexpr = 0,
+                            SKIP: gl.constexpr = 0):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer (of
         Q too, with ``QTMA``: ``q_desc`` loads ``[BQB, D]`` boxes of it into ``NQ`` buffers)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
@@ -461,12 +470,12 @@ if HAVE_GLUON:
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META, KVS, TAB)),
+                         TMAX, meta_bufs, META, KVS, TAB, SKIP)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META, KVS, TAB)),
+                         TMAX, meta_bufs, META, KVS, TAB, SKIP)),
         ], [4, 4], [CREGS, CREGS])
 
 
@@ -562,7 +571,7 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
         *args, q_layout, group, group_p, block_q, d, stages, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
         nq, _env("GLW_OSM", 1), half_tile(qtma, nq), _env("GLW_TMAX", 0), int(qtma and flag("GLW_META", fast) == 1),
-        split_kv(fast), int(tab), num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
+        split_kv(fast), int(tab), flag("GLW_SKIP", fast), num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
 
 
 def _env(name: str, default: int) -> int:

@@ -16,6 +16,34 @@ except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
 
 BLOCK_KV = 64  # the KV positions of one online-softmax step (the fixed order; triton_attention_fwd.BLOCK_KV)
+# GLW_SKIP (:func:`rescale`): whether any of a thread's two rows has alpha != 1, voted across its warp (uniform)
+_ANY_ROW_RESCALED_S = """{
+.reg .pred a, b;
+setp.neu.f32 a, $2, 0f3F800000;
+setp.neu.f32 b, $3, 0f3F800000;
+or.pred a, a, b;
+vote.sync.any.pred a, a, 0xffffffff;
+selp.s32 $0, 1, 0, a;
+mov.b32 $1, $0;
+}"""
+
+
+def _rescale_asm(pack: int) -> tuple[str, str]:
+    """The PTX of :func:`rescale` for ``pack`` accumulator values a thread: ``acc * alpha`` (``mul.rn``, as the
+    plain code), branched over where the warp's vote (the last operand) says no row changed its max."""
+    muls = "\n".join(f"mul.rn.f32 ${i}, ${i}, ${pack + pack + i};" for i in range(pack))
+    asm = "{\n.reg .pred keep;\nsetp.eq.s32 keep, $" + str(3 * pack) + ", 0;\n@keep bra.uni done;\n" + muls + \
+        "\ndone:\n}"
+    constraints = ",".join(["=f"] * pack + [str(i) for i in range(pack)] + ["f"] * pack + ["r"] * pack)
+    return asm, constraints
+
+
+if HAVE_GLUON:
+    _ANY_ROW_RESCALED = gl.constexpr(_ANY_ROW_RESCALED_S)
+    _RESCALE_64 = gl.constexpr(_rescale_asm(64)[0])
+    _RESCALE_64_C = gl.constexpr(_rescale_asm(64)[1])
+    _RESCALE_32 = gl.constexpr(_rescale_asm(32)[0])
+    _RESCALE_32_C = gl.constexpr(_rescale_asm(32)[1])
 
 
 if HAVE_GLUON:
@@ -190,6 +218,25 @@ if HAVE_GLUON:
         """Ping-pong: hand the turn to the other warpgroup, once this one's products are issued."""
         if PP:
             mbarrier.arrive(pp_bars.index(1 - CID), count=1)
+
+    @gluon.jit
+    def rescale(acc, alpha, SKIP: gl.constexpr):
+        """``acc * alpha[:, None]`` (``alpha`` in the rows' layout of ``acc``'s). With ``SKIP`` (``GLW_SKIP``) a warp
+        whose 16 rows all have ``alpha == 1`` exactly (no row's max grew on this tile: ``exp2(0)``) skips the
+        multiplies, which would leave every bit as it is (``x * 1.0 == x``): a warp-uniform branch in PTX over the
+        thread's 64 products (:func:`_rescale_asm`), decided by a vote of the warp (``_ANY_ROW_RESCALED``)."""
+        if SKIP:
+            vote = gl.inline_asm_elementwise(_ANY_ROW_RESCALED, "=r,=r,f,f", [alpha], dtype=gl.int32, is_pure=True,
+                                             pack=2)
+            if acc.shape[1] == 128:  # 64 values a thread (4 warps, 64 rows)
+                out = gl.inline_asm_elementwise(_RESCALE_64, _RESCALE_64_C, [acc, alpha[:, None], vote[:, None]],
+                                                dtype=gl.float32, is_pure=True, pack=64)
+            else:
+                out = gl.inline_asm_elementwise(_RESCALE_32, _RESCALE_32_C, [acc, alpha[:, None], vote[:, None]],
+                                                dtype=gl.float32, is_pure=True, pack=32)
+        else:
+            out = acc * alpha[:, None]
+        return out
 
     @gluon.jit
     def _halve(x, W: gl.constexpr):
