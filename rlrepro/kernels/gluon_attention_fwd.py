@@ -42,7 +42,8 @@ into which the next work's Q is loaded while the current one finishes; ``GLW_HAL
 lower half where the upper half is past every query (:func:`_half_tile`; 1-5 % slower); ``GLW_TMAX=1`` takes the
 row max as a tree (:func:`.gluon_attention_parts.row_max_tree`); ``GLW_TAB=1`` (persistent) reads each work's slot
 row from a table :func:`persistent_order` writes, in one step instead of order, slot and sequence one after another
-(:func:`.gluon_attention_parts._work_row`). **Defaults**, in both orders where the sequences average under
+(:func:`.gluon_attention_parts._work_row`); ``GLW_SKIP=1`` has a warp whose 16 rows' maxima did not grow on a tile
+(``alpha == 1`` exactly) skip the accumulator's rescale (:func:`.gluon_attention_parts.rescale`). **Defaults**, in both orders where the sequences average under
 ``LONG_MEAN`` tokens: persistent, Q by TMA, META, KVS and TAB (``FAST``), on two ring stages in the 128-position order
 (0.87-0.92x FlashAttention-3 at 4 x 2048 on the H100, against 0.84 for one program a work with three stages) and
 three in the 64-position order (0.835x against 0.771 at 4 x 2048, one call); longer ones all off, three stages.
