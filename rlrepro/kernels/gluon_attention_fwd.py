@@ -43,9 +43,10 @@ lower half where the upper half is past every query (:func:`_half_tile`; 1-5 % s
 row max as a tree (:func:`.gluon_attention_parts.row_max_tree`); ``GLW_TAB=1`` (persistent) reads each work's slot
 row from a table :func:`persistent_order` writes, in one step instead of order, slot and sequence one after another
 (:func:`.gluon_attention_parts._work_row`); ``GLW_SKIP=1`` has a warp whose 16 rows' maxima did not grow on a tile
-(``alpha == 1`` exactly) skip the accumulator's rescale (:func:`.gluon_attention_parts.rescale`). **Defaults**, in both orders where the sequences average under
-``LONG_MEAN`` tokens: persistent, Q by TMA, META, KVS and TAB (``FAST``), on two ring stages in the 128-position order
-(0.87-0.92x FlashAttention-3 at 4 x 2048 on the H100, against 0.84 for one program a work with three stages) and
+(``alpha == 1`` exactly) skip the accumulator's rescale (:func:`.gluon_attention_parts.rescale`); ``GLW_HOLD=1`` keeps
+the wait for ``P_t @ V_t`` below tile ``t + 1``'s softmax in the SASS (:func:`.gluon_attention_parts.hold`).
+**Defaults**, in both orders where the sequences average under ``LONG_MEAN`` tokens: persistent, Q by TMA, META,
+KVS and TAB (``FAST``), on two ring stages in the 128-position order (0.87-0.92x FlashAttention-3 at 4 x 2048 on the H100, against 0.84 for one program a work with three stages) and
 three in the 64-position order (0.835x against 0.771 at 4 x 2048, one call); longer ones all off, three stages.
 Tried and removed: K and V on one barrier, a slot table of one row a work for one program a work, prefetching the
 next slot row, and (commit 762f9aa) persistent consumers that run works back to back, the next work's first
@@ -70,7 +71,7 @@ try:  # Gluon and its Hopper namespace (Triton >= 3.5)
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .gluon_attention_parts import (_get_meta, _load_pair, _next_work, _pass, _put_meta, _ring, _rounds,
-                                        _row_query, _turn, _units, rescale, row_max_tree, zero_past)
+                                        _row_query, _turn, _units, hold, rescale, row_max_tree, zero_past)
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -207,7 +208,7 @@ if HAVE_GLUON:
                          NSTAGE: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
                          o_layout: gl.constexpr, p_layout: gl.constexpr, KV2: gl.constexpr, FMA: gl.constexpr,
                          NW: gl.constexpr, q_rel, QTMA: gl.constexpr, TMAX: gl.constexpr = 0, KVS: gl.constexpr = 0,
-                         SKIP: gl.constexpr = 0):
+                         SKIP: gl.constexpr = 0, HOLD: gl.constexpr = 0):
         """One work's KV tiles (``n_tiles`` > 0, the ring's tiles ``tb``, ``tb + 1``, ...), software-pipelined as
         FlashAttention-3 overlaps within a warpgroup: ``Q @ K_{t+1}^T`` and ``P_t @ V_t`` are issued together, and
         tile ``t + 1``'s softmax runs while ``P_t @ V_t`` is on the tensor cores. Every value is computed by the
@@ -251,6 +252,8 @@ if HAVE_GLUON:
                 mbarrier.arrive(kv_empty.index(NSTAGE + st1), count=1)
             m_i, l_i, p, alpha = _softmax_part(t + 1, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_, qk_layout,
                                                FMA, TMAX)
+            if HOLD:  # the wait below the softmax in the SASS too (:func:`.gluon_attention_parts.hold`)
+                l_i = hold(l_i)
             acc, pb = warpgroup_mma_wait(0, deps=[acc_tok, pb])
             mbarrier.arrive(kv_empty.index(st), count=1, pred=last)
         if QTMA:  # every Q @ K^T of the work is done
@@ -313,7 +316,8 @@ if HAVE_GLUON:
                   PERSIST: gl.constexpr, KV2: gl.constexpr = 0, FMA: gl.constexpr = 0, q_ready=None, q_empty=None,
                   QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, BQB: gl.constexpr = 1,
                   OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0, meta_bufs=None,
-                  META: gl.constexpr = 0, KVS: gl.constexpr = 0, TAB: gl.constexpr = 0, SKIP: gl.constexpr = 0):
+                  META: gl.constexpr = 0, KVS: gl.constexpr = 0, TAB: gl.constexpr = 0, SKIP: gl.constexpr = 0,
+                  HOLD: gl.constexpr = 0):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -374,7 +378,7 @@ if HAVE_GLUON:
                                                      kv_empty, pp_bars, pos, qk_scale, n_main, n_full,
                                                      first_pos + q_len, tb, turn, CID, PP, NR, NSTAGE, BLOCK_KV_,
                                                      qk_layout, o_layout, p_layout, KV2, FMA, NW, q_rel,
-                                                     QTMA * (1 - OSM), TMAX, KVS, SKIP)
+                                                     QTMA * (1 - OSM), TMAX, KVS, SKIP, HOLD)
                     turn += n_main + 1
                 if half:
                     m_i, l_i, acc = _half_tile(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
@@ -454,7 +458,7 @@ if HAVE_GLUON:
                             FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1,
                             OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0,
                             META: gl.constexpr = 0, KVS: gl.constexpr = 0, TAB: gl.constexpr = 0,
-                            SKIP: gl.constexpr = 0):
+                            SKIP: gl.constexpr = 0, HOLD: gl.constexpr = 0):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer (of
         Q too, with ``QTMA``: ``q_desc`` loads ``[BQB, D]`` boxes of it into ``NQ`` buffers)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
@@ -471,12 +475,12 @@ if HAVE_GLUON:
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META, KVS, TAB, SKIP)),
+                         TMAX, meta_bufs, META, KVS, TAB, SKIP, HOLD)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META, KVS, TAB, SKIP)),
+                         TMAX, meta_bufs, META, KVS, TAB, SKIP, HOLD)),
         ], [4, 4], [CREGS, CREGS])
 
 
@@ -572,7 +576,8 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
         *args, q_layout, group, group_p, block_q, d, stages, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
         nq, _env("GLW_OSM", 1), half_tile(qtma, nq), _env("GLW_TMAX", 0), int(qtma and flag("GLW_META", fast) == 1),
-        split_kv(fast), int(tab), flag("GLW_SKIP", fast), num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
+        split_kv(fast), int(tab), flag("GLW_SKIP", fast), flag("GLW_HOLD", fast), num_warps=4, maxnreg=maxnreg,
+        enable_fp_fusion=False)
 
 
 def _env(name: str, default: int) -> int:

@@ -38,7 +38,22 @@ def _rescale_asm(pack: int) -> tuple[str, str]:
     return asm, constraints
 
 
+# GLW_HOLD (:func:`hold`): a loop that runs once (it loops again only if the SM clock reads 0xffffffff, then once
+# more), i.e. a basic block boundary ptxas cannot fold or schedule across
+_HOLD_S = """{
+.reg .pred q;
+.reg .u32 c;
+again:
+mov.u32 c, %clock;
+setp.eq.u32 q, c, 0xffffffff;
+@q bra again;
+mov.b32 $0, $2;
+mov.b32 $1, $3;
+}"""
+
+
 if HAVE_GLUON:
+    _HOLD = gl.constexpr(_HOLD_S)
     _ANY_ROW_RESCALED = gl.constexpr(_ANY_ROW_RESCALED_S)
     _RESCALE_64 = gl.constexpr(_rescale_asm(64)[0])
     _RESCALE_64_C = gl.constexpr(_rescale_asm(64)[1])
@@ -237,6 +252,14 @@ if HAVE_GLUON:
         else:
             out = acc * alpha[:, None]
         return out
+
+    @gluon.jit
+    def hold(x):
+        """``x`` (a row vector, two values a thread) through a block boundary of the PTX (``_HOLD``), so that ptxas
+        cannot move an instruction placed after it in the source (the wait for ``P_t @ V_t``, ``GLW_HOLD``) above the
+        code that computed ``x`` (the softmax's exponentials and row sums): by itself ptxas puts that
+        ``WARPGROUP.DEPBAR`` before the exponentials, which then run with the product done."""
+        return gl.inline_asm_elementwise(_HOLD, "=f,=f,f,f", [x], dtype=gl.float32, is_pure=False, pack=2)
 
     @gluon.jit
     def _halve(x, W: gl.constexpr):
