@@ -47,7 +47,8 @@ row from a table :func:`persistent_order` writes, in one step instead of order, 
 the wait for ``P_t @ V_t`` below tile ``t + 1``'s softmax in the SASS (:func:`.gluon_attention_parts.hold`).
 **Defaults**, in both orders where the sequences average under ``LONG_MEAN`` tokens: persistent, Q by TMA, META,
 KVS and TAB (``FAST``), on two ring stages in the 128-position order (0.87-0.92x FlashAttention-3 at 4 x 2048 on
-the H100, against 0.84 for one program a work with three stages) and three in the 64-position order (0.835x against 0.771 at 4 x 2048, one call); longer ones all off, three stages.
+the H100, against 0.84 for one program a work with three stages) and three in the 64-position order (0.835x
+against 0.771 at 4 x 2048, one call); longer ones all off, three stages.
 Tried and removed: K and V on one barrier, a slot table of one row a work for one program a work, prefetching the
 next slot row, and (commit 762f9aa) persistent consumers that run works back to back, the next work's first
 ``Q @ K^T`` beside the last one's epilogue (``GLW_XW``: 0.863x against 0.913).
