@@ -289,9 +289,10 @@ def test_gpu_gluon_forward_skipped_rescale_keeps_the_bits(order, data, monkeypat
         _ragged_and_nonfinite_equal_large(G, monkeypatch)
 
 
-def test_skipped_rescale_asm():
+def test_skipped_rescale_and_hold_asm():
     """The PTX behind ``GLW_SKIP``: each of a thread's ``pack`` outputs is its own input (tied) times its alpha
-    operand, under one warp-uniform branch on the vote operand; the vote ORs the thread's two rows across the warp."""
+    operand, under one warp-uniform branch on the vote operand; the vote ORs the thread's two rows across the warp.
+    Behind ``GLW_HOLD``: the row sums unchanged, after a one-pass loop (a block boundary for ptxas)."""
     from rlrepro.kernels import gluon_attention_parts as P
     for pack in (32, 64):
         asm, cons = P._rescale_asm(pack)
@@ -304,6 +305,11 @@ def test_skipped_rescale_asm():
     vote = P._ANY_ROW_RESCALED_S
     assert "setp.neu.f32 a, $2, 0f3F800000;" in vote and "setp.neu.f32 b, $3, 0f3F800000;" in vote
     assert "or.pred a, a, b;" in vote and "vote.sync.any.pred a, a, 0xffffffff;" in vote
+    # GLW_HOLD: the two values pass through unchanged behind a loop on the clock that runs once
+    lines = [line.strip() for line in P._HOLD_S.splitlines()]
+    assert lines[lines.index("again:") + 1:lines.index("again:") + 4] == [
+        "mov.u32 c, %clock;", "setp.eq.u32 q, c, 0xffffffff;", "@q bra again;"]
+    assert "mov.b32 $0, $2;" in lines and "mov.b32 $1, $3;" in lines
 
 
 def _ragged_and_nonfinite_equal_large(G, monkeypatch):
