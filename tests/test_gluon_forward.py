@@ -344,7 +344,8 @@ def _ragged_and_nonfinite_equal_large(G, monkeypatch):
 
 def test_variant_defaults_by_order(monkeypatch):
     """Both orders run persistent, Q by TMA, META, K freed apart from V and the work table by default where the
-    sequences average under ``LONG_MEAN`` tokens (the 64-position order since session 39), on the deepest ring that
+    sequences average under ``LONG_MEAN`` tokens (the 64-position order since session 39, with the skipped rescale
+    and the held wait since session 40), on the deepest ring that
     leaves room for two Q buffers: two stages of 128-position tiles, three of 64-position ones; longer sequences none
     of them, on three; each switch follows the environment where it is set."""
     from rlrepro.kernels import gluon_attention_fwd as G
@@ -357,6 +358,13 @@ def test_variant_defaults_by_order(monkeypatch):
     names = ("GLW_PERSIST", "GLW_QTMA", "GLW_META", "GLW_KVS", "GLW_TAB", "GLW_PP")
     assert [G.flag(k, True) for k in names] == [1, 1, 1, 1, 1, 0]
     assert [G.flag(k, False) for k in names] == [0, 0, 0, 0, 0, 0]
+    # the 64-position order adds the skipped rescale and the held wait; 128f and long sequences do not
+    for name in ("GLW_SKIP", "GLW_HOLD"):
+        monkeypatch.delenv(name, raising=False)
+        assert (G.flag(name, True, 64), G.flag(name, True, 128), G.flag(name, False, 64)) == (1, 0, 0)
+        monkeypatch.setenv(name, "0")
+        assert G.flag(name, True, 64) == 0
+        monkeypatch.delenv(name)
     assert (G.ring_stages(True, 128), G.ring_stages(True, 64), G.ring_stages(False, 128)) == (2, 3, 3)
     assert G.ring_stages(True, 128, 64) == 3  # D = 64: three 128-position stages leave room for two Q buffers
     for block_kv, d in ((128, 128), (64, 128), (128, 64), (64, 64)):  # the kernel's rule for two Q buffers agrees

@@ -47,8 +47,8 @@ row from a table :func:`persistent_order` writes, in one step instead of order, 
 the wait for ``P_t @ V_t`` below tile ``t + 1``'s softmax in the SASS (:func:`.gluon_attention_parts.hold`).
 **Defaults**, in both orders where the sequences average under ``LONG_MEAN`` tokens: persistent, Q by TMA, META,
 KVS and TAB (``FAST``), on two ring stages in the 128-position order (0.87-0.92x FlashAttention-3 at 4 x 2048 on
-the H100, against 0.84 for one program a work with three stages) and three in the 64-position order (0.835x
-against 0.771 at 4 x 2048, one call); longer ones all off, three stages.
+the H100) and three in the 64-position order, which adds SKIP and HOLD (``FAST_64``: 0.82-0.90x FA3 on the H200,
+2026-12-07, 5-11 % over ``FAST`` alone); longer ones all off, three stages.
 Tried and removed: K and V on one barrier, a slot table of one row a work for one program a work, prefetching the
 next slot row, and (commit 762f9aa) persistent consumers that run works back to back, the next work's first
 ``Q @ K^T`` beside the last one's epilogue (``GLW_XW``: 0.863x against 0.913).
@@ -87,6 +87,9 @@ STAGES = None  # the K/V ring's depth; None: :func:`ring_stages`
 # 4 x 2048 against 0.84 for one program a work; the 64-position order (thirty-ninth session, one call) 0.835 / 0.832
 # at 4 x 2048 / 16 x 1024 against 0.771 / 0.761, ahead at 8k and 16k too (0.824 / 0.838 against 0.803 / 0.818)
 FAST = {"GLW_PERSIST": 1, "GLW_QTMA": 1, "GLW_META": 1, "GLW_KVS": 1, "GLW_TAB": 1}
+# and in the 64-position order: the rescale skipped where no max grew, the P @ V wait held below the softmax (H200,
+# 2026-12-07: 5-11 % faster in two calls; in 128f one call each way, not taken)
+FAST_64 = {"GLW_SKIP": 1, "GLW_HOLD": 1}
 LONG_MEAN = 12288  # from this mean sequence length on, one program a work on three stages (as fast in 128f at 16k)
 Q_ROOM = 200 * 1024  # shared memory for the K/V ring and the Q buffers (of the H100's 227 KB, the rest for barriers)
 CONSUMER_REGS = 240
@@ -499,10 +502,11 @@ def fast_defaults(n: int, n_seqs: int | None) -> bool:
     return not (n_seqs and n >= LONG_MEAN * n_seqs)
 
 
-def flag(name: str, fast: bool = False) -> int:
+def flag(name: str, fast: bool = False, block_kv: int = 0) -> int:
     """A variant switch: the environment's ``name`` if set, else its default (``FAST`` where ``fast``, see
-    :func:`fast_defaults`; otherwise off)."""
-    return _env(name, FAST.get(name, 0) if fast else 0)
+    :func:`fast_defaults`, with ``FAST_64`` in the 64-position order, ``block_kv`` 64; otherwise off)."""
+    defaults = {**FAST, **FAST_64} if block_kv == BLOCK_KV else FAST
+    return _env(name, defaults.get(name, 0) if fast else 0)
 
 
 def split_kv(fast: bool = False) -> int:
@@ -577,8 +581,8 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
         *args, q_layout, group, group_p, block_q, d, stages, lse is not None, ROWS, CONSUMER_REGS,
         int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
         nq, _env("GLW_OSM", 1), half_tile(qtma, nq), _env("GLW_TMAX", 0), int(qtma and flag("GLW_META", fast) == 1),
-        split_kv(fast), int(tab), flag("GLW_SKIP", fast), flag("GLW_HOLD", fast), num_warps=4, maxnreg=maxnreg,
-        enable_fp_fusion=False)
+        split_kv(fast), int(tab), flag("GLW_SKIP", fast, block_kv), flag("GLW_HOLD", fast, block_kv), num_warps=4,
+        maxnreg=maxnreg, enable_fp_fusion=False)
 
 
 def _env(name: str, default: int) -> int:
