@@ -38,6 +38,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from _report import bench, causal_references, emit, write  # noqa: E402
+from _triton_helpers import attention_data  # noqa: E402
 
 from rlrepro.kernels import AttentionMetadata  # noqa: E402
 from rlrepro.kernels import gluon_attention_fwd as G  # noqa: E402
@@ -67,23 +68,6 @@ def rnd(*shape, gen, scale=1.0):
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * scale
 
 
-def shape_data(kind: str, q, k, lens) -> None:
-    """Make ``q``/``k`` (random) of kind ``sink`` (every query's largest score on its sequence's first key, as a
-    trained model's attention sink: the row max is set on the first tile) or ``rising`` (scores grow with the key's
-    position: every tile raises every row's max); ``random`` leaves them."""
-    if kind == "random":
-        return
-    q[..., 0] = 4.0
-    starts = torch.tensor([0] + list(lens[:-1]), device="cuda").cumsum(0)
-    if kind == "sink":
-        k[starts, :, 0] = 60.0
-    elif kind == "rising":
-        pos = torch.cat([torch.arange(n, device="cuda") for n in lens]).float()
-        k[:, :, 0] = (pos / 4.0).to(k.dtype)[:, None]
-    else:
-        raise SystemExit(f"--data: {kind!r} is not random, sink or rising")
-
-
 def smoke(gen) -> None:
     """One small call of each kernel, timed with its compile, so that a hang or a slow compile shows where."""
     lens = [300, 77]
@@ -102,7 +86,7 @@ def bits(gen) -> None:
                                   ((32, 8, 64), "random"), ((32, 8, 128), "sink"), ((32, 8, 128), "rising")):
             n = sum(lens)
             q, k, v = rnd(n, h, d, gen=gen, scale=2.0), rnd(n, hkv, d, gen=gen, scale=2.0), rnd(n, hkv, d, gen=gen)
-            shape_data(kind, q, k, lens)
+            attention_data(kind, q, k, lens)
             meta = AttentionMetadata.packed(lens, device="cuda")
             og, lg = gluon_fwd(q, k, v, meta, d ** -0.5, return_lse=True)
             for cname in ("large", "long"):
@@ -165,7 +149,7 @@ def timings(gen, stages: list[int], fi, variants: list[str], data: tuple[str, ..
     for (batch, length), kind in [(shape, kind) for shape in SHAPES for kind in data]:
         n = batch * length
         q, k, v = rnd(n, H, D, gen=gen), rnd(n, HKV, D, gen=gen), rnd(n, HKV, D, gen=gen)
-        shape_data(kind, q, k, [length] * batch)
+        attention_data(kind, q, k, [length] * batch)
         label = f"{batch} x {length}" + ("" if kind == "random" else f" {kind}")
         meta = AttentionMetadata.packed([length] * batch, "cuda")
         # the Triton tile the order's packed calls take without Gluon ("long" in the default order, "large" in
@@ -246,6 +230,9 @@ def main() -> int:
     ap.add_argument("--child-probe", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-minimal", choices=["default", "worker"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    bad = [d for d in args.data.split(",") if d not in ("random", "sink", "rising")]
+    if bad:
+        raise SystemExit(f"--data: {bad} not among random, sink, rising")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not G.HAVE_GLUON:
         print("bench_attention_gluon: needs a Hopper GPU and Triton with Gluon")
         return 1

@@ -40,6 +40,25 @@ def fresh_seed() -> int:
     return seed
 
 
+def attention_data(kind: str, q: torch.Tensor, k: torch.Tensor, lens) -> None:
+    """Shape random packed ``q``/``k`` in place as attention inputs of kind ``sink`` (every query's largest score on
+    its sequence's first key, as a trained model's attention sink: a row's max is set on its first KV tile) or
+    ``rising`` (the scores step up with each 64-position tile of the sequence: every tile raises every row's max);
+    ``random`` leaves them. For the rescale the Gluon forward skips where no max grew (``GLW_SKIP``)."""
+    if kind == "random":
+        return
+    if kind not in ("sink", "rising"):
+        raise ValueError(f"attention data {kind!r}: use random, sink or rising")
+    q[..., 0] = 4.0
+    if kind == "sink":
+        starts = torch.tensor([0] + list(lens[:-1]), device=k.device).cumsum(0)
+        k[starts, :, 0] = 60.0
+    else:
+        # a step of 170 a 64-position tile: each tile's scores ~60 above the last's, far past the noise's spread
+        pos = torch.cat([torch.arange(n, device=k.device) for n in lens])
+        k[:, :, 0] = (pos // 64 * 170).to(k.dtype)[:, None]
+
+
 def rel_err(out: torch.Tensor, expect: torch.Tensor) -> float:
     out, expect = out.double().cpu(), expect.double().cpu()
     assert not torch.isnan(out).any(), "NaN in output"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _triton_helpers import fresh_seed, interpreter_test_items, main
+from _triton_helpers import attention_data, fresh_seed, interpreter_test_items, main
 from rlrepro.kernels import triton_attention_fwd as A
 from rlrepro.kernels.metadata import AttentionMetadata
 
@@ -272,14 +272,7 @@ def test_gpu_gluon_forward_skipped_rescale_keeps_the_bits(order, data, monkeypat
     gen = torch.Generator(device="cuda").manual_seed(seed)
     lens = [2048, 31, 1, 513, 4100, 64, 65, 300]
     q, k, v = _case(lens, 32, 8, 128, gen)
-    starts = torch.tensor([0] + lens[:-1], device="cuda").cumsum(0)
-    if data == "sink":  # a shared direction in every query, the first key of each sequence far along it
-        q[..., 0] = 4.0
-        k[starts, :, 0] = 60.0
-    elif data == "rising":  # the first dimension carries the key's position within its sequence
-        q[..., 0] = 4.0
-        pos = torch.cat([torch.arange(n, device="cuda") for n in lens]).float()
-        k[:, :, 0] = (pos / 4.0).to(torch.bfloat16)[:, None]
+    attention_data(data, q, k, lens)
     meta = AttentionMetadata.packed(lens, device="cuda")
     og, lg = A.attention_fwd(q, k, v, meta, 128 ** -0.5, return_lse=True)
     ot, lt = A.attention_fwd(q, k, v, meta, 128 ** -0.5, config=A.ATTENTION_CONFIGS["large"], return_lse=True)
@@ -287,6 +280,33 @@ def test_gpu_gluon_forward_skipped_rescale_keeps_the_bits(order, data, monkeypat
     assert torch.equal(lg, lt), f"lse differs from the Triton 'large' tile ({data}, {order}, seed {seed})"
     if data == "random":
         _ragged_and_nonfinite_equal_large(G, monkeypatch)
+
+
+def test_attention_data_kinds_set_the_row_max_where_meant():
+    """The inputs of the skip test: with ``sink`` every query's largest causal score is its sequence's first key
+    (the skip is taken on every later tile), with ``rising`` every 64-position tile raises every row's max (never
+    taken); on the CPU, with the GPU test's scale and head layout."""
+    lens = [200, 1, 130]
+    gen = torch.Generator().manual_seed(3)
+    for kind in ("sink", "rising"):
+        q = (torch.randn(sum(lens), 4, 128, generator=gen) * 2.0).to(torch.bfloat16)
+        k = torch.randn(sum(lens), 1, 128, generator=gen).to(torch.bfloat16)
+        attention_data(kind, q, k, lens)
+        start = 0
+        for n in lens:
+            s = torch.einsum("qhd,kd->hqk", q[start:start + n].float(), k[start:start + n, 0].float()) * 128 ** -0.5
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            if kind == "sink":
+                assert (s.argmax(-1) == 0).all(), f"sink: a row's max is not on its first key (len {n})"
+            else:
+                tiles = s.split(64, dim=-1)
+                for t in range(1, len(tiles)):
+                    rows = torch.arange(t * 64, n)  # the rows that see tile t
+                    before = torch.cat(tiles[:t], -1)[:, rows].amax(-1)
+                    assert (tiles[t][:, rows].amax(-1) > before).all(), f"rising: tile {t} kept a max (len {n})"
+            start += n
+    with pytest.raises(ValueError, match="random, sink or rising"):
+        attention_data("flat", q, k, lens)
 
 
 def test_skipped_rescale_and_hold_asm():

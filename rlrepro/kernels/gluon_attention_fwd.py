@@ -238,7 +238,7 @@ if HAVE_GLUON:
             st, ph, b, new, last = _ring(tb, t, n_tiles, NSTAGE, KV2)
             st1, ph1, b1, new1, last1 = _ring(tb, t + 1, n_tiles, NSTAGE, KV2)
             if not SKIP:
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                acc = rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), SKIP)
                 pb = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
             mbarrier.wait(k_ready.index(st1), ph1, pred=new1)  # predicates, not ifs: see _pipelined_tiles
             if not SKIP:
