@@ -118,26 +118,28 @@ def set_variant(spec: str) -> str:
     the producer hands each work's slot row to the consumers in shared memory), GLW_KVS (``s``: a stage's K and V
     buffers freed apart, K after its ``Q @ K^T``), GLW_TAB (``w``: persistent, each work's slot row from a table in one
     step), GLW_SKIP (``r``: a warp skips the accumulator's rescale where no row's max grew), GLW_HOLD (``d``: the wait
-    for ``P @ V`` held below the softmax in the SASS) and the reduction order
+    for ``P @ V`` held below the softmax in the SASS), GLW_QK2 (``n``: two KV tiles a ring stage, their ``Q @ K^T``
+    issued together; the 64-position order only) and the reduction order
     (``RLREPRO_ATTENTION_ORDER``, for the Triton reference too) for the kernels' next calls
     (``-``: leave the env; a missing ``kv`` part: 0; a missing ``q`` part: 0, Q loaded by the consumers; a missing
     ``o`` part: the default order)."""
     if spec != "-":
         m = re.fullmatch(r"pp([01])ps([01])(?:kv([01]))?(?:q([01]))?(?:m([01]))?(?:h([01]))?(?:t([01]))?(?:e([01]))?"
-                         r"(?:s([01]))?(?:w([01]))?(?:r([01]))?(?:d([01]))?(?:o(\w+))?", spec)
+                         r"(?:s([01]))?(?:w([01]))?(?:r([01]))?(?:d([01]))?(?:n([01]))?(?:o(\w+))?", spec)
         if m is None:
-            raise SystemExit(f"--variants: {spec!r} is not like pp0ps1kv0q1m0h1t1e1s1w1r1d1o128f")
-        pp, ps, kv, qt, osm, half, tmax, meta, kvs, tab, skip, hold, order = m.groups()
+            raise SystemExit(f"--variants: {spec!r} is not like pp0ps1kv0q1m0h1t1e1s1w1r1d1n1o128f")
+        pp, ps, kv, qt, osm, half, tmax, meta, kvs, tab, skip, hold, qk2, order = m.groups()
         os.environ.update(GLW_PP=pp, GLW_PERSIST=ps, GLW_KV2=kv or "0", GLW_QTMA=qt or "0", GLW_OSM=osm or "1",
                           GLW_HALF=half or "0", GLW_TMAX=tmax or "0", GLW_META=meta or "0", GLW_KVS=kvs or "0",
                           GLW_TAB=tab or "0", GLW_SKIP=skip or "0", GLW_HOLD=hold or "0",
+                          GLW_QK2=qk2 or "0",
                           RLREPRO_ATTENTION_ORDER=order or "")
     name = "pp{}ps{}kv{}".format(*(os.environ.get(f"GLW_{k}", "0") for k in ("PP", "PERSIST", "KV2")))
     name += "q" + os.environ.get("GLW_QTMA", "0")
     name += "m0" if os.environ.get("GLW_OSM", "1") == "0" else ""
     name += "".join(f"{c}1" for c, k in (("h", "GLW_HALF"), ("t", "GLW_TMAX"), ("e", "GLW_META"), ("s", "GLW_KVS"),
                                                 ("w", "GLW_TAB"), ("r", "GLW_SKIP"),
-                                                ("d", "GLW_HOLD"))
+                                                ("d", "GLW_HOLD"), ("n", "GLW_QK2"))
                     if os.environ.get(k, "0") == "1")
     order = os.environ.get("RLREPRO_ATTENTION_ORDER", "")
     return name + (f"o{order}" if order else "")

@@ -282,6 +282,37 @@ def test_gpu_gluon_forward_skipped_rescale_keeps_the_bits(order, data, monkeypat
         _ragged_and_nonfinite_equal_large(G, monkeypatch)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_with_gluon(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
+@pytest.mark.parametrize("data", ["random", "sink", "rising"])
+@pytest.mark.parametrize("d,kvs,h", [(128, 1, 32), (64, 1, 32), (128, 0, 64), (128, 1, 16)],
+                         ids=["d128-kvs-gqa4", "d64-kvs-gqa4", "d128-gqa8", "d128-kvs-mha"])
+def test_gpu_gluon_forward_paired_tiles_keep_the_bits(data, d, kvs, h, monkeypatch):
+    """``GLW_QK2=1`` (the 64-position order): two KV tiles a ring stage, their ``Q @ K^T`` issued together, the two
+    softmax steps and ``P @ V`` products one after the other. The Triton bits (out and lse, ``torch.equal``) for
+    works of odd and even tile counts, sequences ending in a pair's first or second tile, with the rescale skipped
+    often, always or never (``data``), K and V freed apart or together; and the ragged / non-finite battery."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    monkeypatch.setenv("RLREPRO_ATTENTION_ORDER", "64")
+    monkeypatch.setenv("GLW_QK2", "1")
+    monkeypatch.setenv("GLW_KVS", str(kvs))
+    for name in ("GLW_PERSIST", "GLW_QTMA", "GLW_META", "GLW_TAB", "GLW_PP", "GLW_SKIP", "GLW_HOLD"):
+        monkeypatch.delenv(name, raising=False)  # the defaults (FAST and FAST_64 for these lengths)
+    seed = fresh_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lens = [2048, 31, 1, 513, 4100, 64, 65, 128, 129, 191, 192, 300]
+    q, k, v = _case(lens, h, 16 if h == 16 else 8, d, gen)
+    attention_data(data, q, k, lens)
+    meta = AttentionMetadata.packed(lens, device="cuda")
+    assert G.pair_tiles(64, True) == 1 and A.use_gluon(q, k, v, h // k.shape[1])
+    og, lg = A.attention_fwd(q, k, v, meta, d ** -0.5, return_lse=True)
+    ot, lt = A.attention_fwd(q, k, v, meta, d ** -0.5, config=A.ATTENTION_CONFIGS["large"], return_lse=True)
+    assert torch.equal(og, ot), f"out differs from the Triton 'large' tile ({data}, d {d}, seed {seed})"
+    assert torch.equal(lg, lt), f"lse differs from the Triton 'large' tile ({data}, d {d}, seed {seed})"
+    if data == "random" and d == 128:
+        _ragged_and_nonfinite_equal_large(G, monkeypatch)
+
+
 def test_attention_data_kinds_set_the_row_max_where_meant():
     """The inputs of the skip test: with ``sink`` every query's largest causal score is its sequence's first key
     (the skip is taken on every later tile), with ``rising`` every 64-position tile raises every row's max (never
@@ -399,6 +430,27 @@ def test_variant_defaults_by_order(monkeypatch):
     assert G.ring_stages(False, 128) == 2 and G.flag("GLW_PERSIST", True) == 0
     monkeypatch.setattr(G, "STAGES", 4)
     assert G.ring_stages(True, 64) == 4
+
+
+def test_paired_tiles_switch(monkeypatch):
+    """``GLW_QK2`` (two 64-position tiles a ring stage, one ``Q @ K^T`` issue for both) is off unless set, and only
+    ever on in the 64-position order; its ring is sized for pairs: two stages of two tiles where K and V are freed
+    apart, with room left for two Q buffers at D = 128."""
+    from rlrepro.kernels import gluon_attention_fwd as G
+    monkeypatch.delenv("GLW_QK2", raising=False)
+    monkeypatch.setattr(G, "STAGES", None)
+    assert (G.pair_tiles(64, True), G.pair_tiles(64, False), G.pair_tiles(128, True)) == (0, 0, 0)
+    monkeypatch.setenv("GLW_QK2", "1")
+    assert (G.pair_tiles(64, True), G.pair_tiles(64, False), G.pair_tiles(128, True)) == (1, 1, 0)
+    monkeypatch.setenv("GLW_KVS", "1")
+    monkeypatch.delenv("GLW_KV2", raising=False)
+    assert G.ring_stages(True, 2 * 64) == 2
+    assert G.ring_stages(True, 2 * 64) * 2 * 128 * 128 * 2 + 4 * G.ROWS * 128 * 2 <= G.Q_ROOM
+    monkeypatch.setenv("GLW_PP", "1")
+    q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="GLW_QK2=1 .* does not ping-pong; unset GLW_PP"):
+        G.attention_fwd_gluon(q, q[:, :8], q[:, :8], torch.tensor([0, 64], dtype=torch.int32),
+                              torch.tensor([64], dtype=torch.int32), (1, None, None), 0.1, 4, 4, 32, q, None)
 
 
 def test_dispatch_passes_the_sequence_count(monkeypatch):

@@ -44,7 +44,9 @@ row max as a tree (:func:`.gluon_attention_parts.row_max_tree`); ``GLW_TAB=1`` (
 row from a table :func:`persistent_order` writes, in one step instead of order, slot and sequence one after another
 (:func:`.gluon_attention_parts._work_row`); ``GLW_SKIP=1`` has a warp whose 16 rows' maxima did not grow on a tile
 (``alpha == 1`` exactly) skip the accumulator's rescale (:func:`.gluon_attention_parts.rescale`); ``GLW_HOLD=1`` keeps
-the wait for ``P_t @ V_t`` below tile ``t + 1``'s softmax in the SASS (:func:`.gluon_attention_parts.hold`).
+the wait for ``P_t @ V_t`` below tile ``t + 1``'s softmax in the SASS (:func:`.gluon_attention_parts.hold`);
+``GLW_QK2=1`` (64-position order) puts two tiles in a ring stage and issues their ``Q @ K^T`` together
+(:func:`.gluon_attention_pair._paired_tiles`).
 **Defaults**, in both orders where the sequences average under ``LONG_MEAN`` tokens: persistent, Q by TMA, META,
 KVS and TAB (``FAST``), on two ring stages in the 128-position order (0.87-0.92x FlashAttention-3 at 4 x 2048 on
 the H100) and three in the 64-position order, which adds SKIP and HOLD (``FAST_64``: 0.82-0.90x FA3 on the H200,
@@ -53,9 +55,8 @@ Tried and removed: K and V on one barrier, a slot table of one row a work for on
 next slot row, and (commit 762f9aa) persistent consumers that run works back to back, the next work's first
 ``Q @ K^T`` beside the last one's epilogue (``GLW_XW``: 0.863x against 0.913).
 
-History: the kernel hung on the H100 until the twenty-seventh session found why (an empty schedule slot's consumers
-waited for a tile its producer never loaded, see ``_program``); ``benchmarks/gluon_hang_probes.probe_tma_wait`` is
-the hang's reduced probe.
+History: an empty schedule slot's consumers once waited for a tile never loaded, a hang (``_program``; its reduced
+probe: ``benchmarks/gluon_hang_probes.probe_tma_wait``).
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ try:  # Gluon and its Hopper namespace (Triton >= 3.5)
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .gluon_attention_parts import (_get_meta, _load_pair, _next_work, _pass, _put_meta, _ring, _rounds,
-                                        _row_query, _turn, _units, hold, rescale, row_max_tree, zero_past)
+                                        _row_query, _turn, _units, hold, rescale, zero_past)
+    from .gluon_attention_pair import _paired_tiles, _qk_issue, _softmax_part
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -105,14 +107,15 @@ if HAVE_GLUON:
                   D: gl.constexpr, NSTAGE: gl.constexpr, PERSIST: gl.constexpr, KV2: gl.constexpr = 0,
                   q_desc=None, q_bufs=None, q_ready=None, q_empty=None, GROUP: gl.constexpr = 1,
                   QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, meta_bufs=None, META: gl.constexpr = 0,
-                  KVS: gl.constexpr = 0, TAB: gl.constexpr = 0):
+                  KVS: gl.constexpr = 0, TAB: gl.constexpr = 0, QK2: gl.constexpr = 0):
         """Each work's KV tiles 0, 1, ... by TMA into the ring; the ring's count ``i`` runs on across works. With
         ``KV2`` a ring stage holds two tiles (two loads on one barrier; the last stage of an odd count one). With
         ``QTMA`` each work's Q tile first (:func:`_load_q`), into the next of ``NQ`` Q buffers; with ``META`` also
         for a work without tiles, with its slot table row beside it (:func:`_put_meta`). With ``KVS`` a stage's K and
         V buffers are freed apart (``kv_empty[NSTAGE + st]`` for K, ``kv_empty[st]`` for V). With ``TAB`` (persistent)
         ``order_ptr`` is :func:`persistent_order`'s work table: a work's row in one step
-        (:func:`.gluon_attention_parts._work_row`)."""
+        (:func:`.gluon_attention_parts._work_row`). With ``QK2`` (and ``KV2``) a stage's two tiles are the halves of
+        one ``[2 * BLOCK_KV_, D]`` buffer (:func:`.gluon_attention_pair._paired_tiles`)."""
         tb = gl.program_id(0) * 0
         qc = gl.program_id(0) * 0
         for r in range(_rounds(n_work, PERSIST)):
@@ -140,8 +143,20 @@ if HAVE_GLUON:
                 if KV2:
                     row = (cu0 + 2 * t * BLOCK_KV_).to(gl.int32)
                     two = 2 * t + 1 < n_tiles
-                    _load_pair(k_desc, k_ready.index(st), k_bufs, 2 * st, row, col, two, BLOCK_KV_)
-                    _load_pair(v_desc, v_ready.index(st), v_bufs, 2 * st, row, col, two, BLOCK_KV_)
+                    if QK2:
+                        _load_pair(k_desc, k_ready.index(st), k_bufs.index(st).slice(0, BLOCK_KV_),
+                                   k_bufs.index(st).slice(BLOCK_KV_, BLOCK_KV_), row, col, two, BLOCK_KV_)
+                    else:
+                        _load_pair(k_desc, k_ready.index(st), k_bufs.index(2 * st), k_bufs.index(2 * st + 1), row, col,
+                                   two, BLOCK_KV_)
+                    if KVS:
+                        mbarrier.wait(kv_empty.index(st), ((i // NSTAGE) & 1) ^ 1)
+                    if QK2:
+                        _load_pair(v_desc, v_ready.index(st), v_bufs.index(st).slice(0, BLOCK_KV_),
+                                   v_bufs.index(st).slice(BLOCK_KV_, BLOCK_KV_), row, col, two, BLOCK_KV_)
+                    else:
+                        _load_pair(v_desc, v_ready.index(st), v_bufs.index(2 * st), v_bufs.index(2 * st + 1), row, col,
+                                   two, BLOCK_KV_)
                 else:
                     row = (cu0 + t * BLOCK_KV_).to(gl.int32)  # TMA coordinates are 32-bit
                     mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
@@ -173,38 +188,6 @@ if HAVE_GLUON:
             coord_q = row + (j % QPB) * BQB
             coord_d = ((head0 + j // QPB) * D).to(gl.int32)
             tma.async_copy_global_to_shared(q_desc, [coord_q, coord_d], q_ready.index(qb), dst, pred=has_tiles)
-
-    @gluon.jit
-    def _qk_issue(b, q_smem, k_bufs, NR: gl.constexpr, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr):
-        """Start ``Q @ K^T`` on K buffer ``b`` (already waited for) without waiting for it (a token)."""
-        zero = gl.zeros([NR, BLOCK_KV_], gl.float32, qk_layout)
-        return warpgroup_mma(q_smem, k_bufs.index(b).permute((1, 0)), zero, use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _softmax_part(t, qk, m_i, l_i, pos, qk_scale, n_full, BLOCK_KV_: gl.constexpr, qk_layout: gl.constexpr,
-                      FMA: gl.constexpr, TMAX: gl.constexpr = 0):
-        """The Triton kernel's online-softmax arithmetic (``_softmax_step``, in the order ``FMA`` names) on KV tile
-        ``t``'s scores, up to ``p`` and ``alpha`` (the causal mask where ``t >= n_full``: a full tile's positions all
-        pass it, so it is skipped there, as there)."""
-        if FMA:
-            s = qk
-        else:
-            s = qk * qk_scale
-        if t >= n_full:
-            j = t * BLOCK_KV_ + gl.arange(0, BLOCK_KV_, layout=gl.SliceLayout(0, qk_layout))
-            s = gl.where(j[None, :] <= pos[:, None], s, float("-inf"))
-        if TMAX:  # the same maximum, as a tree
-            m_new = gl.maximum(m_i, row_max_tree(s, BLOCK_KV_))
-        else:
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        if FMA:
-            p = gl.exp2(gl.fma(s, gl.full_like(s, qk_scale), -(m_new * qk_scale)[:, None]))
-            alpha = gl.exp2((m_i - m_new) * qk_scale)
-        else:
-            p = gl.exp2(s - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        return m_new, l_i, p, alpha
 
     @gluon.jit
     def _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, pos, qk_scale,
@@ -321,7 +304,7 @@ if HAVE_GLUON:
                   QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1, BQB: gl.constexpr = 1,
                   OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0, meta_bufs=None,
                   META: gl.constexpr = 0, KVS: gl.constexpr = 0, TAB: gl.constexpr = 0, SKIP: gl.constexpr = 0,
-                  HOLD: gl.constexpr = 0):
+                  HOLD: gl.constexpr = 0, QK2: gl.constexpr = 0):
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                             instr_shape=[16, BLOCK_KV_, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -377,7 +360,12 @@ if HAVE_GLUON:
                 half = HALF and (first_pos + gl.minimum(q0 + BLOCK_Q, q_len) - 1 - (n_tiles - 1) * BLOCK_KV_
                                  < BLOCK_KV_ // 2)
                 n_main = n_tiles - half.to(gl.int32)
-                if n_main > 0:
+                if QK2:  # two tiles a stage, one Q @ K^T for both (gluon_attention_pair)
+                    m_i, l_i, acc = _paired_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                                                  pos, qk_scale, n_tiles, n_full, first_pos + q_len, tb, NR, NSTAGE,
+                                                  BLOCK_KV_, qk_layout, o_layout, p_layout, NW, q_rel,
+                                                  QTMA * (1 - OSM), TMAX, KVS, SKIP, HOLD)
+                elif n_main > 0:
                     m_i, l_i, acc = _pipelined_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready,
                                                      kv_empty, pp_bars, pos, qk_scale, n_main, n_full,
                                                      first_pos + q_len, tb, turn, CID, PP, NR, NSTAGE, BLOCK_KV_,
@@ -426,14 +414,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _stages(k_desc, v_desc, NSTAGE: gl.constexpr, N_CONSUMERS: gl.constexpr, KV2: gl.constexpr = 0,
-                KVS: gl.constexpr = 0):
+                KVS: gl.constexpr = 0, QK2: gl.constexpr = 0):
         """The K/V ring (``NSTAGE`` tiles of each) and its barriers: K and V "ready" (one TMA arrival each) and
         "empty" (one arrival per consumer partition; with ``KVS`` V's, then K's), the two ping-pong barriers, and
         the Q buffers' "ready" (the producer's TMA) and "empty" (one arrival per consumer) barriers, initialised."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE * (1 + KV2), BKV, D], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE * (1 + KV2), BKV, D], v_desc.layout)
+        shape: gl.constexpr = [NSTAGE, 2 * BKV, D] if QK2 else [NSTAGE * (1 + KV2), BKV, D]
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, shape, v_desc.layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [(1 + KVS) * NSTAGE, 1], mbarrier.MBarrierLayout())  # V, K
@@ -462,29 +451,29 @@ if HAVE_GLUON:
                             FMA: gl.constexpr = 0, QTMA: gl.constexpr = 0, NQ: gl.constexpr = 1,
                             OSM: gl.constexpr = 1, HALF: gl.constexpr = 0, TMAX: gl.constexpr = 0,
                             META: gl.constexpr = 0, KVS: gl.constexpr = 0, TAB: gl.constexpr = 0,
-                            SKIP: gl.constexpr = 0, HOLD: gl.constexpr = 0):
+                            SKIP: gl.constexpr = 0, HOLD: gl.constexpr = 0, QK2: gl.constexpr = 0):
         """Two 4-warp consumer partitions (``NR`` rows each) and the default partition as the TMA producer (of
         Q too, with ``QTMA``: ``q_desc`` loads ``[BQB, D]`` boxes of it into ``NQ`` buffers)."""
         BKV: gl.constexpr = k_desc.block_type.shape[0]
         BQB: gl.constexpr = BLOCK_Q if BLOCK_Q < NR else NR
         q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2 * NQ, NR, D], q_smem_layout)
         k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars, q_ready, q_empty = _stages(k_desc, v_desc, NSTAGE, 2,
-                                                                                        KV2, KVS)
+                                                                                        KV2, KVS, QK2)
         meta_bufs = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         gl.warp_specialize([
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, prog_seq_ptr, prog_q0_ptr,
                          cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, BLOCK_Q, BKV, D, NSTAGE, PERSIST, KV2,
-                         q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META, KVS, TAB)),
+                         q_desc, q_bufs, q_ready, q_empty, GROUP, QTMA, NQ, meta_bufs, META, KVS, TAB, QK2)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 0, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META, KVS, TAB, SKIP, HOLD)),
+                         TMAX, meta_bufs, META, KVS, TAB, SKIP, HOLD, QK2)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_bufs, k_bufs, v_bufs, k_ready, v_ready, kv_empty, pp_bars,
                          prog_seq_ptr, prog_q0_ptr, cu_ptr, seq_lens_ptr, order_ptr, n_work, hkv, stride_qn,
                          stride_qh, stride_on, stride_oh, stride_ln, qk_scale, 1, NR, GROUP, GROUP_P, BLOCK_Q, BKV,
                          D, NSTAGE, WRITE_LSE, 4, PP, PERSIST, KV2, FMA, q_ready, q_empty, QTMA, NQ, BQB, OSM, HALF,
-                         TMAX, meta_bufs, META, KVS, TAB, SKIP, HOLD)),
+                         TMAX, meta_bufs, META, KVS, TAB, SKIP, HOLD, QK2)),
         ], [4, 4], [CREGS, CREGS])
 
 
@@ -507,6 +496,12 @@ def flag(name: str, fast: bool = False, block_kv: int = 0) -> int:
     :func:`fast_defaults`, with ``FAST_64`` in the 64-position order, ``block_kv`` 64; otherwise off)."""
     defaults = {**FAST, **FAST_64} if block_kv == BLOCK_KV else FAST
     return _env(name, defaults.get(name, 0) if fast else 0)
+
+
+def pair_tiles(block_kv: int, fast: bool = False) -> int:
+    """Whether two 64-position tiles share a ring stage and one ``Q @ K^T`` (``GLW_QK2``, the 64-position order
+    only: :func:`.gluon_attention_pair._paired_tiles`)."""
+    return int(block_kv == BLOCK_KV and flag("GLW_QK2", fast, block_kv) == 1)
 
 
 def split_kv(fast: bool = False) -> int:
@@ -548,9 +543,12 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     hkv = k_flat.shape[1]
     if block_q * group_p != CONSUMERS * ROWS:
         raise ValueError(f"gluon attention: a tile of {block_q} x {group_p} rows is not {CONSUMERS} x {ROWS}")
+    fast = fast_defaults(n, n_seqs)
+    qk2 = pair_tiles(block_kv, fast)
+    if qk2 and _env("GLW_PP", 0):
+        raise ValueError("gluon attention: GLW_QK2=1 (two tiles a Q @ K^T) does not ping-pong; unset GLW_PP")
     g_slots, prog_seq, prog_q0 = schedule
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    fast = fast_defaults(n, n_seqs)
     persist = flag("GLW_PERSIST", fast) == 1
     tab = persist and flag("GLW_TAB", fast) == 1  # the works' rows in a table (one step a work), else the order
     if tab or (persist and order is None):
@@ -569,8 +567,8 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
     else:
         q_layout, q_desc = gl.NVMMASharedLayout.get_default_for([ROWS, d], dt), k_desc
     # two Q buffers where shared memory holds them beside the ring (both orders on their default rings), else one
-    stages = ring_stages(fast, block_kv, d, q.element_size())
-    ring = stages * 2 * block_kv * d * q.element_size()
+    stages = ring_stages(fast, block_kv * (1 + qk2), d, q.element_size())
+    ring = stages * 2 * block_kv * (1 + qk2) * d * q.element_size()
     nq = 2 if qtma and ring + 4 * ROWS * d * q.element_size() <= Q_ROOM else 1
     args = (q, q_desc, k_desc, v_desc, out, lse if lse is not None else out, prog_seq, prog_q0, cu, seq_lens,
             order if persist else prog_seq, n_work, hkv, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -579,10 +577,10 @@ def attention_fwd_gluon(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Ten
         (CONSUMERS * 4 * CONSUMER_REGS + 4 * PRODUCER_REGS) // (4 * (CONSUMERS + 1))
     _attn_fwd_ws_kernel[grid](
         *args, q_layout, group, group_p, block_q, d, stages, lse is not None, ROWS, CONSUMER_REGS,
-        int(os.environ.get("GLW_PP", "0")), int(persist), int(os.environ.get("GLW_KV2", "0")), int(fma), int(qtma),
-        nq, _env("GLW_OSM", 1), half_tile(qtma, nq), _env("GLW_TMAX", 0), int(qtma and flag("GLW_META", fast) == 1),
-        split_kv(fast), int(tab), flag("GLW_SKIP", fast, block_kv), flag("GLW_HOLD", fast, block_kv), num_warps=4,
-        maxnreg=maxnreg, enable_fp_fusion=False)
+        int(os.environ.get("GLW_PP", "0")), int(persist), _env("GLW_KV2", 0) | qk2, int(fma), int(qtma),
+        nq, _env("GLW_OSM", 1), half_tile(qtma, nq) * (1 - qk2), _env("GLW_TMAX", 0),
+        int(qtma and flag("GLW_META", fast) == 1), split_kv(fast), int(tab), flag("GLW_SKIP", fast, block_kv),
+        flag("GLW_HOLD", fast, block_kv), qk2, num_warps=4, maxnreg=maxnreg, enable_fp_fusion=False)
 
 
 def _env(name: str, default: int) -> int:

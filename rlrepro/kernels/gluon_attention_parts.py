@@ -192,14 +192,14 @@ if HAVE_GLUON:
         return n
 
     @gluon.jit
-    def _load_pair(desc, bar, bufs, b, row, col, two, BLOCK_KV_: gl.constexpr):
-        """Tiles at ``row`` (and ``row + BLOCK_KV_`` if ``two``) into buffers ``b`` (and ``b + 1``), on ``bar``."""
+    def _load_pair(desc, bar, dst0, dst1, row, col, two, BLOCK_KV_: gl.constexpr):
+        """Tiles at ``row`` (and ``row + BLOCK_KV_`` if ``two``) into ``dst0`` (and ``dst1``), on ``bar``."""
         if two:
             mbarrier.expect(bar, 2 * desc.block_type.nbytes)
         else:
             mbarrier.expect(bar, desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [row, col], bar, bufs.index(b))
-        tma.async_copy_global_to_shared(desc, [row + BLOCK_KV_, col], bar, bufs.index(b + 1), pred=two)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, dst0)
+        tma.async_copy_global_to_shared(desc, [row + BLOCK_KV_, col], bar, dst1, pred=two)
 
     @gluon.jit
     def _ring(tb, t, n_tiles, NSTAGE: gl.constexpr, KV2: gl.constexpr):
