@@ -143,20 +143,10 @@ if HAVE_GLUON:
                 if KV2:
                     row = (cu0 + 2 * t * BLOCK_KV_).to(gl.int32)
                     two = 2 * t + 1 < n_tiles
-                    if QK2:
-                        _load_pair(k_desc, k_ready.index(st), k_bufs.index(st).slice(0, BLOCK_KV_),
-                                   k_bufs.index(st).slice(BLOCK_KV_, BLOCK_KV_), row, col, two, BLOCK_KV_)
-                    else:
-                        _load_pair(k_desc, k_ready.index(st), k_bufs.index(2 * st), k_bufs.index(2 * st + 1), row, col,
-                                   two, BLOCK_KV_)
+                    _load_pair(k_desc, k_ready.index(st), k_bufs, st, row, col, two, BLOCK_KV_, QK2)
                     if KVS:
                         mbarrier.wait(kv_empty.index(st), ((i // NSTAGE) & 1) ^ 1)
-                    if QK2:
-                        _load_pair(v_desc, v_ready.index(st), v_bufs.index(st).slice(0, BLOCK_KV_),
-                                   v_bufs.index(st).slice(BLOCK_KV_, BLOCK_KV_), row, col, two, BLOCK_KV_)
-                    else:
-                        _load_pair(v_desc, v_ready.index(st), v_bufs.index(2 * st), v_bufs.index(2 * st + 1), row, col,
-                                   two, BLOCK_KV_)
+                    _load_pair(v_desc, v_ready.index(st), v_bufs, st, row, col, two, BLOCK_KV_, QK2)
                 else:
                     row = (cu0 + t * BLOCK_KV_).to(gl.int32)  # TMA coordinates are 32-bit
                     mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)

@@ -192,8 +192,15 @@ if HAVE_GLUON:
         return n
 
     @gluon.jit
-    def _load_pair(desc, bar, dst0, dst1, row, col, two, BLOCK_KV_: gl.constexpr):
-        """Tiles at ``row`` (and ``row + BLOCK_KV_`` if ``two``) into ``dst0`` (and ``dst1``), on ``bar``."""
+    def _load_pair(desc, bar, bufs, st, row, col, two, BLOCK_KV_: gl.constexpr, HALVES: gl.constexpr = 0):
+        """Tiles at ``row`` (and ``row + BLOCK_KV_`` if ``two``) into ring stage ``st``'s two buffers, on ``bar``:
+        ``bufs[2 st]`` and ``bufs[2 st + 1]``, or with ``HALVES`` (``GLW_QK2``) the halves of ``bufs[st]``."""
+        if HALVES:
+            dst0 = bufs.index(st).slice(0, BLOCK_KV_)
+            dst1 = bufs.index(st).slice(BLOCK_KV_, BLOCK_KV_)
+        else:
+            dst0 = bufs.index(2 * st)
+            dst1 = bufs.index(2 * st + 1)
         if two:
             mbarrier.expect(bar, 2 * desc.block_type.nbytes)
         else:
