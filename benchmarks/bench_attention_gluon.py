@@ -166,7 +166,10 @@ def timings(gen, stages: list[int], fi, variants: list[str], data: tuple[str, ..
                 name = set_variant(spec)
                 for st in stages:
                     G.STAGES = st
-                    res[f"gluon {name} s{st}"] = bench(lambda: gluon_fwd(q, k, v, meta, scale))
+                    key = f"gluon {name} s{st}"
+                    while key in res:  # a variant listed again (before and after another): a row of its own
+                        key += "'"
+                    res[key] = bench(lambda: gluon_fwd(q, k, v, meta, scale))
         finally:
             G.STAGES = base_stages
         res.update(causal_references(q, k, v, batch, length, scale, fi))
