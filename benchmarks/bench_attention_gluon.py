@@ -145,7 +145,27 @@ def set_variant(spec: str) -> str:
     return name + (f"o{order}" if order else "")
 
 
-def timings(gen, stages: list[int], fi, variants: list[str], data: tuple[str, ...] = ("random",)) -> list[str]:
+def summarise(rounds: list[dict[str, float]]) -> dict[str, tuple[float, float, float | None]]:
+    """Each name's ``(median ms, spread, median FA3 / this)`` over ``rounds`` (dicts of name -> ms, one a round,
+    every variant timed once a round, round-robin): the spread is ``(max - min) / median``, the FA3 ratio the median
+    of the rounds' own ratios (so a machine that drifts within the call moves both sides of each), None without FA3."""
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        mid = len(xs) // 2
+        return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+    out = {}
+    for name in rounds[0]:
+        ms = [r[name] for r in rounds]
+        mid = median(ms)
+        ratios = [r["FA3"] / r[name] for r in rounds if "FA3" in r]
+        out[name] = (mid, (max(ms) - min(ms)) / mid, median(ratios) if len(ratios) == len(rounds) else None)
+    return out
+
+
+def timings(gen, stages: list[int], fi, variants: list[str], data: tuple[str, ...] = ("random",),
+            rounds: int = 1) -> list[str]:
+    """The table's rows: each shape and data kind, the Triton tile, each variant at each stage count and the
+    references, timed ``rounds`` times round-robin (:func:`summarise`)."""
     rows = []
     scale = D ** -0.5
     for (batch, length), kind in [(shape, kind) for shape in SHAPES for kind in data]:
@@ -158,25 +178,29 @@ def timings(gen, stages: list[int], fi, variants: list[str], data: tuple[str, ..
         # 128f, whose 256 x 128 "long" tile is never picked: 0.06x FA3 on the H100); the order of the first variant
         set_variant(variants[0]) if variants else None
         tile = "large" if A.attention_order()[0] > A.BLOCK_KV else "long"
-        res = {}
-        res[f"triton {tile}"] = bench(lambda: A.attention_fwd(q, k, v, meta, scale, config=A.ATTENTION_CONFIGS[tile]))
-        base_stages = G.STAGES
-        try:
-            for spec in variants:
-                name = set_variant(spec)
-                for st in stages:
-                    G.STAGES = st
-                    key = f"gluon {name} s{st}"
-                    while key in res:  # a variant listed again (before and after another): a row of its own
-                        key += "'"
-                    res[key] = bench(lambda: gluon_fwd(q, k, v, meta, scale))
-        finally:
-            G.STAGES = base_stages
-        res.update(causal_references(q, k, v, batch, length, scale, fi))
-        fa3 = res.get("FA3")
-        for name, ms in res.items():
-            ratio = f"{fa3 / ms:.3f}" if fa3 else "-"
-            rows.append(f"| {label} | {name} | {ms:.4f} | {tflops(batch, length, ms):.0f} | {ratio} |")
+        got = []
+        for _ in range(rounds):
+            set_variant(variants[0]) if variants else None
+            res = {}
+            res[f"triton {tile}"] = bench(lambda: A.attention_fwd(q, k, v, meta, scale,
+                                                                  config=A.ATTENTION_CONFIGS[tile]))
+            base_stages = G.STAGES
+            try:
+                for spec in variants:
+                    name = set_variant(spec)
+                    for st in stages:
+                        G.STAGES = st
+                        key = f"gluon {name} s{st}"
+                        while key in res:  # a variant listed again (before and after another): a row of its own
+                            key += "'"
+                        res[key] = bench(lambda: gluon_fwd(q, k, v, meta, scale))
+            finally:
+                G.STAGES = base_stages
+            res.update(causal_references(q, k, v, batch, length, scale, fi))
+            got.append(res)
+        for name, (ms, spread, ratio) in summarise(got).items():
+            rows.append(f"| {label} | {name} | {ms:.4f} | {tflops(batch, length, ms):.0f} | "
+                        f"{'-' if ratio is None else f'{ratio:.3f}'} |" + (f" {spread:.1%} |" if rounds > 1 else ""))
     return rows
 
 
@@ -206,10 +230,15 @@ def child(args) -> int:
                 G.STAGES = base_stages
     if args.no_timing:
         return 0
-    emit("| shape | kernel | ms | TFLOP/s | FA3 / this |")
-    emit("|---|---|---:|---:|---:|")
+    if args.rounds > 1:  # medians of the rounds, the FA3 ratio of each round, and the spread of the times
+        emit(f"{args.rounds} rounds, round-robin: medians")
+        emit("| shape | kernel | ms | TFLOP/s | FA3 / this | spread |")
+        emit("|---|---|---:|---:|---:|---:|")
+    else:
+        emit("| shape | kernel | ms | TFLOP/s | FA3 / this |")
+        emit("|---|---|---:|---:|---:|")
     for line in timings(gen, [int(s) for s in args.stages.split(",") if s], fi, variants,
-                        tuple(d for d in args.data.split(",") if d)):
+                        tuple(d for d in args.data.split(",") if d), args.rounds):
         emit(line)
     return 0
 
@@ -224,6 +253,9 @@ def main() -> int:
     ap.add_argument("--variants", default="-", help="comma list of ping-pong/persistent variants to check and time, "
                     "e.g. pp0ps0,pp1ps1kv1 (GLW_PP, GLW_PERSIST, GLW_KV2; '-': as the environment says)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole child run")
+    ap.add_argument("--rounds", type=int, default=1, help="time every kernel this many times, round-robin, and print "
+                    "the medians, the median of the rounds' FA3 ratios and the spread (a machine that drifts within "
+                    "a call moves every kernel of a round alike)")
     ap.add_argument("--data", default="random", help="comma list of the timed inputs: random, sink (every query's "
                     "largest score on its sequence's first key), rising (scores grow with the key's position)")
     ap.add_argument("--minimal-only", action="store_true", help="run only the reduced TMA-wait probe")
@@ -238,6 +270,8 @@ def main() -> int:
     bad = [d for d in args.data.split(",") if d not in ("random", "sink", "rising")]
     if bad:
         raise SystemExit(f"--data: {bad} not among random, sink, rising")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: {args.rounds} is not a positive count (1: each kernel timed once)")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not G.HAVE_GLUON:
         print("bench_attention_gluon: needs a Hopper GPU and Triton with Gluon")
         return 1
@@ -296,7 +330,7 @@ def main() -> int:
         write(args.out)
         return 0
     base = [sys.executable, os.path.abspath(__file__), "--child", "--stages", args.stages, "--bit-stages",
-            args.bit_stages or args.stages, "--data", args.data]
+            args.bit_stages or args.stages, "--data", args.data, "--rounds", str(args.rounds)]
     runs = []  # each variant's bits in a child of its own (a hang costs that variant), then the timings together
     good = []
     if not args.no_bits:
