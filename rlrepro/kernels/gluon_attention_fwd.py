@@ -350,7 +350,7 @@ if HAVE_GLUON:
                 half = HALF and (first_pos + gl.minimum(q0 + BLOCK_Q, q_len) - 1 - (n_tiles - 1) * BLOCK_KV_
                                  < BLOCK_KV_ // 2)
                 n_main = n_tiles - half.to(gl.int32)
-                if QK2:  # two tiles a stage, one Q @ K^T for both (gluon_attention_pair)
+                if QK2:  # two tiles a stage, their Q @ K^T issued together (gluon_attention_pair)
                     m_i, l_i, acc = _paired_tiles(m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
                                                   pos, qk_scale, n_tiles, n_full, first_pos + q_len, tb, NR, NSTAGE,
                                                   BLOCK_KV_, qk_layout, o_layout, p_layout, NW, q_rel,

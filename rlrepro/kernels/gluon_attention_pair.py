@@ -1,15 +1,16 @@
 """The online-softmax step of the Gluon attention forward (:mod:`.gluon_attention_fwd`), and its loop over KV tiles in
-pairs: one ``Q @ K^T`` product 128 positions wide for two 64-position tiles (``GLW_QK2``).
+pairs: two 64-position tiles a ring stage, their ``Q @ K^T`` products issued together (``GLW_QK2``).
 
 A tile's softmax step is :func:`.triton_attention_fwd._attn_fwd_kernel`'s (:func:`_softmax_part`). In the
-64-position order the steady loop spends 12 wgmma instructions a tile, 8 of them the ``Q @ K^T`` of a 64 x 64
-score tile, each with its descriptors and its wait (docs/BENCHMARKS.md, fortieth session). :func:`_paired_tiles`
-computes the scores of two consecutive tiles as one ``[rows, 128]`` product (8 instructions of N = 128 instead of 16
-of N = 64), splits them into the two tiles' halves in registers, and runs the two softmax steps and the two
-``P @ V`` products one after the other, exactly as the one-tile loop does: the same operations in the same order on
-the same values. A score is one row of Q times one row of K, summed over the head dimension in the tensor core's
-k-steps whatever the product's width, so the halves are the one-tile products' bits; the GPU battery checks it
-(``benchmarks/bench_attention_gluon.py``, spec letter ``n``; ``tests/test_gluon_forward.py``)."""
+64-position order the one-tile loop waits for each tile's K and V, issues its ``Q @ K^T`` and waits for it, and
+releases its stage, a tile at a time (docs/BENCHMARKS.md, fortieth session). :func:`_paired_tiles` does that once for
+two tiles: one wait for a stage's two K tiles, their two ``Q @ K^T`` (the one-tile loop's products, same shape) issued
+back to back and waited for at once, then the two softmax steps and the two ``P @ V`` products one after the other,
+exactly as the one-tile loop runs them: the same operations in the same order on the same values, so the same bits;
+the GPU battery checks it (``benchmarks/bench_attention_gluon.py``, spec letter ``n``; ``tests/test_gluon_forward.py``).
+411 instructions a tile in the SASS against 431 (2026-12-07). One N = 128 product for both tiles, split into their
+halves in registers, would save 8 more; ptxas serialises every wgmma of the kernel then (C7511), see
+docs/BENCHMARKS.md "Two KV tiles a ring stage"."""
 from __future__ import annotations
 
 try:  # Gluon and its Hopper namespace (Triton >= 3.5)
@@ -82,7 +83,7 @@ if HAVE_GLUON:
                       SKIP: gl.constexpr = 0, HOLD: gl.constexpr = 0):
         """One work's ``n_tiles`` (> 0) KV tiles, two a ring stage (the work's stages ``tb``, ``tb + 1``, ...; a
         stage's buffers are ``[2 * BLOCK_KV_, D]``, the second tile's half unloaded past the work's last tile), each
-        pair's scores from one ``Q @ K^T`` (:func:`_qk_pair`). The steady pass of a pair ``(a, b)``: ``P_a @ V_a``
+        pair's two ``Q @ K^T`` issued together (:func:`_qk_two`). The steady pass of a pair ``(a, b)``: ``P_a @ V_a``
         issued, ``b``'s softmax while it runs; the next pair's ``Q @ K^T`` and ``P_b @ V_b`` issued together, the
         next ``a``'s softmax while they run (FlashAttention-3's overlap within a warpgroup). The 64-position order
         only (``FMA`` off): every value is the one-tile loop's (:func:`.gluon_attention_fwd._pipelined_tiles`).
