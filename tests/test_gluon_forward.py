@@ -305,7 +305,13 @@ def test_gpu_gluon_forward_paired_tiles_keep_the_bits(data, d, kvs, h, monkeypat
     attention_data(data, q, k, lens)
     meta = AttentionMetadata.packed(lens, device="cuda")
     assert G.pair_tiles(64, True) == 1 and A.use_gluon(q, k, v, h // k.shape[1])
+    calls = []
+    real = G.attention_fwd_gluon
+    monkeypatch.setattr(G, "attention_fwd_gluon",
+                        lambda *a, **kw: (calls.append(kw.get("block_kv")), real(*a, **kw))[1])
     og, lg = A.attention_fwd(q, k, v, meta, d ** -0.5, return_lse=True)
+    assert calls == [64], f"the auto-picked tile did not run the Gluon kernel in the 64-position order: {calls}"
+    monkeypatch.setattr(G, "attention_fwd_gluon", real)
     ot, lt = A.attention_fwd(q, k, v, meta, d ** -0.5, config=A.ATTENTION_CONFIGS["large"], return_lse=True)
     assert torch.equal(og, ot), f"out differs from the Triton 'large' tile ({data}, d {d}, seed {seed})"
     assert torch.equal(lg, lt), f"lse differs from the Triton 'large' tile ({data}, d {d}, seed {seed})"
