@@ -318,25 +318,70 @@ def bench_rowwise_bwd() -> None:
 
 def bench_sampler() -> None:
     from rlrepro.rollout.sampler_triton import default_splits, gumbel_argmax
-    emit("### Sampler: the fused Gumbel argmax, one program per row vs the vocabulary cut into ranges")
+    emit("### Sampler: the fused Gumbel argmax, one range a row, ranges, and chunks skipped")
     emit()
-    emit("float32 scaled logits [rows, 151936]; CUDA-graph replays of one call (median, L2 cleared before each); "
-         "the tokens are checked equal.")
+    emit("scaled logits [rows, 151936]; CUDA-graph replays of one call (median, L2 cleared before each); every "
+         "variant's tokens are checked equal to the unpruned default's. `random`: N(0, 3^2) float32; `bf16`: the "
+         "same in bfloat16 (widened in the kernel); `peaked`: N(0, 2^2) with 20 tokens at +15 (an LM-like head). "
+         "`evaluated`: the share of 2048-wide chunks whose exact noise was computed (pruned, default ranges).")
     emit()
-    emit("| rows | 1 range ms | default ranges | default ms | speedup |")
-    emit("|---|---|---|---|---|")
+    emit("| rows | logits | 1 range ms | default ranges | unpruned ms | pruned 2048 ms | pruned 1024 ms | "
+         "pruned 512 ms | evaluated | unpruned / pruned 2048 |")
+    emit("|---|---|---|---|---|---|---|---|---|---|")
     v = 151936
     for rows in (64, 256):
-        x = torch.randn(rows, v, device="cuda") * 3
+        g = torch.Generator(device="cuda").manual_seed(rows)
+        base = torch.randn(rows, v, device="cuda", generator=g) * 3
+        peaked = base * (2 / 3)
+        peaked[:, torch.randint(0, v, (20,), device="cuda", generator=g)] = 15.0
         seeds = torch.arange(rows, device="cuda", dtype=torch.int64)
         pos = torch.full((rows,), 700, device="cuda", dtype=torch.int64)
-        k = default_splits(rows, v, x.device)
-        same = torch.equal(gumbel_argmax(x, seeds, pos, splits=1), gumbel_argmax(x, seeds, pos))
-        t1 = timed(lambda: gumbel_argmax(x, seeds, pos, splits=1))
-        tk = timed(lambda: gumbel_argmax(x, seeds, pos))
-        emit(f"| {rows}{'' if same else ' **tokens differ**'} | {t1:.4f} | {k} | {tk:.4f} | {t1 / tk:.2f}x |")
+        k = default_splits(rows, v, base.device)
+        for name, x in (("random", base), ("bf16", base.to(torch.bfloat16)), ("peaked", peaked)):
+            want = gumbel_argmax(x, seeds, pos, prune=False)
+            _, evaluated = gumbel_argmax(x, seeds, pos, return_evaluated=True)
+            variants = {"one": dict(splits=1, prune=False), "unpruned": dict(prune=False),
+                        "p2048": dict(), "p1024": dict(block=1024), "p512": dict(block=512)}
+            same = all(torch.equal(gumbel_argmax(x, seeds, pos, **kw), want) for kw in variants.values())
+            t = {n: timed(lambda kw=kw: gumbel_argmax(x, seeds, pos, **kw)) for n, kw in variants.items()}
+            share = evaluated.sum().item() / (rows * triton.cdiv(v, 2048))
+            emit(f"| {rows} | {name}{'' if same else ' **tokens differ**'} | {t['one']:.4f} | {k} | "
+                 f"{t['unpruned']:.4f} | {t['p2048']:.4f} | {t['p1024']:.4f} | {t['p512']:.4f} | {share:.1%} | "
+                 f"{t['unpruned'] / t['p2048']:.2f}x |")
     emit()
+    bench_sample_lean(v)
     bench_top_p(v)
+
+
+def bench_sample_lean(v: int) -> None:
+    """The whole ``sample_on_device`` at t = 1 without filters on bfloat16 logits: as before 2026-12-08
+    (``RLREPRO_SAMPLER_LEAN=0``: float32 copy, every chunk's noise, the written log-softmax) against now."""
+    from rlrepro.rollout.sampler import SampleRequest, sample_on_device
+    emit("### Sampler: the whole sample step, before and after (t = 1, no filter, bfloat16 logits)")
+    emit()
+    emit("`do_bench` medians of eager `sample_on_device` calls (launches included, as in the engine, where they "
+         "overlap the previous step); tokens and logprobs checked `torch.equal` between the two.")
+    emit()
+    emit("| rows | before ms (`RLREPRO_SAMPLER_LEAN=0`) | now ms | before / now | equal |")
+    emit("|---|---|---|---|---|")
+    before = os.environ.get("RLREPRO_SAMPLER_LEAN")
+    try:
+        for rows in (64, 256):
+            x = (torch.randn(rows, v, device="cuda") * 3).to(torch.bfloat16)
+            reqs = [SampleRequest(1.0, -1, 1.0, seed=r, position=700 + r) for r in range(rows)]
+            out, t = {}, {}
+            for lean in ("0", "1"):
+                os.environ["RLREPRO_SAMPLER_LEAN"] = lean
+                out[lean] = sample_on_device(x, reqs)
+                t[lean] = do_bench(lambda: sample_on_device(x, reqs), warmup=10, rep=100, return_mode="median")
+            same = all(torch.equal(a, b) for a, b in zip(out["0"], out["1"]))
+            emit(f"| {rows} | {t['0']:.4f} | {t['1']:.4f} | {t['0'] / t['1']:.2f}x | {same} |")
+    finally:
+        if before is None:
+            os.environ.pop("RLREPRO_SAMPLER_LEAN", None)
+        else:
+            os.environ["RLREPRO_SAMPLER_LEAN"] = before
+    emit()
 
 
 def bench_top_p(v: int) -> None:

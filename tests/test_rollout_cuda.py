@@ -114,26 +114,62 @@ def test_fast_mode_runs_on_cuda_with_graphs(model):
 
 def test_fused_sampler_equals_the_eager_definition():
     from rlrepro.rollout.sampler import SampleRequest, gumbel_noise, sample
-    from rlrepro.rollout.sampler_triton import gumbel_argmax
+    from rlrepro.rollout.sampler_triton import FAST_NOISE_ERROR, gumbel_argmax
 
     torch.manual_seed(0)
     rows, vocab = 67, 151936
     scaled = torch.randn(rows, vocab, device="cuda") * 4
     scaled[3, 1000:] = float("-inf")
     scaled[5] = 2.0  # all tied: the noise alone decides
+    scaled[6, :] = float("-inf")  # no candidate: index 0
+    scaled[7, 77777] = float("nan")
+    scaled[8, 5000] = scaled[8, 90000] = float("inf")
+    scaled[9] = torch.linspace(40.0, -40.0, vocab, device="cuda")
     seeds = torch.randint(0, 2**62, (rows,), device="cuda")
     positions = torch.randint(0, 40000, (rows,), device="cuda")
     idx, noise = gumbel_argmax(scaled, seeds, positions, return_noise=True)
     want_noise = gumbel_noise(seeds, positions, vocab)
-    assert torch.equal(noise, want_noise)
+    assert torch.equal(noise[0], want_noise)
+    # the float32 estimate (the GPU's own log) within its stated error of the exact noise: 10M values
+    assert (noise[1] - want_noise).abs().max().item() < FAST_NOISE_ERROR
     expect = torch.argmax(scaled.double() + want_noise, -1)
-    assert torch.equal(idx, expect)
-    for splits in (1, 2, 7, 75, 500):  # vocabulary ranges per row: speed only, never the token
-        assert torch.equal(gumbel_argmax(scaled, seeds, positions, splits=splits), expect), splits
+    finite = [i for i in range(rows) if i != 7]  # a NaN row: torch.argmax takes the NaN, the kernel a number
+    assert torch.equal(idx[finite], expect[finite])
+    unpruned, evaluated = gumbel_argmax(scaled, seeds, positions, prune=False, return_evaluated=True)
+    assert torch.equal(unpruned[finite], expect[finite])
+    for splits in (None, 1, 2, 7, 75, 500):  # vocabulary ranges per row: speed only, never the token
+        for block in (2048, 512):
+            got, evaluated = gumbel_argmax(scaled, seeds, positions, splits=splits, block=block,
+                                           return_evaluated=True)
+            assert torch.equal(got, unpruned), (splits, block)  # chunks skipped or not, the NaN row included
+    _, evaluated = gumbel_argmax(scaled, seeds, positions, return_evaluated=True)  # default ranges, 75 chunks a row
+    assert evaluated[6].sum() == 0 and evaluated[10:].sum() < (rows - 10) * 75 // 2  # most chunks were skipped
+    half = scaled.to(torch.bfloat16)  # bfloat16 logits widen exactly in the kernel
+    assert torch.equal(gumbel_argmax(half, seeds, positions), gumbel_argmax(half.float(), seeds, positions))
     logits = torch.randn(40, 5000, device="cuda", dtype=torch.bfloat16) * 3
     reqs = [SampleRequest([1.0, 0.7, 0.0, 1.3][r % 4], [-1, 7, -1, 50][r % 4], [1.0, 1.0, 0.8, 0.9][r % 4],
                           seed=r, position=r * 3) for r in range(40)]
     assert sample(logits, reqs, fused=True) == sample(logits, reqs, fused=False)
+    plain = [SampleRequest(1.0, -1, 1.0, seed=r, position=r * 3) for r in range(40)]  # bf16 passed unconverted
+    assert sample(logits, plain, fused=True) == sample(logits.float(), plain, fused=False)
+
+
+def test_gpu_picked_log_softmax_equals_the_gather():
+    """The sampler's logprob (one value a row from the log-softmax's partials) == the written log-softmax's
+    value there, for bfloat16 and float32 inputs and vocabularies of one to many ranges; a bad id gives NaN."""
+    from rlrepro.kernels import triton_rowwise as rw
+
+    torch.manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows, vocab in ((64, 151936), (5, 4096), (3, 4097), (7, 100), (1, 1)):
+            x = (torch.randn(rows, vocab, device="cuda") * 5).to(dtype)
+            ids = torch.randint(0, vocab, (rows,), device="cuda")
+            want = rw.log_softmax_fwd(x).gather(-1, ids[:, None])[:, 0]
+            assert torch.equal(rw.picked_log_softmax(x, ids), want), (dtype, rows, vocab)
+            assert torch.equal(kernels.scaled_token_logprob(x, ids), want)
+            assert torch.equal(kernels.token_logprob(x, ids), want)  # the trainer's definition, t = 1
+    bad = rw.picked_log_softmax(x, torch.tensor([1], device="cuda"))
+    assert torch.isnan(bad).all()
 
 
 def test_gpu_batched_keep_masks_equal_one_row_masks():

@@ -93,7 +93,13 @@ def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def scaled_token_logprob(scaled: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """``token_logprob``'s second half, for a caller that already holds ``logits.float() / t`` (the sampler):
-    ``log_softmax(scaled)`` at ``token_ids``."""
+    ``log_softmax(scaled)`` at ``token_ids``. ``scaled`` may also be bfloat16/float16 logits at ``t = 1``: every
+    ``log_softmax`` widens exactly to float32 first. Deterministic on CUDA without autograd, only the picked values
+    are formed (the log-softmax's own partials and combining code: the same bits, no ``[rows, V]`` write)."""
+    impl = _impl(scaled)
+    picked = getattr(impl, "picked_log_softmax", None)
+    if picked is not None and not (torch.is_grad_enabled() and scaled.requires_grad):
+        return picked(scaled, token_ids)
     lp = log_softmax(scaled)
     return lp.gather(-1, token_ids.unsqueeze(-1).long()).squeeze(-1)
 

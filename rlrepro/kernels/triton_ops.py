@@ -131,6 +131,12 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return _LogSoftmax.apply(x)
 
 
+def picked_log_softmax(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(x)`` at one id a row, without autograd and without the ``[rows, V]`` result: the same bits
+    (``triton_rowwise.picked_log_softmax``)."""
+    return _rw.picked_log_softmax(x, ids)
+
+
 # ----------------------------------------------------------------------------------------------- SwiGLU
 class _SiluAndMul(torch.autograd.Function):
     @staticmethod

@@ -265,6 +265,38 @@ def log_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+@triton.jit
+def _picked_log_softmax_kernel(x_ptr, t_ptr, m_ptr, s_ptr, out_ptr, V, stride_x, P, P_P: tl.constexpr):
+    """Program row: ``x[row, t[row]] - lse``, the write kernel's value at one column (the same float32 difference,
+    ``lse`` by ``_row_lse``); a column outside ``[0, V)`` gives NaN."""
+    row = tl.program_id(0).to(tl.int64)
+    lse = _row_lse(m_ptr, s_ptr, row, P, P_P)
+    t = tl.load(t_ptr + row).to(tl.int64)
+    x = tl.load(x_ptr + row * stride_x + t, mask=(t >= 0) & (t < V), other=float("nan")).to(tl.float32)
+    tl.store(out_ptr + row, x - lse)
+
+
+def picked_log_softmax(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``log_softmax_fwd(x)[..., ids]`` (one id a row, float32 result of ``ids.shape``) without writing the
+    ``[rows, V]`` log-softmax: the same range partials and combining code, then one value a row, so the same bits
+    (GPU test ``test_gpu_picked_log_softmax_equals_the_gather``). The sampler's logprob takes it; an id outside
+    ``[0, V)`` gives NaN (the gather would fail on the device)."""
+    v = x.shape[-1]
+    x2 = _rows(x)
+    rows = x2.shape[0]
+    if ids.numel() != rows:
+        raise ValueError(f"picked_log_softmax: {ids.numel()} ids for {rows} rows of shape {tuple(x.shape)}")
+    out = torch.empty(rows, device=x.device, dtype=torch.float32)
+    if rows > 0:
+        if v == 0:
+            raise ValueError("picked_log_softmax: rows of 0 values have no token to pick")
+        m, s = lse_partials(x2)
+        parts = m.shape[1]
+        _picked_log_softmax_kernel[(rows,)](x2, ids.reshape(-1).contiguous(), m, s, out, v, x2.stride(0), parts,
+                                            P_P=triton.next_power_of_2(parts), num_warps=_row_warps(LSM_BLOCK))
+    return out.reshape(ids.shape)
+
+
 def lse_partials(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The range maxima and sums ``[rows, cdiv(V, LSM_BLOCK)]`` of a 2-D ``x2`` (rows >= 1, V >= 1, last stride 1)
     from which ``_row_lse`` combines each row's log-sum-exp."""

@@ -32,15 +32,21 @@ other rows. Tests: batched masks == one-row masks == the rule written out with P
 CPU and CUDA).
 
 On CUDA the noise, the sum and the argmax run as one fused Triton kernel (``sampler_triton``) that repeats
-this arithmetic operation for operation; it returns the same tokens as the eager path (tested on the GPU).
+this arithmetic operation for operation; it returns the same tokens as the eager path (tested on the GPU). It
+computes the exact noise only for the vocabulary chunks that a float32 estimate with a 1e-2 margin cannot rule
+out (the skipped chunks provably hold no maximum: same tokens, tested pruned == unpruned == eager).
 
 Logprob. The reported logprob is ``kernels.token_logprob(logits_row, token, T)``: float32
 ``log_softmax(logits.float() / T)`` at the token, over the *unfiltered* distribution, ``T = 1`` for greedy.
 The trainer evaluates the same function on the same logits, so the two agree bit for bit. Rows are grouped by
-temperature and evaluated together; ``kernels.log_softmax`` is batch-invariant, so grouping changes nothing.
+temperature and evaluated together; ``kernels.log_softmax`` is batch-invariant, so grouping changes nothing. At
+``T = 1`` without filters the bfloat16/float16 logits go to the argmax and the logprob unconverted (both widen
+exactly, as ``.float()`` would): no float32 copy of ``[rows, V]``; on CUDA the logprob is formed for the chosen
+token only (``kernels.scaled_token_logprob``), from the log-softmax's own partials.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 
@@ -172,6 +178,21 @@ def _fused_gumbel_argmax(device: torch.device) -> Callable | None:
     return gumbel_argmax
 
 
+# logits dtypes whose values float32 (and float64) hold exactly: at t = 1 the sampler hands them over unconverted
+_WIDENED_EXACTLY = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _lean() -> bool:
+    """``RLREPRO_SAMPLER_LEAN`` (default 1): the fused argmax skips the chunks that cannot win and t = 1 logits go
+    unconverted; 0 runs the sampler as before 2026-12-08 (every chunk's exact noise, a float32 copy), for
+    benchmarks. The tokens and logprobs are the same bits either way."""
+    return os.environ.get("RLREPRO_SAMPLER_LEAN", "1") != "0"
+
+
+def _has_filter(reqs: Seq[SampleRequest]) -> bool:
+    return any(q.top_k > 0 or q.top_p < 1.0 for q in reqs)
+
+
 def _filtered(scaled: torch.Tensor, reqs: Seq[SampleRequest]) -> torch.Tensor:
     """``scaled`` with -inf outside each row's top-k / top-p set (the same tensor when no row sets a filter)."""
     rows = [j for j, q in enumerate(reqs) if q.top_k > 0 or q.top_p < 1.0]
@@ -213,6 +234,7 @@ def sample_on_device(logits: torch.Tensor, requests: Seq[SampleRequest], fused: 
     fused_argmax = _fused_gumbel_argmax(device) if fused is not False else None
     if fused and fused_argmax is None:
         raise ValueError(f"fused=True needs a CUDA tensor and Triton; logits are on {device}")
+    lean = _lean()
     by_temperature: dict[float, list[int]] = {}
     for i, req in enumerate(requests):
         by_temperature.setdefault(req.temperature, []).append(i)
@@ -223,17 +245,26 @@ def sample_on_device(logits: torch.Tensor, requests: Seq[SampleRequest], fused: 
         if t == 0.0:
             chosen = torch.argmax(group.float(), dim=-1)
         else:
-            scaled = kernels.scale_logits(group, t)  # the same expression token_logprob evaluates
+            group_reqs = [requests[i] for i in rows]
+            if t == 1.0 and lean and group.dtype in _WIDENED_EXACTLY and not _has_filter(group_reqs):
+                scaled = group  # x.float() / 1.0 == x.float(): the argmax and the logprob widen in their kernels
+            else:
+                scaled = kernels.scale_logits(group, t)  # the same expression token_logprob evaluates
             keys = tensor_to_device([[requests[i].seed for i in rows], [requests[i].position for i in rows]],
                                     torch.int64, device)
             seeds, positions = keys[0], keys[1]
-            kept = _filtered(scaled, [requests[i] for i in rows])
+            kept = _filtered(scaled, group_reqs)
             if fused_argmax is not None:
-                chosen = fused_argmax(kept, seeds, positions)
+                chosen = fused_argmax(kept, seeds, positions, prune=lean)
             else:
                 chosen = torch.argmax(kept.double() + gumbel_noise(seeds, positions, v), dim=-1)
         # token_logprob(group, chosen, t) is scaled_token_logprob(group.float() / t, chosen): reuse `scaled`
-        lp = kernels.token_logprob(group, chosen, t) if t == 0.0 else kernels.scaled_token_logprob(scaled, chosen)
+        if t == 0.0:
+            lp = kernels.token_logprob(group, chosen, t)
+        elif lean:
+            lp = kernels.scaled_token_logprob(scaled, chosen)
+        else:  # the written [rows, V] log-softmax, as before (the same bits)
+            lp = kernels.log_softmax(scaled).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         if whole:
             tokens.copy_(chosen)
             logprobs.copy_(lp)

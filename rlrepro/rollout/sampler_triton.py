@@ -10,6 +10,20 @@ chunks, one program each (a decode step has few rows: one program per row left m
 range's first maximum, and the ranges' results are then taken in order, the first maximum again. The maximum of
 exact float64 scores with the lowest index on ties does not depend on how the row is cut, so neither the split
 count nor the other rows can change a token.
+
+**Chunks that cannot win are skipped** (``prune``, on by default). Most of the kernel's time is the two exact
+float64 logarithms of every token. A float32 estimate of the noise (``_fast_noise``: one ``log`` of ``u`` or a
+short series in ``1 - u``, then one ``log``) is within ``FAST_NOISE_ERROR`` (5e-5) of the exact noise, which is
+itself within 1e-10 of ``-log(-log(u))`` (``sampler.LOG_TERMS``); with the margin ``FAST_NOISE_MARGIN`` (1e-2,
+200 times that) ``x + (fast - margin)`` and ``x + (fast + margin)`` are a lower and an upper bound of the exact
+float64 score ``x + g`` (float64 rounding is monotone). A program keeps ``floor``, the largest lower bound seen in
+its range (over chunks without a NaN logit); a chunk whose upper bounds all lie below ``floor`` is skipped. By
+induction the skipped chunk would not have been taken either: ``floor`` is attained by an evaluated chunk, so
+the running best is at least ``floor``, and every exact score of the skipped chunk is below it (``take`` is
+strict). The program's running best, its index and its result are therefore those of the unpruned scan, step
+for step; a NaN logit forces its chunk's evaluation. Typically a range evaluates its first chunk and the few
+whose estimate sets a new record. ``tests/test_rollout_sampler_interpreted.py`` (Triton's CPU interpreter) and
+``tests/test_rollout_cuda.py`` (GPU) check pruned == unpruned == the eager definition with ``torch.equal``.
 """
 from __future__ import annotations
 
@@ -20,6 +34,8 @@ import triton.language as tl
 from .sampler_constants import GAMMA, LN2, LOG_TERMS, MIX1, MIX2, ROW_SALT, SQRT_HALF
 
 BLOCK = 2048
+FAST_NOISE_ERROR = 5e-5  # |_fast_noise - exact noise| stays below this (tests check it on the GPU and the CPU)
+FAST_NOISE_MARGIN = 1e-2  # the bounds' half-width around the fast noise: 200 x FAST_NOISE_ERROR
 
 
 @triton.jit
@@ -56,11 +72,31 @@ def _exact_log(x, c_ptr, TERMS: tl.constexpr):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, val_ptr, idx_ptr, noise_ptr, c_ptr, V, span,
-                          salt, gamma, mix1, mix2, BLOCK: tl.constexpr, TERMS: tl.constexpr,
-                          WRITE_NOISE: tl.constexpr):
+def _fast_noise(bits):
+    """float32 estimate of the noise ``-log(-log(u))``, ``u = (bits + 0.5) 2**-52``, within FAST_NOISE_ERROR of
+    the exact float64 value. ``-log(u)`` is taken from ``u`` below 3/4 and from ``w = 1 - u`` (exact in the
+    integers, rounded once to float32) above, as ``2 atanh(w / (2 - w))`` by its series (``s <= 1/7``: the
+    truncation is under 4e-9 relative), so ``-log(u)`` keeps its relative accuracy as ``u`` nears 1; then one
+    ``log``. The float32 roundings and ``log``'s own error come to a few 1e-6 at most (5e-5 is the stated
+    bound, 200 times below the margin)."""
+    u = (bits.to(tl.float32) + 0.5) * 2.220446049250313e-16
+    w = ((4503599627370495 - bits).to(tl.float32) + 0.5) * 2.220446049250313e-16  # (2**52 - 1 - bits + 0.5) 2**-52
+    s = w / (2.0 - w)
+    z = s * s
+    series = 2.0 * s * (1.0 + z * (0.3333333333333333 + z * (0.2 + z * (0.14285714285714285 + z / 9.0))))
+    y = tl.where(bits < 3377699720527872, -tl.log(u), series)  # 3 * 2**50: u < 3/4
+    return -tl.log(y)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, val_ptr, idx_ptr, evals_ptr, noise_ptr, c_ptr, V,
+                          span, salt, gamma, mix1, mix2, margin, BLOCK: tl.constexpr, TERMS: tl.constexpr,
+                          WRITE_NOISE: tl.constexpr, PRUNE: tl.constexpr):
     """Program (r, s): row r's vocabulary range [s * span, (s + 1) * span) (span a multiple of BLOCK); writes its
-    first maximum's score and index to val/idx[r, s] (-inf and the range's start when all of it is -inf)."""
+    first maximum's score and index to val/idx[r, s] (-inf and the range's start when all of it is -inf), and
+    to evals[r, s] how many of its chunks had their exact noise computed. ``PRUNE``: skip the chunks whose upper
+    bounds lie below ``floor`` (module docstring); ``WRITE_NOISE`` writes the exact noise of every token (tests)
+    and with ``PRUNE`` the fast estimate into ``noise_ptr + R * V``."""
     r = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1).to(tl.int64)
     seed = tl.load(seed_ptr + r)
@@ -69,24 +105,43 @@ def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, val_ptr, idx_ptr, 
     lo = part * span
     best = tl.full([], float("-inf"), tl.float64)
     best_idx = lo
+    floor = tl.full([], float("-inf"), tl.float64)
+    evaluated = tl.zeros([], tl.int32)
     offs = tl.arange(0, BLOCK).to(tl.int64)
     for start in range(lo, tl.minimum(lo + span, V), BLOCK):
         v = start + offs
         ok = v < V
         x = tl.load(x_ptr + r * stride_x + v, mask=ok, other=float("-inf")).to(tl.float64)
         bits = _lsr(_mix64(row + (v + 1) * gamma, mix1, mix2), 12)
-        u = (bits.to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2**-52, exact in float32 too
-        g = -_exact_log(-_exact_log(u, c_ptr, TERMS), c_ptr, TERMS)
-        if WRITE_NOISE:
-            tl.store(noise_ptr + r * V + v, g, mask=ok)
-        score = tl.where(ok, x + g, float("-inf"))
-        chunk_max = tl.max(score, axis=0)
-        chunk_idx = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
-        take = chunk_max > best  # strict: an earlier chunk keeps a tie
-        best_idx = tl.where(take, start + chunk_idx, best_idx)
-        best = tl.where(take, chunk_max, best)
+        go = True
+        if PRUNE:
+            fast = _fast_noise(bits).to(tl.float64)
+            nan = x != x
+            # a chunk with a NaN logit neither raises floor nor is skipped
+            clean = tl.max(nan.to(tl.int32), axis=0) == 0
+            lows = tl.where(ok, x + (fast - margin), float("-inf"))
+            floor = tl.where(clean, tl.maximum(floor, tl.max(lows, axis=0)), floor)
+            highs = tl.where(nan, float("inf"), tl.where(ok, x + (fast + margin), float("-inf")))
+            high = tl.max(highs, axis=0)
+            go = (high >= floor) & (high > float("-inf"))  # an all -inf chunk is never taken (strict `take`)
+            if WRITE_NOISE:
+                tl.store(noise_ptr + tl.num_programs(0) * V + r * V + v, fast, mask=ok)
+                go = True
+        if go:
+            evaluated += 1
+            u = (bits.to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2**-52, exact in float32 too
+            g = -_exact_log(-_exact_log(u, c_ptr, TERMS), c_ptr, TERMS)
+            if WRITE_NOISE:
+                tl.store(noise_ptr + r * V + v, g, mask=ok)
+            score = tl.where(ok, x + g, float("-inf"))
+            chunk_max = tl.max(score, axis=0)
+            chunk_idx = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
+            take = chunk_max > best  # strict: an earlier chunk keeps a tie
+            best_idx = tl.where(take, start + chunk_idx, best_idx)
+            best = tl.where(take, chunk_max, best)
     tl.store(val_ptr + r * tl.num_programs(1) + part, best)
     tl.store(idx_ptr + r * tl.num_programs(1) + part, best_idx)
+    tl.store(evals_ptr + r * tl.num_programs(1) + part, evaluated)
 
 
 _CONSTANTS: dict[torch.device, torch.Tensor] = {}
@@ -107,17 +162,25 @@ def default_splits(rows: int, vocab: int, device: torch.device, block: int = BLO
 
 
 def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                  return_noise: bool = False, splits: int | None = None,
-                  block: int = BLOCK) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``argmax(scaled.double() + gumbel_noise(seeds, positions, V), -1)``; scaled: float32 [R, V], with -inf
-    for tokens a filter removed. ``splits``: vocabulary ranges per row, one program each (default
-    ``default_splits``); any value gives the same tokens. ``return_noise`` also returns the noise (for tests)."""
+                  return_noise: bool = False, splits: int | None = None, block: int = BLOCK,
+                  prune: bool = True, return_evaluated: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``argmax(scaled.double() + gumbel_noise(seeds, positions, V), -1)``; scaled: [R, V] float32 (or bfloat16 /
+    float16: widened exactly in the kernel, as ``.double()`` does), with -inf for tokens a filter removed.
+    ``splits``: vocabulary ranges per row, one program each (default ``default_splits``); ``prune``: skip the
+    chunks that cannot hold the maximum (module docstring); neither changes a token. ``return_noise`` also returns
+    the exact noise [R, V] (tests), and with ``prune`` the fast estimate stacked after it ([2, R, V]);
+    ``return_evaluated`` then the count of chunks whose exact noise each program computed ([R, ranges] int32,
+    the rest were skipped)."""
     r, v = scaled.shape
+    if scaled.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"gumbel_argmax: scaled logits of dtype {scaled.dtype}; pass float32 (or bfloat16/float16)")
     scaled = scaled if scaled.stride(-1) == 1 else scaled.contiguous()
-    noise = torch.empty((r, v) if return_noise else (1,), dtype=torch.float64, device=scaled.device)
+    shape = ((2, r, v) if prune else (r, v)) if return_noise else (1,)
+    noise = torch.empty(shape, dtype=torch.float64, device=scaled.device)
     if not r:
         out = torch.empty(0, dtype=torch.int64, device=scaled.device)
-        return (out, noise) if return_noise else out
+        none = torch.zeros((0, 1), dtype=torch.int32, device=scaled.device)
+        return _results(out, noise if return_noise else None, none if return_evaluated else None)
     chunks = triton.cdiv(v, block)
     splits = default_splits(r, v, scaled.device, block) if splits is None else splits
     if not isinstance(splits, int) or splits < 1:
@@ -126,10 +189,17 @@ def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     parts = triton.cdiv(v, span)
     vals = torch.empty((r, parts), dtype=torch.float64, device=scaled.device)
     idxs = torch.empty((r, parts), dtype=torch.int64, device=scaled.device)
+    evals = torch.empty((r, parts), dtype=torch.int32, device=scaled.device)
     _gumbel_argmax_kernel[(r, parts)](
         scaled, scaled.stride(0), seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
-        vals, idxs, noise, _constants(scaled.device), v, span, ROW_SALT, GAMMA, MIX1, MIX2,
-        BLOCK=block, TERMS=LOG_TERMS, WRITE_NOISE=return_noise, num_warps=8, enable_fp_fusion=False)
+        vals, idxs, evals, noise, _constants(scaled.device), v, span, ROW_SALT, GAMMA, MIX1, MIX2, FAST_NOISE_MARGIN,
+        BLOCK=block, TERMS=LOG_TERMS, WRITE_NOISE=return_noise, PRUNE=bool(prune), num_warps=8,
+        enable_fp_fusion=False)
     # the ranges in order, the first maximum (torch.argmax returns the first of equal maxima)
     out = idxs.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
-    return (out, noise) if return_noise else out
+    return _results(out, noise if return_noise else None, evals if return_evaluated else None)
+
+
+def _results(out: torch.Tensor, *extra: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    kept = [e for e in extra if e is not None]
+    return (out, *kept) if kept else out
