@@ -19,10 +19,12 @@ tokens (ignore_eos). A benchmark reports, it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import json
 import math
+import os
 import random
 import statistics
 import struct
@@ -412,6 +414,22 @@ def _sync_fi_plans() -> None:
     fia.GraphDecode.plan = synced
 
 
+@contextlib.contextmanager
+def sampler_lean(value: str | None):
+    """``RLREPRO_SAMPLER_LEAN`` set to ``value`` inside (None: left as it is); the sampler reads it each step."""
+    before = os.environ.get("RLREPRO_SAMPLER_LEAN")
+    if value is not None:
+        os.environ["RLREPRO_SAMPLER_LEAN"] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if before is None:
+                os.environ.pop("RLREPRO_SAMPLER_LEAN", None)
+            else:
+                os.environ["RLREPRO_SAMPLER_LEAN"] = before
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     what = ap.add_mutually_exclusive_group()
@@ -430,6 +448,9 @@ def main(argv=None) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--modes", default="deterministic,fast", help="comma-separated engine modes to run")
+    ap.add_argument("--sampler-ab", action="store_true",
+                    help="run each mode with RLREPRO_SAMPLER_LEAN=0 (the sampler before 2026-12-08) and 1 (now), "
+                         "in ABBA order over the --repeat rounds; the outputs' digests must agree")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -478,13 +499,17 @@ def main(argv=None) -> None:
         if mode not in ("deterministic", "fast"):
             raise SystemExit(f"--modes: unknown mode {mode!r}; use deterministic and/or fast")
     pieces = [int(x) for x in args.tp_emulation.split(",") if x.strip()]
+    leans = ["0", "1"] if args.sampler_ab else [None]
     for rnd in range(args.repeat):
         for p in pieces:
             model.set_tensor_parallel_emulation(p)
             for mode in modes:
-                results.append(dict(bench_engine(model, prompts, args, deterministic=mode == "deterministic"),
-                                    round=rnd, tp_emulation=p))
-                print(json.dumps(results[-1]), flush=True)
+                for lean in leans[::-1] if rnd % 2 else leans:  # ABBA over the rounds
+                    with sampler_lean(lean):
+                        res = bench_engine(model, prompts, args, deterministic=mode == "deterministic")
+                    label = res["mode"] if lean is None else f"{res['mode']}, RLREPRO_SAMPLER_LEAN={lean}"
+                    results.append(dict(res, mode=label, round=rnd, tp_emulation=p))
+                    print(json.dumps(results[-1]), flush=True)
         model.set_tensor_parallel_emulation(1)
         if not args.no_hf:
             try:
@@ -501,6 +526,10 @@ def main(argv=None) -> None:
               f"{r['decode_tokens_per_s']:,.0f} | {r['decode_tokens_per_s'] / roofline:.1%} | {r['prefill_s']:.2f} | "
               f"{r['total_s']:.2f} |")
     print(f"| roofline | weights + KV at {bandwidth / 1e12:.2f} TB/s | | | {roofline:,.0f} | 100% | | |")
+    if args.sampler_ab:
+        digests = {r["outputs_sha256"] for r in results if r["system"] == "rlrepro"}
+        print(f"\noutputs' sha256 of the {len(results)} engine runs: "
+              f"{'all equal, ' if len(digests) == 1 else '**DIFFER**: '}{', '.join(d[:12] for d in sorted(digests))}")
     base = {(r["round"], r["mode"]): r for r in results if r["system"] == "rlrepro" and r.get("tp_emulation") == 1}
     piece_rows = [r for r in results if r["system"] == "rlrepro" and r.get("tp_emulation", 1) > 1
                   and (r["round"], r["mode"]) in base]

@@ -265,9 +265,8 @@ def sample_on_device(logits: torch.Tensor, requests: Seq[SampleRequest], fused: 
             lp = kernels.scaled_token_logprob(scaled, chosen)
         else:  # the written [rows, V] log-softmax, as before (the same bits)
             lp = kernels.log_softmax(scaled).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-        if whole:
-            tokens.copy_(chosen)
-            logprobs.copy_(lp)
+        if whole:  # one group: its results are the step's (no copy into the buffers)
+            return chosen.to(torch.int64), lp.to(torch.float32)
         else:
             tokens[idx] = chosen
             logprobs[idx] = lp
