@@ -326,8 +326,8 @@ def bench_sampler() -> None:
          "`evaluated`: the share of 2048-wide chunks whose exact noise was computed (pruned, default ranges).")
     emit()
     emit("| rows | logits | 1 range ms | default ranges | unpruned ms | pruned 2048 ms | pruned 1024 ms | "
-         "pruned 512 ms | evaluated | unpruned / pruned 2048 |")
-    emit("|---|---|---|---|---|---|---|---|---|---|")
+         "pruned 512 ms | pruned, half the ranges ms | pruned, twice ms | evaluated | unpruned / pruned 2048 |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|---|")
     v = 151936
     for rows in (64, 256):
         g = torch.Generator(device="cuda").manual_seed(rows)
@@ -341,12 +341,14 @@ def bench_sampler() -> None:
             want = gumbel_argmax(x, seeds, pos, prune=False)
             _, evaluated = gumbel_argmax(x, seeds, pos, return_evaluated=True)
             variants = {"one": dict(splits=1, prune=False), "unpruned": dict(prune=False),
-                        "p2048": dict(), "p1024": dict(block=1024), "p512": dict(block=512)}
+                        "p2048": dict(), "p1024": dict(block=1024), "p512": dict(block=512),
+                        "half": dict(splits=max(1, k // 2)), "twice": dict(splits=2 * k)}
             same = all(torch.equal(gumbel_argmax(x, seeds, pos, **kw), want) for kw in variants.values())
             t = {n: timed(lambda kw=kw: gumbel_argmax(x, seeds, pos, **kw)) for n, kw in variants.items()}
             share = evaluated.sum().item() / (rows * triton.cdiv(v, 2048))
             emit(f"| {rows} | {name}{'' if same else ' **tokens differ**'} | {t['one']:.4f} | {k} | "
-                 f"{t['unpruned']:.4f} | {t['p2048']:.4f} | {t['p1024']:.4f} | {t['p512']:.4f} | {share:.1%} | "
+                 f"{t['unpruned']:.4f} | {t['p2048']:.4f} | {t['p1024']:.4f} | {t['p512']:.4f} | {t['half']:.4f} | "
+                 f"{t['twice']:.4f} | {share:.1%} | "
                  f"{t['unpruned'] / t['p2048']:.2f}x |")
     emit()
     bench_sample_lean(v)
