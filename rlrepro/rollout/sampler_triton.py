@@ -12,20 +12,24 @@ exact float64 scores with the lowest index on ties does not depend on how the ro
 count nor the other rows can change a token.
 
 **Chunks that cannot win are skipped** (``prune``, on by default). Most of the kernel's time is the two exact
-float64 logarithms of every token. A float32 estimate of the noise (``_fast_noise``: one ``log`` of ``u`` or a
-short series in ``1 - u``, then one ``log``) is within ``FAST_NOISE_ERROR`` (5e-5) of the exact noise, which is
-itself within 1e-10 of ``-log(-log(u))`` (``sampler.LOG_TERMS``); with the margin ``FAST_NOISE_MARGIN`` (1e-2,
-200 times that) ``x + (fast - margin)`` and ``x + (fast + margin)`` are a lower and an upper bound of the exact
-float64 score ``x + g`` (float64 rounding is monotone). A program keeps ``floor``, the largest lower bound seen in
-its range (over chunks without a NaN logit); a chunk whose upper bounds all lie below ``floor`` is skipped. By
-induction the skipped chunk would not have been taken either: ``floor`` is attained by an evaluated chunk, so
-the running best is at least ``floor``, and every exact score of the skipped chunk is below it (``take`` is
-strict). The program's running best, its index and its result are therefore those of the unpruned scan, step
-for step; a NaN logit forces its chunk's evaluation. Typically a range evaluates its first chunk and the few
-whose estimate sets a new record. ``tests/test_rollout_sampler_interpreted.py`` (Triton's CPU interpreter) and
+float64 logarithms of every token. A float32 estimate of the noise (``_fast_noise``: a ``log2`` of ``u``, or a
+short series in ``1 - u`` near 1, then a ``log2``) is within ``FAST_NOISE_ERROR`` (5e-5) of the exact noise,
+which is itself within 1e-10 of ``-log(-log(u))`` (``sampler.LOG_TERMS``). So where ``|a| < 2**15``, ``a = x +
+fast`` in float32 is within 0.002 of the exact float64 score ``x + g`` (the estimate's error and ``a``'s
+rounding), and with the margin ``FAST_NOISE_MARGIN`` (1e-2) a chunk's largest ``a`` gives a lower bound
+(``- margin``) and an upper bound (``+ margin``) of its exact maximum. A program keeps ``floor``, the largest
+lower bound of its range's chunks so far, and skips a chunk whose upper bound lies below ``floor``. By induction
+the unpruned scan would not have taken that chunk either: ``floor`` belongs to an evaluated chunk, so the
+running best is at least ``floor``, and every exact score of the skipped chunk is below it (``take`` is
+strict). The running best, its index and the program's result are therefore those of the unpruned scan, step
+for step. A chunk with a NaN, a +inf or a score of ``2**15`` or more is always evaluated and does not raise
+``floor``; one of -inf logits only is never taken. Typically a range evaluates its first chunk and the few whose
+estimate sets a new record. ``tests/test_rollout_sampler_interpreted.py`` (Triton's CPU interpreter) and
 ``tests/test_rollout_cuda.py`` (GPU) check pruned == unpruned == the eager definition with ``torch.equal``.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -35,7 +39,7 @@ from .sampler_constants import GAMMA, LN2, LOG_TERMS, MIX1, MIX2, ROW_SALT, SQRT
 
 BLOCK = 2048
 FAST_NOISE_ERROR = 5e-5  # |_fast_noise - exact noise| stays below this (tests check it on the GPU and the CPU)
-FAST_NOISE_MARGIN = 1e-2  # the bounds' half-width around the fast noise: 200 x FAST_NOISE_ERROR
+FAST_NOISE_MARGIN = 1e-2  # the bounds' half-width around x + fast noise: 5 x (FAST_NOISE_ERROR + rounding)
 
 
 @triton.jit
@@ -72,26 +76,37 @@ def _exact_log(x, c_ptr, TERMS: tl.constexpr):
 
 
 @triton.jit
-def _fast_noise(bits):
+def _log2_approx(x, HW: tl.constexpr):
+    """``log2`` of float32 ``x``: the GPU's ``lg2.approx.f32`` (one MUFU instruction; libdevice's ``log2f`` is
+    ~25) where ``HW``, else ``tl.log2`` (Triton's CPU interpreter runs no inline assembly)."""
+    if HW:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _fast_noise(bits, HW: tl.constexpr = False):
     """float32 estimate of the noise ``-log(-log(u))``, ``u = (bits + 0.5) 2**-52``, within FAST_NOISE_ERROR of
-    the exact float64 value. ``-log(u)`` is taken from ``u`` below 3/4 and from ``w = 1 - u`` (exact in the
-    integers, rounded once to float32) above, as ``2 atanh(w / (2 - w))`` by its series (``s <= 1/7``: the
-    truncation is under 4e-9 relative), so ``-log(u)`` keeps its relative accuracy as ``u`` nears 1; then one
-    ``log``. The float32 roundings and ``log``'s own error come to a few 1e-6 at most (5e-5 is the stated
-    bound, 200 times below the margin)."""
-    u = (bits.to(tl.float32) + 0.5) * 2.220446049250313e-16
-    w = ((4503599627370495 - bits).to(tl.float32) + 0.5) * 2.220446049250313e-16  # (2**52 - 1 - bits + 0.5) 2**-52
-    s = w / (2.0 - w)
-    z = s * s
-    series = 2.0 * s * (1.0 + z * (0.3333333333333333 + z * (0.2 + z * (0.14285714285714285 + z / 9.0))))
-    y = tl.where(bits < 3377699720527872, -tl.log(u), series)  # 3 * 2**50: u < 3/4
-    return -tl.log(y)
+    the exact float64 value, in a few float32 operations and two ``log2`` (the hardware's approximate one on
+    the GPU). ``-log(u)`` is taken from ``u`` below 15/16 and, above, from ``w = 1 - u`` (exact in the
+    integers, rounded once to float32) as ``w + w^2/2 + ... + w^5/5`` (``w <= 1/16``: the rest is under 2e-7
+    relative), so it keeps its relative accuracy as ``u`` nears 1. Errors: float32 rounding of ``u`` or ``w``
+    (6e-8 relative), ``log2.approx`` (2**-22.6 absolute near 1, relative elsewhere: at most ~1e-5 in all), far
+    under the stated 5e-5, itself 200 times below the margin."""
+    near = bits >= 4222124650659840  # 15 * 2**48: u >= 15/16
+    t = tl.where(near, 4503599627370495 - bits, bits)  # 2**52 - 1 - bits: then (t + 0.5) 2**-52 = 1 - u
+    f = (t.to(tl.float32) + 0.5) * 2.220446049250313e-16
+    series = f * tl.fma(f, tl.fma(f, tl.fma(f, tl.fma(f, 0.2, 0.25), 0.33333334), 0.5), 1.0)
+    y = tl.where(near, series, _log2_approx(f, HW) * -0.6931471805599453)
+    return _log2_approx(y, HW) * -0.6931471805599453
 
 
 @triton.jit
 def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, val_ptr, idx_ptr, evals_ptr, noise_ptr, c_ptr, V,
                           span, salt, gamma, mix1, mix2, margin, BLOCK: tl.constexpr, TERMS: tl.constexpr,
-                          WRITE_NOISE: tl.constexpr, PRUNE: tl.constexpr):
+                          WRITE_NOISE: tl.constexpr, PRUNE: tl.constexpr, HW_LOG: tl.constexpr):
     """Program (r, s): row r's vocabulary range [s * span, (s + 1) * span) (span a multiple of BLOCK); writes its
     first maximum's score and index to val/idx[r, s] (-inf and the range's start when all of it is -inf), and
     to evals[r, s] how many of its chunks had their exact noise computed. ``PRUNE``: skip the chunks whose upper
@@ -105,27 +120,28 @@ def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, val_ptr, idx_ptr, 
     lo = part * span
     best = tl.full([], float("-inf"), tl.float64)
     best_idx = lo
-    floor = tl.full([], float("-inf"), tl.float64)
+    floor = tl.full([], float("-inf"), tl.float32)
     evaluated = tl.zeros([], tl.int32)
     offs = tl.arange(0, BLOCK).to(tl.int64)
     for start in range(lo, tl.minimum(lo + span, V), BLOCK):
         v = start + offs
         ok = v < V
-        x = tl.load(x_ptr + r * stride_x + v, mask=ok, other=float("-inf")).to(tl.float64)
+        x = tl.load(x_ptr + r * stride_x + v, mask=ok, other=float("-inf")).to(tl.float32)
         bits = _lsr(_mix64(row + (v + 1) * gamma, mix1, mix2), 12)
         go = True
         if PRUNE:
-            fast = _fast_noise(bits).to(tl.float64)
-            nan = x != x
-            # a chunk with a NaN logit neither raises floor nor is skipped
-            clean = tl.max(nan.to(tl.int32), axis=0) == 0
-            lows = tl.where(ok, x + (fast - margin), float("-inf"))
-            floor = tl.where(clean, tl.maximum(floor, tl.max(lows, axis=0)), floor)
-            highs = tl.where(nan, float("inf"), tl.where(ok, x + (fast + margin), float("-inf")))
-            high = tl.max(highs, axis=0)
-            go = (high >= floor) & (high > float("-inf"))  # an all -inf chunk is never taken (strict `take`)
+            # a = x + fast is within 0.002 of the exact score where |a| < 2**15 (the estimate's error and a's
+            # float32 rounding); such a chunk's best `a` minus the margin is a lower bound of its exact maximum
+            # (floor), its best `a` plus the margin an upper bound. A NaN, +inf or larger |a| makes the chunk
+            # "unclean" (a = +inf below): it is evaluated and does not raise floor. -inf logits are never taken.
+            fast = _fast_noise(bits, HW_LOG)
+            a = x + fast
+            bad = (a != a) | ((tl.abs(a) >= 32768.0) & (a != float("-inf")))
+            top = tl.max(tl.where(bad, float("inf"), a), axis=0)  # lanes past V hold x = -inf
+            floor = tl.where(top < float("inf"), tl.maximum(floor, top - margin), floor)
+            go = (top + margin >= floor) & (top > float("-inf"))  # an all -inf chunk is never taken
             if WRITE_NOISE:
-                tl.store(noise_ptr + tl.num_programs(0) * V + r * V + v, fast, mask=ok)
+                tl.store(noise_ptr + tl.num_programs(0) * V + r * V + v, fast.to(tl.float64), mask=ok)
                 go = True
         if go:
             evaluated += 1
@@ -133,7 +149,7 @@ def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, val_ptr, idx_ptr, 
             g = -_exact_log(-_exact_log(u, c_ptr, TERMS), c_ptr, TERMS)
             if WRITE_NOISE:
                 tl.store(noise_ptr + r * V + v, g, mask=ok)
-            score = tl.where(ok, x + g, float("-inf"))
+            score = tl.where(ok, x.to(tl.float64) + g, float("-inf"))
             chunk_max = tl.max(score, axis=0)
             chunk_idx = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
             take = chunk_max > best  # strict: an earlier chunk keeps a tie
@@ -193,8 +209,8 @@ def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     _gumbel_argmax_kernel[(r, parts)](
         scaled, scaled.stride(0), seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
         vals, idxs, evals, noise, _constants(scaled.device), v, span, ROW_SALT, GAMMA, MIX1, MIX2, FAST_NOISE_MARGIN,
-        BLOCK=block, TERMS=LOG_TERMS, WRITE_NOISE=return_noise, PRUNE=bool(prune), num_warps=8,
-        enable_fp_fusion=False)
+        BLOCK=block, TERMS=LOG_TERMS, WRITE_NOISE=return_noise, PRUNE=bool(prune),
+        HW_LOG=os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), num_warps=8, enable_fp_fusion=False)
     # the ranges in order, the first maximum (torch.argmax returns the first of equal maxima)
     out = idxs.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
     return _results(out, noise if return_noise else None, evals if return_evaluated else None)
