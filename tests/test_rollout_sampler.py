@@ -8,7 +8,7 @@ from rlrepro import kernels
 from rlrepro.rollout import derive_seed, request_seed
 from _sampler_reference import one_row_reference_mask
 from rlrepro.rollout.sampler import (GAMMA, MIX1, MIX2, ROW_SALT, SampleRequest, exact_log, gumbel_noise,
-                                     keep_mask, keep_masks, noise_bits, sample)
+                                     keep_mask, keep_masks, noise_bits, sample, sample_on_device)
 
 M64 = (1 << 64) - 1
 
@@ -172,3 +172,20 @@ def test_noise_is_the_same_on_every_float_path():
     pieces = torch.cat([exact_log(x[i:i + 1]) for i in range(len(x))])
     assert torch.equal(whole, pieces)
     assert not math.isnan(float(whole.sum()))
+
+
+@pytest.mark.parametrize("lean", ["0", "1"])
+def test_half_precision_logits_sample_as_their_float32_copy(monkeypatch, lean):
+    """At t = 1 without filters the sampler hands bfloat16/float16 logits over unconverted
+    (``RLREPRO_SAMPLER_LEAN=1``) or as a float32 copy (``0``): the same tokens and logprob bits either way, and the
+    same as the float32 logits themselves; with a filter or another temperature the float32 path runs."""
+    monkeypatch.setenv("RLREPRO_SAMPLER_LEAN", lean)
+    torch.manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = (torch.randn(6, 300) * 4).to(dtype)
+        plain = [SampleRequest(1.0, -1, 1.0, seed=r, position=5 + r) for r in range(6)]
+        mixed = [SampleRequest([1.0, 0.7, 1.0][r % 3], [-1, -1, 20][r % 3], 1.0, seed=r, position=r) for r in range(6)]
+        for reqs in (plain, mixed):
+            got, want = sample_on_device(logits, reqs), sample_on_device(logits.float(), reqs)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (dtype, reqs)
+            assert got[0].dtype == torch.int64 and got[1].dtype == torch.float32
