@@ -34,7 +34,8 @@ CPU and CUDA).
 On CUDA the noise, the sum and the argmax run as one fused Triton kernel (``sampler_triton``) that repeats
 this arithmetic operation for operation; it returns the same tokens as the eager path (tested on the GPU). It
 computes the exact noise only for the vocabulary chunks that a float32 estimate with a 1e-2 margin cannot rule
-out (the skipped chunks provably hold no maximum: same tokens, tested pruned == unpruned == eager).
+out (the skipped chunks provably hold no maximum: same tokens, tested pruned == unpruned == eager, the last
+for rows without a NaN logit, where ``torch.argmax`` takes the NaN).
 
 Logprob. The reported logprob is ``kernels.token_logprob(logits_row, token, T)``: float32
 ``log_softmax(logits.float() / T)`` at the token, over the *unfiltered* distribution, ``T = 1`` for greedy.
