@@ -323,11 +323,13 @@ def bench_sampler() -> None:
     emit("scaled logits [rows, 151936]; CUDA-graph replays of one call (median, L2 cleared before each); every "
          "variant's tokens are checked equal to the unpruned default's. `random`: N(0, 3^2) float32; `bf16`: the "
          "same in bfloat16 (widened in the kernel); `peaked`: N(0, 2^2) with 20 tokens at +15 (an LM-like head). "
-         "`evaluated`: the share of 2048-wide chunks whose exact noise was computed (pruned, default ranges).")
+         "`evaluated`: the share of 2048-wide chunks whose exact noise was computed (pruned, one pass, default "
+         "ranges); `two passes`: each range's chunk bounds first, then only the chunks within reach of its best.")
     emit()
     emit("| rows | logits | 1 range ms | default ranges | unpruned ms | pruned 2048 ms | pruned 1024 ms | "
-         "pruned 512 ms | pruned, half the ranges ms | pruned, twice ms | evaluated | unpruned / pruned 2048 |")
-    emit("|---|---|---|---|---|---|---|---|---|---|---|---|")
+         "pruned 512 ms | pruned, half the ranges ms | pruned, twice ms | two passes 2048 ms | two passes 1024 ms | "
+         "evaluated | unpruned / pruned 2048 | unpruned / best |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     v = 151936
     for rows in (64, 256):
         g = torch.Generator(device="cuda").manual_seed(rows)
@@ -342,14 +344,15 @@ def bench_sampler() -> None:
             _, evaluated = gumbel_argmax(x, seeds, pos, return_evaluated=True)
             variants = {"one": dict(splits=1, prune=False), "unpruned": dict(prune=False),
                         "p2048": dict(), "p1024": dict(block=1024), "p512": dict(block=512),
-                        "half": dict(splits=max(1, k // 2)), "twice": dict(splits=2 * k)}
+                        "half": dict(splits=max(1, k // 2)), "twice": dict(splits=2 * k),
+                        "two2048": dict(passes=2), "two1024": dict(passes=2, block=1024)}
             same = all(torch.equal(gumbel_argmax(x, seeds, pos, **kw), want) for kw in variants.values())
             t = {n: timed(lambda kw=kw: gumbel_argmax(x, seeds, pos, **kw)) for n, kw in variants.items()}
             share = evaluated.sum().item() / (rows * triton.cdiv(v, 2048))
             emit(f"| {rows} | {name}{'' if same else ' **tokens differ**'} | {t['one']:.4f} | {k} | "
                  f"{t['unpruned']:.4f} | {t['p2048']:.4f} | {t['p1024']:.4f} | {t['p512']:.4f} | {t['half']:.4f} | "
-                 f"{t['twice']:.4f} | {share:.1%} | "
-                 f"{t['unpruned'] / t['p2048']:.2f}x |")
+                 f"{t['twice']:.4f} | {t['two2048']:.4f} | {t['two1024']:.4f} | {share:.1%} | "
+                 f"{t['unpruned'] / t['p2048']:.2f}x | {t['unpruned'] / min(t.values()):.2f}x |")
     emit()
     bench_sample_lean(v)
     bench_top_p(v)

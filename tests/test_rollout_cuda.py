@@ -136,14 +136,17 @@ def test_fused_sampler_equals_the_eager_definition():
     finite = [i for i in range(rows) if i != 7]  # a NaN row: torch.argmax takes the NaN, the kernel a number
     assert torch.equal(idx[finite], expect[finite])
     unpruned, evaluated = gumbel_argmax(scaled, seeds, positions, prune=False, return_evaluated=True)
+    assert (evaluated.sum(1) == 75).all()  # unpruned: every 2048-wide chunk of every row
     assert torch.equal(unpruned[finite], expect[finite])
     for splits in (None, 1, 2, 7, 75, 500):  # vocabulary ranges per row: speed only, never the token
         for block in (2048, 512):
-            got, evaluated = gumbel_argmax(scaled, seeds, positions, splits=splits, block=block,
-                                           return_evaluated=True)
-            assert torch.equal(got, unpruned), (splits, block)  # chunks skipped or not, the NaN row included
+            for passes in (1, 2):
+                got = gumbel_argmax(scaled, seeds, positions, splits=splits, block=block, passes=passes)
+                assert torch.equal(got, unpruned), (splits, block, passes)  # skipped or not, the NaN row included
     _, evaluated = gumbel_argmax(scaled, seeds, positions, return_evaluated=True)  # default ranges, 75 chunks a row
     assert evaluated[6].sum() == 0 and evaluated[10:].sum() < (rows - 10) * 75 // 2  # most chunks were skipped
+    _, two = gumbel_argmax(scaled, seeds, positions, passes=2, return_evaluated=True)
+    assert (two <= evaluated).all() and two[10:].sum() < evaluated[10:].sum()  # a subset, smaller
     half = scaled.to(torch.bfloat16)  # bfloat16 logits widen exactly in the kernel
     assert torch.equal(gumbel_argmax(half, seeds, positions), gumbel_argmax(half.float(), seeds, positions))
     logits = torch.randn(40, 5000, device="cuda", dtype=torch.bfloat16) * 3

@@ -58,9 +58,16 @@ for block, splits in ((512, 1), (512, 2), (512, 4), (512, 9), (512, 20), (1024, 
                   -(-vocab // block))) * block] for s in range(0, vocab, span)]
         if not prune:
             assert evaluated.tolist() == [chunks] * rows, (evaluated, chunks)
-        elif block == 64 and splits == 5:  # 71 chunks: the spread row and the random rows skip most of theirs
+            continue
+        # two passes: the whole range's floor first, so a subset of the one-pass chunks is evaluated
+        got2, evaluated2 = gumbel_argmax(scaled, seeds, positions, splits=splits, block=block, passes=2,
+                                         return_evaluated=True)
+        assert torch.equal(got2, unpruned), (block, splits, got2, unpruned)
+        assert (evaluated2 <= evaluated).all() and evaluated2[0].sum() == 0, (evaluated2, evaluated)
+        if block == 64 and splits == 5:  # 71 chunks: the spread row and the random rows skip most of theirs
             assert evaluated[7].sum() <= 10 and evaluated[1].sum() < 71 // 2, evaluated
             assert evaluated[0].sum() == 0 and evaluated[5].sum() >= 1  # all -inf: no chunk can be taken
+            assert evaluated2[1].sum() < evaluated[1].sum(), (evaluated2, evaluated)
 # bfloat16 logits widen exactly: the same tokens as their float32 copy
 half = scaled.to(torch.bfloat16)
 assert torch.equal(gumbel_argmax(half, seeds, positions), gumbel_argmax(half.float(), seeds, positions, prune=False))
@@ -71,6 +78,13 @@ for bad in (0, -1, 2.0):
         assert "splits must be a positive int" in str(e)
     else:
         raise AssertionError(f"splits={bad!r} accepted")
+for kw in (dict(passes=3), dict(passes=2, prune=False), dict(passes=2, return_noise=True)):
+    try:
+        gumbel_argmax(scaled, seeds, positions, **kw)
+    except ValueError as e:
+        assert "passes=" in str(e)
+    else:
+        raise AssertionError(f"{kw} accepted")
 try:
     gumbel_argmax(scaled.double(), seeds, positions)
 except ValueError as e:

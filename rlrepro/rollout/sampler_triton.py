@@ -24,8 +24,13 @@ running best is at least ``floor``, and every exact score of the skipped chunk i
 strict). The running best, its index and the program's result are therefore those of the unpruned scan, step
 for step. A chunk with a NaN, a +inf or a score of ``2**15`` or more is always evaluated and does not raise
 ``floor``; one of -inf logits only is never taken. Typically a range evaluates its first chunk and the few whose
-estimate sets a new record. ``tests/test_rollout_sampler_interpreted.py`` (Triton's CPU interpreter) and
-``tests/test_rollout_cuda.py`` (GPU) check pruned == unpruned == the eager definition with ``torch.equal``.
+estimate sets a new record (about 32 % of the chunks at the decode shape). ``passes=2`` (an option, for the
+benchmark) first stores every chunk's bound and ``floor`` of the whole range, then evaluates only the chunks
+whose upper bound reaches it (~1 a range, 12 %); the result is still the unpruned scan's: the chunk that holds the
+range's maximum first has an upper bound above that maximum, which is at least ``floor``, so it is evaluated and
+no earlier evaluated chunk reaches its value. ``tests/test_rollout_sampler_interpreted.py`` (Triton's CPU
+interpreter) and ``tests/test_rollout_cuda.py`` (GPU) check pruned (one and two passes) == unpruned == the eager
+definition with ``torch.equal``.
 """
 from __future__ import annotations
 
@@ -104,57 +109,87 @@ def _fast_noise(bits, HW: tl.constexpr = False):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, val_ptr, idx_ptr, evals_ptr, noise_ptr, c_ptr, V,
-                          span, salt, gamma, mix1, mix2, margin, BLOCK: tl.constexpr, TERMS: tl.constexpr,
-                          WRITE_NOISE: tl.constexpr, PRUNE: tl.constexpr, HW_LOG: tl.constexpr):
+def _chunk_top(x, bits, HW: tl.constexpr):
+    """A chunk's largest ``a = x + fast`` (float32): within 0.002 of the exact score where ``|a| < 2**15`` (the
+    estimate's error and a's rounding), so ``top - margin`` and ``top + margin`` bound the chunk's exact maximum.
+    A NaN, +inf or larger ``|a|`` makes it +inf ("unclean": always evaluated, never a lower bound); a chunk of
+    -inf logits gives -inf (never taken). Also returns the estimate."""
+    fast = _fast_noise(bits, HW)
+    a = x + fast
+    bad = (a != a) | ((tl.abs(a) >= 32768.0) & (a != float("-inf")))
+    return tl.max(tl.where(bad, float("inf"), a), axis=0), fast  # lanes past V hold x = -inf
+
+
+@triton.jit
+def _exact_step(x, bits, ok, start, best, best_idx, c_ptr, TERMS: tl.constexpr):
+    """The unpruned scan's step on one chunk: its exact noise, scores, first maximum, taken if strictly above the
+    running best (an earlier chunk keeps a tie). Returns the new best, its index, and the noise."""
+    u = (bits.to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2**-52, exact in float32 too
+    g = -_exact_log(-_exact_log(u, c_ptr, TERMS), c_ptr, TERMS)
+    score = tl.where(ok, x.to(tl.float64) + g, float("-inf"))
+    chunk_max = tl.max(score, axis=0)
+    chunk_idx = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
+    take = chunk_max > best
+    return tl.where(take, chunk_max, best), tl.where(take, start + chunk_idx, best_idx), g
+
+
+@triton.jit
+def _gumbel_argmax_kernel(x_ptr, stride_x, seed_ptr, pos_ptr, val_ptr, idx_ptr, evals_ptr, noise_ptr, top_ptr, c_ptr,
+                          V, span, salt, gamma, mix1, mix2, margin, BLOCK: tl.constexpr, TERMS: tl.constexpr,
+                          WRITE_NOISE: tl.constexpr, PRUNE: tl.constexpr, TWO_PASS: tl.constexpr,
+                          HW_LOG: tl.constexpr):
     """Program (r, s): row r's vocabulary range [s * span, (s + 1) * span) (span a multiple of BLOCK); writes its
     first maximum's score and index to val/idx[r, s] (-inf and the range's start when all of it is -inf), and
     to evals[r, s] how many of its chunks had their exact noise computed. ``PRUNE``: skip the chunks whose upper
-    bounds lie below ``floor`` (module docstring); ``WRITE_NOISE`` writes the exact noise of every token (tests)
-    and with ``PRUNE`` the fast estimate into ``noise_ptr + R * V``."""
+    bound lies below ``floor`` (module docstring), in one pass (``floor`` so far) or ``TWO_PASS`` (the chunks'
+    tops to ``top_ptr`` first, then ``floor`` of the whole range); ``WRITE_NOISE`` (one pass) writes the exact
+    noise of every token (tests) and with ``PRUNE`` the fast estimate into ``noise_ptr + R * V``."""
     r = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1).to(tl.int64)
     seed = tl.load(seed_ptr + r)
     pos = tl.load(pos_ptr + r)
     row = _mix64(_mix64(seed ^ salt, mix1, mix2) + pos * gamma, mix1, mix2)
     lo = part * span
+    hi = tl.minimum(lo + span, V)
     best = tl.full([], float("-inf"), tl.float64)
     best_idx = lo
     floor = tl.full([], float("-inf"), tl.float32)
     evaluated = tl.zeros([], tl.int32)
     offs = tl.arange(0, BLOCK).to(tl.int64)
-    for start in range(lo, tl.minimum(lo + span, V), BLOCK):
+    tops = top_ptr + (r * tl.num_programs(1) + part) * (span // BLOCK)
+    if TWO_PASS:
+        for start in range(lo, hi, BLOCK):
+            v = start + offs
+            x = tl.load(x_ptr + r * stride_x + v, mask=v < V, other=float("-inf")).to(tl.float32)
+            top, fast = _chunk_top(x, _lsr(_mix64(row + (v + 1) * gamma, mix1, mix2), 12), HW_LOG)
+            floor = tl.where(top < float("inf"), tl.maximum(floor, top - margin), floor)
+            tl.store(tops + (start - lo) // BLOCK, top)
+    for start in range(lo, hi, BLOCK):
         v = start + offs
         ok = v < V
-        x = tl.load(x_ptr + r * stride_x + v, mask=ok, other=float("-inf")).to(tl.float32)
-        bits = _lsr(_mix64(row + (v + 1) * gamma, mix1, mix2), 12)
-        go = True
-        if PRUNE:
-            # a = x + fast is within 0.002 of the exact score where |a| < 2**15 (the estimate's error and a's
-            # float32 rounding); such a chunk's best `a` minus the margin is a lower bound of its exact maximum
-            # (floor), its best `a` plus the margin an upper bound. A NaN, +inf or larger |a| makes the chunk
-            # "unclean" (a = +inf below): it is evaluated and does not raise floor. -inf logits are never taken.
-            fast = _fast_noise(bits, HW_LOG)
-            a = x + fast
-            bad = (a != a) | ((tl.abs(a) >= 32768.0) & (a != float("-inf")))
-            top = tl.max(tl.where(bad, float("inf"), a), axis=0)  # lanes past V hold x = -inf
-            floor = tl.where(top < float("inf"), tl.maximum(floor, top - margin), floor)
-            go = (top + margin >= floor) & (top > float("-inf"))  # an all -inf chunk is never taken
-            if WRITE_NOISE:
-                tl.store(noise_ptr + tl.num_programs(0) * V + r * V + v, fast.to(tl.float64), mask=ok)
-                go = True
-        if go:
-            evaluated += 1
-            u = (bits.to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2**-52, exact in float32 too
-            g = -_exact_log(-_exact_log(u, c_ptr, TERMS), c_ptr, TERMS)
-            if WRITE_NOISE:
-                tl.store(noise_ptr + r * V + v, g, mask=ok)
-            score = tl.where(ok, x.to(tl.float64) + g, float("-inf"))
-            chunk_max = tl.max(score, axis=0)
-            chunk_idx = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
-            take = chunk_max > best  # strict: an earlier chunk keeps a tie
-            best_idx = tl.where(take, start + chunk_idx, best_idx)
-            best = tl.where(take, chunk_max, best)
+        if TWO_PASS:
+            top = tl.load(tops + (start - lo) // BLOCK)
+            if (top + margin >= floor) & (top > float("-inf")):
+                evaluated += 1
+                x = tl.load(x_ptr + r * stride_x + v, mask=ok, other=float("-inf")).to(tl.float32)
+                best, best_idx, g = _exact_step(x, _lsr(_mix64(row + (v + 1) * gamma, mix1, mix2), 12), ok, start,
+                                                best, best_idx, c_ptr, TERMS)
+        else:
+            x = tl.load(x_ptr + r * stride_x + v, mask=ok, other=float("-inf")).to(tl.float32)
+            bits = _lsr(_mix64(row + (v + 1) * gamma, mix1, mix2), 12)
+            go = True
+            if PRUNE:
+                top, fast = _chunk_top(x, bits, HW_LOG)
+                floor = tl.where(top < float("inf"), tl.maximum(floor, top - margin), floor)
+                go = (top + margin >= floor) & (top > float("-inf"))
+                if WRITE_NOISE:
+                    tl.store(noise_ptr + tl.num_programs(0) * V + r * V + v, fast.to(tl.float64), mask=ok)
+                    go = True
+            if go:
+                evaluated += 1
+                best, best_idx, g = _exact_step(x, bits, ok, start, best, best_idx, c_ptr, TERMS)
+                if WRITE_NOISE:
+                    tl.store(noise_ptr + r * V + v, g, mask=ok)
     tl.store(val_ptr + r * tl.num_programs(1) + part, best)
     tl.store(idx_ptr + r * tl.num_programs(1) + part, best_idx)
     tl.store(evals_ptr + r * tl.num_programs(1) + part, evaluated)
@@ -179,14 +214,18 @@ def default_splits(rows: int, vocab: int, device: torch.device, block: int = BLO
 
 def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                   return_noise: bool = False, splits: int | None = None, block: int = BLOCK,
-                  prune: bool = True, return_evaluated: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                  prune: bool = True, return_evaluated: bool = False,
+                  passes: int = 1) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``argmax(scaled.double() + gumbel_noise(seeds, positions, V), -1)``; scaled: [R, V] float32 (or bfloat16 /
     float16: widened exactly in the kernel, as ``.double()`` does), with -inf for tokens a filter removed.
     ``splits``: vocabulary ranges per row, one program each (default ``default_splits``); ``prune``: skip the
     chunks that cannot hold the maximum (module docstring); neither changes a token. ``return_noise`` also returns
     the exact noise [R, V] (tests), and with ``prune`` the fast estimate stacked after it ([2, R, V]);
     ``return_evaluated`` then the count of chunks whose exact noise each program computed ([R, ranges] int32,
-    the rest were skipped)."""
+    the rest were skipped). ``passes=2`` (with ``prune``): each range's chunk bounds first, then only the chunks
+    within reach of the range's best lower bound (an experiment for the benchmark; the same tokens)."""
+    if passes not in (1, 2) or (passes == 2 and (not prune or return_noise)):
+        raise ValueError(f"gumbel_argmax: passes={passes!r}; use 1, or 2 with prune=True and no return_noise")
     r, v = scaled.shape
     if scaled.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"gumbel_argmax: scaled logits of dtype {scaled.dtype}; pass float32 (or bfloat16/float16)")
@@ -206,10 +245,12 @@ def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     vals = torch.empty((r, parts), dtype=torch.float64, device=scaled.device)
     idxs = torch.empty((r, parts), dtype=torch.int64, device=scaled.device)
     evals = torch.empty((r, parts), dtype=torch.int32, device=scaled.device)
+    tops = torch.empty((r, parts, span // block) if passes == 2 else (1,), dtype=torch.float32, device=scaled.device)
     _gumbel_argmax_kernel[(r, parts)](
         scaled, scaled.stride(0), seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
-        vals, idxs, evals, noise, _constants(scaled.device), v, span, ROW_SALT, GAMMA, MIX1, MIX2, FAST_NOISE_MARGIN,
-        BLOCK=block, TERMS=LOG_TERMS, WRITE_NOISE=return_noise, PRUNE=bool(prune),
+        vals, idxs, evals, noise, tops, _constants(scaled.device), v, span, ROW_SALT, GAMMA, MIX1, MIX2,
+        FAST_NOISE_MARGIN, BLOCK=block, TERMS=LOG_TERMS, WRITE_NOISE=return_noise, PRUNE=bool(prune),
+        TWO_PASS=passes == 2,
         HW_LOG=os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), num_warps=8, enable_fp_fusion=False)
     # the ranges in order, the first maximum (torch.argmax returns the first of equal maxima)
     out = idxs.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
