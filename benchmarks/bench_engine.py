@@ -19,7 +19,6 @@ tokens (ignore_eos). A benchmark reports, it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import hashlib
 import json
@@ -32,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -414,22 +414,6 @@ def _sync_fi_plans() -> None:
     fia.GraphDecode.plan = synced
 
 
-@contextlib.contextmanager
-def sampler_lean(value: str | None):
-    """``RLREPRO_SAMPLER_LEAN`` set to ``value`` inside (None: left as it is); the sampler reads it each step."""
-    before = os.environ.get("RLREPRO_SAMPLER_LEAN")
-    if value is not None:
-        os.environ["RLREPRO_SAMPLER_LEAN"] = value
-    try:
-        yield
-    finally:
-        if value is not None:
-            if before is None:
-                os.environ.pop("RLREPRO_SAMPLER_LEAN", None)
-            else:
-                os.environ["RLREPRO_SAMPLER_LEAN"] = before
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     what = ap.add_mutually_exclusive_group()
@@ -505,7 +489,7 @@ def main(argv=None) -> None:
             model.set_tensor_parallel_emulation(p)
             for mode in modes:
                 for lean in leans[::-1] if rnd % 2 else leans:  # ABBA over the rounds
-                    with sampler_lean(lean):
+                    with mock.patch.dict(os.environ, {} if lean is None else {"RLREPRO_SAMPLER_LEAN": lean}):
                         res = bench_engine(model, prompts, args, deterministic=mode == "deterministic")
                     label = res["mode"] if lean is None else f"{res['mode']}, RLREPRO_SAMPLER_LEAN={lean}"
                     results.append(dict(res, mode=label, round=rnd, tp_emulation=p))

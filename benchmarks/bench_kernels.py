@@ -17,6 +17,7 @@ import datetime
 import os
 import sys
 import traceback
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -369,23 +370,16 @@ def bench_sample_lean(v: int) -> None:
     emit()
     emit("| rows | before ms (`RLREPRO_SAMPLER_LEAN=0`) | now ms | before / now | equal |")
     emit("|---|---|---|---|---|")
-    before = os.environ.get("RLREPRO_SAMPLER_LEAN")
-    try:
-        for rows in (64, 256):
-            x = (torch.randn(rows, v, device="cuda") * 3).to(torch.bfloat16)
-            reqs = [SampleRequest(1.0, -1, 1.0, seed=r, position=700 + r) for r in range(rows)]
-            out, t = {}, {}
-            for lean in ("0", "1"):
-                os.environ["RLREPRO_SAMPLER_LEAN"] = lean
+    for rows in (64, 256):
+        x = (torch.randn(rows, v, device="cuda") * 3).to(torch.bfloat16)
+        reqs = [SampleRequest(1.0, -1, 1.0, seed=r, position=700 + r) for r in range(rows)]
+        out, t = {}, {}
+        for lean in ("0", "1"):
+            with mock.patch.dict(os.environ, {"RLREPRO_SAMPLER_LEAN": lean}):
                 out[lean] = sample_on_device(x, reqs)
                 t[lean] = do_bench(lambda: sample_on_device(x, reqs), warmup=10, rep=100, return_mode="median")
-            same = all(torch.equal(a, b) for a, b in zip(out["0"], out["1"]))
-            emit(f"| {rows} | {t['0']:.4f} | {t['1']:.4f} | {t['0'] / t['1']:.2f}x | {same} |")
-    finally:
-        if before is None:
-            os.environ.pop("RLREPRO_SAMPLER_LEAN", None)
-        else:
-            os.environ["RLREPRO_SAMPLER_LEAN"] = before
+        same = all(torch.equal(a, b) for a, b in zip(out["0"], out["1"]))
+        emit(f"| {rows} | {t['0']:.4f} | {t['1']:.4f} | {t['0'] / t['1']:.2f}x | {same} |")
     emit()
 
 

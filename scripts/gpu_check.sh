@@ -168,10 +168,10 @@ add_step bench_trainer_tp2 400 'kit && $PY benchmarks/bench_trainer.py --qwen3-8
 add_step bench_trainer_dp2 300 'kit && $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 36 --num-gpus 2 --distributed-optimizer --no-phases --json "$OUT/bench_trainer_dp2.json"'
 # nvidia-h200-x2: the same, megatron-core's DDP + DistributedOptimizer (train.grad_sync) against rlrepro's, one after the other
 add_step bench_trainer_grad_sync 560 'kit && for gs in megatron ordered; do $PY benchmarks/bench_trainer.py --qwen3-8b-shape --layers 36 --num-gpus 2 --distributed-optimizer --no-phases --grad-sync $gs --json "$OUT/dp2_$gs.json" || exit 1; done'
-# the 64-request half of bench_engine alone (deterministic, fast, transformers)
 # the sampler's chunk skipping, unconverted t = 1 logits and picked logprob (2026-12-08): its GPU tests, the kernels
 # before/after, and the engine at 64 requests with RLREPRO_SAMPLER_LEAN=0/1 in ABBA rounds (same outputs' digest)
 add_step sampler_lean 560 'kit; $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_rollout_cuda.py -k "fused_sampler or picked or logprobs_equal"; $PY benchmarks/bench_kernels.py --only sampler --out "$OUT/sampler.md"; $PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests ${SAMPLER_REQUESTS:-64} --modes deterministic --no-hf --sampler-ab --repeat ${SAMPLER_ROUNDS:-2} --json "$OUT/engine_sampler_ab.json"'
+# the 64-request half of bench_engine alone (deterministic, fast, transformers)
 add_step bench_engine_64 300 '$PY benchmarks/bench_engine.py --qwen3-8b-shape --num-requests 64 ${ENGINE_BENCH_ARGS:-} --json "$OUT/bench_engine_64.json"'
 # the deterministic engine against transformers at 64 requests, three rounds in turn: the per-round speedups and
 # their median (transformers' rate moves by ~25 % between runs)

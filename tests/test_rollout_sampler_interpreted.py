@@ -99,8 +99,8 @@ def probe(bits_ptr, out_ptr, N, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, _fast_noise(tl.load(bits_ptr + i, mask=i < N, other=0)), mask=i < N)
 
 
-# the estimate at the ends of the range and around the switch at u = 3/4, against the exact noise
-edges = [0, 1, 2, 3, 2**20, 2**40, 2**50, 2**51 - 1, 2**51, 3 * 2**50 - 1, 3 * 2**50, 3 * 2**50 + 1,
+# the estimate at the ends of the range and around its switch at u = 15/16, against the exact noise
+edges = [0, 1, 2, 3, 2**20, 2**40, 2**50, 2**51 - 1, 2**51, 15 * 2**48 - 1, 15 * 2**48, 15 * 2**48 + 1,
          2**52 - 2**30, 2**52 - 3, 2**52 - 2, 2**52 - 1]
 bits = torch.tensor(edges + torch.randint(0, 2**52, (4096 - len(edges),)).tolist(), dtype=torch.int64)
 out = torch.empty(bits.shape, dtype=torch.float32)

@@ -190,13 +190,13 @@ def _lean() -> bool:
     return os.environ.get("RLREPRO_SAMPLER_LEAN", "1") != "0"
 
 
-def _has_filter(reqs: Seq[SampleRequest]) -> bool:
-    return any(q.top_k > 0 or q.top_p < 1.0 for q in reqs)
+def _filters(q: SampleRequest) -> bool:
+    return q.top_k > 0 or q.top_p < 1.0
 
 
 def _filtered(scaled: torch.Tensor, reqs: Seq[SampleRequest]) -> torch.Tensor:
     """``scaled`` with -inf outside each row's top-k / top-p set (the same tensor when no row sets a filter)."""
-    rows = [j for j, q in enumerate(reqs) if q.top_k > 0 or q.top_p < 1.0]
+    rows = [j for j, q in enumerate(reqs) if _filters(q)]
     if not rows:
         return scaled
     ks, ps = [reqs[j].top_k for j in rows], [reqs[j].top_p for j in rows]
@@ -247,7 +247,7 @@ def sample_on_device(logits: torch.Tensor, requests: Seq[SampleRequest], fused: 
             chosen = torch.argmax(group.float(), dim=-1)
         else:
             group_reqs = [requests[i] for i in rows]
-            if t == 1.0 and lean and group.dtype in _WIDENED_EXACTLY and not _has_filter(group_reqs):
+            if t == 1.0 and lean and group.dtype in _WIDENED_EXACTLY and not any(map(_filters, group_reqs)):
                 scaled = group  # x.float() / 1.0 == x.float(): the argmax and the logprob widen in their kernels
             else:
                 scaled = kernels.scale_logits(group, t)  # the same expression token_logprob evaluates
